@@ -1,0 +1,85 @@
+"""The artifact root: one default for every start, stop, status and training process.
+
+    ARTIFACT_ROOT=/shared/runs python -m orchestration status my_run
+
+Layout (``RunPaths``)::
+
+    $ARTIFACT_ROOT/logs/<run>_node<N>.log       every rank's output on node N
+    $ARTIFACT_ROOT/logs/<run>_params.yaml       resolved parameters of the run
+    $ARTIFACT_ROOT/run_state/<run>_node<N>.pid  what stop needs (JSON)
+    $ARTIFACT_ROOT/runs/<run>/metrics.jsonl     one record per iteration
+    $ARTIFACT_ROOT/runs/<run>/checkpoints/      torch.distributed.checkpoint directories
+    $ARTIFACT_ROOT/data_cache/                  prepared corpora and dataset index caches
+
+Pure path arithmetic.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_ARTIFACT_ROOT = REPO_ROOT / "artifacts"
+RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def artifact_root(env: Mapping[str, str] | None = None) -> Path:
+    """``$ARTIFACT_ROOT`` or ``<repo>/artifacts``: the single default."""
+    env = os.environ if env is None else env
+    value = env.get("ARTIFACT_ROOT", "").strip()
+    return Path(value).expanduser().absolute() if value else DEFAULT_ARTIFACT_ROOT
+
+
+def check_run_name(run: str) -> str:
+    from megatron_ext.params import ParamsError
+
+    if not RUN_NAME_RE.match(run or ""):
+        raise ParamsError(
+            f"RUN={run!r} is not a valid run name: use letters, digits, '.', '_' and '-' "
+            "(at most 128, not starting with '.', '_' or '-'), e.g. qwen3_32gpu_z1"
+        )
+    return run
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    root: Path
+    run: str
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def run_state_dir(self) -> Path:
+        return self.root / "run_state"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / "runs" / self.run
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
+    def params_path(self) -> Path:
+        return self.logs_dir / f"{self.run}_params.yaml"
+
+    @property
+    def data_cache_dir(self) -> Path:
+        return self.root / "data_cache"
+
+    def node_log(self, node_rank: int) -> Path:
+        return self.logs_dir / f"{self.run}_node{node_rank}.log"
+
+    def node_pid_file(self, node_rank: int) -> Path:
+        return self.run_state_dir / f"{self.run}_node{node_rank}.pid"

@@ -1,0 +1,154 @@
+"""Model presets -> megatron-core ``GPTModel``; exact parameter counts on the meta device.
+
+    python -c "from megatron_ext.gpt_model import count_parameters; from megatron_ext.params import load_model; print(count_parameters(load_model('qwen3_1p7b')))"
+
+Needs megatron's parallel state for TP=1/PP=1: :func:`ensure_model_parallel` creates it on the
+world group (or, with no process group yet, a one-process gloo group on an in-memory store).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+
+from megatron_ext.params import ModelPreset
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
+    """Megatron's padding rule (TP=1): round the vocabulary up to a multiple of ``divisible_by``."""
+    return -(-vocab_size // divisible_by) * divisible_by
+
+
+def model_vocab_size(preset: ModelPreset, tokenizer_vocab: int | None) -> int:
+    """Unpadded vocabulary: the preset's when it names one (exact models), else the tokenizer's."""
+    from megatron_ext.params import ParamsError
+
+    if preset.vocab_size is None:
+        if tokenizer_vocab is None:
+            raise ParamsError(f"model {preset.name} takes its vocabulary from a tokenizer; none given")
+        return tokenizer_vocab
+    if tokenizer_vocab is not None and tokenizer_vocab > preset.vocab_size:
+        raise ParamsError(
+            f"tokenizer vocabulary {tokenizer_vocab} exceeds model {preset.name}'s vocab_size "
+            f"{preset.vocab_size}; use a smaller tokenizer or a model without a fixed vocab_size"
+        )
+    return preset.vocab_size
+
+
+def ensure_model_parallel() -> None:
+    """TP=1, PP=1 parallel state on the default group; creates a 1-process group if none."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+def transformer_config(preset: ModelPreset, params_dtype: torch.dtype, on_cpu: bool, **overrides):
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs = dict(
+        num_layers=preset.num_layers,
+        hidden_size=preset.hidden_size,
+        ffn_hidden_size=preset.ffn_hidden_size,
+        num_attention_heads=preset.num_attention_heads,
+        num_query_groups=preset.num_query_groups,
+        kv_channels=preset.kv_channels,
+        normalization=preset.normalization,
+        layernorm_epsilon=preset.norm_epsilon,
+        gated_linear_unit=preset.swiglu,
+        activation_func=torch.nn.functional.silu if preset.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=preset.add_bias_linear,
+        qk_layernorm=preset.qk_layernorm,
+        hidden_dropout=preset.hidden_dropout,
+        attention_dropout=preset.attention_dropout,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=on_cpu,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=not on_cpu,
+        persist_layer_norm=not on_cpu,
+        bias_dropout_fusion=not on_cpu,
+        apply_rope_fusion=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(preset: ModelPreset, use_transformer_engine: bool):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_transformer_engine:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=preset.qk_layernorm
+        )
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        qk_layernorm=preset.qk_layernorm, normalization=preset.normalization
+    )
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # ImportError, or a broken install raising anything else
+        return False
+    return True
+
+
+def build_gpt_model(
+    preset: ModelPreset,
+    vocab_size: int,
+    seq_length: int,
+    params_dtype: torch.dtype = torch.float32,
+    on_cpu: bool = True,
+    use_transformer_engine: bool = False,
+    **config_overrides,
+):
+    """A megatron-core GPTModel for ``preset`` with the padded ``vocab_size`` already applied."""
+    from megatron.core.models.gpt import GPTModel
+
+    ensure_model_parallel()
+    config = transformer_config(preset, params_dtype, on_cpu, **config_overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(preset, use_transformer_engine),
+            vocab_size=vocab_size,
+            max_sequence_length=max(seq_length, preset.max_position_embeddings),
+            share_embeddings_and_output_weights=preset.tie_embeddings,
+            position_embedding_type=preset.position_embedding_type,
+            rotary_base=preset.rotary_base,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterCount:
+    total: int
+    embedding: int
+    """Input (and, untied, output) embedding rows; learned positions count as non-embedding."""
+
+    @property
+    def non_embedding(self) -> int:
+        return self.total - self.embedding
+
+
+def count_parameters(preset: ModelPreset, vocab_size: int | None = None) -> ParameterCount:
+    """Exact parameter count of the megatron-core model, built on the meta device (no memory)."""
+    vocab = padded_vocab_size(
+        vocab_size or model_vocab_size(preset, None), preset.make_vocab_size_divisible_by
+    )
+    with torch.device("meta"):
+        model = build_gpt_model(
+            preset, vocab, preset.max_position_embeddings, on_cpu=True, perform_initialization=False
+        )
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.embedding.word_embeddings.weight.numel()
+    if not preset.tie_embeddings:
+        embedding += model.output_layer.weight.numel()
+    return ParameterCount(total=total, embedding=embedding)

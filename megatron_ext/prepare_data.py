@@ -1,0 +1,226 @@
+"""Text -> Megatron indexed dataset (``.bin``/``.idx``), and the cache the training run reads.
+
+    python -m megatron_ext.prepare_data --output-prefix /tmp/corpus --vocab-size 2048
+    python -m megatron_ext.prepare_data --input a.jsonl b.txt --tokenizer-model sp.model \\
+        --output-prefix data/my_corpus --workers 4
+
+Inputs: JSONL files with a ``text`` field (Megatron-LM ``preprocess_data.py``'s convention) or
+plain text files (one document per file); no input = the embedded corpus (standard-library
+docstrings). Output: ``<prefix>_text_document.bin/.idx`` written with megatron-core's
+``IndexedDatasetBuilder``, readable by Megatron-LM's GPTDataset, each document followed by the
+end-of-document token. With ``--vocab-size`` and no model, a sentencepiece model is trained on
+the corpus and written to ``<prefix>.model``. Encoding runs in ``--workers`` processes.
+
+Side effects: reads inputs, writes the outputs (atomically, under a file lock when called
+through :func:`ensure_prepared`, so concurrent ranks and nodes on a shared file system prepare
+once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from megatron_ext.params import DataParams, ParamsError, TokenizerParams
+from megatron_ext.tokenizers import load_tokenizer, train_sentencepiece
+
+logger = logging.getLogger(__name__)
+
+DOCUMENT_SUFFIX = "_text_document"
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """What the dataset builder needs: indexed-dataset prefixes, weights and the tokenizer."""
+
+    prefixes: tuple[str, ...]
+    weights: tuple[float, ...]
+    tokenizer_type: str
+    tokenizer_path: str | None
+    vocab_size: int
+    """Tokenizer vocabulary (unpadded)."""
+    eod: int
+
+
+def read_documents(paths: Iterable[str]) -> Iterator[str]:
+    """Documents from JSONL (``text`` field) and plain-text files, in order."""
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            raise ParamsError(f"data path {path} does not exist; give an existing .jsonl or text file")
+        if p.suffix in (".jsonl", ".json"):
+            with p.open(encoding="utf-8") as fh:
+                for lineno, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        text = json.loads(line)["text"]
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        raise ParamsError(
+                            f"{path}:{lineno} is not a JSON object with a 'text' field; "
+                            "fix the line or pass a plain text file"
+                        ) from None
+                    yield text
+        else:
+            yield p.read_text(encoding="utf-8", errors="replace")
+
+
+_worker_tokenizer = None
+
+
+def _init_worker(tokenizer_type: str, tokenizer_path: str | None, vocab_size: int) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = load_tokenizer(TokenizerParams(tokenizer_type, tokenizer_path, vocab_size))
+
+
+def _encode(text: str) -> np.ndarray:
+    ids = _worker_tokenizer.tokenize(text)
+    ids.append(_worker_tokenizer.eod)
+    return np.asarray(ids, dtype=np.int32)
+
+
+def write_indexed_dataset(
+    documents: Iterable[str],
+    tokenizer_params: TokenizerParams,
+    output_prefix: Path,
+    workers: int = 2,
+) -> Path:
+    """Encode ``documents`` in ``workers`` processes into ``<output_prefix>_text_document``."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    tokenizer = load_tokenizer(tokenizer_params)
+    dtype = np.uint16 if tokenizer.vocab_size < 65500 else np.int32
+    prefix = Path(f"{output_prefix}{DOCUMENT_SUFFIX}")
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
+    initargs = (tokenizer_params.type, tokenizer_params.model_path, tokenizer_params.vocab_size)
+    ctx = multiprocessing.get_context("spawn" if "torch" in sys.modules else "fork")
+    num_docs = num_tokens = 0
+    with ctx.Pool(max(1, workers), initializer=_init_worker, initargs=initargs) as pool:
+        for ids in pool.imap(_encode, documents, chunksize=32):
+            builder.add_document(torch.from_numpy(ids), [len(ids)])
+            num_docs += 1
+            num_tokens += len(ids)
+    if num_docs == 0:
+        raise ParamsError("the input holds no documents; give a non-empty JSONL or text file")
+    builder.finalize(f"{prefix}.idx")
+    logger.info("wrote %s.{bin,idx}: %d documents, %d tokens", prefix, num_docs, num_tokens)
+    return prefix
+
+
+def _is_indexed_prefix(path: str) -> bool:
+    return Path(f"{path}.bin").is_file() and Path(f"{path}.idx").is_file()
+
+
+def _cache_key(data: DataParams) -> str:
+    """Stable key for a corpus + tokenizer, so every run with the same inputs shares one copy."""
+    parts = [data.source, data.tokenizer.type, str(data.tokenizer.vocab_size), str(data.tokenizer.model_path)]
+    if data.source == "embedded":
+        parts.append(f"py{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}")
+    for path in data.paths:
+        st = Path(path).stat() if Path(path).exists() else None
+        parts.append(f"{Path(path).resolve()}:{st.st_size if st else 0}:{int(st.st_mtime) if st else 0}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]
+
+
+def _prepare_into(data: DataParams, out_dir: Path, workers: int) -> PreparedData:
+    from megatron_ext.corpus import embedded_documents
+
+    tok = data.tokenizer
+    if data.source == "embedded":
+        documents: list[str] | Iterator[str] = embedded_documents()
+        name = "embedded"
+    else:
+        documents = read_documents(data.paths)
+        name = "corpus"
+    if tok.type == "sentencepiece" and tok.model_path is None:
+        documents = list(documents)
+        model_path = train_sentencepiece(documents, tok.vocab_size, out_dir / f"{name}.model")
+        tok = TokenizerParams("sentencepiece", str(model_path), tok.vocab_size)
+    prefix = write_indexed_dataset(documents, tok, out_dir / name, workers)
+    tokenizer = load_tokenizer(tok)
+    return PreparedData((str(prefix),), (1.0,), tok.type, tok.model_path, tokenizer.vocab_size, tokenizer.eod)
+
+
+def ensure_prepared(data: DataParams, cache_root: Path, workers: int = 2) -> PreparedData:
+    """Indexed datasets for ``data``, prepared once into ``cache_root`` (locked, atomic)."""
+    if data.source == "mock":
+        tokenizer = load_tokenizer(data.tokenizer)
+        return PreparedData((), (), "null", None, tokenizer.vocab_size, tokenizer.eod)
+    if data.source == "files":
+        missing = [p for p in data.paths if not (_is_indexed_prefix(p) or Path(p).is_file())]
+        if missing:
+            raise ParamsError(
+                f"data path {missing[0]} does not exist (neither a file nor an indexed-dataset "
+                f"prefix with .bin/.idx); fix data.paths or run python -m megatron_ext.prepare_data"
+            )
+        if all(_is_indexed_prefix(p) for p in data.paths):
+            tokenizer = load_tokenizer(data.tokenizer)
+            weights = data.weights or tuple(1.0 for _ in data.paths)
+            return PreparedData(
+                tuple(data.paths), weights, data.tokenizer.type, data.tokenizer.model_path,
+                tokenizer.vocab_size, tokenizer.eod,
+            )
+        if data.weights and len(data.paths) > 1:
+            raise ParamsError("blend weights need prepared .bin/.idx prefixes; prepare each file first")
+    out_dir = cache_root / f"{data.source}-{_cache_key(data)}"
+    manifest = out_dir / "prepared.json"
+    cache_root.mkdir(parents=True, exist_ok=True)
+    with open(cache_root / f".{out_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not manifest.is_file():
+            tmp_dir = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+            prepared = _prepare_into(data, tmp_dir, workers)
+            rel = {k: v.replace(str(tmp_dir), str(out_dir)) if isinstance(v, str) else v
+                   for k, v in prepared.__dict__.items()}
+            rel["prefixes"] = [p.replace(str(tmp_dir), str(out_dir)) for p in prepared.prefixes]
+            (tmp_dir / "prepared.json").write_text(json.dumps(rel, indent=1))
+            os.replace(tmp_dir, out_dir)
+    raw = json.loads(manifest.read_text())
+    raw["prefixes"], raw["weights"] = tuple(raw["prefixes"]), tuple(raw["weights"])
+    return PreparedData(**raw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_ext.prepare_data", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input", nargs="*", default=[], help="JSONL (text field) or text files; none = embedded corpus")
+    parser.add_argument("--output-prefix", required=True, help="writes <prefix>_text_document.{bin,idx}")
+    parser.add_argument("--tokenizer-type", choices=["sentencepiece", "huggingface"], default="sentencepiece")
+    parser.add_argument("--tokenizer-model", help="sentencepiece .model or tokenizer.json")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="train a sentencepiece model of this size (no --tokenizer-model)")
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2)), help="encoding processes")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from megatron_ext.corpus import embedded_documents
+
+    try:
+        documents = list(read_documents(args.input)) if args.input else embedded_documents()
+        tok = TokenizerParams(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        if tok.model_path is None:
+            if tok.type != "sentencepiece":
+                raise ParamsError("--tokenizer-type huggingface needs --tokenizer-model tokenizer.json")
+            model = train_sentencepiece(documents, args.vocab_size, Path(f"{args.output_prefix}.model"))
+            tok = TokenizerParams("sentencepiece", str(model), args.vocab_size)
+            print(f"trained tokenizer {model}")
+        prefix = write_indexed_dataset(documents, tok, Path(args.output_prefix), args.workers)
+    except ParamsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {prefix}.bin and {prefix}.idx")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Tokenizers with the interface megatron-core's datasets read (``vocab_size``, ``eod``).
+
+    python -c "from megatron_ext.tokenizers import train_sentencepiece; help(train_sentencepiece)"
+
+- sentencepiece: a ``.model`` file, or one trained on the corpus (:func:`train_sentencepiece`,
+  BPE, one thread, so every node that trains it gets the same model);
+- huggingface: a ``tokenizer.json`` through the optional ``tokenizers`` package;
+- null: token ids are given (mock data); vocabulary ``vocab_size + 1`` with end-of-document last,
+  as Megatron-LM's NullTokenizer.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Iterable
+
+from megatron_ext.params import ParamsError, TokenizerParams
+
+
+class _Identified:
+    """megatron-core's dataset cache keys read ``unique_identifiers`` off the tokenizer."""
+
+    def _identify(self, path: str | None, **options) -> None:
+        self.unique_identifiers = {"class": type(self).__name__, "tokenizer_path": [str(path)], **options}
+
+
+class SentencePieceTokenizer(_Identified):
+    def __init__(self, model_path: str | Path):
+        import sentencepiece
+
+        if not Path(model_path).is_file():
+            raise ParamsError(f"tokenizer model {model_path} does not exist; give an existing .model file")
+        self.model_path = str(model_path)
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=str(model_path))
+        self.vocab_size = self._sp.get_piece_size()
+        self.eod = self._sp.eos_id()
+        self.pad = -1
+        self._identify(model_path)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self._sp.decode(ids)
+
+
+class HuggingFaceTokenizer(_Identified):
+    def __init__(self, json_path: str | Path):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ParamsError(
+                "tokenizer type huggingface needs the optional `tokenizers` package; "
+                "`pip install -e .[hf]`"
+            ) from None
+        if not Path(json_path).is_file():
+            raise ParamsError(f"tokenizer file {json_path} does not exist; give a tokenizer.json")
+        self.model_path = str(json_path)
+        self._tok = Tokenizer.from_file(str(json_path))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        eod = next(
+            (self._tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>") if self._tok.token_to_id(t) is not None),
+            None,
+        )
+        if eod is None:
+            raise ParamsError(f"{json_path} defines no end-of-document token (<|endoftext|>, </s>, <eos>)")
+        self.eod = eod
+        self.pad = -1
+        self._identify(json_path)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+
+class NullTokenizer(_Identified):
+    """Megatron-LM's NullTokenizer: ids are the text's integers; eod = vocab_size."""
+
+    def __init__(self, vocab_size: int):
+        self.model_path = None
+        self.vocab_size = vocab_size + 1
+        self.eod = vocab_size
+        self.pad = -1
+        self._identify(None, vocab_size=vocab_size)
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(x) for x in text.split()]
+
+    def detokenize(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
+def train_sentencepiece(documents: Iterable[str], vocab_size: int, model_path: Path) -> Path:
+    """Train a BPE sentencepiece model on ``documents``; writes ``model_path``."""
+    import sentencepiece
+
+    buffer = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=(line for doc in documents for line in doc.splitlines() if line.strip()),
+        model_writer=buffer,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        character_coverage=1.0,
+        byte_fallback=True,
+        num_threads=1,
+        max_sentence_length=16384,
+        minloglevel=2,
+    )
+    model_path.parent.mkdir(parents=True, exist_ok=True)
+    model_path.write_bytes(buffer.getvalue())
+    return model_path
+
+
+def load_tokenizer(params: TokenizerParams, model_path: str | None = None):
+    """The tokenizer ``params`` describe; ``model_path`` overrides params.model_path."""
+    path = model_path or params.model_path
+    if params.type == "null":
+        return NullTokenizer(params.vocab_size)
+    if params.type == "huggingface":
+        return HuggingFaceTokenizer(path)
+    if path is None:
+        raise ParamsError("sentencepiece tokenizer needs model_path, or data prepared with --vocab-size")
+    return SentencePieceTokenizer(path)

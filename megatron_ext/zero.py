@@ -1,0 +1,133 @@
+"""ZERO_STAGE -> data-parallel strategy: the one table every engine and device reads.
+
+    python -c "from megatron_ext.zero import describe_stages; print(describe_stages())"
+
+ZeRO stages (Rajbhandari et al.) name *what* is sharded over data-parallel ranks; this module
+says *how*, per device kind and engine. The obvious mapping is wrong for stage 2: Megatron-LM's
+``--data-parallel-sharding-strategy optim_grads`` is read only by Megatron-FSDP, so without
+``--use-megatron-fsdp`` it silently stays ZeRO-1 (see shared/reference/facts.md). Pure.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from megatron_ext.params import ParamsError
+
+
+class ZeroStage(enum.IntEnum):
+    NONE = 0
+    OPTIMIZER = 1
+    GRADIENTS = 2
+    PARAMETERS = 3
+
+
+@dataclass(frozen=True)
+class StageStrategy:
+    stage: ZeroStage
+    sharded: str
+    """What is sharded over data-parallel ranks."""
+    cuda: str
+    """How it is done on GPUs (megatron-core)."""
+    cpu: str
+    """How it is done on CPU (torch.distributed, gloo)."""
+    megatron_core_ddp: dict
+    """megatron-core DistributedDataParallelConfig / OptimizerConfig keywords."""
+    megatron_lm_flags: tuple[str, ...]
+    """Megatron-LM pretrain_gpt.py flags (>= 0.14 spelling; see megatron_lm_flags_for_stage)."""
+
+
+_FSDP_COMMON = ("--use-megatron-fsdp", "--use-distributed-optimizer")
+
+STAGES: dict[ZeroStage, StageStrategy] = {
+    ZeroStage.NONE: StageStrategy(
+        ZeroStage.NONE,
+        "nothing (all-reduce data parallelism)",
+        "megatron-core DDP",
+        "torch DDP",
+        {"use_distributed_optimizer": False},
+        (),
+    ),
+    ZeroStage.OPTIMIZER: StageStrategy(
+        ZeroStage.OPTIMIZER,
+        "optimizer state + fp32 main params",
+        "megatron-core DDP + distributed optimizer",
+        "torch DDP + ZeroRedundancyOptimizer",
+        {"use_distributed_optimizer": True},
+        ("--use-distributed-optimizer",),
+    ),
+    ZeroStage.GRADIENTS: StageStrategy(
+        ZeroStage.GRADIENTS,
+        "optimizer state + gradients",
+        "Megatron-FSDP optim_grads + distributed optimizer",
+        "FSDP2 fully_shard(reshard_after_forward=False)",
+        {
+            "use_distributed_optimizer": True,
+            "use_megatron_fsdp": True,
+            "data_parallel_sharding_strategy": "optim_grads",
+        },
+        _FSDP_COMMON
+        + ("--data-parallel-sharding-strategy", "optim_grads", "--ckpt-format", "fsdp_dtensor"),
+    ),
+    ZeroStage.PARAMETERS: StageStrategy(
+        ZeroStage.PARAMETERS,
+        "optimizer state + gradients + parameters",
+        "Megatron-FSDP optim_grads_params + distributed optimizer",
+        "FSDP2 fully_shard(reshard_after_forward=True)",
+        {
+            "use_distributed_optimizer": True,
+            "use_megatron_fsdp": True,
+            "data_parallel_sharding_strategy": "optim_grads_params",
+        },
+        _FSDP_COMMON
+        + (
+            "--data-parallel-sharding-strategy",
+            "optim_grads_params",
+            "--ckpt-format",
+            "fsdp_dtensor",
+        ),
+    ),
+}
+
+
+def parse_zero_stage(value: str, source: str = "ZERO_STAGE") -> ZeroStage:
+    """Parse a stage from text; anything but 0-3 is one clear error."""
+    text = str(value).strip()
+    if text not in {"0", "1", "2", "3"}:
+        raise ParamsError(
+            f"{source}={value!r} is not a ZeRO stage; use 0 (none), 1 (optimizer state), "
+            "2 (+ gradients) or 3 (+ parameters), e.g. ZERO_STAGE=1"
+        )
+    return ZeroStage(int(text))
+
+
+def strategy_for(stage: int) -> StageStrategy:
+    return STAGES[ZeroStage(stage)]
+
+
+def megatron_lm_flags_for_stage(stage: int, version: tuple[int, int] = (0, 16)) -> list[str]:
+    """Megatron-LM flags for ``stage`` on a checkout of ``version`` (major, minor).
+
+    ``--use-custom-fsdp`` (0.12-0.13) became ``--use-megatron-fsdp`` (0.14+); Megatron-FSDP
+    does not exist before 0.12, so stages 2-3 are refused there.
+    """
+    flags = list(STAGES[ZeroStage(stage)].megatron_lm_flags)
+    if stage >= 2:
+        if version < (0, 12):
+            raise ParamsError(
+                f"ZERO_STAGE={stage} needs Megatron-FSDP, which Megatron-LM {version[0]}.{version[1]} "
+                "lacks (added in 0.12); use ZERO_STAGE=1 or a newer checkout"
+            )
+        if version < (0, 14):
+            flags[flags.index("--use-megatron-fsdp")] = "--use-custom-fsdp"
+    return flags
+
+
+def describe_stages() -> str:
+    """A table of the mapping, for the README and ``--help``."""
+    rows = ["stage | sharded | CUDA (megatron-core) | CPU (torch, gloo) | Megatron-LM flags"]
+    for s in STAGES.values():
+        flags = " ".join(s.megatron_lm_flags) or "(none)"
+        rows.append(f"{int(s.stage)} | {s.sharded} | {s.cuda} | {s.cpu} | {flags}")
+    return "\n".join(rows)
