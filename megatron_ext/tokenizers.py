@@ -98,6 +98,19 @@ def train_sentencepiece(documents: Iterable[str], vocab_size: int, model_path: P
     import sentencepiece
 
     buffer = io.BytesIO()
+    try:
+        _train_into(sentencepiece, documents, vocab_size, buffer)
+    except RuntimeError as exc:
+        raise ParamsError(
+            f"sentencepiece cannot train vocab_size={vocab_size} on this corpus ({str(exc).split('] ')[-1]}); "
+            "change data.tokenizer.vocab_size (at least 300: 256 byte pieces + specials)"
+        ) from None
+    model_path.parent.mkdir(parents=True, exist_ok=True)
+    model_path.write_bytes(buffer.getvalue())
+    return model_path
+
+
+def _train_into(sentencepiece, documents: Iterable[str], vocab_size: int, buffer: io.BytesIO) -> None:
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=(line for doc in documents for line in doc.splitlines() if line.strip()),
         model_writer=buffer,
@@ -109,9 +122,6 @@ def train_sentencepiece(documents: Iterable[str], vocab_size: int, model_path: P
         max_sentence_length=16384,
         minloglevel=2,
     )
-    model_path.parent.mkdir(parents=True, exist_ok=True)
-    model_path.write_bytes(buffer.getvalue())
-    return model_path
 
 
 def load_tokenizer(params: TokenizerParams, model_path: str | None = None):

@@ -1,0 +1,44 @@
+"""Exact parameter counts and FLOPs of the presets, on the meta device (no memory)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_ext.gpt_model import count_parameters, padded_vocab_size
+from megatron_ext.metrics import flops_per_token, format_iteration_line, IterationRecord
+from megatron_ext.params import load_model
+
+
+def test_qwen3_1p7b_exact():
+    c = count_parameters(load_model("qwen3_1p7b"))
+    assert c.total == 1_720_574_976
+    assert c.non_embedding == 1_409_410_048
+
+
+def test_gpt2_small_exact():
+    # GPT-2 small in megatron-core: vocab 50,257 padded to 50,304 (multiple of 128), tied.
+    h, L, V, P, F = 768, 12, padded_vocab_size(50257, 128), 1024, 3072
+    per_layer = 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + 2 * h + (h * F + F) + (F * h + h)
+    expected = V * h + P * h + L * per_layer + 2 * h
+    c = count_parameters(load_model("gpt2"))
+    assert V == 50304
+    assert c.total == expected == 124_475_904
+    assert c.total - (V - 50257) * h == 124_439_808  # the published (unpadded) GPT-2 small size
+
+
+@pytest.mark.parametrize("seq,gflop", [(2048, 11.03), (4096, 11.73), (8192, 13.14)])
+def test_qwen3_flops_per_token(seq, gflop):
+    assert flops_per_token(load_model("qwen3_1p7b"), seq, 151936) / 1e9 == pytest.approx(gflop, abs=0.005)
+
+
+def test_iteration_line_is_megatron_format():
+    r = IterationRecord(iteration=3, train_iters=10, consumed_samples=48, lm_loss=7.5, lr=3e-4, grad_norm=1.25,
+                        step_time_s=0.4567, tokens_per_s=1.0, tflops_per_gpu=12.34, global_batch_size=16,
+                        world_size=2, zero_stage=1)
+    line = format_iteration_line(r, timestamp="2026-01-01 00:00:00")
+    assert line == (
+        "[2026-01-01 00:00:00] iteration        3/      10 | consumed samples:           48 | "
+        "elapsed time per iteration (ms): 456.7 | throughput per GPU (TFLOP/s/GPU): 12.3 | "
+        "learning rate: 3.000000E-04 | global batch size:    16 | lm loss: 7.500000E+00 | loss scale: 1.0 | "
+        "grad norm: 1.250 | number of skipped iterations:   0 | number of nan iterations:   0 |"
+    )

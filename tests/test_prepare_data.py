@@ -1,0 +1,86 @@
+"""Data preparation: JSONL/text -> Megatron indexed dataset, read back by megatron-core."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_ext.corpus import embedded_documents
+from megatron_ext.params import DataParams, ParamsError, TokenizerParams
+from megatron_ext.prepare_data import ensure_prepared
+from megatron_ext.tokenizers import SentencePieceTokenizer
+
+from conftest import REPO
+
+
+def test_embedded_corpus_is_half_a_megabyte_of_stdlib_docstrings():
+    docs = embedded_documents()
+    size = sum(map(len, docs))
+    assert 400_000 <= size <= 700_000
+    assert docs == embedded_documents()  # deterministic order
+
+
+def test_prepare_cli_from_jsonl_and_text(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    jsonl = tmp_path / "a.jsonl"
+    docs = [f"Document number {i} talks about tokens, batches and shards." * 3 for i in range(60)]
+    jsonl.write_text("\n".join(json.dumps({"text": d}) for d in docs) + "\n")
+    text = tmp_path / "b.txt"
+    text.write_text("A plain text file is one document.\n" * 20)
+    prefix = tmp_path / "out" / "corpus"
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_ext.prepare_data", "--input", str(jsonl), str(text),
+         "--output-prefix", str(prefix), "--vocab-size", "300", "--workers", "2"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    ds = IndexedDataset(f"{prefix}_text_document")
+    assert len(ds) == 61
+    tok = SentencePieceTokenizer(f"{prefix}.model")
+    first = ds[0]
+    assert first[-1] == tok.eod  # every document ends with end-of-document
+    assert list(first[:-1]) == tok.tokenize(docs[0])
+    assert isinstance(first, np.ndarray)
+
+
+def test_bad_jsonl_line_is_named(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"txt": "no"}\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_ext.prepare_data", "--input", str(bad), "--output-prefix", str(tmp_path / "x")],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "bad.jsonl:2 is not a JSON object with a 'text' field" in proc.stderr
+
+
+def test_missing_data_path_is_a_params_error(tmp_path):
+    data = DataParams(source="files", paths=(str(tmp_path / "nope.jsonl"),))
+    with pytest.raises(ParamsError, match="nope.jsonl does not exist"):
+        ensure_prepared(data, tmp_path)
+
+
+def test_ensure_prepared_caches_once(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox {i * 7} jumps over the lazy dog {i % 13}\n" for i in range(400)))
+    data = DataParams(source="files", paths=(str(corpus),), tokenizer=TokenizerParams(vocab_size=320))
+    first = ensure_prepared(data, tmp_path / "cache", workers=1)
+    mtime = (tmp_path / "cache").stat().st_mtime_ns
+    second = ensure_prepared(data, tmp_path / "cache", workers=1)
+    assert first == second
+    assert first.vocab_size == 320
+    assert len(list((tmp_path / "cache").glob("files-*"))) == 1
+    assert (tmp_path / "cache").stat().st_mtime_ns == mtime
+
+
+def test_too_small_vocabulary_is_a_params_error(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("tiny corpus\n" * 10)
+    data = DataParams(source="files", paths=(str(corpus),), tokenizer=TokenizerParams(vocab_size=50))
+    with pytest.raises(ParamsError, match="cannot train vocab_size=50"):
+        ensure_prepared(data, tmp_path / "cache", workers=1)
