@@ -211,7 +211,7 @@ def train(params: RunParams, ranks: RankEnv, accumulation: int, paths: RunPaths)
         if iteration % t.log_interval and not last and iteration != 1:
             continue
         mem = _memory_columns(trainer, state_bytes, on_cuda, device)
-        if rank != 0:
+        if ranks.local_rank != 0:  # every node's log shows the iterations; rank 0 writes metrics
             continue
         tflops = M.tflops_per_gpu(flops_iter, step_s, dp)
         record = M.IterationRecord(
@@ -220,14 +220,16 @@ def train(params: RunParams, ranks: RankEnv, accumulation: int, paths: RunPaths)
             tflops_per_gpu=tflops, global_batch_size=t.global_batch_size, world_size=dp, zero_stage=t.zero_stage,
             mfu=tflops / peak if peak else None, valid_loss=valid_loss, time=time.time(), **mem,
         )
-        writer.write(record)
+        if writer:
+            writer.write(record)
         print(M.format_iteration_line(record), flush=True)
         print(M.format_progress_line(record, time.time() - start), flush=True)
         if valid_loss is not None:
             print(f" validation loss at iteration {iteration} | lm loss value: {valid_loss:.6E} |", flush=True)
+    if ranks.local_rank == 0:
+        print(f"done: {t.train_iters} iterations in {time.time() - start:.1f}s; metrics {paths.metrics_path}", flush=True)
     if writer:
         writer.close()
-        print(f"done: {t.train_iters} iterations in {time.time() - start:.1f}s; metrics {paths.metrics_path}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     del num_params

@@ -1,0 +1,1 @@
+"""Launcher: plans, node transports, pid and log files, start, stop, status, compare."""

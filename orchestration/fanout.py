@@ -1,0 +1,82 @@
+"""Run one node command on every node in parallel, with a timeout each, and collect the results.
+
+Side effects: subprocesses (the local command, ``ssh`` or ``docker exec``). Each node command
+prints one JSON line on success; a node that fails yields a :class:`NodeResult` with its exit
+code and the tail of what it printed, and every failure is reported together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from orchestration.launch_env import LaunchEnv
+from orchestration.plan import transport_argv
+
+DEFAULT_NODE_TIMEOUT_S = 120.0
+SSH_UNREACHABLE = 255
+
+
+@dataclass
+class NodeResult:
+    node_rank: int
+    host: str
+    argv: list[str]
+    returncode: int
+    payload: dict | None
+    """The node command's JSON line, when it printed one."""
+    output: str
+    """stderr + stdout tail, for failures."""
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.payload is not None
+
+    def describe_failure(self) -> str:
+        prefix = f"[node{self.node_rank} {self.host}]"
+        if self.returncode == SSH_UNREACHABLE and self.argv and self.argv[0] == "ssh":
+            return f"{prefix} unreachable over ssh (exit 255): {self.output.strip()}; check HOSTS/HOSTFILE, SSH_OPTS and ~/.ssh/config"
+        if self.returncode == 124:
+            return f"{prefix} timed out: {self.output.strip()}"
+        message = (self.payload or {}).get("error") or self.output.strip()
+        return f"{prefix} exit {self.returncode}: {message}"
+
+
+def _run_one(launch: LaunchEnv, rank: int, host: str, argv: Sequence[str], env: dict[str, str], cwd: str,
+             timeout_s: float) -> NodeResult:
+    full = transport_argv(launch, host, argv, env, cwd)
+    local = full == list(argv)
+    try:
+        proc = subprocess.run(
+            full, cwd=cwd if local else None, env={**os.environ, **env} if local else None,
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return NodeResult(rank, host, full, 124, None, f"no answer within {timeout_s:.0f}s")
+    except FileNotFoundError as exc:
+        return NodeResult(rank, host, full, 127, None, f"{exc.filename}: command not found")
+    payload = None
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                payload = json.loads(line)
+                break
+            except json.JSONDecodeError:
+                continue
+    output = "\n".join((proc.stderr + proc.stdout).strip().splitlines()[-15:])
+    return NodeResult(rank, host, full, proc.returncode, payload, output)
+
+
+def fan_out(launch: LaunchEnv, nodes: Sequence[tuple[int, str]], argv_for: Callable[[int, str], Sequence[str]],
+            env_for: Callable[[int], dict[str, str]], cwd: str, timeout_s: float = DEFAULT_NODE_TIMEOUT_S) -> list[NodeResult]:
+    """Run ``argv_for(rank, host)`` on every node at once; results in node-rank order."""
+    with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
+        futures = [
+            pool.submit(_run_one, launch, rank, host, argv_for(rank, host), env_for(rank), cwd, timeout_s)
+            for rank, host in nodes
+        ]
+        return [f.result() for f in futures]

@@ -1,0 +1,156 @@
+"""The launcher's inputs, read once from the environment into one typed object.
+
+    HOSTS=node0,node1 NPROC_PER_NODE=8 ZERO_STAGE=1 python -m orchestration start ...
+
+Every default lives here: NNODES = number of hosts (1), NODE_RANK = 0, NPROC_PER_NODE = visible
+GPUs or 2, MASTER_ADDR = the first host (``localhost`` alone), MASTER_PORT = 6000,
+ZERO_STAGE = the data set's (0). Pure: takes the environment mapping as an argument.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from megatron_ext.params import ParamsError
+from megatron_ext.zero import parse_zero_stage
+
+DEFAULT_MASTER_PORT = 6000
+DEFAULT_NPROC_WITHOUT_GPUS = 2
+DEFAULT_SSH_CONNECT_TIMEOUT_S = 10
+LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+FORWARDED_PREFIXES = ("NCCL_", "GLOO_", "CUDA_", "TORCH_", "PYTHON", "MEGATRON_")
+FORWARDED_NAMES = ("PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "ARTIFACT_ROOT", "OMP_NUM_THREADS", "ENGINE", "MEGATRON_LM_DIR")
+LAUNCH_NAMES = ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "ZERO_STAGE")
+_HOST_RE = re.compile(r"^[A-Za-z0-9._:@\[\]-]+$")
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What a start, stop or status command needs to know about the cluster."""
+
+    hosts: tuple[str, ...]
+    """Node hosts in node-rank order (ssh names or aliases; ``localhost`` = this machine)."""
+    nnodes: int
+    node_rank: int
+    """This node's rank (per-node commands); the fan-out sets it per node."""
+    nproc_per_node: int
+    master_addr: str
+    master_port: int
+    zero_stage: int | None
+    """None = the data set's own stage."""
+    container_name: str | None = None
+    """Run every node command through ``docker exec`` into this container."""
+    ssh_opts: tuple[str, ...] = ()
+    dry_run: bool = False
+    forwarded: dict[str, str] = field(default_factory=dict)
+    """Variables every node gets, as set where the command was given."""
+
+    def is_local(self, host: str) -> bool:
+        return host in LOCAL_HOSTS
+
+
+def parse_hosts(text: str, source: str) -> tuple[str, ...]:
+    """Hosts from a comma list or a hostfile's text (one per line, ``#`` comments, ``slots=`` ignored)."""
+    hosts = []
+    for raw in re.split(r"[,\n]", text):
+        host = raw.split("#", 1)[0].strip().split()[0] if raw.split("#", 1)[0].strip() else ""
+        if not host:
+            continue
+        if not _HOST_RE.match(host):
+            raise ParamsError(f"{source}: host {host!r} has characters a host name cannot have; fix the entry")
+        hosts.append(host)
+    if not hosts:
+        raise ParamsError(f"{source} lists no host; give at least one (e.g. HOSTS=node0,node1)")
+    seen: dict[str, int] = {}
+    for rank, host in enumerate(hosts):
+        if host in seen:
+            raise ParamsError(
+                f"{source}: host {host!r} is listed twice (node ranks {seen[host]} and {rank}); "
+                "list every node once"
+            )
+        seen[host] = rank
+    return tuple(hosts)
+
+
+def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ParamsError(f"{name}={text!r} must be an integer; e.g. {name}={default}") from None
+    if value < minimum:
+        raise ParamsError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def forwarded_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """NCCL_*, GLOO_*, CUDA_*, TORCH_*, PYTHON*, MEGATRON_*, PATH, VIRTUAL_ENV, CONDA_PREFIX, ..."""
+    return {
+        k: v for k, v in sorted(env.items())
+        if k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES
+    }
+
+
+def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0) -> LaunchEnv:
+    """Parse and check the launcher variables; every problem is one ParamsError."""
+    if env.get("HOSTS", "").strip() and env.get("HOSTFILE", "").strip():
+        raise ParamsError("both HOSTS and HOSTFILE are set; set one of them")
+    if env.get("HOSTFILE", "").strip():
+        path = Path(env["HOSTFILE"]).expanduser()
+        if not path.is_file():
+            raise ParamsError(f"HOSTFILE={env['HOSTFILE']} does not exist; give a file with one host per line")
+        hosts = parse_hosts(path.read_text(), f"HOSTFILE={path}")
+    elif env.get("HOSTS", "").strip():
+        hosts = parse_hosts(env["HOSTS"], "HOSTS")
+    else:
+        hosts = ("localhost",)
+    nnodes = _int(env, "NNODES", len(hosts), 1)
+    explicit_hosts = bool(env.get("HOSTS", "").strip() or env.get("HOSTFILE", "").strip())
+    if explicit_hosts and nnodes != len(hosts):
+        raise ParamsError(
+            f"NNODES={nnodes} but {len(hosts)} hosts are listed ({', '.join(hosts)}); "
+            "unset NNODES or list one host per node"
+        )
+    node_rank = _int(env, "NODE_RANK", 0, 0)
+    if node_rank >= nnodes:
+        raise ParamsError(
+            f"NODE_RANK={node_rank} is outside NNODES={nnodes} (node ranks are 0..{nnodes - 1}); "
+            "fix NODE_RANK or NNODES"
+        )
+    default_nproc = visible_gpus or DEFAULT_NPROC_WITHOUT_GPUS
+    nproc = _int(env, "NPROC_PER_NODE", default_nproc, 1)
+    port = _int(env, "MASTER_PORT", DEFAULT_MASTER_PORT, 1)
+    if port > 65535:
+        raise ParamsError(f"MASTER_PORT={port} is not a TCP port; use 1024-65535")
+    master_addr = env.get("MASTER_ADDR", "").strip() or hosts[0]
+    stage_text = env.get("ZERO_STAGE", "").strip()
+    zero_stage = int(parse_zero_stage(stage_text)) if stage_text else None
+    return LaunchEnv(
+        hosts=hosts,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        nproc_per_node=nproc,
+        master_addr=master_addr,
+        master_port=port,
+        zero_stage=zero_stage,
+        container_name=env.get("CONTAINER_NAME", "").strip() or None,
+        ssh_opts=tuple(shlex.split(env.get("SSH_OPTS", ""))),
+        dry_run=env.get("DRY_RUN", "").strip() not in ("", "0", "false", "no"),
+        forwarded=forwarded_environment(env),
+    )
+
+
+def visible_gpu_count(env: Mapping[str, str], dev_dir: Path = Path("/dev")) -> int:
+    """GPUs this node would use: CUDA_VISIBLE_DEVICES, else the NVIDIA device files (fast: no
+    CUDA initialisation on the launch path). Reads the file system."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return len([p for p in dev_dir.glob("nvidia*") if p.name[len("nvidia"):].isdigit()])

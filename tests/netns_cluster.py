@@ -1,0 +1,181 @@
+"""A real multi-node cluster on one machine, for tests: network namespaces joined by a bridge,
+an OpenSSH server in each, reached through ``ssh`` aliases in a generated ssh config.
+
+Needs root, iproute2 and openssh-server (``.ci/run`` installs them). Nodes share the file
+system and the process table, like nodes on a shared file system. Everything created here is
+named with a per-process prefix and torn down by :meth:`NamespaceCluster.close`, also after a
+failure. Addresses are private (10.213.x.0/24) and exist only inside these namespaces.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SSHD = "/usr/sbin/sshd"
+
+
+def missing_prerequisites() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    for tool in ("ip", "ssh", "ssh-keygen"):
+        if shutil.which(tool) is None:
+            return f"needs {tool} (apt-get install iproute2 openssh-client)"
+    if not Path(SSHD).exists():
+        return "needs sshd (apt-get install openssh-server)"
+    return None
+
+
+def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, check=check, capture_output=True, text=True)
+
+
+@dataclass
+class Node:
+    alias: str
+    namespace: str
+    address: str
+    sshd_pid_file: Path
+    sshd_config: Path
+
+
+class NamespaceCluster:
+    def __init__(self, num_nodes: int, workdir: Path, interface: str = "eth0"):
+        self.workdir = workdir
+        self.interface = interface
+        tag = os.getpid() % 10000
+        self.prefix = f"mz{tag}"
+        self.subnet = f"10.213.{tag % 250}"
+        self.bridge = f"{self.prefix}br"
+        self.nodes = [
+            Node(f"node{i}", f"{self.prefix}n{i}", f"{self.subnet}.{i + 1}",
+                 workdir / f"sshd{i}.pid", workdir / f"sshd{i}.conf")
+            for i in range(num_nodes)
+        ]
+        self.ssh_config = workdir / "ssh_config"
+        self._created_bridge = False
+
+    # -- setup -------------------------------------------------------------------------------
+    def open(self) -> "NamespaceCluster":
+        try:
+            self._network()
+            self._ssh()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _network(self) -> None:
+        _sh("ip", "link", "add", self.bridge, "type", "bridge")
+        self._created_bridge = True
+        _sh("ip", "addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)
+        _sh("ip", "link", "set", self.bridge, "up")
+        for i, node in enumerate(self.nodes):
+            host_end = f"{self.prefix}v{i}"
+            _sh("ip", "netns", "add", node.namespace)
+            _sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", self.interface, "netns", node.namespace)
+            _sh("ip", "link", "set", host_end, "master", self.bridge)
+            _sh("ip", "link", "set", host_end, "up")
+            inside = ("ip", "netns", "exec", node.namespace)
+            _sh(*inside, "ip", "addr", "add", f"{node.address}/24", "dev", self.interface)
+            _sh(*inside, "ip", "link", "set", self.interface, "up")
+            _sh(*inside, "ip", "link", "set", "lo", "up")
+
+    def _ssh(self) -> None:
+        Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation dir
+        key, host_key = self.workdir / "id_ed25519", self.workdir / "host_ed25519"
+        _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key))
+        _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(host_key))
+        authorized = self.workdir / "authorized_keys"
+        authorized.write_text(Path(f"{key}.pub").read_text())
+        authorized.chmod(0o600)
+        config_lines = []
+        for node in self.nodes:
+            node.sshd_config.write_text("\n".join([
+                f"ListenAddress {node.address}", "Port 22", f"HostKey {host_key}", f"PidFile {node.sshd_pid_file}",
+                f"AuthorizedKeysFile {authorized}", "UsePAM no", "StrictModes no", "PermitRootLogin yes",
+                "PasswordAuthentication no", "KbdInteractiveAuthentication no", "PubkeyAuthentication yes",
+                "LogLevel ERROR", "MaxStartups 100", "MaxSessions 100", "",
+            ]))
+            self.start_sshd(node)
+            config_lines += [
+                f"Host {node.alias}", f"  HostName {node.address}", "  User root", f"  IdentityFile {key}",
+                "  IdentitiesOnly yes", "  StrictHostKeyChecking no", "  UserKnownHostsFile /dev/null", "  LogLevel ERROR", "",
+            ]
+        self.ssh_config.write_text("\n".join(config_lines))
+        for node in self.nodes:
+            self.wait_for_ssh(node)
+
+    def start_sshd(self, node: Node) -> None:
+        _sh("ip", "netns", "exec", node.namespace, SSHD, "-f", str(node.sshd_config), "-E", str(self.workdir / f"{node.alias}.sshd.log"))
+
+    def wait_for_ssh(self, node: Node, timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            proc = subprocess.run(["ssh", "-F", str(self.ssh_config), "-o", "ConnectTimeout=3", node.alias, "true"],
+                                  capture_output=True, text=True)
+            if proc.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ssh to {node.alias} did not come up: {proc.stderr}")
+            time.sleep(0.3)
+
+    # -- helpers for tests --------------------------------------------------------------------
+    @property
+    def ssh_opts(self) -> str:
+        return f"-F {self.ssh_config}"
+
+    def sshd_pids(self, node: Node) -> list[int]:
+        """The node's sshd listener and every sshd process under it (its connections)."""
+        try:
+            root = int(node.sshd_pid_file.read_text().split()[0])
+        except (FileNotFoundError, ValueError, IndexError):
+            return []
+        children: dict[int, list[int]] = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+        out, todo = [], [root]
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            todo += [c for c in children.get(pid, []) if Path(f"/proc/{c}/comm").exists()
+                     and Path(f"/proc/{c}/comm").read_text().strip().startswith("sshd")]
+        return out
+
+    def kill_sshd(self, node: Node) -> list[int]:
+        pids = self.sshd_pids(node)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        node.sshd_pid_file.unlink(missing_ok=True)
+        return pids
+
+    def namespace_pids(self, node: Node) -> list[int]:
+        proc = _sh("ip", "netns", "pids", node.namespace, check=False)
+        return [int(p) for p in proc.stdout.split()]
+
+    # -- teardown ------------------------------------------------------------------------------
+    def close(self) -> None:
+        for node in self.nodes:
+            self.kill_sshd(node)
+            for pid in self.namespace_pids(node):  # anything a failed test left in our namespace
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            _sh("ip", "netns", "del", node.namespace, check=False)
+        if self._created_bridge:
+            _sh("ip", "link", "del", self.bridge, check=False)
