@@ -49,3 +49,53 @@ def run_torchrun(artifact_root: Path, run: str, nproc: int = 2, model: str = "gp
     metrics_path = artifact_root / "runs" / run / "metrics.jsonl"
     records = [json.loads(l) for l in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
     return proc, records
+
+
+def run_script(name: str, *args: str, env: dict[str, str], timeout: int = 180) -> subprocess.CompletedProcess:
+    """One of training_scripts/*.sh, for real."""
+    return subprocess.run(["bash", str(REPO / "training_scripts" / name), *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def tagged_pids(run: str) -> list[int]:
+    """Every live process (any node: the test nodes share the process table) tagged with ``run``."""
+    from orchestration.processes import process_environ, process_start_time
+
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and process_environ(int(entry.name)).get("LAUNCHER_RUN") == run:
+            if process_start_time(int(entry.name)) is not None:
+                out.append(int(entry.name))
+    return out
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.5, what: str = "condition"):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def last_iteration(log: Path) -> int:
+    import re
+
+    if not log.exists():
+        return 0
+    found = re.findall(r"iteration\s+(\d+)/", log.read_text(errors="replace"))
+    return int(found[-1]) if found else 0
+
+
+def write_data_set(path: Path, train_iters: int, global_batch: int = 16) -> str:
+    """The smoke data set with another length (a YAML path works wherever a data set name does)."""
+    path.write_text(
+        "data:\n  source: embedded\n  split: \"95,5,0\"\n  tokenizer: {type: sentencepiece, vocab_size: 2048}\n"
+        f"training:\n  seq_length: 128\n  micro_batch_size: 4\n  global_batch_size: {global_batch}\n"
+        f"  train_iters: {train_iters}\n  lr: 3.0e-3\n  min_lr: 3.0e-4\n  lr_warmup_iters: 3\n  weight_decay: 0.01\n"
+        "  eval_iters: 1\n"
+    )
+    return str(path)

@@ -1,0 +1,111 @@
+"""Pure launcher planning: environment parsing, node plans, transports (no processes)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from megatron_ext.artifacts import check_run_name
+from megatron_ext.params import ParamsError
+from orchestration.launch_env import parse_hosts, read_launch_env, visible_gpu_count
+from orchestration.plan import build_node_plans, docker_exec_argv, remote_shell_command, transport_argv
+
+from conftest import REPO, clean_env
+
+
+def test_one_node_defaults():
+    launch = read_launch_env({}, visible_gpus=0)
+    assert (launch.hosts, launch.nnodes, launch.node_rank, launch.nproc_per_node) == (("localhost",), 1, 0, 2)
+    assert (launch.master_addr, launch.master_port, launch.zero_stage) == ("localhost", 6000, None)
+    assert read_launch_env({}, visible_gpus=8).nproc_per_node == 8
+
+
+def test_hosts_give_ranks_and_master(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# cluster\nnode-a slots=8\n\nnode-b  # second\n")
+    launch = read_launch_env({"HOSTFILE": str(hostfile)})
+    assert launch.hosts == ("node-a", "node-b") and launch.nnodes == 2 and launch.master_addr == "node-a"
+    launch = read_launch_env({"HOSTS": "a,b,c", "MASTER_ADDR": "10.0.0.1", "ZERO_STAGE": "2"})
+    assert launch.nnodes == 3 and launch.master_addr == "10.0.0.1" and launch.zero_stage == 2
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"HOSTS": "a,b,a"}, "host 'a' is listed twice (node ranks 0 and 2)"),
+    ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2 is outside NNODES=2"),
+    ({"HOSTS": "a,b", "NNODES": "3"}, "NNODES=3 but 2 hosts are listed"),
+    ({"MASTER_PORT": "http"}, "MASTER_PORT='http' must be an integer"),
+    ({"ZERO_STAGE": "7"}, "ZERO_STAGE='7' is not a ZeRO stage"),
+    ({"HOSTS": "a;rm -rf /"}, "has characters a host name cannot have"),
+    ({"HOSTFILE": "/nonexistent/hosts"}, "HOSTFILE=/nonexistent/hosts does not exist"),
+])
+def test_bad_launch_env(env, message):
+    with pytest.raises(ParamsError, match=None) as err:
+        read_launch_env(env)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("run", ["has space", "semi;colon", "", "-dash", "a" * 200, "quote'", "$(x)"])
+def test_bad_run_names(run):
+    with pytest.raises(ParamsError, match="is not a valid run name"):
+        check_run_name(run)
+
+
+def test_node_plans_fix_node_rank_and_forward_environment():
+    env = {"HOSTS": "n0,n1", "NPROC_PER_NODE": "8", "ZERO_STAGE": "1", "NCCL_IB_HCA": "mlx5", "GLOO_SOCKET_IFNAME": "eth0",
+           "CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "PYTHONPATH": "/x",
+           "MEGATRON_LM_DIR": "/m", "PATH": "/bin", "VIRTUAL_ENV": "/venv", "CONDA_PREFIX": "/c", "HOME": "/root", "SECRET": "no"}
+    plans = build_node_plans(read_launch_env(env), "/usr/bin/python3", "qwen3_1p7b", "qwen3_1p7b_smoke", "r1")
+    assert [p.node_rank for p in plans] == [0, 1]
+    for p in plans:
+        argv = list(p.argv)
+        assert argv[:3] == ["/usr/bin/python3", "-m", "torch.distributed.run"]
+        assert argv[argv.index("--node-rank") + 1] == str(p.node_rank)
+        assert argv[argv.index("--nnodes") + 1] == "2" and argv[argv.index("--master-addr") + 1] == "n0"
+        assert "--rdzv-backend" not in argv  # static rendezvous: ranks follow --node-rank
+        assert p.env["NODE_RANK"] == str(p.node_rank) and p.env["ZERO_STAGE"] == "1"
+        for key in ("NCCL_IB_HCA", "GLOO_SOCKET_IFNAME", "CUDA_DEVICE_MAX_CONNECTIONS", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                    "PYTHONPATH", "MEGATRON_LM_DIR", "PATH", "VIRTUAL_ENV", "CONDA_PREFIX"):
+            assert p.env[key] == env[key]
+        assert "HOME" not in p.env and "SECRET" not in p.env
+
+
+def test_ssh_transport_quotes_everything():
+    launch = read_launch_env({"HOSTS": "n0,n1", "SSH_OPTS": "-F /tmp/cfg -p 2222"})
+    argv = transport_argv(launch, "n1", ["python", "-m", "x", "it's"], {"A": "1 2"}, "/work dir")
+    assert argv[:6] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-F"]
+    assert argv[-3:-1] == ["n1", "--"]
+    assert shlex.split(argv[-1]) == ["cd", "/work dir", "&&", "exec", "env", "A=1 2", "python", "-m", "x", "it's"]
+    assert transport_argv(launch, "localhost", ["python"], {}, "/") == ["python"]
+
+
+def test_docker_transport_local_and_over_ssh():
+    launch = read_launch_env({"HOSTS": "localhost,n1", "CONTAINER_NAME": "megatron-training"})
+    local = transport_argv(launch, "localhost", ["python", "-m", "x"], {"A": "1"}, "/w")
+    assert local == ["docker", "exec", "-w", "/w", "-e", "A=1", "megatron-training", "python", "-m", "x"]
+    remote = transport_argv(launch, "n1", ["python", "-m", "x"], {"A": "1"}, "/w")
+    assert remote[:2] == ["ssh", "-o"] and shlex.split(remote[-1]) == local
+    assert docker_exec_argv("c", ["true"], {}, "/") == ["docker", "exec", "-w", "/", "c", "true"]
+
+
+def test_visible_gpus(tmp_path):
+    assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": "0,1,2"}) == 3
+    assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": ""}) == 0
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"):
+        (tmp_path / name).touch()
+    assert visible_gpu_count({}, dev_dir=tmp_path) == 2
+
+
+def test_dry_run_prints_one_json_line_per_node_and_starts_nothing(tmp_path):
+    env = clean_env(DRY_RUN="1", HOSTS="node0,node1", ARTIFACT_ROOT=str(tmp_path), ZERO_STAGE="3", GLOO_SOCKET_IFNAME="eth0")
+    proc = subprocess.run([sys.executable, "-m", "orchestration", "start", "gpt_smoke", "smoke", "dry"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(l) for l in proc.stdout.splitlines()]
+    assert [(l["node_rank"], l["host"]) for l in lines] == [(0, "node0"), (1, "node1")]
+    assert set(lines[0]) == {"node_rank", "host", "argv", "env"}
+    assert lines[1]["env"]["ZERO_STAGE"] == "3" and lines[1]["env"]["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert not (tmp_path / "run_state").exists() and not (tmp_path / "logs").exists()

@@ -1,0 +1,134 @@
+"""start/stop_multinode_training.sh on a real 2-node cluster: network namespaces, a bridge and an
+OpenSSH server per node, built and torn down here (see netns_cluster.py). With CI=true a missing
+prerequisite is a failure, not a skip."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+
+from netns_cluster import NamespaceCluster, missing_prerequisites
+from conftest import clean_env, last_iteration, run_script, run_torchrun, tagged_pids, wait_for, write_data_set
+
+pytestmark = pytest.mark.multinode
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    missing = missing_prerequisites()
+    if missing:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"multi-node tests must run in CI: {missing}")
+        pytest.skip(missing)
+    c = NamespaceCluster(2, tmp_path_factory.mktemp("cluster")).open()
+    yield c
+    c.close()
+
+
+@pytest.fixture()
+def cluster_env(cluster, artifact_root):
+    return clean_env(
+        HOSTS="node0,node1", SSH_OPTS=cluster.ssh_opts, MASTER_ADDR=cluster.nodes[0].address,
+        MASTER_PORT="29650", NPROC_PER_NODE="2", GLOO_SOCKET_IFNAME=cluster.interface, ARTIFACT_ROOT=str(artifact_root),
+    )
+
+
+def wait_until_ended(run: str, timeout_s: float) -> None:
+    wait_for(lambda: not tagged_pids(run), timeout_s, what=f"run {run} to end")
+
+
+def test_two_nodes_over_ssh_train_and_match_one_node(cluster_env, artifact_root, tmp_path):
+    data = write_data_set(tmp_path / "short.yaml", train_iters=8)
+    start = run_script("start_multinode_training.sh", "gpt_smoke", data, "mn_short", env=cluster_env)
+    assert start.returncode == 0, start.stdout + start.stderr
+    assert "[node0 node0] started" in start.stdout and "[node1 node1] started" in start.stdout
+    for rank in (0, 1):
+        record = json.loads((artifact_root / "run_state" / f"mn_short_node{rank}.pid").read_text())
+        assert record["host"] == f"node{rank}" and record["node_rank"] == rank
+    wait_until_ended("mn_short", 300)
+    for rank in (0, 1):
+        log = (artifact_root / "logs" / f"mn_short_node{rank}.log").read_text()
+        assert "iteration        8/       8" in log, log[-2000:]
+    assert "world size 4" in (artifact_root / "logs" / "mn_short_node0.log").read_text()
+    multi = [json.loads(l) for l in (artifact_root / "runs" / "mn_short" / "metrics.jsonl").read_text().splitlines()]
+    assert multi[-1]["world_size"] == 4
+    proc, single = run_torchrun(artifact_root, "one_node_4", nproc=4, data=data)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for a, b in zip(multi, single, strict=True):
+        assert abs(a["lm_loss"] - b["lm_loss"]) / b["lm_loss"] <= 1e-5, (a["iteration"], a["lm_loss"], b["lm_loss"])
+    # A run that ended on its own stops cleanly.
+    stop = run_script("stop_multinode_training.sh", "mn_short", env=cluster_env)
+    assert stop.returncode == 0 and stop.stdout.count("not running") == 2, stop.stdout + stop.stderr
+
+
+def test_ssh_disconnect_does_not_stop_and_stop_spares_the_other_run(cluster, cluster_env, artifact_root, tmp_path):
+    data = write_data_set(tmp_path / "long.yaml", train_iters=5000)
+    other_env = {**cluster_env, "MASTER_PORT": "29651"}
+    try:
+        assert run_script("start_multinode_training.sh", "gpt_smoke", data, "mn_long", env=cluster_env).returncode == 0
+        started = run_script("start_multinode_training.sh", "gpt_smoke", data, "mn_other", env=other_env)
+        assert started.returncode == 0, started.stdout + started.stderr
+        log1 = artifact_root / "logs" / "mn_long_node1.log"
+        wait_for(lambda: last_iteration(log1) >= 1, 240, what="node 1 to train")
+
+        # Close every ssh connection to node 1, and its sshd with them: training goes on.
+        killed = cluster.kill_sshd(cluster.nodes[1])
+        assert killed
+        before = last_iteration(log1)
+        wait_for(lambda: last_iteration(log1) >= before + 2, 120, what="training to go on without ssh")
+        cluster.start_sshd(cluster.nodes[1])
+        cluster.wait_for_ssh(cluster.nodes[1])
+
+        stop = run_script("stop_multinode_training.sh", "mn_long", env=cluster_env)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert stop.stdout.count("stopped (SIGTERM to process group") == 2
+        assert tagged_pids("mn_long") == []  # /proc: nothing carries the run on any node
+        assert not list((artifact_root / "run_state").glob("mn_long_node*.pid"))
+        other = artifact_root / "logs" / "mn_other_node1.log"
+        now = last_iteration(other)
+        wait_for(lambda: last_iteration(other) > now, 120, what="the other run to keep training")
+        status = run_script("status_training.sh", "mn_other", "--json", env=other_env)
+        assert [json.loads(l)["alive"] for l in status.stdout.splitlines()] == [True, True]
+        assert run_script("stop_multinode_training.sh", "mn_long", env=cluster_env).returncode == 0  # twice is fine
+    finally:
+        run_script("stop_multinode_training.sh", "mn_other", env=other_env)
+        run_script("stop_multinode_training.sh", "mn_long", env=cluster_env)
+    assert tagged_pids("mn_other") == []
+
+
+def _start_fails(env, run, message, args=("gpt_smoke", "smoke")):
+    proc = run_script("start_multinode_training.sh", *args, run, env=env, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert tagged_pids(run) == []
+    return proc
+
+
+def test_bad_cluster_input_starts_nothing(cluster, cluster_env, artifact_root):
+    start = time.monotonic()
+    proc = _start_fails({**cluster_env, "HOSTS": "node0,nosuchhost"}, "bad_host", "[node1 nosuchhost] unreachable over ssh")
+    assert "[node0 node0]" not in proc.stderr  # node 0 was fine: only the failing node is reported
+    _start_fails({**cluster_env, "HOSTS": "node0,node1,node0"}, "dup_host", "host 'node0' is listed twice")
+    _start_fails({**cluster_env, "NNODES": "3"}, "nnodes", "NNODES=3 but 2 hosts are listed")
+    _start_fails(cluster_env, "bad name", "is not a valid run name")
+    _start_fails(cluster_env, "bad;name", "is not a valid run name")
+    # A busy MASTER_PORT on node 0 (inside its namespace).
+    listener = subprocess.Popen(
+        ["ip", "netns", "exec", cluster.nodes[0].namespace, "python3", "-c",
+         "import socket,time; s=socket.socket(); s.bind(('0.0.0.0', 29652)); s.listen(); print('up', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert listener.stdout.readline().strip() == "up"
+        _start_fails({**cluster_env, "MASTER_PORT": "29652"}, "busy_port", "MASTER_PORT=29652 is in use on node 0 (node0)")
+    finally:
+        listener.kill()
+        listener.wait()
+    assert time.monotonic() - start < 120
+    leftovers = [p.name for p in artifact_root.glob("run_state/*.pid") if p.name.startswith(("bad", "dup", "nnodes", "busy"))]
+    assert leftovers == []
