@@ -1,0 +1,74 @@
+"""CPU smoke under each ZeRO stage, side by side, against a bare PyTorch loop.
+
+    python benchmarks/zero_stages.py --nproc 2 --iters 20
+
+Prints tokens/s, TFLOP/s and model-state bytes per rank for stages 0-3, each as a ratio to
+stage 0, and the framework's stage-0 tokens/s against a bare DDP loop over the same megatron-core
+model and data (benchmarks/bare_loop.py), all measured in this one invocation. Medians over
+iterations after the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, target: list[str], env: dict) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+           "--master-port", str(_port()), *target]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args()
+    root = Path(os.environ.get("ARTIFACT_ROOT") or tempfile.mkdtemp(prefix="bench_"))
+    env = {**{k: v for k, v in os.environ.items() if k not in ("ZERO_STAGE", "CONTAINER_NAME")}, "ARTIFACT_ROOT": str(root),
+           "PYTHONPATH": str(REPO)}
+    rows = []
+    for stage in range(4):
+        run = f"bench_z{stage}_{os.getpid()}"
+        torchrun(args.nproc, ["-m", "megatron_ext.pretrain", "--model", "gpt_smoke", "--data", "smoke", "--run-name", run,
+                              "--train-iters", str(args.iters)], {**env, "ZERO_STAGE": str(stage)})
+        records = [json.loads(l) for l in (root / "runs" / run / "metrics.jsonl").read_text().splitlines()][1:]
+        rows.append({
+            "stage": stage,
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
+            "tflops": statistics.median(r["tflops_per_gpu"] for r in records),
+            "state": max(records[-1]["model_state_bytes_per_rank"]),
+            "peak": max(records[-1]["model_state_peak_bytes_per_rank"]),
+            "loss": records[-1]["lm_loss"],
+        })
+    bare = json.loads(torchrun(args.nproc, ["benchmarks/bare_loop.py", "--iters", str(args.iters)], env).stdout.strip().splitlines()[-1])
+    base = rows[0]
+    print(f"gpt_smoke on the embedded corpus, {args.nproc} CPU processes (gloo), {args.iters} iterations, medians after the first")
+    print(f"{'stage':>5} {'tokens/s':>10} {'x stage0':>8} {'TFLOP/s/rank':>12} {'state MiB/rank':>14} {'x stage0':>8} "
+          f"{'peak MiB/rank':>13} {'x stage0':>8} {'last loss':>10}")
+    for r in rows:
+        print(f"{r['stage']:>5} {r['tokens_per_s']:>10,.0f} {r['tokens_per_s'] / base['tokens_per_s']:>8.2f} {r['tflops']:>12.4f} "
+              f"{r['state'] / 2**20:>14.2f} {r['state'] / base['state']:>8.2f} {r['peak'] / 2**20:>13.2f} "
+              f"{r['peak'] / base['peak']:>8.2f} {r['loss']:>10.5f}")
+    print(f"bare PyTorch DDP loop: {bare['tokens_per_s']:,.0f} tokens/s; framework stage 0 / bare = "
+          f"{base['tokens_per_s'] / bare['tokens_per_s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
