@@ -23,6 +23,9 @@ import yaml
 PARAMS_DIR = Path(__file__).resolve().parent.parent / "params"
 
 
+ENGINES = ("megatron-core", "megatron-lm")
+
+
 class ParamsError(ValueError):
     """A user error in parameters: the message names the value, the rule and the fix."""
 
@@ -137,6 +140,9 @@ class TrainingParams:
     """Iterations between checkpoints; 0 = only at the end."""
     zero_stage: int = 0
     """ZeRO stage 0-3 (overridden by ZERO_STAGE in the environment)."""
+    engine: Literal["megatron-core", "megatron-lm"] = "megatron-core"
+    """megatron-core: this project's program; megatron-lm: a checkout's pretrain_gpt.py
+    (MEGATRON_LM_DIR). Overridden by ENGINE in the environment."""
 
 
 @dataclass(frozen=True)
@@ -276,7 +282,10 @@ def load_run_params(
     else:
         stage = parse_zero_stage(str(training.zero_stage), source=f"{_where('data', data_set)}:training.zero_stage")
     seq = min(training.seq_length, preset.max_position_embeddings)
-    training = dataclasses.replace(training, zero_stage=int(stage), seq_length=seq)
+    engine = env.get("ENGINE", "").strip() or training.engine
+    if engine not in ENGINES:
+        raise ParamsError(f"ENGINE={engine!r} is not an engine; use one of {', '.join(ENGINES)} (default megatron-core)")
+    training = dataclasses.replace(training, zero_stage=int(stage), seq_length=seq, engine=engine)
     params = RunParams(model=preset, data=data, training=training, data_set=data_set)
     validate_run_params(params)
     return params

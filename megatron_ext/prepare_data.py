@@ -135,16 +135,16 @@ def _cache_key(data: DataParams) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]
 
 
+def _corpus_name(data: DataParams) -> str:
+    return "embedded" if data.source == "embedded" else "corpus"
+
+
 def _prepare_into(data: DataParams, out_dir: Path, workers: int) -> PreparedData:
     from megatron_ext.corpus import embedded_documents
 
     tok = data.tokenizer
-    if data.source == "embedded":
-        documents: list[str] | Iterator[str] = embedded_documents()
-        name = "embedded"
-    else:
-        documents = read_documents(data.paths)
-        name = "corpus"
+    name = _corpus_name(data)
+    documents: list[str] | Iterator[str] = embedded_documents() if data.source == "embedded" else read_documents(data.paths)
     if tok.type == "sentencepiece" and tok.model_path is None:
         documents = list(documents)
         model_path = train_sentencepiece(documents, tok.vocab_size, out_dir / f"{name}.model")
@@ -154,8 +154,8 @@ def _prepare_into(data: DataParams, out_dir: Path, workers: int) -> PreparedData
     return PreparedData((str(prefix),), (1.0,), tok.type, tok.model_path, tokenizer.vocab_size, tokenizer.eod)
 
 
-def ensure_prepared(data: DataParams, cache_root: Path, workers: int = 2) -> PreparedData:
-    """Indexed datasets for ``data``, prepared once into ``cache_root`` (locked, atomic)."""
+def _ready_made(data: DataParams) -> PreparedData | None:
+    """Data that needs no preparation (mock, or indexed prefixes), else None."""
     if data.source == "mock":
         tokenizer = load_tokenizer(data.tokenizer)
         return PreparedData((), (), "null", None, tokenizer.vocab_size, tokenizer.eod)
@@ -175,6 +175,33 @@ def ensure_prepared(data: DataParams, cache_root: Path, workers: int = 2) -> Pre
             )
         if data.weights and len(data.paths) > 1:
             raise ParamsError("blend weights need prepared .bin/.idx prefixes; prepare each file first")
+    return None
+
+
+def planned_prepared(data: DataParams, cache_root: Path) -> PreparedData:
+    """Where :func:`ensure_prepared` puts (or has put) ``data``, without preparing anything."""
+    ready = _ready_made(data)
+    if ready is not None:
+        return ready
+    out_dir = cache_root / f"{data.source}-{_cache_key(data)}"
+    if (out_dir / "prepared.json").is_file():
+        return _read_manifest(out_dir / "prepared.json")
+    name, tok = _corpus_name(data), data.tokenizer
+    model = tok.model_path or (str(out_dir / f"{name}.model") if tok.type == "sentencepiece" else None)
+    return PreparedData((str(out_dir / f"{name}{DOCUMENT_SUFFIX}"),), (1.0,), tok.type, model, tok.vocab_size, -1)
+
+
+def _read_manifest(path: Path) -> PreparedData:
+    raw = json.loads(path.read_text())
+    raw["prefixes"], raw["weights"] = tuple(raw["prefixes"]), tuple(raw["weights"])
+    return PreparedData(**raw)
+
+
+def ensure_prepared(data: DataParams, cache_root: Path, workers: int = 2) -> PreparedData:
+    """Indexed datasets for ``data``, prepared once into ``cache_root`` (locked, atomic)."""
+    ready = _ready_made(data)
+    if ready is not None:
+        return ready
     out_dir = cache_root / f"{data.source}-{_cache_key(data)}"
     manifest = out_dir / "prepared.json"
     cache_root.mkdir(parents=True, exist_ok=True)
@@ -188,9 +215,7 @@ def ensure_prepared(data: DataParams, cache_root: Path, workers: int = 2) -> Pre
             rel["prefixes"] = [p.replace(str(tmp_dir), str(out_dir)) for p in prepared.prefixes]
             (tmp_dir / "prepared.json").write_text(json.dumps(rel, indent=1))
             os.replace(tmp_dir, out_dir)
-    raw = json.loads(manifest.read_text())
-    raw["prefixes"], raw["weights"] = tuple(raw["prefixes"]), tuple(raw["weights"])
-    return PreparedData(**raw)
+    return _read_manifest(manifest)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,10 +23,11 @@ from typing import Mapping, Sequence
 from megatron_ext.artifacts import artifact_root, check_run_name
 from megatron_ext.params import ParamsError
 from orchestration import node
+from orchestration.engines import plan_program
 from orchestration.fanout import NodeResult, fan_out
 from orchestration.launch_env import LaunchEnv, read_launch_env, visible_gpu_count
 from orchestration.plan import (
-    NODE_TAG, RUN_ID_TAG, RUN_TAG, build_node_plans, node_environment, orchestration_argv, render_torchrun_argv,
+    build_node_plans, node_environment, orchestration_argv, render_torchrun_argv,
 )
 
 EXIT_NODE_FAILED = 1
@@ -44,11 +45,11 @@ def _nodes(launch: LaunchEnv, this_node: bool) -> list[tuple[int, str]]:
     return list(enumerate(launch.hosts))
 
 
-def _env_for(launch: LaunchEnv, env: Mapping[str, str]):
+def _env_for(launch: LaunchEnv, env: Mapping[str, str], program_env: dict[str, str | None] | None = None):
     root = str(artifact_root(env))
 
     def env_for(rank: int) -> dict[str, str]:
-        return {**node_environment(launch, rank), "ARTIFACT_ROOT": root}
+        return {**node_environment(launch, rank, program_env), "ARTIFACT_ROOT": root}
 
     return env_for
 
@@ -65,11 +66,15 @@ def cmd_start(args, env: Mapping[str, str]) -> int:
     check_run_name(args.run)
     launch = _launch_env(env)
     nodes = _nodes(launch, args.this_node)
-    node.validate_run(args.model, args.data, launch, env)
+    params = node.validate_run(args.model, args.data, launch, env)
+    paths = node.run_paths(env, args.run)
+    program = plan_program(params, args.model, args.data, paths, env, prepare=not launch.dry_run)
     python, cwd = sys.executable, os.getcwd()
-    env_for = _env_for(launch, env)
+    env_for = _env_for(launch, env, program.env)
+    if program.engine == "megatron-lm" and not launch.dry_run:
+        write_resolved_params(paths, params, launch, program)
     if launch.dry_run:
-        plans = {p.node_rank: p for p in build_node_plans(launch, python, args.model, args.data, args.run)}
+        plans = {p.node_rank: p for p in build_node_plans(launch, python, program.argv, program.env)}
         for rank, _ in nodes:
             print(json.dumps({**plans[rank].as_json(), "env": env_for(rank)}), flush=True)
         return 0
@@ -100,6 +105,19 @@ def cmd_start(args, env: Mapping[str, str]) -> int:
         flush=True,
     )
     return 0
+
+
+def write_resolved_params(paths, params, launch: LaunchEnv, program) -> None:
+    """Megatron-LM writes no params file of ours: record what was resolved and rendered."""
+    import yaml
+
+    from megatron_ext.params import params_as_dict
+
+    resolved = params_as_dict(params)
+    resolved["runtime"] = {"run": paths.run, "engine": program.engine, "world_size": launch.nnodes * launch.nproc_per_node,
+                           "argv": list(program.argv), "env": program.env}
+    paths.logs_dir.mkdir(parents=True, exist_ok=True)
+    paths.params_path.write_text(yaml.safe_dump(resolved, sort_keys=False))
 
 
 def cmd_stop(args, env: Mapping[str, str]) -> int:
@@ -156,12 +174,15 @@ def cmd_train(args, env: Mapping[str, str]) -> int:
     run = args.run or f"{args.model}_{args.data}"
     check_run_name(run)
     launch = _launch_env(env)
-    node.validate_run(args.model, args.data, launch, env)
-    argv = render_torchrun_argv(launch, launch.node_rank, sys.executable, args.model, args.data, run)
-    child = {**env, RUN_TAG: run, RUN_ID_TAG: f"{run}-{uuid.uuid4().hex[:10]}", NODE_TAG: str(launch.node_rank)}
+    params = node.validate_run(args.model, args.data, launch, env)
+    paths = node.run_paths(env, run)
+    program = plan_program(params, args.model, args.data, paths, env, prepare=not launch.dry_run)
+    argv = render_torchrun_argv(launch, launch.node_rank, sys.executable, program.argv)
     if launch.dry_run:
-        print(json.dumps({"node_rank": launch.node_rank, "host": "localhost", "argv": argv, "env": node_environment(launch, launch.node_rank)}))
+        print(json.dumps({"node_rank": launch.node_rank, "host": "localhost", "argv": argv,
+                          "env": node_environment(launch, launch.node_rank, program.env)}))
         return 0
+    child = node.program_environment(env, program, run, f"{run}-{uuid.uuid4().hex[:10]}", launch.node_rank, paths)
     sys.stdout.flush()
     os.execvpe(argv[0], argv, child)
     return 0  # not reached

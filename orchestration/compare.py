@@ -13,6 +13,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from megatron_ext.artifacts import RunPaths
 from megatron_ext.metrics import read_metrics
 from megatron_ext.params import ParamsError
@@ -50,8 +52,29 @@ def summarize(run: str, records: list[dict]) -> RunSummary:
     )
 
 
+def run_records(paths: RunPaths) -> list[dict]:
+    """The run's metrics records: ``metrics.jsonl`` (this project's program), else the
+    iteration lines Megatron-LM printed into the node logs (the last rank prints them)."""
+    records = read_metrics(paths.metrics_path)
+    if records:
+        return records
+    from dataclasses import asdict
+
+    from megatron_ext.megatron_lm_log import parse_log
+
+    resolved = yaml.safe_load(paths.params_path.read_text()) if paths.params_path.is_file() else {}
+    training = resolved.get("training", {})
+    runtime = resolved.get("runtime", {})
+    best: list = []
+    for log in sorted(paths.logs_dir.glob(f"{paths.run}_node*.log")):
+        parsed, _ = parse_log(log.read_text(errors="replace"), training.get("seq_length"),
+                              runtime.get("world_size", 0), training.get("zero_stage", -1))
+        best = parsed if len(parsed) > len(best) else best
+    return [asdict(r) for r in best]
+
+
 def compare_runs(root: Path, runs: list[str]) -> list[RunSummary]:
-    return [summarize(run, read_metrics(RunPaths(root, run).metrics_path)) for run in runs]
+    return [summarize(run, run_records(RunPaths(root, run))) for run in runs]
 
 
 def format_comparison(rows: list[RunSummary]) -> str:

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Mapping
 
 from megatron_ext.artifacts import RunPaths, artifact_root
-from megatron_ext.params import ParamsError, check_batch_geometry, load_run_params
+from megatron_ext.params import ParamsError, RunParams, check_batch_geometry, load_run_params
 from orchestration import processes
+from orchestration.engines import ProgramPlan, plan_program
 from orchestration.launch_env import LaunchEnv
 from orchestration.plan import NODE_TAG, RUN_ID_TAG, RUN_TAG, render_torchrun_argv
 
@@ -35,10 +36,24 @@ def run_paths(env: Mapping[str, str], run: str) -> RunPaths:
     return RunPaths(artifact_root(env), run)
 
 
-def validate_run(model: str, data: str, launch: LaunchEnv, env: Mapping[str, str]) -> None:
+def validate_run(model: str, data: str, launch: LaunchEnv, env: Mapping[str, str]) -> RunParams:
     """Params and batch geometry for the whole cluster (world = NNODES x NPROC_PER_NODE)."""
     params = load_run_params(model, data, env)
     check_batch_geometry(params.training, launch.nnodes * launch.nproc_per_node)
+    return params
+
+
+def program_environment(base: Mapping[str, str], program: ProgramPlan, run: str, run_id: str, node_rank: int,
+                        paths: RunPaths) -> dict[str, str]:
+    """The environment of every process of the run on this node: tagged with the run."""
+    env = dict(base)
+    for key, value in program.env.items():
+        env.pop(key, None)
+        if value is not None:
+            env[key] = value
+    env.update({RUN_TAG: run, RUN_ID_TAG: run_id, NODE_TAG: str(node_rank), "PYTHONUNBUFFERED": "1",
+                "ARTIFACT_ROOT": str(paths.root)})
+    return env
 
 
 def refuse_if_running(paths: RunPaths, node_rank: int) -> None:
@@ -66,13 +81,12 @@ def node_check(run: str, node_rank: int, host: str, launch: LaunchEnv, env: Mapp
 def node_start(model: str, data: str, run: str, run_id: str, node_rank: int, host: str,
                launch: LaunchEnv, env: Mapping[str, str], python: str, cwd: str) -> dict:
     """Start this node's torchrun detached, tagged with the run, and record it."""
-    validate_run(model, data, launch, env)
+    params = validate_run(model, data, launch, env)
     paths = run_paths(env, run)
     refuse_if_running(paths, node_rank)
-    argv = render_torchrun_argv(launch, node_rank, python, model, data, run)
-    child_env = dict(env)
-    child_env.update({RUN_TAG: run, RUN_ID_TAG: run_id, NODE_TAG: str(node_rank), "PYTHONUNBUFFERED": "1",
-                      "ARTIFACT_ROOT": str(paths.root)})
+    program = plan_program(params, model, data, paths, env)
+    argv = render_torchrun_argv(launch, node_rank, python, program.argv)
+    child_env = program_environment(env, program, run, run_id, node_rank, paths)
     log_path = paths.node_log(node_rank)
     proc = processes.start_detached(argv, child_env, cwd, log_path)
     record = processes.new_record(run, run_id, node_rank, host, proc, argv, log_path)
@@ -107,13 +121,26 @@ def tail(path: Path, lines: int, max_bytes: int = 65536) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _megatron_lm_tokens_per_s(text: str, paths: RunPaths) -> list[str]:
+    """tokens/s from Megatron-LM's own iteration lines (no progress line there)."""
+    import yaml
+
+    from megatron_ext.megatron_lm_log import parse_log
+
+    if not paths.params_path.is_file():
+        return []
+    seq = (yaml.safe_load(paths.params_path.read_text()) or {}).get("training", {}).get("seq_length")
+    records, _ = parse_log(text, seq)
+    return [str(records[-1].tokens_per_s)] if records and records[-1].tokens_per_s else []
+
+
 def node_status(run: str, node_rank: int, host: str, env: Mapping[str, str]) -> dict:
     paths = run_paths(env, run)
     record = processes.read_pid_file(paths.node_pid_file(node_rank))
     alive = bool(record and processes.record_is_alive(record))
     text = tail(paths.node_log(node_rank), 200)
     iterations = _ITERATION_RE.findall(text)
-    tokens = _TOKENS_RE.findall(text)
+    tokens = _TOKENS_RE.findall(text) or _megatron_lm_tokens_per_s(text, paths)
     lines = [l for l in text.splitlines() if l.strip()]
     return {
         "node_rank": node_rank,

@@ -33,8 +33,9 @@ class NodePlan:
         return {"node_rank": self.node_rank, "host": self.host, "argv": list(self.argv), "env": self.env}
 
 
-def render_torchrun_argv(launch: LaunchEnv, node_rank: int, python: str, model: str, data: str, run: str) -> list[str]:
-    """torchrun with a fixed node rank (static rendezvous: stable ranks) running the program."""
+def render_torchrun_argv(launch: LaunchEnv, node_rank: int, python: str, program: Sequence[str]) -> list[str]:
+    """torchrun with a fixed node rank (static rendezvous: stable ranks) running ``program``
+    (``-m megatron_ext.pretrain ...`` or ``pretrain_gpt.py ...``, see orchestration.engines)."""
     return [
         python, "-m", "torch.distributed.run",
         "--nnodes", str(launch.nnodes),
@@ -42,14 +43,18 @@ def render_torchrun_argv(launch: LaunchEnv, node_rank: int, python: str, model: 
         "--nproc-per-node", str(launch.nproc_per_node),
         "--master-addr", launch.master_addr,
         "--master-port", str(launch.master_port),
-        "-m", "megatron_ext.pretrain",
-        "--model", model, "--data", data, "--run-name", run,
+        *program,
     ]
 
 
-def node_environment(launch: LaunchEnv, node_rank: int) -> dict[str, str]:
-    """The environment every node gets: launcher variables + the forwarded ones."""
+def node_environment(launch: LaunchEnv, node_rank: int, program_env: dict[str, str | None] | None = None) -> dict[str, str]:
+    """The environment every node gets: launcher variables + the forwarded ones (+ the
+    program's own settings; a None there removes a forwarded variable)."""
     env = dict(launch.forwarded)
+    for key, value in (program_env or {}).items():
+        env.pop(key, None)
+        if value is not None:
+            env[key] = value
     env.update(
         NNODES=str(launch.nnodes),
         NODE_RANK=str(node_rank),
@@ -62,9 +67,10 @@ def node_environment(launch: LaunchEnv, node_rank: int) -> dict[str, str]:
     return env
 
 
-def build_node_plans(launch: LaunchEnv, python: str, model: str, data: str, run: str) -> list[NodePlan]:
+def build_node_plans(launch: LaunchEnv, python: str, program: Sequence[str],
+                     program_env: dict[str, str | None] | None = None) -> list[NodePlan]:
     return [
-        NodePlan(rank, host, tuple(render_torchrun_argv(launch, rank, python, model, data, run)), node_environment(launch, rank))
+        NodePlan(rank, host, tuple(render_torchrun_argv(launch, rank, python, program)), node_environment(launch, rank, program_env))
         for rank, host in enumerate(launch.hosts)
     ]
 

@@ -58,7 +58,7 @@ def test_node_plans_fix_node_rank_and_forward_environment():
     env = {"HOSTS": "n0,n1", "NPROC_PER_NODE": "8", "ZERO_STAGE": "1", "NCCL_IB_HCA": "mlx5", "GLOO_SOCKET_IFNAME": "eth0",
            "CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "PYTHONPATH": "/x",
            "MEGATRON_LM_DIR": "/m", "PATH": "/bin", "VIRTUAL_ENV": "/venv", "CONDA_PREFIX": "/c", "HOME": "/root", "SECRET": "no"}
-    plans = build_node_plans(read_launch_env(env), "/usr/bin/python3", "qwen3_1p7b", "qwen3_1p7b_smoke", "r1")
+    plans = build_node_plans(read_launch_env(env), "/usr/bin/python3", ["-m", "megatron_ext.pretrain", "--run-name", "r1"])
     assert [p.node_rank for p in plans] == [0, 1]
     for p in plans:
         argv = list(p.argv)

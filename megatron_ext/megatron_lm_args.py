@@ -1,0 +1,177 @@
+"""Render Megatron-LM ``pretrain_gpt.py`` arguments from the same params and ZeRO table.
+
+    ENGINE=megatron-lm MEGATRON_LM_DIR=/opt/Megatron-LM DRY_RUN=1 python -m orchestration start qwen3_1p7b qwen3_1p7b_smoke r
+
+Pure: a :class:`RunParams`, the prepared data, a stage, a checkout version and the run's paths
+in; an argv list and the environment changes out. :func:`check_flags` compares a render with
+the flags a checkout defines (:mod:`megatron_ext.megatron_lm_checkout`).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+from megatron_ext.artifacts import RunPaths
+from megatron_ext.params import ParamsError, RunParams
+from megatron_ext.prepare_data import PreparedData
+from megatron_ext.zero import megatron_lm_flags_for_stage
+
+TOKENIZER_TYPES = {"sentencepiece": "SentencePieceTokenizer", "huggingface": "HuggingFaceTokenizer", "null": "NullTokenizer"}
+
+
+@dataclass(frozen=True)
+class MegatronLMRender:
+    args: list[str]
+    env: dict[str, str | None]
+    """Environment changes for every rank; None = unset the variable."""
+
+
+def model_flags(p: RunParams, prepared: PreparedData) -> list[str]:
+    m, t = p.model, p.training
+    flags = [
+        "--num-layers", str(m.num_layers),
+        "--hidden-size", str(m.hidden_size),
+        "--ffn-hidden-size", str(m.ffn_hidden_size),
+        "--num-attention-heads", str(m.num_attention_heads),
+    ]
+    if m.num_query_groups and m.num_query_groups != m.num_attention_heads:
+        flags += ["--group-query-attention", "--num-query-groups", str(m.num_query_groups)]
+    if m.kv_channels:
+        flags += ["--kv-channels", str(m.kv_channels)]
+    if m.qk_layernorm:
+        flags.append("--qk-layernorm")
+    flags += ["--normalization", m.normalization, "--norm-epsilon", repr(m.norm_epsilon)]
+    if m.swiglu:
+        flags.append("--swiglu")
+    if not m.add_bias_linear:
+        flags.append("--disable-bias-linear")
+    flags += ["--position-embedding-type", m.position_embedding_type]
+    if m.position_embedding_type == "rope":
+        flags += ["--rotary-base", str(m.rotary_base)]
+    flags += [
+        "--max-position-embeddings", str(m.max_position_embeddings),
+        "--seq-length", str(t.seq_length),
+        # Megatron's dropout defaults are 0.1; the presets say what they use.
+        "--hidden-dropout", repr(m.hidden_dropout),
+        "--attention-dropout", repr(m.attention_dropout),
+        "--make-vocab-size-divisible-by", str(m.make_vocab_size_divisible_by),
+    ]
+    if not m.tie_embeddings:
+        flags.append("--untie-embeddings-and-output-weights")
+    return flags
+
+
+def data_flags(p: RunParams, prepared: PreparedData) -> list[str]:
+    tok = p.data.tokenizer
+    flags = ["--tokenizer-type", TOKENIZER_TYPES[prepared.tokenizer_type]]
+    if prepared.tokenizer_type == "null":
+        # NullTokenizer adds one token (end of document): the vocabulary is --vocab-size + 1.
+        vocab = p.model.vocab_size or tok.vocab_size + 1
+        flags += ["--vocab-size", str(vocab - 1)]
+    else:
+        flags += ["--tokenizer-model", str(prepared.tokenizer_path)]
+    if p.data.source == "mock":
+        flags.append("--mock-data")
+    else:
+        path: list[str] = []
+        if len(prepared.prefixes) > 1:
+            for weight, prefix in zip(prepared.weights, prepared.prefixes):
+                path += [repr(weight), prefix]
+        else:
+            path = list(prepared.prefixes)
+        flags += ["--data-path", *path, "--split", p.data.split]
+    return flags
+
+
+def training_flags(p: RunParams, bf16: bool) -> list[str]:
+    t = p.training
+    flags = [
+        "--micro-batch-size", str(t.micro_batch_size),
+        "--global-batch-size", str(t.global_batch_size),
+        "--train-iters", str(t.train_iters),
+        "--lr", repr(t.lr),
+        "--min-lr", repr(t.min_lr),
+        "--lr-decay-style", "cosine",
+        "--lr-warmup-iters", str(t.lr_warmup_iters),
+        "--lr-decay-iters", str(t.lr_decay_iters or t.train_iters),
+        "--weight-decay", repr(t.weight_decay),
+        "--adam-beta1", repr(t.adam_beta1),
+        "--adam-beta2", repr(t.adam_beta2),
+        "--adam-eps", repr(t.adam_eps),
+        "--clip-grad", repr(t.clip_grad),
+        "--seed", str(t.seed),
+        "--eval-iters", str(t.eval_iters),
+        "--eval-interval", str(t.eval_interval or t.train_iters),
+    ]
+    if bf16:
+        flags.append("--bf16")
+    return flags
+
+
+def logging_and_checkpoint_flags(p: RunParams, paths: RunPaths) -> list[str]:
+    t = p.training
+    return [
+        "--log-interval", str(t.log_interval),
+        "--log-throughput",
+        "--tensorboard-dir", str(paths.run_dir / "tensorboard"),
+        "--data-cache-path", str(paths.data_cache_dir / "megatron_lm_index"),
+        "--save", str(paths.checkpoints_dir),
+        "--load", str(paths.checkpoints_dir),
+        "--save-interval", str(t.save_interval or t.train_iters),
+    ]
+
+
+def stage_environment(stage: int) -> dict[str, str | None]:
+    """Megatron-FSDP needs CUDA_DEVICE_MAX_CONNECTIONS unset or > 1; the DDP stages keep
+    Megatron-LM's usual 1 (required once TP > 1 with the distributed optimizer)."""
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": None if stage >= 2 else "1"}
+
+
+def render_pretrain_gpt(p: RunParams, prepared: PreparedData, paths: RunPaths, version: tuple[int, int],
+                        bf16: bool = True) -> MegatronLMRender:
+    stage = p.training.zero_stage
+    args = (
+        model_flags(p, prepared)
+        + data_flags(p, prepared)
+        + training_flags(p, bf16)
+        + logging_and_checkpoint_flags(p, paths)
+        + megatron_lm_flags_for_stage(stage, version)
+    )
+    return MegatronLMRender(args, stage_environment(stage))
+
+
+def split_flags(args: list[str]) -> list[tuple[str, list[str]]]:
+    """``[--flag, value, ...]`` -> ``[(--flag, [values])]``."""
+    out: list[tuple[str, list[str]]] = []
+    for a in args:
+        if a.startswith("--"):
+            out.append((a, []))
+        else:
+            out[-1][1].append(a)
+    return out
+
+
+FLAG_ALTERNATIVES = {
+    "--use-megatron-fsdp": "--use-custom-fsdp (Megatron-LM 0.12-0.13)",
+    "--use-custom-fsdp": "--use-megatron-fsdp (Megatron-LM 0.14+)",
+}
+
+
+def check_flags(args: list[str], known: dict[str, tuple[str, ...]], version_text: str) -> None:
+    """Refuse a flag the checkout does not define, or a value outside its choices."""
+    for flag, values in split_flags(args):
+        if flag not in known:
+            alternative = FLAG_ALTERNATIVES.get(flag) or next(iter(difflib.get_close_matches(flag, list(known), n=1)), None)
+            hint = f"; the checkout has {alternative}" if alternative else ""
+            raise ParamsError(
+                f"Megatron-LM {version_text} does not define {flag}{hint}; use a checkout that has it "
+                "(e.g. core_v0.16.1) or change the params that need it"
+            )
+        choices = known[flag]
+        for value in values if choices else ():
+            if value not in choices:
+                raise ParamsError(
+                    f"{flag} {value} is not accepted by Megatron-LM {version_text}: choices are "
+                    f"{', '.join(choices)}; change the params or the checkout"
+                )
