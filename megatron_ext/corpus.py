@@ -9,6 +9,7 @@ nothing is downloaded or committed. Reads source files; no other side effects.
 from __future__ import annotations
 
 import ast
+import os
 import sysconfig
 from pathlib import Path
 
@@ -20,7 +21,7 @@ _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledem
 def _docstrings(path: Path) -> list[str]:
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"))
-    except (SyntaxError, UnicodeDecodeError, ValueError):
+    except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
         return []
     nodes = [tree] + [
         n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
@@ -29,14 +30,22 @@ def _docstrings(path: Path) -> list[str]:
     return [d.strip() for d in docs if d and len(d.strip()) >= 40]
 
 
+def _stdlib_sources(stdlib: Path) -> list[Path]:
+    """Every ``.py`` file of the standard library, sorted; never descends into site-packages
+    (whose contents change under a running pip) or tests."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(stdlib, onerror=lambda err: None):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith((".", "~"))]
+        found += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
+    return sorted(found)
+
+
 def embedded_documents(max_chars: int = EMBEDDED_CORPUS_BYTES) -> list[str]:
     """Standard-library docstrings in a fixed order (sorted paths), up to ``max_chars``."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     documents: list[str] = []
     total = 0
-    for path in sorted(stdlib.rglob("*.py")):
-        if _SKIP_DIRS & set(path.relative_to(stdlib).parts):
-            continue
+    for path in _stdlib_sources(stdlib):
         for doc in _docstrings(path):
             documents.append(doc)
             total += len(doc)

@@ -121,7 +121,7 @@ class ParallelTrainer:
         return now
 
 
-def _adamw(params, t: TrainingParams, **extra):
+def _adamw(t: TrainingParams, **extra):
     return dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay, **extra)
 
 
@@ -136,15 +136,15 @@ def wrap_cpu(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams) -> Pa
             fully_shard(layer, reshard_after_forward=reshard)
         fully_shard(module, reshard_after_forward=reshard)
         sharded = _unique_storage_bytes(module.parameters(), set())
-        optimizer = torch.optim.AdamW(module.parameters(), **_adamw(None, t, foreach=False))
+        optimizer = torch.optim.AdamW(module.parameters(), **_adamw(t, foreach=False))
         return ParallelTrainer(module, module, optimizer, stage, t.clip_grad, False, sharded)
     model = DistributedDataParallel(module, gradient_as_bucket_view=True, broadcast_buffers=False)
     if stage == ZeroStage.OPTIMIZER:
         optimizer = ZeroRedundancyOptimizer(
-            module.parameters(), optimizer_class=torch.optim.AdamW, **_adamw(None, t, foreach=False)
+            module.parameters(), optimizer_class=torch.optim.AdamW, **_adamw(t, foreach=False)
         )
     else:
-        optimizer = torch.optim.AdamW(module.parameters(), **_adamw(None, t, foreach=False))
+        optimizer = torch.optim.AdamW(module.parameters(), **_adamw(t, foreach=False))
     return ParallelTrainer(model, module, optimizer, stage, t.clip_grad, False)
 
 

@@ -75,10 +75,13 @@ def resolve(args, env) -> tuple[RunParams, RankEnv, int, RunPaths]:
         params = dataclasses.replace(params, training=dataclasses.replace(params.training, train_iters=args.train_iters))
     ranks = read_rank_env(env)
     accumulation = check_batch_geometry(params.training, ranks.world_size)
+    from megatron_ext.prepare_data import planned_prepared
     from megatron_ext.versions import check_megatron_core
 
     check_megatron_core()
-    return params, ranks, accumulation, RunPaths(artifact_root(env), args.run)
+    paths = RunPaths(artifact_root(env), args.run)
+    planned_prepared(params.data, paths.data_cache_dir)  # missing data paths fail here, on every rank
+    return params, ranks, accumulation, paths
 
 
 def _quiet_megatron() -> None:
@@ -274,11 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     rank = env.get("RANK", "0")
     try:
         params, ranks, accumulation, paths = resolve(args, env)
+        train(params, ranks, accumulation, paths)  # data preparation can still find a user error
     except ParamsError as exc:
         if rank == "0":
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
-    train(params, ranks, accumulation, paths)
     return 0
 
 

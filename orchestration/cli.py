@@ -24,7 +24,7 @@ from megatron_ext.artifacts import artifact_root, check_run_name
 from megatron_ext.params import ParamsError
 from orchestration import node
 from orchestration.engines import plan_program
-from orchestration.fanout import NodeResult, fan_out
+from orchestration.fanout import DEFAULT_NODE_TIMEOUT_S, NodeResult, fan_out
 from orchestration.launch_env import LaunchEnv, read_launch_env, visible_gpu_count
 from orchestration.plan import (
     build_node_plans, node_environment, orchestration_argv, render_torchrun_argv,
@@ -54,6 +54,17 @@ def _env_for(launch: LaunchEnv, env: Mapping[str, str], program_env: dict[str, s
     return env_for
 
 
+def _on_nodes(launch: LaunchEnv, nodes: Sequence[tuple[int, str]], env_for, command: str, *args: str,
+              extra: Sequence[str] = (), timeout_s: float = DEFAULT_NODE_TIMEOUT_S) -> list[NodeResult]:
+    """Run ``python -m orchestration <command> ARGS --node-rank R --host H EXTRA`` on every node."""
+    python = sys.executable
+    return fan_out(
+        launch, nodes,
+        lambda rank, host: orchestration_argv(python, command, *args, "--node-rank", str(rank), "--host", host, *extra),
+        env_for, os.getcwd(), timeout_s,
+    )
+
+
 def _report(results: Sequence[NodeResult], describe) -> bool:
     for r in results:
         print(describe(r) if r.ok else r.describe_failure(), flush=True)
@@ -69,7 +80,7 @@ def cmd_start(args, env: Mapping[str, str]) -> int:
     params = node.validate_run(args.model, args.data, launch, env)
     paths = node.run_paths(env, args.run)
     program = plan_program(params, args.model, args.data, paths, env, prepare=not launch.dry_run)
-    python, cwd = sys.executable, os.getcwd()
+    python = sys.executable
     env_for = _env_for(launch, env, program.env)
     if program.engine == "megatron-lm" and not launch.dry_run:
         write_resolved_params(paths, params, launch, program)
@@ -78,7 +89,7 @@ def cmd_start(args, env: Mapping[str, str]) -> int:
         for rank, _ in nodes:
             print(json.dumps({**plans[rank].as_json(), "env": env_for(rank)}), flush=True)
         return 0
-    checks = fan_out(launch, nodes, lambda r, h: orchestration_argv(python, "node-check", args.run, "--node-rank", str(r), "--host", h), env_for, cwd)
+    checks = _on_nodes(launch, nodes, env_for, "node-check", args.run)
     if not all(c.ok for c in checks):
         print(f"error: preflight failed; nothing was started:", file=sys.stderr)
         for c in checks:
@@ -86,17 +97,13 @@ def cmd_start(args, env: Mapping[str, str]) -> int:
                 print(f"  {c.describe_failure()}", file=sys.stderr)
         return EXIT_BAD_INPUT if all(c.returncode in (0, EXIT_BAD_INPUT) for c in checks) else EXIT_NODE_FAILED
     run_id = f"{args.run}-{uuid.uuid4().hex[:10]}"
-    results = fan_out(
-        launch, nodes,
-        lambda r, h: orchestration_argv(python, "node-start", args.model, args.data, args.run, "--run-id", run_id, "--node-rank", str(r), "--host", h),
-        env_for, cwd,
-    )
+    results = _on_nodes(launch, nodes, env_for, "node-start", args.model, args.data, args.run, extra=("--run-id", run_id))
     ok = _report(results, lambda r: f"[node{r.node_rank} {r.host}] started torchrun pid {r.payload['pid']}; log {r.payload['log']}")
     if not ok:
         started = [(r.node_rank, r.host) for r in results if r.ok]
         if started:
             print(f"stopping the {len(started)} node(s) that did start, so nothing is left running", file=sys.stderr)
-            fan_out(launch, started, lambda r, h: orchestration_argv(python, "node-stop", args.run, "--node-rank", str(r), "--host", h), env_for, cwd)
+            _on_nodes(launch, started, env_for, "node-stop", args.run)
         return EXIT_NODE_FAILED
     print(
         f"run {args.run} started: {len(nodes)} node(s) x {launch.nproc_per_node} processes, world size "
@@ -123,12 +130,8 @@ def write_resolved_params(paths, params, launch: LaunchEnv, program) -> None:
 def cmd_stop(args, env: Mapping[str, str]) -> int:
     check_run_name(args.run)
     launch = _launch_env(env)
-    python, cwd = sys.executable, os.getcwd()
-    results = fan_out(
-        launch, _nodes(launch, args.this_node),
-        lambda r, h: orchestration_argv(python, "node-stop", args.run, "--node-rank", str(r), "--host", h, "--grace-s", str(args.grace_s)),
-        _env_for(launch, env), cwd, timeout_s=args.grace_s + 60,
-    )
+    results = _on_nodes(launch, _nodes(launch, args.this_node), _env_for(launch, env), "node-stop", args.run,
+                        extra=("--grace-s", str(args.grace_s)), timeout_s=args.grace_s + 60)
 
     def describe(r: NodeResult) -> str:
         p = r.payload
@@ -147,12 +150,7 @@ def cmd_stop(args, env: Mapping[str, str]) -> int:
 def cmd_status(args, env: Mapping[str, str]) -> int:
     check_run_name(args.run)
     launch = _launch_env(env)
-    python, cwd = sys.executable, os.getcwd()
-    results = fan_out(
-        launch, _nodes(launch, args.this_node),
-        lambda r, h: orchestration_argv(python, "node-status", args.run, "--node-rank", str(r), "--host", h),
-        _env_for(launch, env), cwd,
-    )
+    results = _on_nodes(launch, _nodes(launch, args.this_node), _env_for(launch, env), "node-status", args.run)
     if args.json:
         for r in results:
             print(json.dumps(r.payload if r.ok else {"node_rank": r.node_rank, "host": r.host, "error": r.describe_failure()}))

@@ -84,3 +84,23 @@ def test_too_small_vocabulary_is_a_params_error(tmp_path):
     data = DataParams(source="files", paths=(str(corpus),), tokenizer=TokenizerParams(vocab_size=50))
     with pytest.raises(ParamsError, match="cannot train vocab_size=50"):
         ensure_prepared(data, tmp_path / "cache", workers=1)
+
+
+def test_huggingface_tokenizer_json(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")  # the optional `hf` extra (setup_env.sh installs it)
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"])
+    docs = [f"Sample {i}: sharded optimizer states save memory." for i in range(50)]
+    tok.train_from_iterator(docs, trainer)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": d}) for d in docs))
+    data = DataParams(source="files", paths=(str(corpus),), tokenizer=TokenizerParams(type="huggingface", model_path=str(path)))
+    prepared = ensure_prepared(data, tmp_path / "cache", workers=2)
+    assert prepared.eod == tok.token_to_id("<|endoftext|>") and prepared.vocab_size == tok.get_vocab_size()
+    ds = IndexedDataset(prepared.prefixes[0])
+    assert len(ds) == 50 and list(ds[3][:-1]) == tok.encode(docs[3], add_special_tokens=False).ids and ds[3][-1] == prepared.eod

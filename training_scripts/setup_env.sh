@@ -8,4 +8,4 @@ if ! "$PYTHON" -c "import megatron.core" 2>/dev/null; then
   "$PYTHON" -m pip install -q --no-deps "megatron-core==0.16.1"
   "$PYTHON" -m pip install -q "packaging>=24.2"
 fi
-"$PYTHON" -m pip install -q -e "$REPO_ROOT[test]"
+"$PYTHON" -m pip install -q -e "$REPO_ROOT[test,hf]"
