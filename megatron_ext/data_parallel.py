@@ -66,9 +66,11 @@ class ParallelTrainer:
         return contextlib.nullcontext() if last_micro_step else self.model.no_sync()
 
     def zero_grad(self) -> None:
-        if self.on_cuda:
+        if self.on_cuda:  # megatron-core: gradients live in the DDP/FSDP buffers
             self.model.zero_grad_buffer()
-        self.optimizer.zero_grad(set_to_none=True) if not self.on_cuda else self.optimizer.zero_grad()
+            self.optimizer.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def step(self, lr: float) -> float:
         """Clip, step, and return the global gradient norm (before clipping)."""

@@ -137,7 +137,7 @@ class TrainingParams:
     eval_iters: int = 2
     """Validation batches per pass."""
     save_interval: int = 0
-    """Iterations between checkpoints; 0 = only at the end."""
+    """Iterations between checkpoints (and one at the end); 0 = no checkpoints."""
     zero_stage: int = 0
     """ZeRO stage 0-3 (overridden by ZERO_STAGE in the environment)."""
     engine: Literal["megatron-core", "megatron-lm"] = "megatron-core"

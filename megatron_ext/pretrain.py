@@ -137,10 +137,9 @@ def train(params: RunParams, ranks: RankEnv, accumulation: int, paths: RunPaths)
     train_ds, valid_ds = build_datasets(
         prepared, params.data, t.seq_length, t.seed,
         num_train_samples=t.train_iters * t.global_batch_size,
-        num_valid_samples=max(1, t.eval_iters) * t.global_batch_size * max(1, t.train_iters // max(1, t.eval_interval or t.train_iters)),
+        num_valid_samples=max(1, t.eval_iters) * t.global_batch_size,  # every validation pass reads the same batches
         cache_dir=paths.data_cache_dir / "index",
     )
-    num_params = sum(p.numel() for p in module.parameters()) if t.zero_stage < 2 else None
     flops_iter = M.flops_per_token(m, t.seq_length, vocab) * t.global_batch_size * t.seq_length
     peak = M.peak_tflops_for(torch.cuda.get_device_name(device)) if on_cuda else None
 
@@ -235,7 +234,6 @@ def train(params: RunParams, ranks: RankEnv, accumulation: int, paths: RunPaths)
         writer.close()
     dist.barrier()
     dist.destroy_process_group()
-    del num_params
 
 
 def _memory_columns(trainer, state_bytes: int, on_cuda: bool, device) -> dict:
