@@ -112,7 +112,8 @@ def train(params: RunParams, ranks: RankEnv, accumulation: int, paths: RunPaths)
         dist.init_process_group("gloo")
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(1, 1)
+    # On CPU the world group is gloo already: no second set of gloo groups.
+    parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=on_cuda)
     if on_cuda:
         from megatron.core import tensor_parallel
 
@@ -233,6 +234,7 @@ def train(params: RunParams, ranks: RankEnv, accumulation: int, paths: RunPaths)
     if writer:
         writer.close()
     dist.barrier()
+    parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 

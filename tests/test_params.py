@@ -79,3 +79,12 @@ def test_learning_rate_warmup_then_cosine():
     assert learning_rate(t, 20) == pytest.approx(0.1)
     lrs = [learning_rate(t, i) for i in range(4, 21)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_megatron_core_version_gate():
+    from megatron_ext.versions import check_megatron_core
+
+    assert check_megatron_core("0.16.1") == "0.16.1" and check_megatron_core("0.14.0rc1") == "0.14.0rc1"
+    for old in ("0.13.1", "0.17.0", "1.0.0"):
+        with pytest.raises(ParamsError, match=r"outside the supported range 0.14.x-0.16.x \(tested: 0.16.1"):
+            check_megatron_core(old)
