@@ -100,12 +100,12 @@ def format_progress_line(r: IterationRecord, elapsed_s: float) -> str:
 
 
 class MetricsWriter:
-    """Appends :class:`IterationRecord` objects as JSON lines. Side effect: one file."""
+    """Writes :class:`IterationRecord` objects as JSON lines. Side effect: one file."""
 
     def __init__(self, path: Path):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = path.open("a", buffering=1)
+        self._fh = path.open("w", buffering=1)  # a new start of the run starts its metrics anew
 
     def write(self, record: IterationRecord) -> None:
         self._fh.write(json.dumps(asdict(record)) + "\n")

@@ -234,3 +234,52 @@ def test_compare_and_status_read_megatron_lm_logs(tmp_path):
     assert summary.last_loss == pytest.approx(9.5)
     status = node_status("lm", 1, "n1", {"ARTIFACT_ROOT": str(root)})
     assert status["last_iteration"] == 5 and status["tokens_per_s"] == pytest.approx(32 * 4096 / 1.01)
+
+
+STANDIN_PRETRAIN_GPT = '''\
+"""Stand-in for Megatron-LM's pretrain_gpt.py: Megatron-LM's training needs CUDA (and main needs
+Python >= 3.12), so it cannot run on these machines. This records what it was given and prints
+iteration lines in Megatron-LM's exact format from the last rank, as Megatron-LM does."""
+import json, os, sys, time
+args = sys.argv[1:]
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+out = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"seen_rank{rank}.json")
+json.dump({"argv": args, "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+           "LAUNCHER_RUN": os.environ.get("LAUNCHER_RUN")}, open(out, "w"))
+iters = int(args[args.index("--train-iters") + 1]); gbs = int(args[args.index("--global-batch-size") + 1])
+for it in range(1, iters + 1):
+    time.sleep(0.2)
+    if rank == world - 1:
+        print(f"[2026-11-29 10:00:00] iteration {it:8d}/{iters:8d} | consumed samples: {it * gbs:12d} | "
+              f"elapsed time per iteration (ms): {200.0:.1f} | throughput per GPU (TFLOP/s/GPU): {1.5:.1f} | "
+              f"learning rate: {3e-4:.6E} | global batch size: {gbs:5d} | lm loss: {10.0 / it:.6E} | loss scale: {1.0:.1f} | "
+              f"grad norm: {1.0:.3f} | number of skipped iterations: {0:3d} | number of nan iterations: {0:3d} |", flush=True)
+'''
+
+
+def test_launcher_runs_the_checkout_and_reads_its_logs(tmp_path):
+    """Start -> node-start -> torchrun -> $MEGATRON_LM_DIR/pretrain_gpt.py with the rendered argv and
+    environment, then status and compare from Megatron-LM's log lines (stand-in script, see above)."""
+    from conftest import free_port, run_script, tagged_pids, wait_for
+
+    checkout = write_checkout(tmp_path / "Megatron-LM", (0, 16, 1), all_rendered_flags())
+    (checkout / "pretrain_gpt.py").write_text(STANDIN_PRETRAIN_GPT)
+    data = tmp_path / "lm.yaml"
+    data.write_text((REPO / "params" / "data" / "smoke.yaml").read_text().replace("train_iters: 30", "train_iters: 6"))
+    root = tmp_path / "art"
+    env = clean_env(ENGINE="megatron-lm", MEGATRON_LM_DIR=str(checkout), ZERO_STAGE="3", ARTIFACT_ROOT=str(root),
+                    MASTER_PORT=str(free_port()), CUDA_DEVICE_MAX_CONNECTIONS="1")
+    start = run_script("start_training.sh", "gpt_smoke", str(data), "lm_run", env=env)
+    assert start.returncode == 0, start.stdout + start.stderr
+    wait_for(lambda: not tagged_pids("lm_run"), 120, what="the stand-in to finish")
+    seen = json.loads((checkout / "seen_rank0.json").read_text())
+    params = load_run_params("gpt_smoke", str(data), {"ZERO_STAGE": "3", "ENGINE": "megatron-lm"})
+    prepared = planned_prepared(params.data, root / "data_cache")
+    assert Path(prepared.prefixes[0] + ".bin").is_file()  # the start command prepared the corpus
+    assert seen["argv"] == render_pretrain_gpt(params, prepared, RunPaths(root, "lm_run"), (0, 16)).args
+    assert seen["CUDA_DEVICE_MAX_CONNECTIONS"] is None and seen["LAUNCHER_RUN"] == "lm_run"
+    status = run_script("status_training.sh", "lm_run", "--json", env=env)
+    node = json.loads(status.stdout.splitlines()[0])
+    assert node["last_iteration"] == 6 and node["tokens_per_s"] == pytest.approx(16 * 128 / 0.2)
+    compare = run_script("compare_runs.sh", "lm_run", env=env)
+    assert compare.returncode == 0 and "lm_run" in compare.stdout and "1.6667" in compare.stdout, compare.stdout
