@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,13 +38,21 @@ class NodeResult:
         return self.returncode == 0 and self.payload is not None
 
     def describe_failure(self) -> str:
+        """Node, what went wrong, exit code, and the command (shortened) that was run."""
         prefix = f"[node{self.node_rank} {self.host}]"
+        command = shlex.join(self.argv)
+        command = f"\n    command: {command[:300]}{' ...' if len(command) > 300 else ''}"
         if self.returncode == SSH_UNREACHABLE and self.argv and self.argv[0] == "ssh":
-            return f"{prefix} unreachable over ssh (exit 255): {self.output.strip()}; check HOSTS/HOSTFILE, SSH_OPTS and ~/.ssh/config"
+            return (f"{prefix} unreachable over ssh (exit 255): {self.output.strip()}; "
+                    f"check HOSTS/HOSTFILE, SSH_OPTS and ~/.ssh/config{command}")
         if self.returncode == 124:
-            return f"{prefix} timed out: {self.output.strip()}"
-        message = (self.payload or {}).get("error") or self.output.strip()
-        return f"{prefix} exit {self.returncode}: {message}"
+            return f"{prefix} timed out: {self.output.strip()}{command}"
+        if self.argv and self.argv[0] == "docker" and self.payload is None:
+            return (f"{prefix} docker exec into CONTAINER_NAME failed (exit {self.returncode}): {self.output.strip()}; "
+                    f"start the container on that node, or unset CONTAINER_NAME to run without docker{command}")
+        if self.payload and "error" in self.payload:  # the node said what is wrong: no command needed
+            return f"{prefix} exit {self.returncode}: {self.payload['error']}"
+        return f"{prefix} exit {self.returncode}: {self.output.strip()}{command}"
 
 
 def _run_one(launch: LaunchEnv, rank: int, host: str, argv: Sequence[str], env: dict[str, str], cwd: str,
