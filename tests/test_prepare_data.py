@@ -104,3 +104,36 @@ def test_huggingface_tokenizer_json(tmp_path):
     assert prepared.eod == tok.token_to_id("<|endoftext|>") and prepared.vocab_size == tok.get_vocab_size()
     ds = IndexedDataset(prepared.prefixes[0])
     assert len(ds) == 50 and list(ds[3][:-1]) == tok.encode(docs[3], add_special_tokens=False).ids and ds[3][-1] == prepared.eod
+
+
+def test_blend_of_two_prepared_datasets_with_weights_and_split(tmp_path):
+    """Two indexed datasets, blend weights 0.25/0.75, a train/valid split: megatron-core builds a
+    BlendedDataset drawing from both, as Megatron-LM's --data-path 0.25 A 0.75 B would."""
+    from pathlib import Path
+
+    from megatron.core.datasets.blended_dataset import BlendedDataset
+
+    from megatron_ext.datasets import build_datasets
+    from megatron_ext.prepare_data import write_indexed_dataset
+
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("".join(f"alpha document {i} speaks of optimizers and shards\n" for i in range(300)))
+    b.write_text("".join(f"beta document {i} speaks of gradients and buckets\n" for i in range(300)))
+    first = ensure_prepared(DataParams(source="files", paths=(str(a),), tokenizer=TokenizerParams(vocab_size=320)), tmp_path / "cache", workers=1)
+    shared = TokenizerParams("sentencepiece", first.tokenizer_path, 320)
+    docs_b = [line for line in b.read_text().splitlines()]
+    prefix_b = write_indexed_dataset(docs_b, shared, tmp_path / "b", workers=1)
+    # Split "a" into documents too, so both have many documents to split train/valid.
+    prefix_a = write_indexed_dataset(a.read_text().splitlines(), shared, tmp_path / "a", workers=1)
+    data = DataParams(source="files", paths=(str(prefix_a), str(prefix_b)), weights=(0.25, 0.75), split="90,10,0", tokenizer=shared)
+    prepared = ensure_prepared(data, tmp_path / "cache")
+    assert prepared.prefixes == (str(prefix_a), str(prefix_b)) and prepared.weights == (0.25, 0.75)
+    from megatron_ext.gpt_model import ensure_model_parallel
+
+    ensure_model_parallel()  # the builder asks for the rank (a one-process gloo group here)
+    train, valid = build_datasets(prepared, data, seq_length=32, seed=1, num_train_samples=200, num_valid_samples=20,
+                                  cache_dir=tmp_path / "index")
+    assert isinstance(train, BlendedDataset) and len(train) >= 200 and len(valid) >= 20
+    drawn = [int(train.dataset_index[i]) for i in range(200)]
+    assert 0.15 < drawn.count(0) / 200 < 0.35  # about a quarter from the first dataset
+    assert Path(f"{prefix_b}.idx").is_file()
