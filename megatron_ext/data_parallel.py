@@ -150,16 +150,43 @@ def wrap_cpu(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams) -> Pa
     return ParallelTrainer(model, module, optimizer, stage, t.clip_grad, False)
 
 
+def megatron_core_ddp_config(stage: int):
+    """megatron-core DistributedDataParallelConfig for ``stage`` (fp32 gradient reduction)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, **strategy_for(stage).megatron_core_ddp
+    )
+
+
+def megatron_core_optimizer_config(t: TrainingParams, stage: int, bf16: bool):
+    """megatron-core OptimizerConfig: AdamW with the schedule's settings and the stage's sharding."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=t.lr,
+        min_lr=t.min_lr,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps,
+        clip_grad=t.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=strategy_for(stage).megatron_core_ddp["use_distributed_optimizer"],
+    )
+
+
 def wrap_cuda(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams) -> ParallelTrainer:
     """megatron-core DDP / distributed optimizer / Megatron-FSDP, bf16 params, fp32 grads."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     config = module.config
-    ddp_kwargs = dict(strategy_for(stage).megatron_core_ddp)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, **ddp_kwargs)
+    ddp_config = megatron_core_ddp_config(stage)
     wrapped = Float16Module(config, module) if config.bf16 else module
     if stage >= ZeroStage.GRADIENTS:
         from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
@@ -169,20 +196,7 @@ def wrap_cuda(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams) -> P
         )
     else:
         model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=wrapped)
-    opt_config = OptimizerConfig(
-        optimizer="adam",
-        lr=t.lr,
-        min_lr=t.min_lr,
-        weight_decay=t.weight_decay,
-        adam_beta1=t.adam_beta1,
-        adam_beta2=t.adam_beta2,
-        adam_eps=t.adam_eps,
-        clip_grad=t.clip_grad,
-        bf16=config.bf16,
-        params_dtype=config.params_dtype,
-        use_distributed_optimizer=ddp_kwargs["use_distributed_optimizer"],
-    )
-    optimizer = get_megatron_optimizer(opt_config, [model])
+    optimizer = get_megatron_optimizer(megatron_core_optimizer_config(t, stage, config.bf16), [model])
     return ParallelTrainer(model, module, optimizer, stage, t.clip_grad, True)
 
 
