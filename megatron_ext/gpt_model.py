@@ -93,8 +93,10 @@ def layer_spec(preset: ModelPreset, use_transformer_engine: bool):
 
 
 def transformer_engine_available() -> bool:
+    import importlib
+
     try:
-        import transformer_engine  # noqa: F401
+        importlib.import_module("transformer_engine")
     except Exception:  # ImportError, or a broken install raising anything else
         return False
     return True

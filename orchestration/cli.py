@@ -91,7 +91,7 @@ def cmd_start(args, env: Mapping[str, str]) -> int:
         return 0
     checks = _on_nodes(launch, nodes, env_for, "node-check", args.run)
     if not all(c.ok for c in checks):
-        print(f"error: preflight failed; nothing was started:", file=sys.stderr)
+        print("error: preflight failed; nothing was started:", file=sys.stderr)
         for c in checks:
             if not c.ok:
                 print(f"  {c.describe_failure()}", file=sys.stderr)
@@ -213,7 +213,8 @@ def cmd_node(args, env: Mapping[str, str]) -> int:
     try:
         launch = _launch_env(env)
     except ParamsError as exc:
-        return _node_command(lambda: (_ for _ in ()).throw(exc))
+        print(json.dumps({"error": str(exc)}), flush=True)
+        return EXIT_BAD_INPUT
     if args.command == "node-check":
         return _node_command(lambda: node.node_check(args.run, args.node_rank, args.host, launch, env))
     if args.command == "node-start":

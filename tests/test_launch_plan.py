@@ -11,8 +11,8 @@ import pytest
 
 from megatron_ext.artifacts import check_run_name
 from megatron_ext.params import ParamsError
-from orchestration.launch_env import parse_hosts, read_launch_env, visible_gpu_count
-from orchestration.plan import build_node_plans, docker_exec_argv, remote_shell_command, transport_argv
+from orchestration.launch_env import read_launch_env, visible_gpu_count
+from orchestration.plan import build_node_plans, docker_exec_argv, transport_argv
 
 from conftest import REPO, clean_env
 
