@@ -5,7 +5,8 @@
 ``params/models/<name>.yaml`` holds a model preset, ``params/data/<name>.yaml`` a data set with
 its training schedule (``data:`` and ``training:`` sections). Every key maps onto a field of the
 dataclasses below; an unknown key, a wrong type or an inconsistent combination raises
-:class:`ParamsError` with the value, the rule and the fix. Pure: reads YAML files, nothing else.
+:class:`ParamsError` with the value, the rule and the fix. Reads YAML files; the one writer is
+:func:`write_resolved_params` (the resolved parameters beside a run's logs).
 """
 
 from __future__ import annotations
@@ -340,3 +341,11 @@ def check_batch_geometry(t: TrainingParams, data_parallel_size: int) -> int:
 
 def params_as_dict(p: RunParams) -> dict[str, Any]:
     return dataclasses.asdict(p)
+
+
+def write_resolved_params(path: Path, p: RunParams, runtime: dict[str, Any]) -> None:
+    """The run's resolved parameters plus what was decided at run time, as YAML."""
+    resolved = params_as_dict(p)
+    resolved["runtime"] = runtime
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(resolved, sort_keys=False))

@@ -25,10 +25,10 @@ import time
 import warnings
 from dataclasses import dataclass
 
-import yaml
-
 from megatron_ext.artifacts import RunPaths, artifact_root, check_run_name
-from megatron_ext.params import ParamsError, RunParams, TrainingParams, check_batch_geometry, load_run_params, params_as_dict
+from megatron_ext.params import (
+    ParamsError, RunParams, TrainingParams, check_batch_geometry, load_run_params, write_resolved_params,
+)
 
 EXIT_USER_ERROR = 2
 
@@ -146,14 +146,11 @@ def train(params: RunParams, ranks: RankEnv, accumulation: int, paths: RunPaths)
 
     writer = None
     if rank == 0:
-        paths.logs_dir.mkdir(parents=True, exist_ok=True)
-        resolved = params_as_dict(params)
-        resolved["runtime"] = {
-            "run": paths.run, "world_size": dp, "gradient_accumulation_steps": accumulation,
+        write_resolved_params(paths.params_path, params, {
+            "run": paths.run, "engine": "megatron-core", "world_size": dp, "gradient_accumulation_steps": accumulation,
             "device": "cuda" if on_cuda else "cpu", "backend": dist.get_backend(), "padded_vocab_size": vocab,
             "transformer_engine": use_te, "data": prepared.__dict__,
-        }
-        paths.params_path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+        })
         writer = M.MetricsWriter(paths.metrics_path)
         print(
             f"run {paths.run}: model {m.name} data {params.data_set} | world size {dp} | ZERO_STAGE={t.zero_stage} "

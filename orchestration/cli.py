@@ -21,7 +21,7 @@ import uuid
 from typing import Mapping, Sequence
 
 from megatron_ext.artifacts import artifact_root, check_run_name
-from megatron_ext.params import ParamsError
+from megatron_ext.params import ParamsError, write_resolved_params
 from orchestration import node
 from orchestration.engines import plan_program
 from orchestration.fanout import DEFAULT_NODE_TIMEOUT_S, NodeResult, fan_out
@@ -82,8 +82,11 @@ def cmd_start(args, env: Mapping[str, str]) -> int:
     program = plan_program(params, args.model, args.data, paths, env, prepare=not launch.dry_run)
     python = sys.executable
     env_for = _env_for(launch, env, program.env)
-    if program.engine == "megatron-lm" and not launch.dry_run:
-        write_resolved_params(paths, params, launch, program)
+    if program.engine == "megatron-lm" and not launch.dry_run:  # Megatron-LM writes no params file of ours
+        write_resolved_params(paths.params_path, params, {
+            "run": paths.run, "engine": program.engine, "world_size": launch.nnodes * launch.nproc_per_node,
+            "argv": list(program.argv), "env": program.env,
+        })
     if launch.dry_run:
         plans = {p.node_rank: p for p in build_node_plans(launch, python, program.argv, program.env)}
         for rank, _ in nodes:
@@ -112,19 +115,6 @@ def cmd_start(args, env: Mapping[str, str]) -> int:
         flush=True,
     )
     return 0
-
-
-def write_resolved_params(paths, params, launch: LaunchEnv, program) -> None:
-    """Megatron-LM writes no params file of ours: record what was resolved and rendered."""
-    import yaml
-
-    from megatron_ext.params import params_as_dict
-
-    resolved = params_as_dict(params)
-    resolved["runtime"] = {"run": paths.run, "engine": program.engine, "world_size": launch.nnodes * launch.nproc_per_node,
-                           "argv": list(program.argv), "env": program.env}
-    paths.logs_dir.mkdir(parents=True, exist_ok=True)
-    paths.params_path.write_text(yaml.safe_dump(resolved, sort_keys=False))
 
 
 def cmd_stop(args, env: Mapping[str, str]) -> int:
