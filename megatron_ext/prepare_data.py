@@ -191,9 +191,25 @@ def planned_prepared(data: DataParams, cache_root: Path) -> PreparedData:
     return PreparedData((str(out_dir / f"{name}{DOCUMENT_SUFFIX}"),), (1.0,), tok.type, model, tok.vocab_size, -1)
 
 
+def _write_manifest(prepared: PreparedData, directory: Path) -> None:
+    """``prepared.json`` with paths inside ``directory`` stored relative to it, so the directory
+    can be renamed into place (and the cache moved) without rewriting it."""
+    def rel(path: str | None) -> str | None:
+        return os.path.relpath(path, directory) if path and Path(path).is_relative_to(directory) else path
+
+    raw = dict(prepared.__dict__, prefixes=[rel(p) for p in prepared.prefixes], tokenizer_path=rel(prepared.tokenizer_path))
+    (directory / "prepared.json").write_text(json.dumps(raw, indent=1))
+
+
 def _read_manifest(path: Path) -> PreparedData:
     raw = json.loads(path.read_text())
-    raw["prefixes"], raw["weights"] = tuple(raw["prefixes"]), tuple(raw["weights"])
+
+    def resolve(p: str | None) -> str | None:
+        return str(path.parent / p) if p and not os.path.isabs(p) else p
+
+    raw["prefixes"] = tuple(resolve(p) for p in raw["prefixes"])
+    raw["weights"] = tuple(raw["weights"])
+    raw["tokenizer_path"] = resolve(raw["tokenizer_path"])
     return PreparedData(**raw)
 
 
@@ -209,11 +225,7 @@ def ensure_prepared(data: DataParams, cache_root: Path, workers: int = 2) -> Pre
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not manifest.is_file():
             tmp_dir = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-            prepared = _prepare_into(data, tmp_dir, workers)
-            rel = {k: v.replace(str(tmp_dir), str(out_dir)) if isinstance(v, str) else v
-                   for k, v in prepared.__dict__.items()}
-            rel["prefixes"] = [p.replace(str(tmp_dir), str(out_dir)) for p in prepared.prefixes]
-            (tmp_dir / "prepared.json").write_text(json.dumps(rel, indent=1))
+            _write_manifest(_prepare_into(data, tmp_dir, workers), tmp_dir)
             os.replace(tmp_dir, out_dir)
     return _read_manifest(manifest)
 
