@@ -111,7 +111,8 @@ def cmd_start(args, env: Mapping[str, str]) -> int:
     print(
         f"run {args.run} started: {len(nodes)} node(s) x {launch.nproc_per_node} processes, world size "
         f"{launch.nproc_per_node * launch.nnodes}, ZERO_STAGE={launch.zero_stage if launch.zero_stage is not None else 'from params'}; "
-        f"status: python -m orchestration status {args.run}; stop: stop_multinode_training.sh {args.run}",
+        f"status: status_training.sh {args.run}; stop: "
+        f"{'stop_training.sh' if args.this_node else 'stop_multinode_training.sh'} {args.run}",
         flush=True,
     )
     return 0

@@ -62,7 +62,8 @@ def refuse_if_running(paths: RunPaths, node_rank: int) -> None:
         raise ParamsError(
             f"run {paths.run!r} is already running on node {node_rank} (pid {record.pid}, started "
             f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(record.started_at))}); stop it first "
-            f"(stop_multinode_training.sh {paths.run}) or choose another RUN name"
+            f"(stop_training.sh {paths.run} on that node, or stop_multinode_training.sh {paths.run}) "
+            "or choose another RUN name"
         )
 
 
