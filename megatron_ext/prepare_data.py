@@ -124,6 +124,11 @@ def _is_indexed_prefix(path: str) -> bool:
     return Path(f"{path}.bin").is_file() and Path(f"{path}.idx").is_file()
 
 
+def _cache_dir(data: DataParams, cache_root: Path) -> Path:
+    """The one directory a corpus + tokenizer is prepared into."""
+    return cache_root / f"{data.source}-{_cache_key(data)}"
+
+
 def _cache_key(data: DataParams) -> str:
     """Stable key for a corpus + tokenizer, so every run with the same inputs shares one copy."""
     parts = [data.source, data.tokenizer.type, str(data.tokenizer.vocab_size), str(data.tokenizer.model_path)]
@@ -183,7 +188,7 @@ def planned_prepared(data: DataParams, cache_root: Path) -> PreparedData:
     ready = _ready_made(data)
     if ready is not None:
         return ready
-    out_dir = cache_root / f"{data.source}-{_cache_key(data)}"
+    out_dir = _cache_dir(data, cache_root)
     if (out_dir / "prepared.json").is_file():
         return _read_manifest(out_dir / "prepared.json")
     name, tok = _corpus_name(data), data.tokenizer
@@ -218,7 +223,7 @@ def ensure_prepared(data: DataParams, cache_root: Path, workers: int = 2) -> Pre
     ready = _ready_made(data)
     if ready is not None:
         return ready
-    out_dir = cache_root / f"{data.source}-{_cache_key(data)}"
+    out_dir = _cache_dir(data, cache_root)
     manifest = out_dir / "prepared.json"
     cache_root.mkdir(parents=True, exist_ok=True)
     with open(cache_root / f".{out_dir.name}.lock", "w") as lock:

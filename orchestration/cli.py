@@ -54,6 +54,13 @@ def _env_for(launch: LaunchEnv, env: Mapping[str, str], program_env: dict[str, s
     return env_for
 
 
+def _plan_run(model: str, data: str, run: str, launch: LaunchEnv, env: Mapping[str, str]):
+    """Checked params, the run's paths and the program every rank runs (data prepared unless dry)."""
+    params = node.validate_run(model, data, launch, env)
+    paths = node.run_paths(env, run)
+    return params, paths, plan_program(params, model, data, paths, env, prepare=not launch.dry_run)
+
+
 def _on_nodes(launch: LaunchEnv, nodes: Sequence[tuple[int, str]], env_for, command: str, *args: str,
               extra: Sequence[str] = (), timeout_s: float = DEFAULT_NODE_TIMEOUT_S) -> list[NodeResult]:
     """Run ``python -m orchestration <command> ARGS --node-rank R --host H EXTRA`` on every node."""
@@ -77,9 +84,7 @@ def cmd_start(args, env: Mapping[str, str]) -> int:
     check_run_name(args.run)
     launch = _launch_env(env)
     nodes = _nodes(launch, args.this_node)
-    params = node.validate_run(args.model, args.data, launch, env)
-    paths = node.run_paths(env, args.run)
-    program = plan_program(params, args.model, args.data, paths, env, prepare=not launch.dry_run)
+    params, paths, program = _plan_run(args.model, args.data, args.run, launch, env)
     python = sys.executable
     env_for = _env_for(launch, env, program.env)
     if program.engine == "megatron-lm" and not launch.dry_run:  # Megatron-LM writes no params file of ours
@@ -163,9 +168,7 @@ def cmd_train(args, env: Mapping[str, str]) -> int:
     run = args.run or f"{args.model}_{args.data}"
     check_run_name(run)
     launch = _launch_env(env)
-    params = node.validate_run(args.model, args.data, launch, env)
-    paths = node.run_paths(env, run)
-    program = plan_program(params, args.model, args.data, paths, env, prepare=not launch.dry_run)
+    params, paths, program = _plan_run(args.model, args.data, run, launch, env)
     argv = render_torchrun_argv(launch, launch.node_rank, sys.executable, program.argv)
     if launch.dry_run:
         print(json.dumps({"node_rank": launch.node_rank, "host": "localhost", "argv": argv,

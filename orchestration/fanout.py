@@ -58,7 +58,7 @@ class NodeResult:
 def _run_one(launch: LaunchEnv, rank: int, host: str, argv: Sequence[str], env: dict[str, str], cwd: str,
              timeout_s: float) -> NodeResult:
     full = transport_argv(launch, host, argv, env, cwd)
-    local = full == list(argv)
+    local = launch.is_local(host) and not launch.container_name  # else ssh/docker carry env and cwd
     try:
         proc = subprocess.run(
             full, cwd=cwd if local else None, env={**os.environ, **env} if local else None,
