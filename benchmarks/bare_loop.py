@@ -28,16 +28,17 @@ def main() -> None:
     args = p.parse_args()
     from megatron.core import parallel_state
 
-    from megatron_ext.artifacts import artifact_root
-    from megatron_ext.cpu_compat import install_cpu_compat
-    from megatron_ext.datasets import build_datasets, global_batch_slice
-    from megatron_ext.gpt_model import build_gpt_model, model_vocab_size, padded_vocab_size
-    from megatron_ext.params import load_run_params
-    from megatron_ext.prepare_data import ensure_prepared
+    from megatron_ext.data.prepare import ensure_prepared
+    from megatron_ext.spec.flops import padded_vocab_size
+    from megatron_ext.spec.params import load_run_params, with_batch_geometry
+    from megatron_ext.spec.run_paths import artifact_root
+    from megatron_ext.training.cpu_compat import install_cpu_compat
+    from megatron_ext.training.datasets import build_datasets, global_batch_slice
+    from megatron_ext.training.model import build_gpt_model, model_vocab_size
 
-    params = load_run_params(args.model, args.data, {})
+    params, geometry = with_batch_geometry(load_run_params(args.model, args.data), int(os.environ["WORLD_SIZE"]))
     m, t = params.model, params.training
-    root = artifact_root()
+    root = artifact_root(os.environ)
     prepared = ensure_prepared(params.data, root / "data_cache")
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(1, 1)
@@ -51,7 +52,7 @@ def main() -> None:
     train, _ = build_datasets(prepared, params.data, t.seq_length, t.seed, args.iters * t.global_batch_size, t.global_batch_size,
                               root / "data_cache" / "index")
     dp, rank = dist.get_world_size(), dist.get_rank()
-    accumulation = t.global_batch_size // (t.micro_batch_size * dp)
+    accumulation = geometry.accumulation_steps
     times = []
     for it in range(args.iters):
         start = time.time()

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -22,9 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from conftest import clean_env, tagged_pids, write_data_set  # noqa: E402
-
-FIRST = re.compile(r"iteration\s+1/")
+from conftest import clean_env, last_iteration, tagged_pids, write_data_set  # noqa: E402
 
 
 def _port() -> int:
@@ -35,7 +32,7 @@ def _port() -> int:
 
 def _wait_in_file(path: Path, start: float, timeout_s: float = 300) -> float:
     while time.time() - start < timeout_s:
-        if path.exists() and FIRST.search(path.read_text(errors="replace")):
+        if last_iteration(path) >= 1:
             return time.time() - start
         time.sleep(0.05)
     raise TimeoutError(path)

@@ -21,6 +21,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from megatron_ext.spec.iteration_log import read_metrics  # noqa: E402
 
 
 def _port() -> int:
@@ -48,14 +51,14 @@ def main() -> None:
         run = f"bench_z{stage}_{os.getpid()}"
         torchrun(args.nproc, ["-m", "megatron_ext.pretrain", "--model", "gpt_smoke", "--data", "smoke", "--run-name", run,
                               "--train-iters", str(args.iters)], {**env, "ZERO_STAGE": str(stage)})
-        records = [json.loads(l) for l in (root / "runs" / run / "metrics.jsonl").read_text().splitlines()][1:]
+        records = read_metrics(root / "runs" / run / "metrics.jsonl")[1:]
         rows.append({
             "stage": stage,
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
-            "tflops": statistics.median(r["tflops_per_gpu"] for r in records),
-            "state": max(records[-1]["model_state_bytes_per_rank"]),
-            "peak": max(records[-1]["model_state_peak_bytes_per_rank"]),
-            "loss": records[-1]["lm_loss"],
+            "tokens_per_s": statistics.median(r.tokens_per_s for r in records),
+            "tflops": statistics.median(r.tflops_per_gpu for r in records),
+            "state": max(records[-1].model_state_bytes_per_rank),
+            "peak": max(records[-1].model_state_peak_bytes_per_rank),
+            "loss": records[-1].lm_loss,
         })
     bare = json.loads(torchrun(args.nproc, ["benchmarks/bare_loop.py", "--iters", str(args.iters)], env).stdout.strip().splitlines()[-1])
     base = rows[0]

@@ -7,8 +7,9 @@
     python -m orchestration train gpt2 gpt2_smoke                   # foreground, this node
     python -m orchestration compare demo_z0 demo_z1 demo_z3
 
-Exit codes: 0 ok, 1 a node failed, 2 bad input (nothing started). The entry point is the only
-place that configures output; every node command prints one JSON line.
+The environment is read here, once (:func:`orchestration.launch_env.read_launch_env`); node
+commands get what they need as arguments. Exit codes: :mod:`megatron_ext.spec.errors`. The
+entry point is the only place that configures output; every node command prints one JSON line.
 """
 
 from __future__ import annotations
@@ -20,18 +21,16 @@ import sys
 import uuid
 from typing import Mapping, Sequence
 
-from megatron_ext.artifacts import artifact_root, check_run_name
-from megatron_ext.params import ParamsError, write_resolved_params
+from megatron_ext.spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
+from megatron_ext.spec.params import RunOverrides, load_run_params, with_batch_geometry
+from megatron_ext.spec.resolved import read_resolved, write_resolved
+from megatron_ext.spec.run_paths import RunPaths, check_run_name
 from orchestration import node
 from orchestration.engines import plan_program
 from orchestration.fanout import DEFAULT_NODE_TIMEOUT_S, NodeResult, fan_out
 from orchestration.launch_env import LaunchEnv, read_launch_env, visible_gpu_count
-from orchestration.plan import (
-    build_node_plans, node_environment, orchestration_argv, render_torchrun_argv,
-)
-
-EXIT_NODE_FAILED = 1
-EXIT_BAD_INPUT = 2
+from orchestration.plan import NodePlan, StartPlan, build_start_plan, orchestration_argv
+from orchestration.processes import DEFAULT_STOP_GRACE_S
 
 
 def _launch_env(env: Mapping[str, str]) -> LaunchEnv:
@@ -45,31 +44,31 @@ def _nodes(launch: LaunchEnv, this_node: bool) -> list[tuple[int, str]]:
     return list(enumerate(launch.hosts))
 
 
-def _env_for(launch: LaunchEnv, env: Mapping[str, str], program_env: dict[str, str | None] | None = None):
-    root = str(artifact_root(env))
-
-    def env_for(rank: int) -> dict[str, str]:
-        return {**node_environment(launch, rank, program_env), "ARTIFACT_ROOT": root}
-
-    return env_for
-
-
-def _plan_run(model: str, data: str, run: str, launch: LaunchEnv, env: Mapping[str, str]):
-    """Checked params, the run's paths and the program every rank runs (data prepared unless dry)."""
-    params = node.validate_run(model, data, launch, env)
-    paths = node.run_paths(env, run)
-    return params, paths, plan_program(params, model, data, paths, env, prepare=not launch.dry_run)
+def plan_start(launch: LaunchEnv, model: str, data: str, run: str, nodes: Sequence[tuple[int, str]],
+               prepare: bool) -> StartPlan:
+    """Checked params for the whole cluster (world = NNODES x NPROC_PER_NODE), the program every
+    rank runs (data prepared first when ``prepare``), and the plan of every node in ``nodes``."""
+    check_run_name(run)
+    params = load_run_params(model, data, RunOverrides(launch.zero_stage, launch.overrides.engine))
+    params, geometry = with_batch_geometry(params, launch.world_size)
+    paths = RunPaths(launch.artifact_root, run)
+    program = plan_program(params, model, data, paths, launch.megatron_lm_dir, prepare=prepare)
+    run_id = f"{run}-{uuid.uuid4().hex[:10]}"
+    return build_start_plan(launch, params, geometry, program, run, run_id, nodes, sys.executable, os.getcwd())
 
 
-def _on_nodes(launch: LaunchEnv, nodes: Sequence[tuple[int, str]], env_for, command: str, *args: str,
-              extra: Sequence[str] = (), timeout_s: float = DEFAULT_NODE_TIMEOUT_S) -> list[NodeResult]:
-    """Run ``python -m orchestration <command> ARGS --node-rank R --host H EXTRA`` on every node."""
+def _on_nodes(launch: LaunchEnv, nodes: Sequence[tuple[int, str]], argv_for,
+              timeout_s: float = DEFAULT_NODE_TIMEOUT_S) -> list[NodeResult]:
+    """Run ``python -m orchestration <argv_for(rank, host)>`` on every node, with the forwarded
+    environment (the same interpreter, PATH and PYTHONPATH there)."""
     python = sys.executable
-    return fan_out(
-        launch, nodes,
-        lambda rank, host: orchestration_argv(python, command, *args, "--node-rank", str(rank), "--host", host, *extra),
-        env_for, os.getcwd(), timeout_s,
-    )
+    return fan_out(launch, nodes, lambda rank, host: orchestration_argv(python, *argv_for(rank, host)),
+                   launch.forwarded, os.getcwd(), timeout_s)
+
+
+def _node_args(command: str, run: str, launch: LaunchEnv, *extra: str):
+    return lambda rank, host: [command, run, "--node-rank", str(rank), "--host", host,
+                               "--artifact-root", str(launch.artifact_root), *extra]
 
 
 def _report(results: Sequence[NodeResult], describe) -> bool:
@@ -80,54 +79,47 @@ def _report(results: Sequence[NodeResult], describe) -> bool:
 
 # -- user commands ------------------------------------------------------------------------------
 
-def cmd_start(args, env: Mapping[str, str]) -> int:
-    check_run_name(args.run)
-    launch = _launch_env(env)
+def cmd_start(args, launch: LaunchEnv) -> int:
     nodes = _nodes(launch, args.this_node)
-    params, paths, program = _plan_run(args.model, args.data, args.run, launch, env)
-    python = sys.executable
-    env_for = _env_for(launch, env, program.env)
-    if program.engine == "megatron-lm" and not launch.dry_run:  # Megatron-LM writes no params file of ours
-        write_resolved_params(paths.params_path, params, {
-            "run": paths.run, "engine": program.engine, "world_size": launch.nnodes * launch.nproc_per_node,
-            "argv": list(program.argv), "env": program.env,
-        })
+    plan = plan_start(launch, args.model, args.data, args.run, nodes, prepare=not launch.dry_run)
     if launch.dry_run:
-        plans = {p.node_rank: p for p in build_node_plans(launch, python, program.argv, program.env)}
-        for rank, _ in nodes:
-            print(json.dumps({**plans[rank].as_json(), "env": env_for(rank)}), flush=True)
-        return 0
-    checks = _on_nodes(launch, nodes, env_for, "node-check", args.run)
+        for node_plan in plan.nodes:
+            print(node_plan.to_json(), flush=True)
+        return EXIT_OK
+    port_check = lambda rank, host: (  # noqa: E731
+        _node_args("node-check", args.run, launch)(rank, host) + (["--master-port", str(launch.master_port)] if rank == 0 else []))
+    checks = _on_nodes(launch, nodes, port_check)
     if not all(c.ok for c in checks):
         print("error: preflight failed; nothing was started:", file=sys.stderr)
         for c in checks:
             if not c.ok:
                 print(f"  {c.describe_failure()}", file=sys.stderr)
-        return EXIT_BAD_INPUT if all(c.returncode in (0, EXIT_BAD_INPUT) for c in checks) else EXIT_NODE_FAILED
-    run_id = f"{args.run}-{uuid.uuid4().hex[:10]}"
-    results = _on_nodes(launch, nodes, env_for, "node-start", args.model, args.data, args.run, extra=("--run-id", run_id))
+        return EXIT_USER_ERROR if all(c.returncode in (0, EXIT_USER_ERROR) for c in checks) else EXIT_NODE_FAILED
+    write_resolved(RunPaths(launch.artifact_root, args.run).params_path, plan.resolved)
+    by_rank = {p.node_rank: p for p in plan.nodes}
+    results = _on_nodes(launch, nodes, lambda rank, host: ["node-start", "--plan", by_rank[rank].to_json()])
     ok = _report(results, lambda r: f"[node{r.node_rank} {r.host}] started torchrun pid {r.payload['pid']}; log {r.payload['log']}")
     if not ok:
         started = [(r.node_rank, r.host) for r in results if r.ok]
         if started:
             print(f"stopping the {len(started)} node(s) that did start, so nothing is left running", file=sys.stderr)
-            _on_nodes(launch, started, env_for, "node-stop", args.run)
+            _on_nodes(launch, started, _node_args("node-stop", args.run, launch))
         return EXIT_NODE_FAILED
+    t = plan.resolved.params.training
     print(
         f"run {args.run} started: {len(nodes)} node(s) x {launch.nproc_per_node} processes, world size "
-        f"{launch.nproc_per_node * launch.nnodes}, ZERO_STAGE={launch.zero_stage if launch.zero_stage is not None else 'from params'}; "
+        f"{launch.world_size}, ZERO_STAGE={t.zero_stage}, engine {t.engine}, {plan.geometry.describe()}; "
         f"status: status_training.sh {args.run}; stop: "
         f"{'stop_training.sh' if args.this_node else 'stop_multinode_training.sh'} {args.run}",
         flush=True,
     )
-    return 0
+    return EXIT_OK
 
 
-def cmd_stop(args, env: Mapping[str, str]) -> int:
-    check_run_name(args.run)
-    launch = _launch_env(env)
-    results = _on_nodes(launch, _nodes(launch, args.this_node), _env_for(launch, env), "node-stop", args.run,
-                        extra=("--grace-s", str(args.grace_s)), timeout_s=args.grace_s + 60)
+def cmd_stop(args, launch: LaunchEnv) -> int:
+    results = _on_nodes(launch, _nodes(launch, args.this_node),
+                        _node_args("node-stop", args.run, launch, "--grace-s", str(args.grace_s)),
+                        timeout_s=args.grace_s + 60)
 
     def describe(r: NodeResult) -> str:
         p = r.payload
@@ -140,17 +132,17 @@ def cmd_stop(args, env: Mapping[str, str]) -> int:
         return f"[node{r.node_rank} {r.host}] stopped (SIGTERM to process group {p['signalled_group']}){extra}"
 
     ok = _report(results, describe) and all(r.payload["ok"] for r in results if r.payload)
-    return 0 if ok else EXIT_NODE_FAILED
+    return EXIT_OK if ok else EXIT_NODE_FAILED
 
 
-def cmd_status(args, env: Mapping[str, str]) -> int:
-    check_run_name(args.run)
-    launch = _launch_env(env)
-    results = _on_nodes(launch, _nodes(launch, args.this_node), _env_for(launch, env), "node-status", args.run)
+def cmd_status(args, launch: LaunchEnv) -> int:
+    resolved = read_resolved(RunPaths(launch.artifact_root, args.run).params_path)
+    seq = ["--seq-length", str(resolved.params.training.seq_length)] if resolved else []
+    results = _on_nodes(launch, _nodes(launch, args.this_node), _node_args("node-status", args.run, launch, *seq))
     if args.json:
         for r in results:
             print(json.dumps(r.payload if r.ok else {"node_rank": r.node_rank, "host": r.host, "error": r.describe_failure()}))
-        return 0 if all(r.ok for r in results) else EXIT_NODE_FAILED
+        return EXIT_OK if all(r.ok for r in results) else EXIT_NODE_FAILED
     print(f"{'node':<5} {'host':<16} {'alive':<6} {'pid':>8} {'iteration':>11} {'tokens/s':>10}  last log line")
     for r in results:
         if not r.ok:
@@ -160,67 +152,62 @@ def cmd_status(args, env: Mapping[str, str]) -> int:
         it = f"{p['last_iteration']}/{p['train_iters']}" if p["last_iteration"] is not None else "-"
         tps = f"{p['tokens_per_s']:,.0f}" if p["tokens_per_s"] is not None else "-"
         print(f"{p['node_rank']:<5} {p['host']:<16} {'yes' if p['alive'] else 'no':<6} {p['pid'] or '-':>8} {it:>11} {tps:>10}  {p['last_line']}")
-    return 0 if all(r.ok for r in results) else EXIT_NODE_FAILED
+    return EXIT_OK if all(r.ok for r in results) else EXIT_NODE_FAILED
 
 
-def cmd_train(args, env: Mapping[str, str]) -> int:
-    """Foreground training on this node: validate, then become torchrun."""
+def cmd_train(args, launch: LaunchEnv) -> int:
+    """Foreground training on this node: the same plan as start's for this node, then become
+    its torchrun."""
     run = args.run or f"{args.model}_{args.data}"
-    check_run_name(run)
-    launch = _launch_env(env)
-    params, paths, program = _plan_run(args.model, args.data, run, launch, env)
-    argv = render_torchrun_argv(launch, launch.node_rank, sys.executable, program.argv)
+    plan = plan_start(launch, args.model, args.data, run, _nodes(launch, this_node=True), prepare=not launch.dry_run)
+    mine: NodePlan = plan.nodes[0]
     if launch.dry_run:
-        print(json.dumps({"node_rank": launch.node_rank, "host": "localhost", "argv": argv,
-                          "env": node_environment(launch, launch.node_rank, program.env)}))
-        return 0
-    child = node.program_environment(env, program, run, f"{run}-{uuid.uuid4().hex[:10]}", launch.node_rank, paths)
+        print(mine.to_json(), flush=True)
+        return EXIT_OK
+    if launch.node_rank == 0:
+        write_resolved(RunPaths(launch.artifact_root, run).params_path, plan.resolved)
     sys.stdout.flush()
-    os.execvpe(argv[0], argv, child)
-    return 0  # not reached
+    os.chdir(mine.cwd)
+    os.execvpe(mine.argv[0], list(mine.argv), mine.process_environment(os.environ))
+    return EXIT_OK  # not reached
 
 
-def cmd_compare(args, env: Mapping[str, str]) -> int:
+def cmd_compare(args, launch: LaunchEnv) -> int:
     from orchestration.compare import compare_runs, format_comparison
 
     for run in args.runs:
         check_run_name(run)
-    print(format_comparison(compare_runs(artifact_root(env), args.runs)))
-    return 0
+    print(format_comparison(compare_runs(launch.artifact_root, args.runs)))
+    return EXIT_OK
 
 
-# -- node commands (one JSON line each) ---------------------------------------------------------
+# -- node commands (one JSON line each; arguments only, no launcher variables) ----------------
 
-def _node_command(fn) -> int:
+def cmd_node(args) -> int:
     try:
-        print(json.dumps(fn()), flush=True)
-        return 0
-    except ParamsError as exc:
+        if args.command == "node-start":
+            payload = node.node_start(NodePlan.from_json(args.plan), os.environ)
+        else:
+            check_run_name(args.run)
+            paths = RunPaths(args.artifact_root, args.run)
+            if args.command == "node-check":
+                payload = node.node_check(paths, args.node_rank, args.host, args.master_port)
+            elif args.command == "node-stop":
+                payload = node.node_stop(paths, args.node_rank, args.host, args.grace_s)
+            else:
+                payload = node.node_status(paths, args.node_rank, args.host, args.seq_length)
+    except UserError as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
-        return EXIT_BAD_INPUT
+        return EXIT_USER_ERROR
     except node.NodeError as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
         return EXIT_NODE_FAILED
-
-
-def cmd_node(args, env: Mapping[str, str]) -> int:
-    try:
-        launch = _launch_env(env)
-    except ParamsError as exc:
-        print(json.dumps({"error": str(exc)}), flush=True)
-        return EXIT_BAD_INPUT
-    if args.command == "node-check":
-        return _node_command(lambda: node.node_check(args.run, args.node_rank, args.host, launch, env))
-    if args.command == "node-start":
-        return _node_command(lambda: node.node_start(
-            args.model, args.data, args.run, args.run_id, args.node_rank, args.host, launch, env, sys.executable, os.getcwd()))
-    if args.command == "node-stop":
-        return _node_command(lambda: node.node_stop(args.run, args.node_rank, args.host, env, args.grace_s))
-    return _node_command(lambda: node.node_status(args.run, args.node_rank, args.host, env))
+    print(json.dumps(payload), flush=True)
+    return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from orchestration.processes import DEFAULT_STOP_GRACE_S
+    from pathlib import Path
 
     parser = argparse.ArgumentParser(prog="python -m orchestration", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -239,17 +226,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("model"), train.add_argument("data"), train.add_argument("run", nargs="?")
     compare = sub.add_parser("compare", help="side-by-side table of runs: speed, memory, loss")
     compare.add_argument("runs", nargs="+")
-    for name in ("node-check", "node-start", "node-stop", "node-status"):
+    node_start = sub.add_parser("node-start", help=argparse.SUPPRESS)
+    node_start.add_argument("--plan", required=True, help="this node's NodePlan as JSON")
+    for name in ("node-check", "node-stop", "node-status"):
         p = sub.add_parser(name, help=argparse.SUPPRESS)
-        if name == "node-start":
-            p.add_argument("model"), p.add_argument("data")
         p.add_argument("run")
         p.add_argument("--node-rank", type=int, required=True)
         p.add_argument("--host", required=True)
-        if name == "node-start":
-            p.add_argument("--run-id", required=True)
+        p.add_argument("--artifact-root", type=Path, required=True)
+        if name == "node-check":
+            p.add_argument("--master-port", type=int, help="check this port is free here (node 0)")
         if name == "node-stop":
             p.add_argument("--grace-s", type=float, default=DEFAULT_STOP_GRACE_S)
+        if name == "node-status":
+            p.add_argument("--seq-length", type=int, help="tokens per sequence, for tokens/s")
     return parser
 
 
@@ -258,11 +248,12 @@ COMMANDS = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "train":
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    env = dict(os.environ)
     if args.command.startswith("node-"):
-        return cmd_node(args, env)
+        return cmd_node(args)
     try:
-        return COMMANDS[args.command](args, env)
-    except ParamsError as exc:
+        if hasattr(args, "run") and args.run is not None:
+            check_run_name(args.run)
+        return COMMANDS[args.command](args, _launch_env(os.environ))
+    except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
+        return EXIT_USER_ERROR

@@ -13,11 +13,10 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from megatron_ext.artifacts import RunPaths
-from megatron_ext.metrics import read_metrics
-from megatron_ext.params import ParamsError
+from megatron_ext.spec.errors import UserError
+from megatron_ext.spec.iteration_log import IterationRecord, parse_log, read_metrics
+from megatron_ext.spec.resolved import read_resolved
+from megatron_ext.spec.run_paths import RunPaths
 
 
 @dataclass(frozen=True)
@@ -35,42 +34,39 @@ class RunSummary:
     last_loss: float
 
 
-def summarize(run: str, records: list[dict]) -> RunSummary:
+def summarize(run: str, records: list[IterationRecord]) -> RunSummary:
     if not records:
-        raise ParamsError(f"run {run!r} has no metrics yet; start it first or check ARTIFACT_ROOT")
+        raise UserError(f"run {run!r} has no metrics yet; start it first or check ARTIFACT_ROOT")
     steady = records[1:] or records
     last = records[-1]
-    memory = last.get("cuda_peak_allocated_bytes")
-    if memory is None and last.get("model_state_peak_bytes_per_rank"):
-        memory = max(last["model_state_peak_bytes_per_rank"])
+    memory = last.cuda_peak_allocated_bytes
+    if memory is None and last.model_state_peak_bytes_per_rank:
+        memory = max(last.model_state_peak_bytes_per_rank)
     return RunSummary(
-        run=run, zero_stage=last["zero_stage"], world_size=last["world_size"], iterations=last["iteration"],
-        step_time_s=statistics.median(r["step_time_s"] for r in steady),
-        tokens_per_s=statistics.median(r["tokens_per_s"] for r in steady),
-        tflops_per_gpu=statistics.median(r["tflops_per_gpu"] for r in steady),
-        memory_bytes=memory, first_loss=records[0]["lm_loss"], last_loss=last["lm_loss"],
+        run=run, zero_stage=last.zero_stage, world_size=last.world_size, iterations=last.iteration,
+        step_time_s=statistics.median(r.step_time_s for r in steady),
+        tokens_per_s=statistics.median(r.tokens_per_s for r in steady),
+        tflops_per_gpu=statistics.median(r.tflops_per_gpu for r in steady),
+        memory_bytes=memory, first_loss=records[0].lm_loss, last_loss=last.lm_loss,
     )
 
 
-def run_records(paths: RunPaths) -> list[dict]:
+def run_records(paths: RunPaths) -> list[IterationRecord]:
     """The run's metrics records: ``metrics.jsonl`` (this project's program), else the
     iteration lines Megatron-LM printed into the node logs (the last rank prints them)."""
     records = read_metrics(paths.metrics_path)
     if records:
         return records
-    from dataclasses import asdict
-
-    from megatron_ext.megatron_lm_log import parse_log
-
-    resolved = yaml.safe_load(paths.params_path.read_text()) if paths.params_path.is_file() else {}
-    training = resolved.get("training", {})
-    runtime = resolved.get("runtime", {})
-    best: list = []
+    resolved = read_resolved(paths.params_path)
+    seq, world, stage = None, 0, -1
+    if resolved:
+        t = resolved.params.training
+        seq, world, stage = t.seq_length, resolved.runtime.world_size, t.zero_stage
+    best: list[IterationRecord] = []
     for log in sorted(paths.logs_dir.glob(f"{paths.run}_node*.log")):
-        parsed, _ = parse_log(log.read_text(errors="replace"), training.get("seq_length"),
-                              runtime.get("world_size", 0), training.get("zero_stage", -1))
+        parsed, _ = parse_log(log.read_text(errors="replace"), seq, world, stage)
         best = parsed if len(parsed) > len(best) else best
-    return [asdict(r) for r in best]
+    return best
 
 
 def compare_runs(root: Path, runs: list[str]) -> list[RunSummary]:

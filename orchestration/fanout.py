@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from orchestration.launch_env import LaunchEnv
-from orchestration.plan import transport_argv
+from orchestration.transports import runs_here, transport_argv
 
 DEFAULT_NODE_TIMEOUT_S = 120.0
 SSH_UNREACHABLE = 255
@@ -58,7 +58,7 @@ class NodeResult:
 def _run_one(launch: LaunchEnv, rank: int, host: str, argv: Sequence[str], env: dict[str, str], cwd: str,
              timeout_s: float) -> NodeResult:
     full = transport_argv(launch, host, argv, env, cwd)
-    local = launch.is_local(host) and not launch.container_name  # else ssh/docker carry env and cwd
+    local = runs_here(launch, host)  # else ssh/docker carry env and cwd
     try:
         proc = subprocess.run(
             full, cwd=cwd if local else None, env={**os.environ, **env} if local else None,
@@ -81,11 +81,12 @@ def _run_one(launch: LaunchEnv, rank: int, host: str, argv: Sequence[str], env: 
 
 
 def fan_out(launch: LaunchEnv, nodes: Sequence[tuple[int, str]], argv_for: Callable[[int, str], Sequence[str]],
-            env_for: Callable[[int], dict[str, str]], cwd: str, timeout_s: float = DEFAULT_NODE_TIMEOUT_S) -> list[NodeResult]:
-    """Run ``argv_for(rank, host)`` on every node at once; results in node-rank order."""
+            env: dict[str, str], cwd: str, timeout_s: float = DEFAULT_NODE_TIMEOUT_S) -> list[NodeResult]:
+    """Run ``argv_for(rank, host)`` with ``env`` in ``cwd`` on every node at once; results in
+    node-rank order."""
     with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
         futures = [
-            pool.submit(_run_one, launch, rank, host, argv_for(rank, host), env_for(rank), cwd, timeout_s)
+            pool.submit(_run_one, launch, rank, host, argv_for(rank, host), env, cwd, timeout_s)
             for rank, host in nodes
         ]
         return [f.result() for f in futures]

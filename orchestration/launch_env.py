@@ -4,7 +4,9 @@
 
 Every default lives here: NNODES = number of hosts (1), NODE_RANK = 0, NPROC_PER_NODE = visible
 GPUs or 2, MASTER_ADDR = the first host (``localhost`` alone), MASTER_PORT = 6000,
-ZERO_STAGE = the data set's (0). Pure: takes the environment mapping as an argument.
+ZERO_STAGE and ENGINE = the data set's, ARTIFACT_ROOT = ``<repo>/artifacts``. This is the only
+place the launcher reads its environment; everything after it takes a :class:`LaunchEnv`. Pure:
+takes the environment mapping as an argument (:func:`visible_gpu_count` reads ``/dev``).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from megatron_ext.params import ParamsError
-from megatron_ext.zero import parse_zero_stage
+from megatron_ext.spec.errors import UserError
+from megatron_ext.spec.params import RunOverrides, read_overrides
+from megatron_ext.spec.run_paths import artifact_root
 
 DEFAULT_MASTER_PORT = 6000
 DEFAULT_NPROC_WITHOUT_GPUS = 2
@@ -24,8 +27,7 @@ DEFAULT_SSH_CONNECT_TIMEOUT_S = 10
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 FORWARDED_PREFIXES = ("NCCL_", "GLOO_", "CUDA_", "TORCH_", "PYTHON", "MEGATRON_")
-FORWARDED_NAMES = ("PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "ARTIFACT_ROOT", "OMP_NUM_THREADS", "ENGINE", "MEGATRON_LM_DIR")
-LAUNCH_NAMES = ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "ZERO_STAGE")
+FORWARDED_NAMES = ("PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "OMP_NUM_THREADS")
 _HOST_RE = re.compile(r"^[A-Za-z0-9._:@\[\]-]+$")
 
 
@@ -41,14 +43,26 @@ class LaunchEnv:
     nproc_per_node: int
     master_addr: str
     master_port: int
-    zero_stage: int | None
-    """None = the data set's own stage."""
+    overrides: RunOverrides
+    """ZERO_STAGE and ENGINE (None = the data set's)."""
+    artifact_root: Path
+    """Logs, pid files, metrics, checkpoints, data cache."""
+    megatron_lm_dir: str | None = None
+    """MEGATRON_LM_DIR: the Megatron-LM checkout for ENGINE=megatron-lm."""
     container_name: str | None = None
     """Run every node command through ``docker exec`` into this container."""
     ssh_opts: tuple[str, ...] = ()
     dry_run: bool = False
     forwarded: dict[str, str] = field(default_factory=dict)
     """Variables every node gets, as set where the command was given."""
+
+    @property
+    def zero_stage(self) -> int | None:
+        return self.overrides.zero_stage
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
 
     def is_local(self, host: str) -> bool:
         return host in LOCAL_HOSTS
@@ -62,14 +76,14 @@ def parse_hosts(text: str, source: str) -> tuple[str, ...]:
         if not host:
             continue
         if not _HOST_RE.match(host):
-            raise ParamsError(f"{source}: host {host!r} has characters a host name cannot have; fix the entry")
+            raise UserError(f"{source}: host {host!r} has characters a host name cannot have; fix the entry")
         hosts.append(host)
     if not hosts:
-        raise ParamsError(f"{source} lists no host; give at least one (e.g. HOSTS=node0,node1)")
+        raise UserError(f"{source} lists no host; give at least one (e.g. HOSTS=node0,node1)")
     seen: dict[str, int] = {}
     for rank, host in enumerate(hosts):
         if host in seen:
-            raise ParamsError(
+            raise UserError(
                 f"{source}: host {host!r} is listed twice (node ranks {seen[host]} and {rank}); "
                 "list every node once"
             )
@@ -84,9 +98,9 @@ def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise ParamsError(f"{name}={text!r} must be an integer; e.g. {name}={default}") from None
+        raise UserError(f"{name}={text!r} must be an integer; e.g. {name}={default}") from None
     if value < minimum:
-        raise ParamsError(f"{name}={value} must be >= {minimum}")
+        raise UserError(f"{name}={value} must be >= {minimum}")
     return value
 
 
@@ -99,13 +113,14 @@ def forwarded_environment(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0) -> LaunchEnv:
-    """Parse and check the launcher variables; every problem is one ParamsError."""
+    """Parse and check the launcher variables; every problem is one UserError. ``visible_gpus``
+    (see :func:`visible_gpu_count`) is the NPROC_PER_NODE default."""
     if env.get("HOSTS", "").strip() and env.get("HOSTFILE", "").strip():
-        raise ParamsError("both HOSTS and HOSTFILE are set; set one of them")
+        raise UserError("both HOSTS and HOSTFILE are set; set one of them")
     if env.get("HOSTFILE", "").strip():
         path = Path(env["HOSTFILE"]).expanduser()
         if not path.is_file():
-            raise ParamsError(f"HOSTFILE={env['HOSTFILE']} does not exist; give a file with one host per line")
+            raise UserError(f"HOSTFILE={env['HOSTFILE']} does not exist; give a file with one host per line")
         hosts = parse_hosts(path.read_text(), f"HOSTFILE={path}")
     elif env.get("HOSTS", "").strip():
         hosts = parse_hosts(env["HOSTS"], "HOSTS")
@@ -114,13 +129,13 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0) -> LaunchEnv:
     nnodes = _int(env, "NNODES", len(hosts), 1)
     explicit_hosts = bool(env.get("HOSTS", "").strip() or env.get("HOSTFILE", "").strip())
     if explicit_hosts and nnodes != len(hosts):
-        raise ParamsError(
+        raise UserError(
             f"NNODES={nnodes} but {len(hosts)} hosts are listed ({', '.join(hosts)}); "
             "unset NNODES or list one host per node"
         )
     node_rank = _int(env, "NODE_RANK", 0, 0)
     if node_rank >= nnodes:
-        raise ParamsError(
+        raise UserError(
             f"NODE_RANK={node_rank} is outside NNODES={nnodes} (node ranks are 0..{nnodes - 1}); "
             "fix NODE_RANK or NNODES"
         )
@@ -128,10 +143,8 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0) -> LaunchEnv:
     nproc = _int(env, "NPROC_PER_NODE", default_nproc, 1)
     port = _int(env, "MASTER_PORT", DEFAULT_MASTER_PORT, 1)
     if port > 65535:
-        raise ParamsError(f"MASTER_PORT={port} is not a TCP port; use 1024-65535")
+        raise UserError(f"MASTER_PORT={port} is not a TCP port; use 1024-65535")
     master_addr = env.get("MASTER_ADDR", "").strip() or hosts[0]
-    stage_text = env.get("ZERO_STAGE", "").strip()
-    zero_stage = int(parse_zero_stage(stage_text)) if stage_text else None
     return LaunchEnv(
         hosts=hosts,
         nnodes=nnodes,
@@ -139,7 +152,9 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0) -> LaunchEnv:
         nproc_per_node=nproc,
         master_addr=master_addr,
         master_port=port,
-        zero_stage=zero_stage,
+        overrides=read_overrides(env),
+        artifact_root=artifact_root(env),
+        megatron_lm_dir=env.get("MEGATRON_LM_DIR", "").strip() or None,
         container_name=env.get("CONTAINER_NAME", "").strip() or None,
         ssh_opts=tuple(shlex.split(env.get("SSH_OPTS", ""))),
         dry_run=env.get("DRY_RUN", "").strip() not in ("", "0", "false", "no"),

@@ -1,113 +1,77 @@
 """What runs on one node: check, start, stop and report a run there.
 
-    python -m orchestration node-status my_run --node-rank 0 --host localhost
+    python -m orchestration node-status my_run --node-rank 0 --host localhost --artifact-root /shared/runs
 
-Called locally, over ssh or through ``docker exec`` by the fan-out; each function returns a
-JSON-able dict, printed as one line for the caller to collect. Side effects through
-:mod:`orchestration.processes` (processes, pid files) and the run's log file.
+Called locally, over ssh or through ``docker exec`` by the fan-out, with everything it needs as
+arguments (the artifact root, or a node's whole :class:`NodePlan`): it reads no launcher variable.
+Each function returns a JSON-able dict, printed as one line for the caller to collect. Side
+effects through :mod:`orchestration.processes` (processes, pid files) and the run's log file.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import time
 from pathlib import Path
 from typing import Mapping
 
-from megatron_ext.artifacts import RunPaths, artifact_root
-from megatron_ext.params import ParamsError, RunParams, check_batch_geometry, load_run_params
+from megatron_ext.spec.errors import UserError
+from megatron_ext.spec.iteration_log import parse_log
+from megatron_ext.spec.run_paths import RunPaths
 from orchestration import processes
-from orchestration.engines import ProgramPlan, plan_program
-from orchestration.launch_env import LaunchEnv
-from orchestration.plan import NODE_TAG, RUN_ID_TAG, RUN_TAG, render_torchrun_argv
+from orchestration.plan import NodePlan
 
 START_SETTLE_S = 1.5
 """How long node-start watches torchrun before reporting it started (catches instant failures)."""
-_ITERATION_RE = re.compile(r"iteration\s+(\d+)/\s*(\d+)")
-_TOKENS_RE = re.compile(r"([\d,]+) tokens/s")
 
 
 class NodeError(RuntimeError):
     """A node-side failure that is not the user's input (process died, file problem)."""
 
 
-def run_paths(env: Mapping[str, str], run: str) -> RunPaths:
-    return RunPaths(artifact_root(env), run)
-
-
-def validate_run(model: str, data: str, launch: LaunchEnv, env: Mapping[str, str]) -> RunParams:
-    """Params and batch geometry for the whole cluster (world = NNODES x NPROC_PER_NODE)."""
-    params = load_run_params(model, data, env)
-    check_batch_geometry(params.training, launch.nnodes * launch.nproc_per_node)
-    return params
-
-
-def program_environment(base: Mapping[str, str], program: ProgramPlan, run: str, run_id: str, node_rank: int,
-                        paths: RunPaths) -> dict[str, str]:
-    """The environment of every process of the run on this node: tagged with the run."""
-    env = dict(base)
-    for key, value in program.env.items():
-        env.pop(key, None)
-        if value is not None:
-            env[key] = value
-    env.update({RUN_TAG: run, RUN_ID_TAG: run_id, NODE_TAG: str(node_rank), "PYTHONUNBUFFERED": "1",
-                "ARTIFACT_ROOT": str(paths.root)})
-    return env
-
-
-def refuse_if_running(paths: RunPaths, node_rank: int) -> None:
-    record = processes.read_pid_file(paths.node_pid_file(node_rank))
+def refuse_if_running(pid_path: Path, run: str, node_rank: int) -> None:
+    record = processes.read_pid_file(pid_path)
     if record and processes.record_is_alive(record):
-        raise ParamsError(
-            f"run {paths.run!r} is already running on node {node_rank} (pid {record.pid}, started "
+        raise UserError(
+            f"run {run!r} is already running on node {node_rank} (pid {record.pid}, started "
             f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(record.started_at))}); stop it first "
-            f"(stop_training.sh {paths.run} on that node, or stop_multinode_training.sh {paths.run}) "
+            f"(stop_training.sh {run} on that node, or stop_multinode_training.sh {run}) "
             "or choose another RUN name"
         )
 
 
-def node_check(run: str, node_rank: int, host: str, launch: LaunchEnv, env: Mapping[str, str]) -> dict:
-    """Preflight on this node: not already running, and on node 0 the master port is free."""
-    paths = run_paths(env, run)
-    refuse_if_running(paths, node_rank)
-    if node_rank == 0 and not processes.port_is_free(launch.master_port):
-        raise ParamsError(
-            f"MASTER_PORT={launch.master_port} is in use on node 0 ({host}); choose a free port, "
-            f"e.g. MASTER_PORT={launch.master_port + 1}"
+def node_check(paths: RunPaths, node_rank: int, host: str, master_port: int | None) -> dict:
+    """Preflight on this node: not already running, and (node 0) the master port is free."""
+    refuse_if_running(paths.node_pid_file(node_rank), paths.run, node_rank)
+    if master_port is not None and not processes.port_is_free(master_port):
+        raise UserError(
+            f"MASTER_PORT={master_port} is in use on node {node_rank} ({host}); choose a free port, "
+            f"e.g. MASTER_PORT={master_port + 1}"
         )
     return {"node_rank": node_rank, "host": host, "ok": True}
 
 
-def node_start(model: str, data: str, run: str, run_id: str, node_rank: int, host: str,
-               launch: LaunchEnv, env: Mapping[str, str], python: str, cwd: str) -> dict:
-    """Start this node's torchrun detached, tagged with the run, and record it."""
-    params = validate_run(model, data, launch, env)
-    paths = run_paths(env, run)
-    refuse_if_running(paths, node_rank)
-    program = plan_program(params, model, data, paths, env)
-    argv = render_torchrun_argv(launch, node_rank, python, program.argv)
-    child_env = program_environment(env, program, run, run_id, node_rank, paths)
-    log_path = paths.node_log(node_rank)
-    proc = processes.start_detached(argv, child_env, cwd, log_path)
-    record = processes.new_record(run, run_id, node_rank, host, proc, argv, log_path)
-    processes.write_pid_file(paths.node_pid_file(node_rank), record)
+def node_start(plan: NodePlan, node_env: Mapping[str, str]) -> dict:
+    """Start the plan's torchrun detached, exactly as planned, and record it."""
+    pid_path, log_path = Path(plan.pid_path), Path(plan.log_path)
+    refuse_if_running(pid_path, plan.run, plan.node_rank)
+    proc = processes.start_detached(plan.argv, plan.process_environment(node_env), plan.cwd, log_path)
+    record = processes.new_record(plan.run, plan.run_id, plan.node_rank, plan.host, proc, plan.argv, log_path)
+    processes.write_pid_file(pid_path, record)
     deadline = time.monotonic() + START_SETTLE_S
     while time.monotonic() < deadline:
         code = proc.poll()
         if code is not None:
-            processes.stop_run(run, node_rank, host, paths.node_pid_file(node_rank), grace_s=1.0)
+            processes.stop_run(plan.run, plan.node_rank, plan.host, pid_path, grace_s=1.0)
             raise NodeError(f"torchrun exited with code {code} at start; last log lines:\n{tail(log_path, 15)}")
         time.sleep(0.1)
-    return {"node_rank": node_rank, "host": host, "pid": record.pid, "pgid": record.pgid, "log": str(log_path), "run_id": run_id}
+    return {"node_rank": plan.node_rank, "host": plan.host, "pid": record.pid, "pgid": record.pgid,
+            "log": str(log_path), "run_id": plan.run_id}
 
 
-def node_stop(run: str, node_rank: int, host: str, env: Mapping[str, str], grace_s: float) -> dict:
-    paths = run_paths(env, run)
-    result = processes.stop_run(run, node_rank, host, paths.node_pid_file(node_rank), grace_s)
-    out = dict(result.__dict__)
-    out["ok"] = result.ok
-    return out
+def node_stop(paths: RunPaths, node_rank: int, host: str, grace_s: float) -> dict:
+    result = processes.stop_run(paths.run, node_rank, host, paths.node_pid_file(node_rank), grace_s)
+    return {**result.__dict__, "ok": result.ok}
 
 
 def tail(path: Path, lines: int, max_bytes: int = 65536) -> str:
@@ -122,35 +86,23 @@ def tail(path: Path, lines: int, max_bytes: int = 65536) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _megatron_lm_tokens_per_s(text: str, paths: RunPaths) -> list[str]:
-    """tokens/s from Megatron-LM's own iteration lines (no progress line there)."""
-    import yaml
-
-    from megatron_ext.megatron_lm_log import parse_log
-
-    if not paths.params_path.is_file():
-        return []
-    seq = (yaml.safe_load(paths.params_path.read_text()) or {}).get("training", {}).get("seq_length")
-    records, _ = parse_log(text, seq)
-    return [str(records[-1].tokens_per_s)] if records and records[-1].tokens_per_s else []
-
-
-def node_status(run: str, node_rank: int, host: str, env: Mapping[str, str]) -> dict:
-    paths = run_paths(env, run)
+def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | None) -> dict:
+    """Alive or not, and the last iteration line of the node's log (either engine's), read
+    with the one iteration-line parser; ``seq_length`` turns step time into tokens/s."""
     record = processes.read_pid_file(paths.node_pid_file(node_rank))
     alive = bool(record and processes.record_is_alive(record))
     text = tail(paths.node_log(node_rank), 200)
-    iterations = _ITERATION_RE.findall(text)
-    tokens = _TOKENS_RE.findall(text) or _megatron_lm_tokens_per_s(text, paths)
+    records, _ = parse_log(text, seq_length)
+    last = records[-1] if records else None
     lines = [l for l in text.splitlines() if l.strip()]
     return {
         "node_rank": node_rank,
         "host": host,
         "alive": alive,
         "pid": record.pid if record else None,
-        "last_iteration": int(iterations[-1][0]) if iterations else None,
-        "train_iters": int(iterations[-1][1]) if iterations else None,
-        "tokens_per_s": float(tokens[-1].replace(",", "")) if tokens else None,
+        "last_iteration": last.iteration if last else None,
+        "train_iters": last.train_iters if last else None,
+        "tokens_per_s": last.tokens_per_s if last and last.tokens_per_s else None,
         "last_line": lines[-1][-160:] if lines else "",
         "log": str(paths.node_log(node_rank)),
     }

@@ -1,19 +1,26 @@
-"""Plans: what each node runs (torchrun argv + environment) and how the launcher reaches it.
+"""The start plan: what every node runs, built once, printed by ``DRY_RUN=1``, executed as printed.
 
     DRY_RUN=1 HOSTS=node0,node1 python -m orchestration start gpt_smoke smoke demo
 
-Pure: takes a :class:`LaunchEnv`, names and paths, returns argv lists and mappings. Every remote
-command is built from argv lists and ``shlex.quote``; a RUN name is checked before it gets here
-and is never pasted into a shell unquoted.
+Plan, then execute (torchx / NeMo-Run): :func:`build_start_plan` returns a :class:`StartPlan`
+(the run id, and per node the host, the torchrun argv, the full environment the launcher sets
+for the node's processes including the run tags, the variables it removes, the working
+directory, the log and pid-file paths). ``DRY_RUN=1`` prints each :class:`NodePlan` as one JSON
+line; ``start`` sends each node its own plan, and the node side only checks, starts it detached
+and writes the pid file; ``train`` execs its node's plan in the foreground. Pure.
 """
 
 from __future__ import annotations
 
-import shlex
-from dataclasses import dataclass
-from typing import Sequence
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Mapping, Sequence
 
-from orchestration.launch_env import DEFAULT_SSH_CONNECT_TIMEOUT_S, LaunchEnv
+from megatron_ext.spec.params import BatchGeometry, RunParams
+from megatron_ext.spec.resolved import ResolvedRun, RunRuntime
+from megatron_ext.spec.run_paths import RunPaths
+from orchestration.engines import ProgramPlan
+from orchestration.launch_env import LaunchEnv
 
 RUN_TAG = "LAUNCHER_RUN"
 RUN_ID_TAG = "LAUNCHER_RUN_ID"
@@ -22,15 +29,46 @@ NODE_TAG = "LAUNCHER_NODE_RANK"
 
 @dataclass(frozen=True)
 class NodePlan:
+    """One node's part of a start: everything the node side needs, nothing it works out again."""
+
+    run: str
+    run_id: str
     node_rank: int
     host: str
     argv: tuple[str, ...]
     """The torchrun command this node runs."""
     env: dict[str, str]
-    """Variables set for it on top of the node's own environment."""
+    """Variables set for every process of the run on this node, on top of the node's own
+    environment (launcher variables, forwarded variables, the program's, the run tags)."""
+    unset: tuple[str, ...]
+    """Variables removed from the node's own environment (e.g. CUDA_DEVICE_MAX_CONNECTIONS for
+    Megatron-FSDP)."""
+    cwd: str
+    log_path: str
+    pid_path: str
 
-    def as_json(self) -> dict:
-        return {"node_rank": self.node_rank, "host": self.host, "argv": list(self.argv), "env": self.env}
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "NodePlan":
+        raw = json.loads(text)
+        raw["argv"], raw["unset"] = tuple(raw["argv"]), tuple(raw["unset"])
+        return cls(**raw)
+
+    def process_environment(self, node_env: Mapping[str, str]) -> dict[str, str]:
+        """The environment of torchrun on the node: the node's own, less ``unset``, plus ``env``."""
+        return {**{k: v for k, v in node_env.items() if k not in self.unset}, **self.env}
+
+
+@dataclass(frozen=True)
+class StartPlan:
+    run: str
+    run_id: str
+    resolved: ResolvedRun
+    """Written to the run's params file at start."""
+    geometry: BatchGeometry
+    nodes: tuple[NodePlan, ...] = field(default_factory=tuple)
 
 
 def render_torchrun_argv(launch: LaunchEnv, node_rank: int, python: str, program: Sequence[str]) -> list[str]:
@@ -47,70 +85,46 @@ def render_torchrun_argv(launch: LaunchEnv, node_rank: int, python: str, program
     ]
 
 
-def node_environment(launch: LaunchEnv, node_rank: int, program_env: dict[str, str | None] | None = None) -> dict[str, str]:
-    """The environment every node gets: launcher variables + the forwarded ones (+ the
-    program's own settings; a None there removes a forwarded variable)."""
-    env = dict(launch.forwarded)
-    for key, value in (program_env or {}).items():
-        env.pop(key, None)
-        if value is not None:
-            env[key] = value
+def node_environment(launch: LaunchEnv, node_rank: int, run: str, run_id: str,
+                     program_env: Mapping[str, str | None]) -> tuple[dict[str, str], tuple[str, ...]]:
+    """(variables set, variables removed) for every process of the run on node ``node_rank``."""
+    env = {k: v for k, v in launch.forwarded.items() if k not in program_env}
+    env.update({k: v for k, v in program_env.items() if v is not None})
     env.update(
         NNODES=str(launch.nnodes),
         NODE_RANK=str(node_rank),
         NPROC_PER_NODE=str(launch.nproc_per_node),
         MASTER_ADDR=launch.master_addr,
         MASTER_PORT=str(launch.master_port),
+        ARTIFACT_ROOT=str(launch.artifact_root),
+        PYTHONUNBUFFERED="1",
+        **{RUN_TAG: run, RUN_ID_TAG: run_id, NODE_TAG: str(node_rank)},
     )
-    if launch.zero_stage is not None:
-        env["ZERO_STAGE"] = str(launch.zero_stage)
-    return env
+    unset = tuple(sorted(k for k, v in program_env.items() if v is None))
+    return env, unset
 
 
-def build_node_plans(launch: LaunchEnv, python: str, program: Sequence[str],
-                     program_env: dict[str, str | None] | None = None) -> list[NodePlan]:
-    return [
-        NodePlan(rank, host, tuple(render_torchrun_argv(launch, rank, python, program)), node_environment(launch, rank, program_env))
-        for rank, host in enumerate(launch.hosts)
-    ]
+def build_start_plan(launch: LaunchEnv, params: RunParams, geometry: BatchGeometry, program: ProgramPlan,
+                     run: str, run_id: str, nodes: Sequence[tuple[int, str]], python: str, cwd: str) -> StartPlan:
+    """The plan for ``nodes`` ((node rank, host) pairs) of a run of ``params`` (global batch
+    already applied) running ``program``."""
+    paths = RunPaths(launch.artifact_root, run)
+    node_plans = []
+    for rank, host in nodes:
+        env, unset = node_environment(launch, rank, run, run_id, program.env)
+        node_plans.append(NodePlan(
+            run=run, run_id=run_id, node_rank=rank, host=host,
+            argv=tuple(render_torchrun_argv(launch, rank, python, program.argv)), env=env, unset=unset, cwd=cwd,
+            log_path=str(paths.node_log(rank)), pid_path=str(paths.node_pid_file(rank)),
+        ))
+    runtime = RunRuntime(
+        run=run, run_id=run_id, engine=program.engine, nnodes=launch.nnodes, nproc_per_node=launch.nproc_per_node,
+        hosts=tuple(launch.hosts), gradient_accumulation_steps=geometry.accumulation_steps,
+        program_argv=tuple(program.argv), program_env=dict(program.env),
+    )
+    return StartPlan(run, run_id, ResolvedRun(params, runtime), geometry, tuple(node_plans))
 
 
 def orchestration_argv(python: str, command: str, *args: str) -> list[str]:
     """A node-side orchestration command (``node-start``, ``node-stop``, ...)."""
     return [python, "-m", "orchestration", command, *args]
-
-
-def remote_shell_command(argv: Sequence[str], env: dict[str, str], cwd: str) -> str:
-    """One quoted shell line: ``cd CWD && exec env K=V ... ARGV`` (for ssh)."""
-    assignments = [f"{k}={v}" for k, v in env.items()]
-    return f"cd {shlex.quote(cwd)} && exec env " + " ".join(shlex.quote(a) for a in [*assignments, *argv])
-
-
-def ssh_argv(launch: LaunchEnv, host: str, command: str) -> list[str]:
-    return [
-        "ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={DEFAULT_SSH_CONNECT_TIMEOUT_S}",
-        *launch.ssh_opts, host, "--", command,
-    ]
-
-
-def docker_exec_argv(container: str, argv: Sequence[str], env: dict[str, str], cwd: str) -> list[str]:
-    flags: list[str] = ["-w", cwd]
-    for k, v in env.items():
-        flags += ["-e", f"{k}={v}"]
-    return ["docker", "exec", *flags, container, *argv]
-
-
-def transport_argv(launch: LaunchEnv, host: str, argv: Sequence[str], env: dict[str, str], cwd: str) -> list[str]:
-    """How this machine runs ``argv`` with ``env`` in ``cwd`` on ``host``.
-
-    local: the argv itself (env and cwd are applied by the caller); ssh: one quoted command
-    line; CONTAINER_NAME: ``docker exec`` into the container, over ssh for remote hosts.
-    """
-    if launch.container_name:
-        inner = docker_exec_argv(launch.container_name, argv, env, cwd)
-        if launch.is_local(host):
-            return inner
-        return ssh_argv(launch, host, " ".join(shlex.quote(a) for a in inner))
-    if launch.is_local(host):
-        return list(argv)
-    return ssh_argv(launch, host, remote_shell_command(argv, env, cwd))

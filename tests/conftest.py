@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-REFERENCE = REPO.parent / "shared" / "reference"
+TEST_DATA = REPO / "tests" / "data"
 
 
 def free_port() -> int:
@@ -82,12 +82,13 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.5, what: str = "
 
 
 def last_iteration(log: Path) -> int:
-    import re
+    """The last iteration a node log shows, read with the project's one iteration-line parser."""
+    from megatron_ext.spec.iteration_log import parse_log
 
     if not log.exists():
         return 0
-    found = re.findall(r"iteration\s+(\d+)/", log.read_text(errors="replace"))
-    return int(found[-1]) if found else 0
+    records, _ = parse_log(log.read_text(errors="replace"))
+    return records[-1].iteration if records else 0
 
 
 def write_data_set(path: Path, train_iters: int, global_batch: int = 16) -> str:

@@ -9,10 +9,13 @@ import sys
 
 import pytest
 
-from megatron_ext.artifacts import check_run_name
-from megatron_ext.params import ParamsError
+from megatron_ext.spec.run_paths import check_run_name
+from megatron_ext.spec.errors import UserError
+from megatron_ext.spec.params import load_run_params, with_batch_geometry
+from orchestration.engines import ProgramPlan
 from orchestration.launch_env import read_launch_env, visible_gpu_count
-from orchestration.plan import build_node_plans, docker_exec_argv, transport_argv
+from orchestration.plan import NodePlan, build_start_plan
+from orchestration.transports import docker_exec_argv, transport_argv
 
 from conftest import REPO, clean_env
 
@@ -43,34 +46,51 @@ def test_hosts_give_ranks_and_master(tmp_path):
     ({"HOSTFILE": "/nonexistent/hosts"}, "HOSTFILE=/nonexistent/hosts does not exist"),
 ])
 def test_bad_launch_env(env, message):
-    with pytest.raises(ParamsError, match=None) as err:
+    with pytest.raises(UserError, match=None) as err:
         read_launch_env(env)
     assert message in str(err.value)
 
 
 @pytest.mark.parametrize("run", ["has space", "semi;colon", "", "-dash", "a" * 200, "quote'", "$(x)"])
 def test_bad_run_names(run):
-    with pytest.raises(ParamsError, match="is not a valid run name"):
+    with pytest.raises(UserError, match="is not a valid run name"):
         check_run_name(run)
+
+
+def _plan(env: dict, program_env: dict | None = None):
+    launch = read_launch_env(env)
+    params, geometry = with_batch_geometry(load_run_params("gpt_smoke", "smoke", launch.overrides), launch.world_size)
+    program = ProgramPlan("megatron-core", ("-m", "megatron_ext.pretrain", "--run-name", "r1"), program_env or {})
+    return build_start_plan(launch, params, geometry, program, "r1", "r1-abc", list(enumerate(launch.hosts)),
+                            "/usr/bin/python3", "/work")
 
 
 def test_node_plans_fix_node_rank_and_forward_environment():
     env = {"HOSTS": "n0,n1", "NPROC_PER_NODE": "8", "ZERO_STAGE": "1", "NCCL_IB_HCA": "mlx5", "GLOO_SOCKET_IFNAME": "eth0",
            "CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "PYTHONPATH": "/x",
-           "MEGATRON_LM_DIR": "/m", "PATH": "/bin", "VIRTUAL_ENV": "/venv", "CONDA_PREFIX": "/c", "HOME": "/root", "SECRET": "no"}
-    plans = build_node_plans(read_launch_env(env), "/usr/bin/python3", ["-m", "megatron_ext.pretrain", "--run-name", "r1"])
-    assert [p.node_rank for p in plans] == [0, 1]
-    for p in plans:
+           "MEGATRON_LM_DIR": "/m", "PATH": "/bin", "VIRTUAL_ENV": "/venv", "CONDA_PREFIX": "/c", "HOME": "/root", "SECRET": "no",
+           "ARTIFACT_ROOT": "/shared/art", "global_batch": "ignored"}
+    plan = _plan(env, {"CUDA_DEVICE_MAX_CONNECTIONS": None})
+    assert [p.node_rank for p in plan.nodes] == [0, 1] and plan.run_id == "r1-abc"
+    assert plan.geometry.describe() == "micro 4 x dp 16 x accumulation 2 = global 128"  # smoke: 2 micro-batches per replica
+    for p in plan.nodes:
         argv = list(p.argv)
         assert argv[:3] == ["/usr/bin/python3", "-m", "torch.distributed.run"]
         assert argv[argv.index("--node-rank") + 1] == str(p.node_rank)
         assert argv[argv.index("--nnodes") + 1] == "2" and argv[argv.index("--master-addr") + 1] == "n0"
         assert "--rdzv-backend" not in argv  # static rendezvous: ranks follow --node-rank
-        assert p.env["NODE_RANK"] == str(p.node_rank) and p.env["ZERO_STAGE"] == "1"
-        for key in ("NCCL_IB_HCA", "GLOO_SOCKET_IFNAME", "CUDA_DEVICE_MAX_CONNECTIONS", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        assert p.env["NODE_RANK"] == str(p.node_rank) and p.env["ARTIFACT_ROOT"] == "/shared/art"
+        assert (p.env["LAUNCHER_RUN"], p.env["LAUNCHER_RUN_ID"], p.env["LAUNCHER_NODE_RANK"]) == ("r1", "r1-abc", str(p.node_rank))
+        assert p.log_path == f"/shared/art/logs/r1_node{p.node_rank}.log" and p.pid_path.endswith(f"run_state/r1_node{p.node_rank}.pid")
+        for key in ("NCCL_IB_HCA", "GLOO_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
                     "PYTHONPATH", "MEGATRON_LM_DIR", "PATH", "VIRTUAL_ENV", "CONDA_PREFIX"):
             assert p.env[key] == env[key]
         assert "HOME" not in p.env and "SECRET" not in p.env
+        # The program's stage environment wins over a forwarded variable: Megatron-FSDP needs it unset.
+        assert "CUDA_DEVICE_MAX_CONNECTIONS" not in p.env and p.unset == ("CUDA_DEVICE_MAX_CONNECTIONS",)
+        assert p.process_environment({"CUDA_DEVICE_MAX_CONNECTIONS": "1", "HOME": "/h"}) == {"HOME": "/h", **p.env}
+        assert NodePlan.from_json(p.to_json()) == p
+    assert plan.resolved.runtime.world_size == 16 and plan.resolved.params.training.global_batch_size == 128
 
 
 def test_ssh_transport_quotes_everything():
@@ -106,6 +126,8 @@ def test_dry_run_prints_one_json_line_per_node_and_starts_nothing(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(l) for l in proc.stdout.splitlines()]
     assert [(l["node_rank"], l["host"]) for l in lines] == [(0, "node0"), (1, "node1")]
-    assert set(lines[0]) == {"node_rank", "host", "argv", "env"}
-    assert lines[1]["env"]["ZERO_STAGE"] == "3" and lines[1]["env"]["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert set(lines[0]) == {"run", "run_id", "node_rank", "host", "argv", "env", "unset", "cwd", "log_path", "pid_path"}
+    argv = lines[1]["argv"]
+    assert argv[argv.index("--zero-stage") + 1] == "3" and lines[1]["env"]["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert lines[1]["env"]["ARTIFACT_ROOT"] == str(tmp_path) and lines[1]["unset"] == ["CUDA_DEVICE_MAX_CONNECTIONS"]
     assert not (tmp_path / "run_state").exists() and not (tmp_path / "logs").exists()

@@ -109,7 +109,8 @@ os.execvpe(cmd[0], cmd, env)
         assert commands == [["orchestration", "node-check"], ["orchestration", "node-start"]]
         first = calls[1]
         assert first[:4] == ["exec", "-w", str(REPO), "-e"]
-        assert f"ARTIFACT_ROOT={artifact_root}" in first and "NODE_RANK=0" in first and "NNODES=1" in first
+        plan = json.loads(first[first.index("--plan") + 1])  # the node's whole plan travels with the command
+        assert plan["env"]["ARTIFACT_ROOT"] == str(artifact_root) and plan["env"]["NODE_RANK"] == "0" and plan["env"]["NNODES"] == "1"
         python = first[first.index("megatron-training") + 1]  # the start command's interpreter, by path
         assert os.path.isabs(python) and os.path.realpath(python) == os.path.realpath(sys.executable)
         wait_for(lambda: tagged_pids("in_container"), 30, what="the run's processes")
@@ -128,7 +129,7 @@ os.execvpe(cmd[0], cmd, env)
     ({}, ("gpt_smoke", "smoke", "bad;run"), "is not a valid run name"),
     ({}, ("gpt9", "smoke", "r"), "unknown model 'gpt9'"),
     ({"ZERO_STAGE": "7"}, ("gpt_smoke", "smoke", "r"), "ZERO_STAGE='7' is not a ZeRO stage"),
-    ({"NPROC_PER_NODE": "3"}, ("gpt_smoke", "smoke", "r"), "global_batch_size=16 is not divisible by micro_batch_size(4) x data_parallel_size(3)"),
+    ({"NPROC_PER_NODE": "3"}, ("gpt_smoke", "gpt2_smoke", "r"), "global_batch_size=64 is not divisible by micro_batch_size(2) x data_parallel_size(3)"),
 ])
 def test_bad_input_starts_nothing(env, artifact_root, extra, args, message):
     proc = run_script("start_training.sh", *args, env={**env, **extra}, timeout=60)

@@ -1,5 +1,5 @@
 """ENGINE=megatron-lm: pretrain_gpt.py arguments rendered from the same params and ZeRO table,
-checked against Megatron-LM's real flag lists (shared/reference) and against checkouts."""
+checked against Megatron-LM's real flag lists (tests/data/megatron_lm) and against checkouts."""
 
 from __future__ import annotations
 
@@ -10,14 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.artifacts import RunPaths
-from megatron_ext.megatron_lm_args import check_flags, render_pretrain_gpt, split_flags
-from megatron_ext.megatron_lm_checkout import read_checkout
-from megatron_ext.megatron_lm_log import parse_log
-from megatron_ext.params import ParamsError, list_models, load_run_params
-from megatron_ext.prepare_data import planned_prepared
+from megatron_ext.spec.resolved import ResolvedRun, RunRuntime, read_resolved, write_resolved
+from megatron_ext.spec.run_paths import RunPaths
+from orchestration.engines.megatron_lm_args import check_flags, render_pretrain_gpt, split_flags
+from orchestration.engines.megatron_lm_checkout import read_checkout
+from megatron_ext.spec.iteration_log import parse_log
+from megatron_ext.spec.errors import UserError
+from megatron_ext.spec.params import RunOverrides, list_models, load_run_params, with_batch_geometry
+from megatron_ext.data.prepare import planned_prepared
 
-from conftest import REFERENCE, REPO, clean_env
+from conftest import REPO, TEST_DATA, clean_env
 
 STAGE_FLAGS = {  # facts.md, exactly
     0: [],
@@ -29,9 +31,7 @@ DATA_FOR = {"gpt_smoke": "smoke", "gpt2": "gpt2_smoke", "qwen3_1p7b": "qwen3_1p7
 
 
 def reference_flags(name: str) -> dict[str, tuple[str, ...]]:
-    path = REFERENCE / name
-    if not path.is_file():
-        pytest.fail(f"{path} is missing: the shared reference must lie beside the checkout")
+    path = TEST_DATA / "megatron_lm" / name
     flags = {}
     for line in path.read_text().splitlines():
         if line.startswith("--"):
@@ -41,7 +41,7 @@ def reference_flags(name: str) -> dict[str, tuple[str, ...]]:
 
 
 def render(model: str, data: str, stage: int, version=(0, 16), tmp=Path("/tmp/artifacts"), run="r"):
-    params = load_run_params(model, data, {"ZERO_STAGE": str(stage), "ENGINE": "megatron-lm"})
+    params = with_batch_geometry(load_run_params(model, data, RunOverrides(stage, "megatron-lm")), 2)[0]
     paths = RunPaths(tmp, run)
     return render_pretrain_gpt(params, planned_prepared(params.data, paths.data_cache_dir), paths, version)
 
@@ -136,13 +136,13 @@ def test_fake_checkout_refuses_a_missing_flag_and_a_bad_choice(tmp_path):
     flags = [f for f in all_rendered_flags() if f != "--qk-layernorm"]
     checkout = read_checkout(write_checkout(tmp_path / "a", (0, 16, 1), flags))
     r = render("qwen3_1p7b", "qwen3_1p7b_smoke", 0, checkout.version[:2])
-    with pytest.raises(ParamsError, match=r"Megatron-LM 0.16.1 does not define --qk-layernorm"):
+    with pytest.raises(UserError, match=r"Megatron-LM 0.16.1 does not define --qk-layernorm"):
         check_flags(r.args, checkout.flags, checkout.version_text)
     old = read_checkout(write_checkout(tmp_path / "b", (0, 14, 0), [f if f != "--use-megatron-fsdp" else "--use-custom-fsdp" for f in all_rendered_flags()]))
     r = render("qwen3_1p7b", "qwen3_1p7b_smoke", 3, (0, 14))
-    with pytest.raises(ParamsError, match=r"does not define --use-megatron-fsdp; the checkout has --use-custom-fsdp"):
+    with pytest.raises(UserError, match=r"does not define --use-megatron-fsdp; the checkout has --use-custom-fsdp"):
         check_flags(r.args, old.flags, old.version_text)
-    with pytest.raises(ParamsError, match=r"--lr-decay-style linear is not accepted by Megatron-LM 0.16.1: choices are constant, cosine"):
+    with pytest.raises(UserError, match=r"--lr-decay-style linear is not accepted by Megatron-LM 0.16.1: choices are constant, cosine"):
         check_flags(["--lr-decay-style", "linear"], checkout.flags, checkout.version_text)
 
 
@@ -168,7 +168,7 @@ def test_generated_flags_from_config_dataclasses(tmp_path):
 
 
 def test_not_a_checkout(tmp_path):
-    with pytest.raises(ParamsError, match="has no pretrain_gpt.py"):
+    with pytest.raises(UserError, match="has no pretrain_gpt.py"):
         read_checkout(tmp_path)
 
 
@@ -228,11 +228,14 @@ def test_compare_and_status_read_megatron_lm_logs(tmp_path):
     (root / "logs").mkdir()
     (root / "logs" / "lm_node0.log").write_text("rank 0 says nothing\n")
     (root / "logs" / "lm_node1.log").write_text(LOG)
-    (root / "logs" / "lm_params.yaml").write_text("training: {seq_length: 4096, zero_stage: 1}\nruntime: {world_size: 32}\n")
+    params = with_batch_geometry(load_run_params("qwen3_1p7b", "qwen3_1p7b_smoke", RunOverrides(1, "megatron-lm")), 32)[0]
+    runtime = RunRuntime(run="lm", run_id="lm-1", engine="megatron-lm", nnodes=4, nproc_per_node=8, hosts=("a", "b", "c", "d"),
+                         gradient_accumulation_steps=1, program_argv=("pretrain_gpt.py",))
+    write_resolved(RunPaths(root, "lm").params_path, ResolvedRun(params, runtime))
     [summary] = compare_runs(root, ["lm"])
     assert summary.iterations == 5 and summary.zero_stage == 1 and summary.world_size == 32
     assert summary.last_loss == pytest.approx(9.5)
-    status = node_status("lm", 1, "n1", {"ARTIFACT_ROOT": str(root)})
+    status = node_status(RunPaths(root, "lm"), 1, "n1", 4096)
     assert status["last_iteration"] == 5 and status["tokens_per_s"] == pytest.approx(32 * 4096 / 1.01)
 
 
@@ -273,7 +276,7 @@ def test_launcher_runs_the_checkout_and_reads_its_logs(tmp_path):
     assert start.returncode == 0, start.stdout + start.stderr
     wait_for(lambda: not tagged_pids("lm_run"), 120, what="the stand-in to finish")
     seen = json.loads((checkout / "seen_rank0.json").read_text())
-    params = load_run_params("gpt_smoke", str(data), {"ZERO_STAGE": "3", "ENGINE": "megatron-lm"})
+    params = with_batch_geometry(load_run_params("gpt_smoke", str(data), RunOverrides(3, "megatron-lm")), 2)[0]
     prepared = planned_prepared(params.data, root / "data_cache")
     assert Path(prepared.prefixes[0] + ".bin").is_file()  # the start command prepared the corpus
     assert seen["argv"] == render_pretrain_gpt(params, prepared, RunPaths(root, "lm_run"), (0, 16)).args
@@ -283,3 +286,6 @@ def test_launcher_runs_the_checkout_and_reads_its_logs(tmp_path):
     assert node["last_iteration"] == 6 and node["tokens_per_s"] == pytest.approx(16 * 128 / 0.2)
     compare = run_script("compare_runs.sh", "lm_run", env=env)
     assert compare.returncode == 0 and "lm_run" in compare.stdout and "1.6667" in compare.stdout, compare.stdout
+    resolved = read_resolved(RunPaths(root, "lm_run").params_path)  # written once by the launcher, read back typed
+    assert resolved.params == params and resolved.runtime.engine == "megatron-lm" and resolved.runtime.world_size == 2
+    assert list(resolved.runtime.program_argv) == [str(checkout / "pretrain_gpt.py"), *seen["argv"]]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.gpt_model import count_parameters, padded_vocab_size
-from megatron_ext.metrics import flops_per_token, format_iteration_line, IterationRecord
-from megatron_ext.params import load_model
+from megatron_ext.spec.flops import flops_per_token, padded_vocab_size
+from megatron_ext.spec.iteration_log import IterationRecord, format_iteration_line, parse_iteration_line
+from megatron_ext.training.model import count_parameters
+from megatron_ext.spec.params import load_model
 
 
 def test_qwen3_1p7b_exact():
@@ -37,8 +38,20 @@ def test_iteration_line_is_megatron_format():
                         world_size=2, zero_stage=1)
     line = format_iteration_line(r, timestamp="2026-01-01 00:00:00")
     assert line == (
-        "[2026-01-01 00:00:00] iteration        3/      10 | consumed samples:           48 | "
+        " [2026-01-01 00:00:00] iteration        3/      10 | consumed samples:           48 | "
         "elapsed time per iteration (ms): 456.7 | throughput per GPU (TFLOP/s/GPU): 12.3 | "
         "learning rate: 3.000000E-04 | global batch size:    16 | lm loss: 7.500000E+00 | loss scale: 1.0 | "
         "grad norm: 1.250 | number of skipped iterations:   0 | number of nan iterations:   0 |"
     )
+
+
+def test_iteration_line_round_trip():
+    """The one parser reads back what the program prints (both engines print this line)."""
+    r = IterationRecord(iteration=7, train_iters=30, consumed_samples=112, lm_loss=6.123456, lr=2.5e-3, grad_norm=0.75,
+                        step_time_s=0.25, tokens_per_s=16 * 128 / 0.25, tflops_per_gpu=0.1, global_batch_size=16,
+                        world_size=2, zero_stage=3)
+    back = parse_iteration_line(format_iteration_line(r), seq_length=128, world_size=2, zero_stage=3)
+    for field in ("iteration", "train_iters", "consumed_samples", "global_batch_size", "world_size", "zero_stage"):
+        assert getattr(back, field) == getattr(r, field), field
+    for field in ("lm_loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "tflops_per_gpu"):
+        assert getattr(back, field) == pytest.approx(getattr(r, field), rel=1e-3), field

@@ -8,8 +8,11 @@ import json
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
+
+from orchestration.processes import process_environ
 
 from netns_cluster import NamespaceCluster, missing_prerequisites
 from conftest import clean_env, last_iteration, run_script, run_torchrun, tagged_pids, wait_for, write_data_set
@@ -43,12 +46,25 @@ def wait_until_ended(run: str, timeout_s: float) -> None:
 
 def test_two_nodes_over_ssh_train_and_match_one_node(cluster_env, artifact_root, tmp_path):
     data = write_data_set(tmp_path / "short.yaml", train_iters=8)
+    dry = run_script("start_multinode_training.sh", "gpt_smoke", data, "mn_short", env={**cluster_env, "DRY_RUN": "1"})
+    assert dry.returncode == 0, dry.stderr
+    planned = [json.loads(l) for l in dry.stdout.splitlines()]
     start = run_script("start_multinode_training.sh", "gpt_smoke", data, "mn_short", env=cluster_env)
     assert start.returncode == 0, start.stdout + start.stderr
     assert "[node0 node0] started" in start.stdout and "[node1 node1] started" in start.stdout
+    assert "micro 4 x dp 4 x accumulation 1 = global 16" in start.stdout
     for rank in (0, 1):
         record = json.loads((artifact_root / "run_state" / f"mn_short_node{rank}.pid").read_text())
         assert record["host"] == f"node{rank}" and record["node_rank"] == rank
+        # What runs is what the dry run printed: torchrun's command line and the launcher's
+        # variables in its environment (the run id aside: each start draws a new one).
+        plan = planned[rank]
+        assert Path(f"/proc/{record['pid']}/cmdline").read_bytes().split(b"\0")[:-1] == [a.encode() for a in plan["argv"]]
+        environ = process_environ(record["pid"])
+        assert environ["LAUNCHER_RUN_ID"] == record["run_id"] != plan["run_id"]
+        assert {k: v for k, v in environ.items() if k in plan["env"] and k != "LAUNCHER_RUN_ID"} == \
+            {k: v for k, v in plan["env"].items() if k != "LAUNCHER_RUN_ID"}
+        assert not set(plan["unset"]) & set(environ)
     wait_until_ended("mn_short", 300)
     for rank in (0, 1):
         log = (artifact_root / "logs" / f"mn_short_node{rank}.log").read_text()

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.params import (
-    ParamsError, TrainingParams, check_batch_geometry, list_data_sets, list_models, load_run_params,
+from megatron_ext.spec.errors import UserError
+from megatron_ext.spec.params import (
+    RunOverrides, TrainingParams, batch_geometry, list_data_sets, list_models, load_run_params, read_overrides,
 )
-from megatron_ext.pretrain import learning_rate
-from megatron_ext.zero import ZeroStage, parse_zero_stage
+from megatron_ext.training.loop import learning_rate
+from megatron_ext.spec.zero import ZeroStage, parse_zero_stage
 
 
 @pytest.mark.parametrize("model", list_models())
 @pytest.mark.parametrize("data", list_data_sets())
 def test_every_model_loads_with_every_data_set(model, data):
-    p = load_run_params(model, data, env={})
+    p = load_run_params(model, data)
     assert p.training.seq_length <= p.model.max_position_embeddings
     assert p.training.zero_stage == 0
 
@@ -27,16 +28,19 @@ def test_required_presets_exist():
 def test_smoke_shrinks_sequence_to_model_positions(tmp_path):
     model = tmp_path / "short.yaml"
     model.write_text("num_layers: 1\nhidden_size: 32\nffn_hidden_size: 64\nnum_attention_heads: 2\nmax_position_embeddings: 64\n")
-    assert load_run_params(str(model), "smoke", env={}).training.seq_length == 64
+    assert load_run_params(str(model), "smoke").training.seq_length == 64
 
 
 def test_zero_stage_from_environment_overrides_params():
-    assert load_run_params("gpt_smoke", "smoke", env={"ZERO_STAGE": "3"}).training.zero_stage == 3
+    assert load_run_params("gpt_smoke", "smoke", read_overrides({"ZERO_STAGE": "3"})).training.zero_stage == 3
+    assert load_run_params("gpt_smoke", "smoke", RunOverrides(engine="megatron-lm")).training.engine == "megatron-lm"
+    with pytest.raises(UserError, match="ENGINE='deepspeed' is not an engine"):
+        read_overrides({"ENGINE": "deepspeed"})
 
 
 @pytest.mark.parametrize("value", ["7", "-1", "two", "1.5", ""])
 def test_bad_zero_stage_is_one_clear_error(value):
-    with pytest.raises(ParamsError, match="is not a ZeRO stage; use 0"):
+    with pytest.raises(UserError, match="is not a ZeRO stage; use 0"):
         parse_zero_stage(value)
 
 
@@ -47,29 +51,29 @@ def test_zero_stage_values():
 def test_unknown_yaml_key_names_key_and_known_keys(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("data: {source: embedded}\ntraining: {micro_batch_sise: 4}\n")
-    with pytest.raises(ParamsError, match=r"unknown key 'micro_batch_sise'.*known keys:.*micro_batch_size"):
-        load_run_params("gpt_smoke", str(bad), env={})
+    with pytest.raises(UserError, match=r"unknown key 'micro_batch_sise'.*known keys:.*micro_batch_size"):
+        load_run_params("gpt_smoke", str(bad))
 
 
 def test_unknown_model_lists_choices():
-    with pytest.raises(ParamsError, match=r"unknown model 'gpt5'.*gpt_smoke"):
-        load_run_params("gpt5", "smoke", env={})
+    with pytest.raises(UserError, match=r"unknown model 'gpt5'.*gpt_smoke"):
+        load_run_params("gpt5", "smoke")
 
 
 def test_wrong_type_is_named(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("training: {train_iters: ten}\n")
-    with pytest.raises(ParamsError, match=r"train_iters='ten' must be int"):
-        load_run_params("gpt_smoke", str(bad), env={})
+    with pytest.raises(UserError, match=r"train_iters='ten' must be int"):
+        load_run_params("gpt_smoke", str(bad))
 
 
 def test_batch_geometry_message_names_all_three():
     t = TrainingParams(micro_batch_size=16, global_batch_size=512)
-    with pytest.raises(ParamsError) as err:
-        check_batch_geometry(t, 24)
+    with pytest.raises(UserError) as err:
+        batch_geometry(t, 24)
     assert "global_batch_size=512 is not divisible by micro_batch_size(16) x data_parallel_size(24) = 384" in str(err.value)
     assert "global_batch_size=384" in str(err.value)
-    assert check_batch_geometry(t, 8) == 4
+    assert batch_geometry(t, 8).accumulation_steps == 4
 
 
 def test_learning_rate_warmup_then_cosine():
@@ -82,9 +86,9 @@ def test_learning_rate_warmup_then_cosine():
 
 
 def test_megatron_core_version_gate():
-    from megatron_ext.versions import check_megatron_core
+    from megatron_ext.training.versions import check_megatron_core
 
     assert check_megatron_core("0.16.1") == "0.16.1" and check_megatron_core("0.14.0rc1") == "0.14.0rc1"
     for old in ("0.13.1", "0.17.0", "1.0.0"):
-        with pytest.raises(ParamsError, match=r"outside the supported range 0.14.x-0.16.x \(tested: 0.16.1"):
+        with pytest.raises(UserError, match=r"outside the supported range 0.14.x-0.16.x \(tested: 0.16.1"):
             check_megatron_core(old)

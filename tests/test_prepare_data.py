@@ -9,10 +9,11 @@ import sys
 import numpy as np
 import pytest
 
-from megatron_ext.corpus import embedded_documents
-from megatron_ext.params import DataParams, ParamsError, TokenizerParams
-from megatron_ext.prepare_data import ensure_prepared
-from megatron_ext.tokenizers import SentencePieceTokenizer
+from megatron_ext.data.corpus import embedded_documents
+from megatron_ext.spec.errors import UserError
+from megatron_ext.spec.params import DataParams, TokenizerParams
+from megatron_ext.data.prepare import ensure_prepared
+from megatron_ext.data.tokenizers import SentencePieceTokenizer
 
 from conftest import REPO
 
@@ -34,7 +35,7 @@ def test_prepare_cli_from_jsonl_and_text(tmp_path):
     text.write_text("A plain text file is one document.\n" * 20)
     prefix = tmp_path / "out" / "corpus"
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_ext.prepare_data", "--input", str(jsonl), str(text),
+        [sys.executable, "-m", "megatron_ext.data.prepare", "--input", str(jsonl), str(text),
          "--output-prefix", str(prefix), "--vocab-size", "300", "--workers", "2"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
@@ -52,7 +53,7 @@ def test_bad_jsonl_line_is_named(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"txt": "no"}\n')
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_ext.prepare_data", "--input", str(bad), "--output-prefix", str(tmp_path / "x")],
+        [sys.executable, "-m", "megatron_ext.data.prepare", "--input", str(bad), "--output-prefix", str(tmp_path / "x")],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
@@ -61,7 +62,7 @@ def test_bad_jsonl_line_is_named(tmp_path):
 
 def test_missing_data_path_is_a_params_error(tmp_path):
     data = DataParams(source="files", paths=(str(tmp_path / "nope.jsonl"),))
-    with pytest.raises(ParamsError, match="nope.jsonl does not exist"):
+    with pytest.raises(UserError, match="nope.jsonl does not exist"):
         ensure_prepared(data, tmp_path)
 
 
@@ -82,7 +83,7 @@ def test_too_small_vocabulary_is_a_params_error(tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text("tiny corpus\n" * 10)
     data = DataParams(source="files", paths=(str(corpus),), tokenizer=TokenizerParams(vocab_size=50))
-    with pytest.raises(ParamsError, match="cannot train vocab_size=50"):
+    with pytest.raises(UserError, match="cannot train vocab_size=50"):
         ensure_prepared(data, tmp_path / "cache", workers=1)
 
 
@@ -113,8 +114,8 @@ def test_blend_of_two_prepared_datasets_with_weights_and_split(tmp_path):
 
     from megatron.core.datasets.blended_dataset import BlendedDataset
 
-    from megatron_ext.datasets import build_datasets
-    from megatron_ext.prepare_data import write_indexed_dataset
+    from megatron_ext.training.datasets import build_datasets
+    from megatron_ext.data.prepare import write_indexed_dataset
 
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("".join(f"alpha document {i} speaks of optimizers and shards\n" for i in range(300)))
@@ -128,7 +129,7 @@ def test_blend_of_two_prepared_datasets_with_weights_and_split(tmp_path):
     data = DataParams(source="files", paths=(str(prefix_a), str(prefix_b)), weights=(0.25, 0.75), split="90,10,0", tokenizer=shared)
     prepared = ensure_prepared(data, tmp_path / "cache")
     assert prepared.prefixes == (str(prefix_a), str(prefix_b)) and prepared.weights == (0.25, 0.75)
-    from megatron_ext.gpt_model import ensure_model_parallel
+    from megatron_ext.training.model import ensure_model_parallel
 
     ensure_model_parallel()  # the builder asks for the rank (a one-process gloo group here)
     train, valid = build_datasets(prepared, data, seq_length=32, seed=1, num_train_samples=200, num_valid_samples=20,

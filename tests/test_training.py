@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from megatron_ext.gpt_model import count_parameters
-from megatron_ext.params import load_model
+from megatron_ext.training.model import count_parameters
+from megatron_ext.spec.params import load_model
 
 from conftest import REPO, clean_env, run_torchrun
 
@@ -92,8 +92,8 @@ BAD_INPUTS = [
     (["--model", "gpt5", "--data", "smoke"], {}, "unknown model 'gpt5'"),
     (["--model", "gpt_smoke", "--data", "nosuch"], {}, "unknown data set 'nosuch'"),
     (["--model", "gpt_smoke", "--data", "smoke"], {"ZERO_STAGE": "7"}, "ZERO_STAGE='7' is not a ZeRO stage"),
-    (["--model", "gpt_smoke", "--data", "smoke"], {"WORLD_SIZE": "3"},
-     "global_batch_size=16 is not divisible by micro_batch_size(4) x data_parallel_size(3) = 12"),
+    (["--model", "gpt_smoke", "--data", "gpt2_smoke"], {"WORLD_SIZE": "3"},
+     "global_batch_size=64 is not divisible by micro_batch_size(2) x data_parallel_size(3) = 6"),
 ]
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.data_parallel import megatron_core_ddp_config, megatron_core_optimizer_config
-from megatron_ext.params import ParamsError, TrainingParams
-from megatron_ext.zero import STAGES, describe_stages, megatron_lm_flags_for_stage
+from megatron_ext.training.trainers import megatron_core_ddp_config, megatron_core_optimizer_config
+from megatron_ext.spec.errors import UserError
+from megatron_ext.spec.params import TrainingParams
+from megatron_ext.spec.zero import STAGES, describe_stages, megatron_lm_flags_for_stage
 
 
 @pytest.mark.parametrize("stage,dist_opt,fsdp,strategy", [
@@ -34,7 +35,7 @@ def test_version_renames_and_limits():
     assert "--use-custom-fsdp" in megatron_lm_flags_for_stage(3, (0, 13))
     assert "--use-megatron-fsdp" in megatron_lm_flags_for_stage(3, (0, 14))
     assert megatron_lm_flags_for_stage(1, (0, 10)) == ["--use-distributed-optimizer"]
-    with pytest.raises(ParamsError, match="needs Megatron-FSDP"):
+    with pytest.raises(UserError, match="needs Megatron-FSDP"):
         megatron_lm_flags_for_stage(2, (0, 11))
 
 

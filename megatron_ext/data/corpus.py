@@ -1,6 +1,6 @@
 """The embedded default corpus: docstrings of the running Python's standard library.
 
-    python -c "from megatron_ext.corpus import embedded_documents; d=embedded_documents(); print(len(d), sum(map(len, d)))"
+    python -c "from megatron_ext.data.corpus import embedded_documents; d=embedded_documents(); print(len(d), sum(map(len, d)))"
 
 About half a megabyte of English and code, the same on every node that runs the same Python;
 nothing is downloaded or committed. Reads source files; no other side effects.

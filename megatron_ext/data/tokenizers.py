@@ -1,6 +1,6 @@
 """Tokenizers with the interface megatron-core's datasets read (``vocab_size``, ``eod``).
 
-    python -c "from megatron_ext.tokenizers import train_sentencepiece; help(train_sentencepiece)"
+    python -c "from megatron_ext.data.tokenizers import train_sentencepiece; help(train_sentencepiece)"
 
 - sentencepiece: a ``.model`` file, or one trained on the corpus (:func:`train_sentencepiece`,
   BPE, one thread, so every node that trains it gets the same model);
@@ -15,7 +15,8 @@ import io
 from pathlib import Path
 from typing import Iterable
 
-from megatron_ext.params import ParamsError, TokenizerParams
+from megatron_ext.spec.errors import UserError
+from megatron_ext.spec.params import TokenizerParams
 
 
 class _Identified:
@@ -30,7 +31,7 @@ class SentencePieceTokenizer(_Identified):
         import sentencepiece
 
         if not Path(model_path).is_file():
-            raise ParamsError(f"tokenizer model {model_path} does not exist; give an existing .model file")
+            raise UserError(f"tokenizer model {model_path} does not exist; give an existing .model file")
         self.model_path = str(model_path)
         self._sp = sentencepiece.SentencePieceProcessor(model_file=str(model_path))
         self.vocab_size = self._sp.get_piece_size()
@@ -50,12 +51,12 @@ class HuggingFaceTokenizer(_Identified):
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise ParamsError(
+            raise UserError(
                 "tokenizer type huggingface needs the optional `tokenizers` package; "
                 "`pip install -e .[hf]`"
             ) from None
         if not Path(json_path).is_file():
-            raise ParamsError(f"tokenizer file {json_path} does not exist; give a tokenizer.json")
+            raise UserError(f"tokenizer file {json_path} does not exist; give a tokenizer.json")
         self.model_path = str(json_path)
         self._tok = Tokenizer.from_file(str(json_path))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -64,7 +65,7 @@ class HuggingFaceTokenizer(_Identified):
             None,
         )
         if eod is None:
-            raise ParamsError(f"{json_path} defines no end-of-document token (<|endoftext|>, </s>, <eos>)")
+            raise UserError(f"{json_path} defines no end-of-document token (<|endoftext|>, </s>, <eos>)")
         self.eod = eod
         self.pad = -1
         self._identify(json_path)
@@ -101,7 +102,7 @@ def train_sentencepiece(documents: Iterable[str], vocab_size: int, model_path: P
     try:
         _train_into(sentencepiece, documents, vocab_size, buffer)
     except RuntimeError as exc:
-        raise ParamsError(
+        raise UserError(
             f"sentencepiece cannot train vocab_size={vocab_size} on this corpus ({str(exc).split('] ')[-1]}); "
             "change data.tokenizer.vocab_size (at least 300: 256 byte pieces + specials)"
         ) from None
@@ -132,5 +133,5 @@ def load_tokenizer(params: TokenizerParams, model_path: str | None = None):
     if params.type == "huggingface":
         return HuggingFaceTokenizer(path)
     if path is None:
-        raise ParamsError("sentencepiece tokenizer needs model_path, or data prepared with --vocab-size")
+        raise UserError("sentencepiece tokenizer needs model_path, or data prepared with --vocab-size")
     return SentencePieceTokenizer(path)

@@ -4,7 +4,7 @@
 
 Pure: a :class:`RunParams`, the prepared data, a stage, a checkout version and the run's paths
 in; an argv list and the environment changes out. :func:`check_flags` compares a render with
-the flags a checkout defines (:mod:`megatron_ext.megatron_lm_checkout`).
+the flags a checkout defines (:mod:`orchestration.engines.megatron_lm_checkout`).
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
-from megatron_ext.artifacts import RunPaths
-from megatron_ext.params import ParamsError, RunParams
-from megatron_ext.prepare_data import PreparedData
-from megatron_ext.zero import megatron_lm_flags_for_stage
+from megatron_ext.spec.run_paths import RunPaths
+from megatron_ext.spec.errors import UserError
+from megatron_ext.spec.params import RunParams
+from megatron_ext.data.prepare import PreparedData
+from megatron_ext.spec.zero import megatron_lm_flags_for_stage, stage_environment
 
 TOKENIZER_TYPES = {"sentencepiece": "SentencePieceTokenizer", "huggingface": "HuggingFaceTokenizer", "null": "NullTokenizer"}
 
@@ -114,18 +115,12 @@ def logging_and_checkpoint_flags(p: RunParams, paths: RunPaths) -> list[str]:
     return [
         "--log-interval", str(t.log_interval),
         "--log-throughput",
-        "--tensorboard-dir", str(paths.run_dir / "tensorboard"),
+        "--tensorboard-dir", str(paths.tensorboard_dir),
         "--data-cache-path", str(paths.data_cache_dir / "megatron_lm_index"),
         "--save", str(paths.checkpoints_dir),
         "--load", str(paths.checkpoints_dir),
         "--save-interval", str(t.save_interval or t.train_iters),
     ]
-
-
-def stage_environment(stage: int) -> dict[str, str | None]:
-    """Megatron-FSDP needs CUDA_DEVICE_MAX_CONNECTIONS unset or > 1; the DDP stages keep
-    Megatron-LM's usual 1 (required once TP > 1 with the distributed optimizer)."""
-    return {"CUDA_DEVICE_MAX_CONNECTIONS": None if stage >= 2 else "1"}
 
 
 def render_pretrain_gpt(p: RunParams, prepared: PreparedData, paths: RunPaths, version: tuple[int, int],
@@ -164,14 +159,14 @@ def check_flags(args: list[str], known: dict[str, tuple[str, ...]], version_text
         if flag not in known:
             alternative = FLAG_ALTERNATIVES.get(flag) or next(iter(difflib.get_close_matches(flag, list(known), n=1)), None)
             hint = f"; the checkout has {alternative}" if alternative else ""
-            raise ParamsError(
+            raise UserError(
                 f"Megatron-LM {version_text} does not define {flag}{hint}; use a checkout that has it "
                 "(e.g. core_v0.16.1) or change the params that need it"
             )
         choices = known[flag]
         for value in values if choices else ():
             if value not in choices:
-                raise ParamsError(
+                raise UserError(
                     f"{flag} {value} is not accepted by Megatron-LM {version_text}: choices are "
                     f"{', '.join(choices)}; change the params or the checkout"
                 )

@@ -1,6 +1,6 @@
 """Model presets -> megatron-core ``GPTModel``; exact parameter counts on the meta device.
 
-    python -c "from megatron_ext.gpt_model import count_parameters; from megatron_ext.params import load_model; print(count_parameters(load_model('qwen3_1p7b')))"
+    python -c "from megatron_ext.training.model import count_parameters; from megatron_ext.spec.params import load_model; print(count_parameters(load_model('qwen3_1p7b')))"
 
 Needs megatron's parallel state for TP=1/PP=1: :func:`ensure_model_parallel` creates it on the
 world group (or, with no process group yet, a one-process gloo group on an in-memory store).
@@ -13,24 +13,19 @@ import warnings
 
 import torch
 
-from megatron_ext.params import ModelPreset
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
-    """Megatron's padding rule (TP=1): round the vocabulary up to a multiple of ``divisible_by``."""
-    return -(-vocab_size // divisible_by) * divisible_by
+from megatron_ext.spec.errors import UserError
+from megatron_ext.spec.flops import padded_vocab_size
+from megatron_ext.spec.params import ModelPreset
 
 
 def model_vocab_size(preset: ModelPreset, tokenizer_vocab: int | None) -> int:
     """Unpadded vocabulary: the preset's when it names one (exact models), else the tokenizer's."""
-    from megatron_ext.params import ParamsError
-
     if preset.vocab_size is None:
         if tokenizer_vocab is None:
-            raise ParamsError(f"model {preset.name} takes its vocabulary from a tokenizer; none given")
+            raise UserError(f"model {preset.name} takes its vocabulary from a tokenizer; none given")
         return tokenizer_vocab
     if tokenizer_vocab is not None and tokenizer_vocab > preset.vocab_size:
-        raise ParamsError(
+        raise UserError(
             f"tokenizer vocabulary {tokenizer_vocab} exceeds model {preset.name}'s vocab_size "
             f"{preset.vocab_size}; use a smaller tokenizer or a model without a fixed vocab_size"
         )

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_ext.prepare_data import PreparedData
-from megatron_ext.tokenizers import NullTokenizer, load_tokenizer
-from megatron_ext.params import DataParams, TokenizerParams
+from megatron_ext.data.prepare import PreparedData
+from megatron_ext.data.tokenizers import NullTokenizer, load_tokenizer
+from megatron_ext.spec.params import DataParams, TokenizerParams
 
 
 def build_datasets(

@@ -1,18 +1,18 @@
 """Typed, frozen parameter sets loaded from ``params/``.
 
-    python -c "from megatron_ext.params import load_run_params; print(load_run_params('gpt_smoke', 'smoke'))"
+    python -c "from megatron_ext.spec.params import load_run_params; print(load_run_params('gpt_smoke', 'smoke'))"
 
 ``params/models/<name>.yaml`` holds a model preset, ``params/data/<name>.yaml`` a data set with
 its training schedule (``data:`` and ``training:`` sections). Every key maps onto a field of the
 dataclasses below; an unknown key, a wrong type or an inconsistent combination raises
-:class:`ParamsError` with the value, the rule and the fix. Reads YAML files; the one writer is
-:func:`write_resolved_params` (the resolved parameters beside a run's logs).
+:class:`UserError` with the value, the rule and the fix. Loading is pure apart from reading the
+YAML files: what the environment changes (ZERO_STAGE, ENGINE, ...) comes in as explicit
+:class:`RunOverrides`, built by each program's own environment reader at its edge.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,14 +21,13 @@ from typing import Any, Literal
 
 import yaml
 
-PARAMS_DIR = Path(__file__).resolve().parent.parent / "params"
+from megatron_ext.spec.errors import UserError
+from megatron_ext.spec.zero import parse_zero_stage
 
+PARAMS_DIR = Path(__file__).resolve().parents[2] / "params"
 
-ENGINES = ("megatron-core", "megatron-lm")
-
-
-class ParamsError(ValueError):
-    """A user error in parameters: the message names the value, the rule and the fix."""
+Engine = Literal["megatron-core", "megatron-lm"]
+ENGINES: tuple[str, ...] = typing.get_args(Engine)
 
 
 @dataclass(frozen=True)
@@ -36,36 +35,45 @@ class ModelPreset:
     """A decoder-only transformer, in megatron-core's terms."""
 
     name: str
+    """Preset name (the YAML file's stem)."""
     num_layers: int
-    """Transformer layers."""
+    """Transformer layers L."""
     hidden_size: int
-    """Model width h."""
+    """Model width h (elements)."""
     ffn_hidden_size: int
-    """MLP inner width F (per branch for SwiGLU)."""
+    """MLP inner width F (elements; per branch for SwiGLU)."""
     num_attention_heads: int
     """Query heads n."""
     num_query_groups: int | None = None
     """KV heads g for grouped-query attention; None = multi-head attention (g = n)."""
     kv_channels: int | None = None
-    """Head dim d; None = hidden_size / num_attention_heads."""
+    """Head dim d (elements); None = hidden_size / num_attention_heads."""
     vocab_size: int | None = None
-    """Vocabulary before padding; None = the tokenizer's (smoke models)."""
+    """Vocabulary before padding (tokens); None = the tokenizer's (smoke models)."""
     make_vocab_size_divisible_by: int = 128
-    """Megatron pads the vocabulary up to a multiple of this."""
+    """Megatron pads the vocabulary up to a multiple of this (tokens)."""
     max_position_embeddings: int = 2048
-    """Longest sequence the positions support; training sequences are cut to it."""
+    """Longest sequence the positions support (tokens); training sequences are cut to it."""
     position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
+    """Rotary or learned absolute positions."""
     rotary_base: int = 10000
+    """RoPE theta (only with rope)."""
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """Norm layer type."""
     norm_epsilon: float = 1e-5
+    """Epsilon of every norm (dimensionless)."""
     swiglu: bool = False
     """SwiGLU MLP (gated SiLU); False = GELU MLP."""
     qk_layernorm: bool = False
+    """Norm on queries and keys per head (Qwen3)."""
     add_bias_linear: bool = True
+    """Biases in the linear layers."""
     tie_embeddings: bool = True
     """Share input embedding and output projection weights."""
     hidden_dropout: float = 0.0
+    """Dropout probability after attention and MLP (0-1)."""
     attention_dropout: float = 0.0
+    """Dropout probability on attention scores (0-1)."""
 
     @property
     def head_dim(self) -> int:
@@ -81,11 +89,12 @@ class TokenizerParams:
     """How text becomes token ids."""
 
     type: Literal["sentencepiece", "huggingface", "null"] = "sentencepiece"
+    """Tokenizer kind; null = token ids are given (mock data)."""
     model_path: str | None = None
-    """sentencepiece ``.model`` or Hugging Face ``tokenizer.json``; None with sentencepiece =
+    """sentencepiece ``.model`` or Hugging Face ``tokenizer.json`` (path); None with sentencepiece =
     train one on the corpus."""
     vocab_size: int = 4096
-    """Vocabulary of a sentencepiece model trained on the corpus, or of the null tokenizer."""
+    """Vocabulary (tokens) of a sentencepiece model trained on the corpus, or of the null tokenizer."""
 
 
 @dataclass(frozen=True)
@@ -97,24 +106,35 @@ class DataParams:
     files: ``paths`` (indexed-dataset prefixes, or JSONL/text prepared on first use);
     mock: Megatron's MockGPTDataset (synthetic tokens, null tokenizer)."""
     paths: tuple[str, ...] = ()
-    """Inputs for source=files: ``.bin``/``.idx`` prefixes, ``.jsonl`` (``text`` field) or text files."""
+    """Inputs for source=files (paths): ``.bin``/``.idx`` prefixes, ``.jsonl`` (``text`` field) or text files."""
     weights: tuple[float, ...] = ()
-    """Blend weights, one per path; empty = weighted by size."""
+    """Blend weights (relative, any scale), one per path; empty = weighted by size."""
     split: str = "98,2,0"
-    """Train/valid/test split of every dataset, as Megatron's ``--split``."""
+    """Train/valid/test split of every dataset (relative weights), as Megatron's ``--split``."""
     tokenizer: TokenizerParams = field(default_factory=TokenizerParams)
+    """The tokenizer."""
 
 
 @dataclass(frozen=True)
 class TrainingParams:
-    """The optimisation schedule. Batch sizes count sequences."""
+    """The optimisation schedule. Batch sizes count sequences.
+
+    The batch is given one of two ways (Megatron's rule holds either way: global = micro x
+    data-parallel x accumulation): ``global_batch_size`` fixes the global batch (accumulation =
+    global / (micro x data-parallel), so it must divide), or ``gradient_accumulation_steps``
+    fixes the work per replica (global = micro x data-parallel x accumulation, so it fits any
+    world size). Neither = one micro-batch per replica per step.
+    """
 
     seq_length: int = 128
     """Tokens per sequence (cut to the model's max_position_embeddings)."""
     micro_batch_size: int = 4
     """Sequences per rank per forward/backward."""
-    global_batch_size: int = 16
-    """Sequences per optimizer step over all data-parallel ranks."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step over all data-parallel ranks; None = from
+    gradient_accumulation_steps and the world size (filled in once the world size is known)."""
+    gradient_accumulation_steps: int | None = None
+    """Micro-batches per rank per optimizer step, instead of global_batch_size."""
     train_iters: int = 20
     """Optimizer steps."""
     lr: float = 1e-3
@@ -122,28 +142,34 @@ class TrainingParams:
     min_lr: float = 1e-4
     """Learning rate at the end of the cosine decay."""
     lr_warmup_iters: int = 2
+    """Optimizer steps of linear warmup."""
     lr_decay_iters: int | None = None
-    """Steps of cosine decay after warmup end; None = train_iters."""
+    """Optimizer steps of cosine decay after warmup end; None = train_iters."""
     weight_decay: float = 0.1
+    """AdamW decoupled weight decay (per step, times lr)."""
     adam_beta1: float = 0.9
+    """AdamW first-moment decay (dimensionless)."""
     adam_beta2: float = 0.95
+    """AdamW second-moment decay (dimensionless)."""
     adam_eps: float = 1e-8
+    """AdamW epsilon (dimensionless)."""
     clip_grad: float = 1.0
-    """Global gradient-norm clip; 0 = off."""
+    """Global gradient-norm clip (L2 norm); 0 = off."""
     seed: int = 1234
+    """Seed of initialisation, dropout and data order."""
     log_interval: int = 1
-    """Iterations between log lines."""
+    """Optimizer steps between log lines (and metrics records)."""
     eval_interval: int = 0
-    """Iterations between validation passes; 0 = only at the end."""
+    """Optimizer steps between validation passes; 0 = only at the end."""
     eval_iters: int = 2
-    """Validation batches per pass."""
+    """Global batches per validation pass."""
     save_interval: int = 0
-    """Iterations between checkpoints (and one at the end); 0 = no checkpoints."""
+    """Optimizer steps between checkpoints (and one at the end); 0 = no checkpoints."""
     zero_stage: int = 0
-    """ZeRO stage 0-3 (overridden by ZERO_STAGE in the environment)."""
-    engine: Literal["megatron-core", "megatron-lm"] = "megatron-core"
+    """ZeRO stage 0-3 (ZERO_STAGE in the environment overrides it)."""
+    engine: Engine = "megatron-core"
     """megatron-core: this project's program; megatron-lm: a checkout's pretrain_gpt.py
-    (MEGATRON_LM_DIR). Overridden by ENGINE in the environment."""
+    (MEGATRON_LM_DIR). ENGINE in the environment overrides it."""
 
 
 @dataclass(frozen=True)
@@ -151,9 +177,46 @@ class RunParams:
     """One training run: a model preset plus a data set with its schedule."""
 
     model: ModelPreset
+    """The model preset."""
     data: DataParams
+    """The data set."""
     training: TrainingParams
+    """The schedule (with overrides applied)."""
     data_set: str
+    """The data set's name (or YAML path), for messages."""
+
+
+@dataclass(frozen=True)
+class RunOverrides:
+    """What the environment or the command line changes in a data set's schedule; each program
+    builds it at its edge (the launcher from its environment, a rank from its arguments)."""
+
+    zero_stage: int | None = None
+    """ZERO_STAGE; None = the data set's."""
+    engine: str | None = None
+    """ENGINE; None = the data set's."""
+    train_iters: int | None = None
+    """--train-iters; None = the data set's."""
+
+
+@dataclass(frozen=True)
+class BatchGeometry:
+    """The batch of one optimizer step, once the data-parallel size is known."""
+
+    micro_batch_size: int
+    """Sequences per rank per forward/backward."""
+    data_parallel_size: int
+    """Data-parallel ranks (= world size: TP = PP = 1)."""
+    accumulation_steps: int
+    """Micro-batches per rank per optimizer step."""
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.data_parallel_size * self.accumulation_steps
+
+    def describe(self) -> str:
+        return (f"micro {self.micro_batch_size} x dp {self.data_parallel_size} x accumulation "
+                f"{self.accumulation_steps} = global {self.global_batch_size}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,13 +241,13 @@ def _read_yaml(kind: str, name: str, params_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         choices = ", ".join(_names_in(kind, params_dir))
         what = "model" if kind == "models" else "data set"
-        raise ParamsError(
+        raise UserError(
             f"unknown {what} {name!r}: no {path}; choose one of: {choices} "
             f"(or add {kind}/{name}.yaml under {params_dir})"
         )
     raw = yaml.safe_load(path.read_text()) or {}
     if not isinstance(raw, dict):
-        raise ParamsError(f"{path}: expected a mapping at top level, got {type(raw).__name__}")
+        raise UserError(f"{path}: expected a mapping at top level, got {type(raw).__name__}")
     return raw
 
 
@@ -199,13 +262,13 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         return _coerce(value, inner[0], where)
     if origin is Literal:
         if value not in args:
-            raise ParamsError(f"{where}={value!r} is not one of {list(args)}; use one of them")
+            raise UserError(f"{where}={value!r} is not one of {list(args)}; use one of them")
         return value
     if origin is tuple:
         if isinstance(value, (str, int, float)):
             value = [value]
         if not isinstance(value, (list, tuple)):
-            raise ParamsError(f"{where}={value!r} must be a list")
+            raise UserError(f"{where}={value!r} must be a list")
         return tuple(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
     if dataclasses.is_dataclass(annotation):
         return build_dataclass(annotation, value or {}, where)
@@ -218,21 +281,21 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             pass
     if annotation in (int, float, str, bool):
         if isinstance(value, bool) != (annotation is bool) or not isinstance(value, annotation):
-            raise ParamsError(
+            raise UserError(
                 f"{where}={value!r} must be {annotation.__name__}, got {type(value).__name__}"
             )
     return value
 
 
 def build_dataclass(cls: type, raw: dict[str, Any], where: str) -> Any:
-    """Build a frozen dataclass from a mapping; unknown keys and wrong types are ParamsErrors."""
+    """Build a frozen dataclass from a mapping; unknown keys and wrong types are UserErrors."""
     if not isinstance(raw, dict):
-        raise ParamsError(f"{where} must be a mapping, got {raw!r}")
+        raise UserError(f"{where} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ParamsError(
+        raise UserError(
             f"unknown key {unknown[0]!r} in {where}; known keys: {', '.join(sorted(known))} "
             "(fix the spelling or remove it)"
         )
@@ -240,7 +303,7 @@ def build_dataclass(cls: type, raw: dict[str, Any], where: str) -> Any:
     try:
         return cls(**kwargs)
     except TypeError as exc:  # a required field is missing
-        raise ParamsError(f"{where}: {exc}") from None
+        raise UserError(f"{where}: {exc}") from None
 
 
 def load_model(name: str, params_dir: Path = PARAMS_DIR) -> ModelPreset:
@@ -257,7 +320,7 @@ def load_data_set(name: str, params_dir: Path = PARAMS_DIR) -> tuple[DataParams,
     where = _where("data", name)
     unknown = sorted(set(raw) - {"data", "training"})
     if unknown:
-        raise ParamsError(
+        raise UserError(
             f"unknown key {unknown[0]!r} in {where}; known keys: data, training "
             "(fix the spelling or remove it)"
         )
@@ -266,27 +329,41 @@ def load_data_set(name: str, params_dir: Path = PARAMS_DIR) -> tuple[DataParams,
     return data, training
 
 
+def read_overrides(env: typing.Mapping[str, str]) -> RunOverrides:
+    """ZERO_STAGE and ENGINE from an environment mapping (each program's edge calls this once)."""
+    stage = env.get("ZERO_STAGE", "").strip()
+    engine = env.get("ENGINE", "").strip()
+    return RunOverrides(
+        zero_stage=int(parse_zero_stage(stage, source="ZERO_STAGE")) if stage else None,
+        engine=check_engine(engine, "ENGINE") if engine else None,
+    )
+
+
+def check_engine(engine: str, source: str) -> str:
+    if engine not in ENGINES:
+        raise UserError(f"{source}={engine!r} is not an engine; use one of {', '.join(ENGINES)} (default megatron-core)")
+    return engine
+
+
 def load_run_params(
     model: str,
     data_set: str,
-    env: typing.Mapping[str, str] | None = None,
+    overrides: RunOverrides = RunOverrides(),
     params_dir: Path = PARAMS_DIR,
 ) -> RunParams:
-    """Load and validate model + data set; ZERO_STAGE from ``env`` overrides the params."""
-    from megatron_ext.zero import parse_zero_stage
-
+    """Load and validate model + data set, with ``overrides`` applied. Pure apart from reading
+    the YAML files: nothing here reads the environment."""
     preset = load_model(model, params_dir)
     data, training = load_data_set(data_set, params_dir)
-    env = os.environ if env is None else env
-    if env.get("ZERO_STAGE", "").strip():
-        stage = parse_zero_stage(env["ZERO_STAGE"], source="ZERO_STAGE")
-    else:
-        stage = parse_zero_stage(str(training.zero_stage), source=f"{_where('data', data_set)}:training.zero_stage")
-    seq = min(training.seq_length, preset.max_position_embeddings)
-    engine = env.get("ENGINE", "").strip() or training.engine
-    if engine not in ENGINES:
-        raise ParamsError(f"ENGINE={engine!r} is not an engine; use one of {', '.join(ENGINES)} (default megatron-core)")
-    training = dataclasses.replace(training, zero_stage=int(stage), seq_length=seq, engine=engine)
+    where = _where("data", data_set)
+    stage = overrides.zero_stage
+    if stage is None:
+        stage = parse_zero_stage(str(training.zero_stage), source=f"{where}:training.zero_stage")
+    engine = overrides.engine or check_engine(training.engine, f"{where}:training.engine")
+    training = dataclasses.replace(
+        training, zero_stage=int(stage), seq_length=min(training.seq_length, preset.max_position_embeddings),
+        engine=engine, train_iters=overrides.train_iters or training.train_iters,
+    )
     params = RunParams(model=preset, data=data, training=training, data_set=data_set)
     validate_run_params(params)
     return params
@@ -296,56 +373,71 @@ def validate_run_params(p: RunParams) -> None:
     """Cross-field checks that need no process group (data-parallel size is checked later)."""
     m, d, t = p.model, p.data, p.training
     if m.hidden_size % m.num_attention_heads and m.kv_channels is None:
-        raise ParamsError(
+        raise UserError(
             f"hidden_size={m.hidden_size} is not divisible by num_attention_heads="
             f"{m.num_attention_heads}; set kv_channels or change one of them"
         )
     if m.num_attention_heads % m.query_groups:
-        raise ParamsError(
+        raise UserError(
             f"num_attention_heads={m.num_attention_heads} is not divisible by num_query_groups="
             f"{m.query_groups}; choose a divisor"
         )
     if d.source == "files" and not d.paths:
-        raise ParamsError(f"{_where('data', p.data_set)}: source=files needs data.paths; list one or more")
+        raise UserError(f"{_where('data', p.data_set)}: source=files needs data.paths; list one or more")
     if d.weights and len(d.weights) != len(d.paths):
-        raise ParamsError(
+        raise UserError(
             f"data.weights has {len(d.weights)} entries for {len(d.paths)} paths; give one weight "
             "per path or none"
         )
     if d.source == "mock" and d.tokenizer.type != "null":
-        raise ParamsError("data.source=mock needs data.tokenizer.type=null (synthetic token ids)")
+        raise UserError("data.source=mock needs data.tokenizer.type=null (synthetic token ids)")
     if d.tokenizer.type == "huggingface" and not d.tokenizer.model_path:
-        raise ParamsError("data.tokenizer.type=huggingface needs model_path (a tokenizer.json)")
-    for key in ("micro_batch_size", "global_batch_size", "train_iters", "seq_length", "log_interval"):
-        if getattr(t, key) <= 0:
-            raise ParamsError(f"training.{key}={getattr(t, key)} must be > 0")
-    if t.global_batch_size % t.micro_batch_size:
-        raise ParamsError(
+        raise UserError("data.tokenizer.type=huggingface needs model_path (a tokenizer.json)")
+    for key in ("micro_batch_size", "global_batch_size", "gradient_accumulation_steps", "train_iters", "seq_length",
+                "log_interval"):
+        value = getattr(t, key)
+        if value is not None and value <= 0:
+            raise UserError(f"training.{key}={value} must be > 0")
+    if t.global_batch_size is not None and t.gradient_accumulation_steps is not None:
+        raise UserError(
+            f"training sets both global_batch_size={t.global_batch_size} and gradient_accumulation_steps="
+            f"{t.gradient_accumulation_steps}; give one of them (global = micro x data-parallel x accumulation)"
+        )
+    if t.global_batch_size is not None and t.global_batch_size % t.micro_batch_size:
+        raise UserError(
             f"global_batch_size={t.global_batch_size} is not divisible by micro_batch_size="
             f"{t.micro_batch_size}; change one of them"
         )
 
 
-def check_batch_geometry(t: TrainingParams, data_parallel_size: int) -> int:
-    """Return gradient-accumulation steps, or raise naming all three factors."""
+def batch_geometry(t: TrainingParams, data_parallel_size: int) -> BatchGeometry:
+    """The step's batch at ``data_parallel_size``, or a UserError naming all three factors."""
+    if t.global_batch_size is None:
+        return BatchGeometry(t.micro_batch_size, data_parallel_size, t.gradient_accumulation_steps or 1)
     per_step = t.micro_batch_size * data_parallel_size
     if t.global_batch_size % per_step:
         suggestion = per_step * max(1, round(t.global_batch_size / per_step))
-        raise ParamsError(
+        raise UserError(
             f"global_batch_size={t.global_batch_size} is not divisible by micro_batch_size"
             f"({t.micro_batch_size}) x data_parallel_size({data_parallel_size}) = {per_step}; "
-            f"change one of them (e.g. global_batch_size={suggestion})"
+            f"change one of them (e.g. global_batch_size={suggestion}), or give "
+            "gradient_accumulation_steps instead of global_batch_size"
         )
-    return t.global_batch_size // per_step
+    return BatchGeometry(t.micro_batch_size, data_parallel_size, t.global_batch_size // per_step)
+
+
+def with_batch_geometry(p: RunParams, data_parallel_size: int) -> tuple[RunParams, BatchGeometry]:
+    """``p`` with the global batch filled in for ``data_parallel_size``, and the geometry."""
+    geometry = batch_geometry(p.training, data_parallel_size)
+    training = dataclasses.replace(p.training, global_batch_size=geometry.global_batch_size,
+                                   gradient_accumulation_steps=None)
+    return dataclasses.replace(p, training=training), geometry
 
 
 def params_as_dict(p: RunParams) -> dict[str, Any]:
     return dataclasses.asdict(p)
 
 
-def write_resolved_params(path: Path, p: RunParams, runtime: dict[str, Any]) -> None:
-    """The run's resolved parameters plus what was decided at run time, as YAML."""
-    resolved = params_as_dict(p)
-    resolved["runtime"] = runtime
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+def params_from_dict(raw: dict[str, Any], where: str) -> RunParams:
+    """The inverse of :func:`params_as_dict`, with the same checks as loading."""
+    return build_dataclass(RunParams, raw, where)

@@ -1,7 +1,7 @@
 """Text -> Megatron indexed dataset (``.bin``/``.idx``), and the cache the training run reads.
 
-    python -m megatron_ext.prepare_data --output-prefix /tmp/corpus --vocab-size 2048
-    python -m megatron_ext.prepare_data --input a.jsonl b.txt --tokenizer-model sp.model \\
+    python -m megatron_ext.data.prepare --output-prefix /tmp/corpus --vocab-size 2048
+    python -m megatron_ext.data.prepare --input a.jsonl b.txt --tokenizer-model sp.model \\
         --output-prefix data/my_corpus --workers 4
 
 Inputs: JSONL files with a ``text`` field (Megatron-LM ``preprocess_data.py``'s convention) or
@@ -32,8 +32,9 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from megatron_ext.params import DataParams, ParamsError, TokenizerParams
-from megatron_ext.tokenizers import load_tokenizer, train_sentencepiece
+from megatron_ext.spec.errors import UserError
+from megatron_ext.spec.params import DataParams, TokenizerParams
+from megatron_ext.data.tokenizers import load_tokenizer, train_sentencepiece
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def read_documents(paths: Iterable[str]) -> Iterator[str]:
     for path in paths:
         p = Path(path)
         if not p.is_file():
-            raise ParamsError(f"data path {path} does not exist; give an existing .jsonl or text file")
+            raise UserError(f"data path {path} does not exist; give an existing .jsonl or text file")
         if p.suffix in (".jsonl", ".json"):
             with p.open(encoding="utf-8") as fh:
                 for lineno, line in enumerate(fh, 1):
@@ -67,7 +68,7 @@ def read_documents(paths: Iterable[str]) -> Iterator[str]:
                     try:
                         text = json.loads(line)["text"]
                     except (json.JSONDecodeError, KeyError, TypeError):
-                        raise ParamsError(
+                        raise UserError(
                             f"{path}:{lineno} is not a JSON object with a 'text' field; "
                             "fix the line or pass a plain text file"
                         ) from None
@@ -114,7 +115,7 @@ def write_indexed_dataset(
             num_docs += 1
             num_tokens += len(ids)
     if num_docs == 0:
-        raise ParamsError("the input holds no documents; give a non-empty JSONL or text file")
+        raise UserError("the input holds no documents; give a non-empty JSONL or text file")
     builder.finalize(f"{prefix}.idx")
     logger.info("wrote %s.{bin,idx}: %d documents, %d tokens", prefix, num_docs, num_tokens)
     return prefix
@@ -145,7 +146,7 @@ def _corpus_name(data: DataParams) -> str:
 
 
 def _prepare_into(data: DataParams, out_dir: Path, workers: int) -> PreparedData:
-    from megatron_ext.corpus import embedded_documents
+    from megatron_ext.data.corpus import embedded_documents
 
     tok = data.tokenizer
     name = _corpus_name(data)
@@ -167,9 +168,9 @@ def _ready_made(data: DataParams) -> PreparedData | None:
     if data.source == "files":
         missing = [p for p in data.paths if not (_is_indexed_prefix(p) or Path(p).is_file())]
         if missing:
-            raise ParamsError(
+            raise UserError(
                 f"data path {missing[0]} does not exist (neither a file nor an indexed-dataset "
-                f"prefix with .bin/.idx); fix data.paths or run python -m megatron_ext.prepare_data"
+                f"prefix with .bin/.idx); fix data.paths or run python -m megatron_ext.data.prepare"
             )
         if all(_is_indexed_prefix(p) for p in data.paths):
             tokenizer = load_tokenizer(data.tokenizer)
@@ -179,7 +180,7 @@ def _ready_made(data: DataParams) -> PreparedData | None:
                 tokenizer.vocab_size, tokenizer.eod,
             )
         if data.weights and len(data.paths) > 1:
-            raise ParamsError("blend weights need prepared .bin/.idx prefixes; prepare each file first")
+            raise UserError("blend weights need prepared .bin/.idx prefixes; prepare each file first")
     return None
 
 
@@ -236,7 +237,7 @@ def ensure_prepared(data: DataParams, cache_root: Path, workers: int = 2) -> Pre
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_ext.prepare_data", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m megatron_ext.data.prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", nargs="*", default=[], help="JSONL (text field) or text files; none = embedded corpus")
     parser.add_argument("--output-prefix", required=True, help="writes <prefix>_text_document.{bin,idx}")
     parser.add_argument("--tokenizer-type", choices=["sentencepiece", "huggingface"], default="sentencepiece")
@@ -245,19 +246,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2)), help="encoding processes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from megatron_ext.corpus import embedded_documents
+    from megatron_ext.data.corpus import embedded_documents
 
     try:
         documents = list(read_documents(args.input)) if args.input else embedded_documents()
         tok = TokenizerParams(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
         if tok.model_path is None:
             if tok.type != "sentencepiece":
-                raise ParamsError("--tokenizer-type huggingface needs --tokenizer-model tokenizer.json")
+                raise UserError("--tokenizer-type huggingface needs --tokenizer-model tokenizer.json")
             model = train_sentencepiece(documents, args.vocab_size, Path(f"{args.output_prefix}.model"))
             tok = TokenizerParams("sentencepiece", str(model), args.vocab_size)
             print(f"trained tokenizer {model}")
         prefix = write_indexed_dataset(documents, tok, Path(args.output_prefix), args.workers)
-    except ParamsError as exc:
+    except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {prefix}.bin and {prefix}.idx")

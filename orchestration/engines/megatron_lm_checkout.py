@@ -1,6 +1,6 @@
 """Read a Megatron-LM checkout without importing it: its version and every flag its parser has.
 
-    python -m megatron_ext.megatron_lm_checkout /opt/Megatron-LM     # prints version and flag count
+    python -m orchestration.engines.megatron_lm_checkout /opt/Megatron-LM     # prints version and flag count
 
 Version: ``megatron/core/package_info.py`` (MAJOR, MINOR, PATCH). Flags: the literal
 ``add_argument`` calls in ``megatron/training/arguments.py``, plus the ones generated from
@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ext.params import ParamsError
+from megatron_ext.spec.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Checkout:
 def read_version(root: Path) -> tuple[int, int, int]:
     path = root / "megatron" / "core" / "package_info.py"
     if not path.is_file():
-        raise ParamsError(
+        raise UserError(
             f"MEGATRON_LM_DIR={root} is not a Megatron-LM checkout: no megatron/core/package_info.py; "
             "point MEGATRON_LM_DIR at the directory that holds pretrain_gpt.py"
         )
@@ -43,7 +43,7 @@ def read_version(root: Path) -> tuple[int, int, int]:
     try:
         return int(values["MAJOR"]), int(values["MINOR"]), int(values["PATCH"])
     except KeyError:
-        raise ParamsError(f"{path} defines no MAJOR/MINOR/PATCH; cannot tell the Megatron-LM version") from None
+        raise UserError(f"{path} defines no MAJOR/MINOR/PATCH; cannot tell the Megatron-LM version") from None
 
 
 def _literal(node: ast.AST):
@@ -154,7 +154,7 @@ def dataclass_flags(cls: ast.ClassDef, index: _ClassIndex, exclude: set[str]) ->
 def read_flags(root: Path) -> dict[str, tuple[str, ...]]:
     path = root / "megatron" / "training" / "arguments.py"
     if not path.is_file():
-        raise ParamsError(f"MEGATRON_LM_DIR={root} has no megatron/training/arguments.py; is it a Megatron-LM checkout?")
+        raise UserError(f"MEGATRON_LM_DIR={root} has no megatron/training/arguments.py; is it a Megatron-LM checkout?")
     tree = ast.parse(path.read_text())
     flags = literal_add_argument_flags(tree)
     factories = _factory_calls(tree)
@@ -171,7 +171,7 @@ def read_flags(root: Path) -> dict[str, tuple[str, ...]]:
 def read_checkout(root: str | Path) -> Checkout:
     root = Path(root)
     if not (root / "pretrain_gpt.py").is_file():
-        raise ParamsError(f"MEGATRON_LM_DIR={root} has no pretrain_gpt.py; point it at a Megatron-LM checkout")
+        raise UserError(f"MEGATRON_LM_DIR={root} has no pretrain_gpt.py; point it at a Megatron-LM checkout")
     return Checkout(root, read_version(root), read_flags(root))
 
 

@@ -1,27 +1,30 @@
-"""Wrap a megatron-core GPTModel for one ZeRO stage, on CPU (torch) or CUDA (megatron-core).
+"""Data-parallel trainers: a megatron-core GPTModel wrapped for one ZeRO stage, on CPU or CUDA.
 
-The mapping itself lives in :mod:`megatron_ext.zero`; this module builds it. A
-:class:`ParallelTrainer` hides the differences the training loop would otherwise see: gradient
-sync only on the last micro-step, clip + optimizer step (returning the global grad norm), and
-model-state byte accounting for the memory columns of the metrics.
+The mapping itself lives in :mod:`megatron_ext.spec.zero`; this module builds it. Both trainers
+have one interface (:class:`Trainer`), so the training loop never asks which device it runs on:
+gradient sync only on the last micro-step, clip + optimizer step (returning the global grad
+norm), and the memory columns of the metrics.
 
-CPU (gloo, fp32): 0 torch DDP; 1 torch DDP + ZeroRedundancyOptimizer; 2 FSDP2 ``fully_shard``
-on every transformer layer and the root with ``reshard_after_forward=False``; 3 the same with
-``True``. CUDA (NCCL, bf16): megatron-core DDP, + distributed optimizer, Megatron-FSDP
-``optim_grads`` / ``optim_grads_params``.
+- :class:`CpuTrainer` (gloo, fp32): 0 torch DDP; 1 torch DDP + ZeroRedundancyOptimizer; 2 FSDP2
+  ``fully_shard`` on every transformer layer and the root with ``reshard_after_forward=False``;
+  3 the same with ``True``. Memory = model-state bytes this rank holds (parameters, gradients,
+  optimizer state), counted from the tensors themselves.
+- :class:`CudaTrainer` (NCCL, bf16): megatron-core DDP, + distributed optimizer, Megatron-FSDP
+  ``optim_grads`` / ``optim_grads_params``. Memory = peak CUDA allocation.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
-from dataclasses import dataclass, field
+import resource
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
 
-from megatron_ext.params import TrainingParams
-from megatron_ext.zero import ZeroStage, strategy_for
+from megatron_ext.spec.params import TrainingParams
+from megatron_ext.spec.zero import ZeroStage, strategy_for
 
 
 def _unique_storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
@@ -40,46 +43,63 @@ def _unique_storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> in
     return total
 
 
-@dataclass
-class ParallelTrainer:
+class Trainer(abc.ABC):
     """A wrapped model plus its optimizer, for one stage and device kind."""
 
-    model: torch.nn.Module
-    """Call this for forward passes."""
-    module: torch.nn.Module
-    """The bare GPTModel (parameters, hooks)."""
-    optimizer: object
-    stage: ZeroStage
-    clip_grad: float
-    on_cuda: bool
-    fsdp_sharded_bytes: int = 0
-    """FSDP2 only: bytes of this rank's parameter shards (padding included)."""
-    peak_model_state_bytes: int = field(default=0, init=False)
+    def __init__(self, model: torch.nn.Module, module: torch.nn.Module, optimizer, stage: ZeroStage, clip_grad: float):
+        self.model = model
+        """Call this for forward passes."""
+        self.module = module
+        """The bare GPTModel (parameters, hooks)."""
+        self.optimizer = optimizer
+        self.stage = stage
+        self.clip_grad = clip_grad
 
-    # -- gradient accumulation ------------------------------------------------------------
+    @abc.abstractmethod
+    def zero_grad(self) -> None: ...
+
+    @abc.abstractmethod
+    def sync_context(self, last_micro_step: bool) -> contextlib.AbstractContextManager:
+        """Gradient reduction only on the last micro-step of an optimizer step."""
+
+    @abc.abstractmethod
+    def step(self, lr: float) -> float:
+        """Clip, step with learning rate ``lr``, and return the global gradient norm (before clipping)."""
+
+    def release_unsharded(self) -> None:
+        """Free parameters gathered for a forward with no backward (evaluation)."""
+
+    def sample_memory(self) -> None:
+        """Note this moment's memory (called at the end of a forward, where sharded stages peak)."""
+
+    @abc.abstractmethod
+    def memory_values(self) -> list[int]:
+        """This rank's memory figures, in the order :meth:`memory_columns` reads them."""
+
+    @abc.abstractmethod
+    def memory_columns(self, per_rank: list[list[int]]) -> dict:
+        """Metrics columns from every rank's :meth:`memory_values` (gathered by the loop)."""
+
+
+class CpuTrainer(Trainer):
+    """torch DDP / ZeroRedundancyOptimizer / FSDP2 on gloo, with model-state byte accounting."""
+
+    def __init__(self, model, module, optimizer, stage, clip_grad, fsdp_sharded_bytes: int = 0):
+        super().__init__(model, module, optimizer, stage, clip_grad)
+        self.fsdp_sharded_bytes = fsdp_sharded_bytes
+        """FSDP2 only: bytes of this rank's parameter shards (padding included)."""
+        self.peak_model_state_bytes = 0
+
     def sync_context(self, last_micro_step: bool):
-        if self.on_cuda:
-            return contextlib.nullcontext() if last_micro_step else self.model.no_sync()
         if self.stage >= ZeroStage.GRADIENTS:
             self.model.set_requires_gradient_sync(last_micro_step)
             return contextlib.nullcontext()
         return contextlib.nullcontext() if last_micro_step else self.model.no_sync()
 
     def zero_grad(self) -> None:
-        if self.on_cuda:  # megatron-core: gradients live in the DDP/FSDP buffers
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
 
     def step(self, lr: float) -> float:
-        """Clip, step, and return the global gradient norm (before clipping)."""
-        if self.on_cuda:
-            self.model.finish_grad_sync()
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            _, grad_norm, _ = self.optimizer.step()
-            return float(grad_norm or 0.0)
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -91,7 +111,6 @@ class ParallelTrainer:
         return float(norm)
 
     def release_unsharded(self) -> None:
-        """Free parameters FSDP2 gathered for a forward with no backward (evaluation)."""
         if self.fsdp_sharded_bytes:
             from torch.distributed.fsdp import FSDPModule
 
@@ -99,7 +118,6 @@ class ParallelTrainer:
                 if isinstance(m, FSDPModule):
                     m.reshard()
 
-    # -- memory ---------------------------------------------------------------------------
     def model_state_bytes(self) -> int:
         """Bytes of parameters, gradients and optimizer state this rank holds right now."""
         seen: set[int] = set()
@@ -117,17 +135,55 @@ class ParallelTrainer:
             total += _unique_storage_bytes(state.values(), seen)
         return total
 
-    def sample_model_state(self) -> int:
+    def sample_memory(self) -> None:
+        self.peak_model_state_bytes = max(self.peak_model_state_bytes, self.model_state_bytes())
+
+    def memory_values(self) -> list[int]:
         now = self.model_state_bytes()
         self.peak_model_state_bytes = max(self.peak_model_state_bytes, now)
-        return now
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return [now, self.peak_model_state_bytes, rss]
+
+    def memory_columns(self, per_rank: list[list[int]]) -> dict:
+        now, peak, rss = per_rank[dist.get_rank()]
+        return {
+            "model_state_bytes": now,
+            "model_state_peak_bytes": peak,
+            "peak_rss_bytes": rss,
+            "model_state_bytes_per_rank": [r[0] for r in per_rank],
+            "model_state_peak_bytes_per_rank": [r[1] for r in per_rank],
+        }
+
+
+class CudaTrainer(Trainer):
+    """megatron-core DDP / distributed optimizer / Megatron-FSDP on NCCL, bf16 params, fp32 grads."""
+
+    def sync_context(self, last_micro_step: bool):
+        return contextlib.nullcontext() if last_micro_step else self.model.no_sync()
+
+    def zero_grad(self) -> None:  # megatron-core: gradients live in the DDP/FSDP buffers
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self, lr: float) -> float:
+        self.model.finish_grad_sync()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        _, grad_norm, _ = self.optimizer.step()
+        return float(grad_norm or 0.0)
+
+    def memory_values(self) -> list[int]:
+        return [torch.cuda.max_memory_allocated()]
+
+    def memory_columns(self, per_rank: list[list[int]]) -> dict:
+        return {"cuda_peak_allocated_bytes": max(r[0] for r in per_rank)}
 
 
 def _adamw(t: TrainingParams, **extra):
     return dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay, **extra)
 
 
-def wrap_cpu(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams) -> ParallelTrainer:
+def wrap_cpu(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams) -> CpuTrainer:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
@@ -139,7 +195,7 @@ def wrap_cpu(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams) -> Pa
         fully_shard(module, reshard_after_forward=reshard)
         sharded = _unique_storage_bytes(module.parameters(), set())
         optimizer = torch.optim.AdamW(module.parameters(), **_adamw(t, foreach=False))
-        return ParallelTrainer(module, module, optimizer, stage, t.clip_grad, False, sharded)
+        return CpuTrainer(module, module, optimizer, stage, t.clip_grad, sharded)
     model = DistributedDataParallel(module, gradient_as_bucket_view=True, broadcast_buffers=False)
     if stage == ZeroStage.OPTIMIZER:
         optimizer = ZeroRedundancyOptimizer(
@@ -147,7 +203,7 @@ def wrap_cpu(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams) -> Pa
         )
     else:
         optimizer = torch.optim.AdamW(module.parameters(), **_adamw(t, foreach=False))
-    return ParallelTrainer(model, module, optimizer, stage, t.clip_grad, False)
+    return CpuTrainer(model, module, optimizer, stage, t.clip_grad)
 
 
 def megatron_core_ddp_config(stage: int):
@@ -178,7 +234,7 @@ def megatron_core_optimizer_config(t: TrainingParams, stage: int, bf16: bool):
     )
 
 
-def wrap_cuda(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams) -> ParallelTrainer:
+def wrap_cuda(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams) -> CudaTrainer:
     """megatron-core DDP / distributed optimizer / Megatron-FSDP, bf16 params, fp32 grads."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer import get_megatron_optimizer
@@ -197,11 +253,11 @@ def wrap_cuda(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams) -> P
     else:
         model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=wrapped)
     optimizer = get_megatron_optimizer(megatron_core_optimizer_config(t, stage, config.bf16), [model])
-    return ParallelTrainer(model, module, optimizer, stage, t.clip_grad, True)
+    return CudaTrainer(model, module, optimizer, stage, t.clip_grad)
 
 
-def wrap_for_stage(module: torch.nn.Module, stage: int, t: TrainingParams, on_cuda: bool) -> ParallelTrainer:
+def build_trainer(module: torch.nn.Module, stage: int, t: TrainingParams, on_cuda: bool) -> Trainer:
     stage = ZeroStage(stage)
     if not dist.is_initialized():
-        raise RuntimeError("wrap_for_stage needs an initialized process group")
+        raise RuntimeError("build_trainer needs an initialized process group")
     return wrap_cuda(module, stage, t) if on_cuda else wrap_cpu(module, stage, t)

@@ -1,11 +1,11 @@
 """ZERO_STAGE -> data-parallel strategy: the one table every engine and device reads.
 
-    python -c "from megatron_ext.zero import describe_stages; print(describe_stages())"
+    python -c "from megatron_ext.spec.zero import describe_stages; print(describe_stages())"
 
 ZeRO stages (Rajbhandari et al.) name *what* is sharded over data-parallel ranks; this module
 says *how*, per device kind and engine. The obvious mapping is wrong for stage 2: Megatron-LM's
 ``--data-parallel-sharding-strategy optim_grads`` is read only by Megatron-FSDP, so without
-``--use-megatron-fsdp`` it silently stays ZeRO-1 (see shared/reference/facts.md). Pure.
+``--use-megatron-fsdp`` it silently stays ZeRO-1 (Megatron-LM 0.16 `validate_args`; see the README). Pure.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from megatron_ext.params import ParamsError
+from megatron_ext.spec.errors import UserError
 
 
 class ZeroStage(enum.IntEnum):
@@ -95,7 +95,7 @@ def parse_zero_stage(value: str, source: str = "ZERO_STAGE") -> ZeroStage:
     """Parse a stage from text; anything but 0-3 is one clear error."""
     text = str(value).strip()
     if text not in {"0", "1", "2", "3"}:
-        raise ParamsError(
+        raise UserError(
             f"{source}={value!r} is not a ZeRO stage; use 0 (none), 1 (optimizer state), "
             "2 (+ gradients) or 3 (+ parameters), e.g. ZERO_STAGE=1"
         )
@@ -115,7 +115,7 @@ def megatron_lm_flags_for_stage(stage: int, version: tuple[int, int] = (0, 16)) 
     flags = list(STAGES[ZeroStage(stage)].megatron_lm_flags)
     if stage >= 2:
         if version < (0, 12):
-            raise ParamsError(
+            raise UserError(
                 f"ZERO_STAGE={stage} needs Megatron-FSDP, which Megatron-LM {version[0]}.{version[1]} "
                 "lacks (added in 0.12); use ZERO_STAGE=1 or a newer checkout"
             )
@@ -131,3 +131,10 @@ def describe_stages() -> str:
         flags = " ".join(s.megatron_lm_flags) or "(none)"
         rows.append(f"{int(s.stage)} | {s.sharded} | {s.cuda} | {s.cpu} | {flags}")
     return "\n".join(rows)
+
+
+def stage_environment(stage: int) -> dict[str, str | None]:
+    """Environment every rank needs for ``stage`` (None = unset), for both engines:
+    Megatron-FSDP (stages 2-3) needs ``CUDA_DEVICE_MAX_CONNECTIONS`` unset or > 1; the DDP stages
+    keep Megatron-LM's usual 1 (required once TP > 1 with the distributed optimizer)."""
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": None if stage >= ZeroStage.GRADIENTS else "1"}

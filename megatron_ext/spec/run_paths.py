@@ -16,29 +16,27 @@ Pure path arithmetic.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from megatron_ext.spec.errors import UserError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_ARTIFACT_ROOT = REPO_ROOT / "artifacts"
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-def artifact_root(env: Mapping[str, str] | None = None) -> Path:
-    """``$ARTIFACT_ROOT`` or ``<repo>/artifacts``: the single default."""
-    env = os.environ if env is None else env
+def artifact_root(env: Mapping[str, str]) -> Path:
+    """``$ARTIFACT_ROOT`` from an environment mapping, or ``<repo>/artifacts``: the single default."""
     value = env.get("ARTIFACT_ROOT", "").strip()
     return Path(value).expanduser().absolute() if value else DEFAULT_ARTIFACT_ROOT
 
 
 def check_run_name(run: str) -> str:
-    from megatron_ext.params import ParamsError
-
     if not RUN_NAME_RE.match(run or ""):
-        raise ParamsError(
+        raise UserError(
             f"RUN={run!r} is not a valid run name: use letters, digits, '.', '_' and '-' "
             "(at most 128, not starting with '.', '_' or '-'), e.g. qwen3_32gpu_z1"
         )
@@ -69,6 +67,10 @@ class RunPaths:
     @property
     def checkpoints_dir(self) -> Path:
         return self.run_dir / "checkpoints"
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        return self.run_dir / "tensorboard"
 
     @property
     def params_path(self) -> Path:

@@ -1,0 +1,206 @@
+"""The iteration record and Megatron-LM's iteration line: one format, one parser, both engines.
+
+    python -m megatron_ext.spec.iteration_log artifacts/logs/run_node0.log --seq-length 4096
+
+This project's program prints Megatron-LM's ``training_log`` line (so existing log readers keep
+working) and writes the same :class:`IterationRecord` as JSON lines; Megatron-LM's own runs are
+read back from their node logs with the same parser. Format, fields joined by `` |``::
+
+     [2026-01-01 00:00:00] iteration        3/      10 | consumed samples:           48 | elapsed time per
+    iteration (ms): 456.7 | throughput per GPU (TFLOP/s/GPU): 12.3 | learning rate: 3.000000E-04 | global
+    batch size:    16 | lm loss: 7.500000E+00 | loss scale: 1.0 | grad norm: 1.250 | number of skipped
+    iterations:   0 | number of nan iterations:   0 |
+
+Lines that look like iteration lines but do not parse are skipped and counted. Pure, apart from
+:class:`MetricsWriter` (one file) and :func:`read_metrics`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class IterationRecord:
+    """One logged iteration: a JSON line of ``metrics.jsonl``, or one parsed iteration line."""
+
+    iteration: int
+    """Optimizer steps done."""
+    train_iters: int
+    """Optimizer steps planned."""
+    consumed_samples: int
+    """Sequences consumed so far."""
+    lm_loss: float
+    """Training loss of this step (mean cross-entropy, nats per token)."""
+    lr: float
+    """Learning rate used for this step."""
+    grad_norm: float
+    """Global gradient L2 norm before clipping."""
+    step_time_s: float
+    """Wall time of this step (seconds)."""
+    tokens_per_s: float
+    """Training tokens per second over all ranks."""
+    tflops_per_gpu: float
+    """Model TFLOP/s per rank (Megatron's formula)."""
+    global_batch_size: int
+    """Sequences per step."""
+    world_size: int
+    """Ranks (0 when unknown, e.g. parsed from a log)."""
+    zero_stage: int
+    """ZeRO stage (-1 when unknown)."""
+    mfu: float | None = None
+    """Model FLOPs utilisation against the device's peak (GPUs only; 0-1)."""
+    cuda_peak_allocated_bytes: int | None = None
+    """GPUs: peak CUDA allocation, max over ranks (bytes)."""
+    model_state_bytes: int | None = None
+    """CPU: parameters + gradients + optimizer state rank 0 holds after the step (bytes)."""
+    model_state_peak_bytes: int | None = None
+    """CPU: the most model-state bytes rank 0 held so far (bytes)."""
+    peak_rss_bytes: int | None = None
+    """CPU: rank 0's peak resident set size (bytes)."""
+    model_state_bytes_per_rank: list[int] | None = None
+    """CPU: model-state bytes after the step, per rank."""
+    model_state_peak_bytes_per_rank: list[int] | None = None
+    """CPU: peak model-state bytes, per rank."""
+    valid_loss: float | None = None
+    """Validation loss, on iterations that ran a validation pass."""
+    time: float = 0.0
+    """Unix time the record was written (seconds)."""
+
+
+def format_iteration_line(r: IterationRecord, timestamp: str | None = None) -> str:
+    """Megatron-LM's ``training_log`` line, field for field (with ``--log-throughput``)."""
+    ts = timestamp or time.strftime("%Y-%m-%d %H:%M:%S")
+    return (
+        f" [{ts}]"
+        f" iteration {r.iteration:8d}/{r.train_iters:8d} |"
+        f" consumed samples: {r.consumed_samples:12d} |"
+        f" elapsed time per iteration (ms): {r.step_time_s * 1000:.1f} |"
+        f" throughput per GPU (TFLOP/s/GPU): {r.tflops_per_gpu:.1f} |"
+        f" learning rate: {r.lr:.6E} |"
+        f" global batch size: {r.global_batch_size:5d} |"
+        f" lm loss: {r.lm_loss:.6E} |"
+        f" loss scale: {1.0:.1f} |"
+        f" grad norm: {r.grad_norm:.3f} |"
+        f" number of skipped iterations: {0:3d} |"
+        f" number of nan iterations: {0:3d} |"
+    )
+
+
+def format_progress_line(r: IterationRecord, elapsed_s: float) -> str:
+    remaining = r.train_iters - r.iteration
+    eta_s = elapsed_s / max(r.iteration, 1) * remaining
+    return (
+        f"progress: {r.iteration}/{r.train_iters} ({100 * r.iteration / r.train_iters:.0f}%) "
+        f"eta {eta_s:.0f}s | {r.tokens_per_s:,.0f} tokens/s"
+    )
+
+
+_HEAD = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*$")
+_KEYS = {
+    "consumed samples": "consumed_samples",
+    "elapsed time per iteration (ms)": "elapsed_ms",
+    "throughput per GPU (TFLOP/s/GPU)": "tflops",
+    "learning rate": "lr",
+    "global batch size": "global_batch_size",
+    "lm loss": "lm_loss",
+    "grad norm": "grad_norm",
+}
+
+
+def looks_like_iteration_line(line: str) -> bool:
+    return "iteration" in line and "consumed samples" in line
+
+
+def parse_iteration_line(line: str, seq_length: int | None = None, world_size: int = 0,
+                         zero_stage: int = -1) -> IterationRecord | None:
+    """One record, or None when the line is not a well-formed iteration line. ``seq_length``
+    gives tokens/s (the line has no such field)."""
+    if not looks_like_iteration_line(line):
+        return None
+    parts = [p.strip() for p in line.split(" |")]
+    head = _HEAD.search(parts[0])
+    if not head:
+        return None
+    values: dict[str, float] = {}
+    for part in parts[1:]:
+        key, sep, value = part.rpartition(":")
+        if sep and key.strip() in _KEYS:
+            try:
+                values[_KEYS[key.strip()]] = float(value)
+            except ValueError:
+                return None
+    if not {"consumed_samples", "elapsed_ms", "lr", "global_batch_size", "lm_loss"} <= set(values):
+        return None
+    step_s = values["elapsed_ms"] / 1000
+    gbs = int(values["global_batch_size"])
+    return IterationRecord(
+        iteration=int(head.group(1)), train_iters=int(head.group(2)), consumed_samples=int(values["consumed_samples"]),
+        lm_loss=values["lm_loss"], lr=values["lr"], grad_norm=values.get("grad_norm", float("nan")), step_time_s=step_s,
+        tokens_per_s=gbs * seq_length / step_s if seq_length and step_s > 0 else 0.0,
+        tflops_per_gpu=values.get("tflops", 0.0), global_batch_size=gbs, world_size=world_size, zero_stage=zero_stage,
+    )
+
+
+def parse_log(text: str, seq_length: int | None = None, world_size: int = 0,
+              zero_stage: int = -1) -> tuple[list[IterationRecord], int]:
+    """(records, number of malformed iteration lines skipped)."""
+    records, skipped = [], 0
+    for line in text.splitlines():
+        if not looks_like_iteration_line(line):
+            continue
+        record = parse_iteration_line(line, seq_length, world_size, zero_stage)
+        if record is None:
+            skipped += 1
+        else:
+            records.append(record)
+    return records, skipped
+
+
+class MetricsWriter:
+    """Writes :class:`IterationRecord` objects as JSON lines. Side effect: one file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = path.open("w", buffering=1)  # a new start of the run starts its metrics anew
+
+    def write(self, record: IterationRecord) -> None:
+        self._fh.write(json.dumps(asdict(record)) + "\n")
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def read_metrics(path: Path) -> list[IterationRecord]:
+    """The records of a ``metrics.jsonl``; unreadable lines are skipped."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(IterationRecord(**json.loads(line)))
+        except (json.JSONDecodeError, TypeError):
+            continue
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("log")
+    p.add_argument("--seq-length", type=int)
+    args = p.parse_args()
+    with open(args.log, errors="replace") as fh:
+        records, skipped = parse_log(fh.read(), args.seq_length)
+    for r in records:
+        print(json.dumps(asdict(r)))
+    print(f"# {len(records)} records, {skipped} malformed lines skipped")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""The training loop, in named steps: set up, build, one step, log (and evaluate, save).
+
+    torchrun --nproc-per-node 2 -m megatron_ext.pretrain --model gpt_smoke --data smoke
+
+:class:`Pretrain` takes everything resolved before a process group exists (:class:`RunInputs`)
+and runs it: :meth:`Pretrain.set_up` (device, process group, megatron's parallel state, seeds),
+:meth:`Pretrain.build` (data, model, trainer for the ZeRO stage, datasets), :meth:`Pretrain.train_step`
+(micro-batches with gradient accumulation, clip, optimizer step), :meth:`Pretrain.log` (at log
+intervals only: one collective gathers the loss and every rank's memory figures; rank 0 writes
+the metrics record, every node's local rank 0 prints Megatron-LM's iteration line).
+
+Side effects: the process group, the data cache, metrics and checkpoint files under the artifact
+root, stdout.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.spec.flops import flops_per_token, padded_vocab_size, peak_tflops_for, tflops_per_gpu
+from megatron_ext.spec.iteration_log import (
+    IterationRecord, MetricsWriter, format_iteration_line, format_progress_line,
+)
+from megatron_ext.spec.params import BatchGeometry, RunParams, TrainingParams
+from megatron_ext.spec.run_paths import RunPaths
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """What torchrun tells a rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """Everything checked before a process group exists."""
+
+    params: RunParams
+    """With the global batch filled in for the world size."""
+    geometry: BatchGeometry
+    ranks: RankEnv
+    paths: RunPaths
+
+
+def learning_rate(t: TrainingParams, iteration: int) -> float:
+    """Linear warmup to ``lr`` then cosine decay to ``min_lr`` (iteration counts from 1)."""
+    if t.lr_warmup_iters and iteration <= t.lr_warmup_iters:
+        return t.lr * iteration / t.lr_warmup_iters
+    decay = t.lr_decay_iters or t.train_iters
+    progress = min(1.0, (iteration - t.lr_warmup_iters) / max(1, decay - t.lr_warmup_iters))
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class _Interval:
+    """What the loop accumulates between two log lines."""
+
+    loss_sum: torch.Tensor | None = None
+    iterations: int = 0
+    step_s: float = 0.0
+
+
+class Pretrain:
+    def __init__(self, inputs: RunInputs):
+        self.inputs = inputs
+        self.params, self.geometry, self.ranks, self.paths = inputs.params, inputs.geometry, inputs.ranks, inputs.paths
+        self.t = self.params.training
+        self.on_cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", self.ranks.local_rank) if self.on_cuda else torch.device("cpu")
+
+    # -- set up ---------------------------------------------------------------------------------
+    def set_up(self) -> None:
+        """Process group (NCCL or gloo), megatron's TP=1/PP=1 parallel state, RNG, threads."""
+        from megatron.core import parallel_state
+
+        if self.on_cuda:
+            torch.cuda.set_device(self.ranks.local_rank)
+            dist.init_process_group("nccl", device_id=self.device)
+        else:
+            dist.init_process_group("gloo")
+        # On CPU the world group is gloo already: no second set of gloo groups.
+        parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=self.on_cuda)
+        if self.on_cuda:
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(self.t.seed)
+        else:
+            from megatron_ext.training.cpu_compat import install_cpu_compat
+
+            install_cpu_compat(self.t.seed)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.ranks.local_world_size))
+        torch.manual_seed(self.t.seed)
+
+    # -- build ----------------------------------------------------------------------------------
+    def build(self) -> None:
+        """Data, the model, its trainer for the ZeRO stage, the datasets, the FLOPs per step."""
+        from megatron_ext.data.prepare import ensure_prepared
+        from megatron_ext.training.datasets import build_datasets
+        from megatron_ext.training.model import build_gpt_model, model_vocab_size, transformer_engine_available
+        from megatron_ext.training.trainers import build_trainer
+
+        m, t = self.params.model, self.t
+        self.prepared = ensure_prepared(self.params.data, self.paths.data_cache_dir)
+        self.vocab = padded_vocab_size(model_vocab_size(m, self.prepared.vocab_size), m.make_vocab_size_divisible_by)
+        self.use_te = self.on_cuda and transformer_engine_available()
+        module = build_gpt_model(m, self.vocab, t.seq_length, params_dtype=torch.bfloat16 if self.on_cuda else torch.float32,
+                                 on_cpu=not self.on_cuda, use_transformer_engine=self.use_te)
+        if self.on_cuda:
+            module.cuda()
+        self.trainer = build_trainer(module, t.zero_stage, t, self.on_cuda)
+        self.train_ds, self.valid_ds = build_datasets(
+            self.prepared, self.params.data, t.seq_length, t.seed,
+            num_train_samples=t.train_iters * t.global_batch_size,
+            num_valid_samples=max(1, t.eval_iters) * t.global_batch_size,  # every validation pass reads the same batches
+            cache_dir=self.paths.data_cache_dir / "index",
+        )
+        self.flops_per_iteration = flops_per_token(m, t.seq_length, self.vocab) * t.global_batch_size * t.seq_length
+        self.peak_tflops = peak_tflops_for(torch.cuda.get_device_name(self.device)) if self.on_cuda else None
+        self.writer = MetricsWriter(self.paths.metrics_path) if self.ranks.rank == 0 else None
+        if self.ranks.rank == 0:
+            print(
+                f"run {self.paths.run}: model {m.name} data {self.params.data_set} | world size {self.ranks.world_size} "
+                f"| ZERO_STAGE={t.zero_stage} | {'cuda/nccl/bf16' if self.on_cuda else 'cpu/gloo/fp32'}"
+                f"{' + transformer-engine' if self.use_te else ''} | vocab {self.vocab} | {self.geometry.describe()}",
+                flush=True,
+            )
+
+    # -- one step -------------------------------------------------------------------------------
+    def _batch(self, dataset, first_sample: int, micro_step: int) -> dict[str, torch.Tensor]:
+        from megatron_ext.training.datasets import global_batch_slice
+
+        t = self.t
+        batch = global_batch_slice(dataset, first_sample, t.global_batch_size, self.ranks.rank, self.ranks.world_size,
+                                   t.micro_batch_size, micro_step)
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        losses = self.trainer.model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        mask = batch["loss_mask"]
+        return (losses.float() * mask).sum() / mask.sum().clamp(min=1)
+
+    def train_step(self, iteration: int, sample_memory: bool) -> tuple[torch.Tensor, float, float]:
+        """One optimizer step: (this rank's mean micro-batch loss, tensor; grad norm; lr)."""
+        accumulation = self.geometry.accumulation_steps
+        lr = learning_rate(self.t, iteration)
+        self.trainer.zero_grad()
+        loss_sum = torch.zeros(1, device=self.device)
+        first = (iteration - 1) * self.t.global_batch_size
+        for micro in range(accumulation):
+            with self.trainer.sync_context(micro == accumulation - 1):
+                loss = self._loss(self._batch(self.train_ds, first, micro))
+                if micro == 0 and sample_memory:
+                    self.trainer.sample_memory()
+                (loss / accumulation).backward()
+            loss_sum += loss.detach() / accumulation
+        grad_norm = self.trainer.step(lr)
+        return loss_sum, grad_norm, lr
+
+    # -- log ------------------------------------------------------------------------------------
+    def log(self, iteration: int, interval: _Interval, grad_norm: float, lr: float, valid_loss: float | None,
+            elapsed_s: float) -> None:
+        """One collective (all ranks): the interval's loss and every rank's memory figures."""
+        memory = self.trainer.memory_values()
+        mine = torch.tensor([float(interval.loss_sum.item()), *map(float, memory)], dtype=torch.float64, device=self.device)
+        gathered = [torch.zeros_like(mine) for _ in range(self.ranks.world_size)]
+        dist.all_gather(gathered, mine)
+        if self.ranks.local_rank != 0:  # every node's log shows the iterations; rank 0 writes metrics
+            return
+        t, world = self.t, self.ranks.world_size
+        rows = [g.tolist() for g in gathered]
+        lm_loss = sum(r[0] for r in rows) / (world * interval.iterations)
+        step_s = interval.step_s / interval.iterations
+        tflops = tflops_per_gpu(self.flops_per_iteration, step_s, world)
+        record = IterationRecord(
+            iteration=iteration, train_iters=t.train_iters, consumed_samples=iteration * t.global_batch_size,
+            lm_loss=lm_loss, lr=lr, grad_norm=grad_norm, step_time_s=step_s,
+            tokens_per_s=t.global_batch_size * t.seq_length / step_s, tflops_per_gpu=tflops,
+            global_batch_size=t.global_batch_size, world_size=world, zero_stage=t.zero_stage,
+            mfu=tflops / self.peak_tflops if self.peak_tflops else None, valid_loss=valid_loss, time=time.time(),
+            **self.trainer.memory_columns([[int(v) for v in r[1:]] for r in rows]),
+        )
+        if self.writer:
+            self.writer.write(record)
+        print(format_iteration_line(record), flush=True)
+        print(format_progress_line(record, elapsed_s), flush=True)
+
+    def evaluate(self) -> float:
+        t, accumulation = self.t, self.geometry.accumulation_steps
+        self.trainer.model.eval()
+        total = torch.zeros(1, device=self.device)
+        with torch.no_grad():
+            for i in range(t.eval_iters):
+                for micro in range(accumulation):
+                    total += self._loss(self._batch(self.valid_ds, i * t.global_batch_size, micro)).detach() / accumulation
+        dist.all_reduce(total)
+        self.trainer.release_unsharded()
+        self.trainer.model.train()
+        return float(total) / (self.ranks.world_size * t.eval_iters)
+
+    def save_checkpoint(self, iteration: int) -> None:
+        """Model weights with torch.distributed.checkpoint (sharded stages write their shards)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        target = self.paths.checkpoints_dir / f"iter_{iteration:07d}"
+        dcp.save({"model": get_model_state_dict(self.trainer.module)}, checkpoint_id=str(target))
+
+    # -- the whole run --------------------------------------------------------------------------
+    def _logs_at(self, iteration: int) -> bool:
+        return iteration == 1 or iteration % self.t.log_interval == 0 or iteration == self.t.train_iters
+
+    def run(self) -> None:
+        from megatron.core import parallel_state
+
+        self.set_up()
+        self.build()
+        t = self.t
+        start = time.time()
+        interval = _Interval()
+        for iteration in range(1, t.train_iters + 1):
+            logs = self._logs_at(iteration)
+            step_start = time.time()
+            loss, grad_norm, lr = self.train_step(iteration, sample_memory=logs)
+            if self.on_cuda:
+                torch.cuda.synchronize()
+            interval.step_s += time.time() - step_start
+            interval.loss_sum = loss if interval.loss_sum is None else interval.loss_sum + loss
+            interval.iterations += 1
+            last = iteration == t.train_iters
+            valid_loss = None
+            if t.eval_iters and ((t.eval_interval and iteration % t.eval_interval == 0) or last):
+                valid_loss = self.evaluate()
+                if self.ranks.local_rank == 0:
+                    print(f" validation loss at iteration {iteration} | lm loss value: {valid_loss:.6E} |", flush=True)
+            if t.save_interval and (iteration % t.save_interval == 0 or last):
+                self.save_checkpoint(iteration)
+            if logs:
+                self.log(iteration, interval, grad_norm, lr, valid_loss, time.time() - start)
+                interval = _Interval()
+        if self.ranks.local_rank == 0:
+            print(f"done: {t.train_iters} iterations in {time.time() - start:.1f}s; metrics {self.paths.metrics_path}", flush=True)
+        if self.writer:
+            self.writer.close()
+        dist.barrier()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()

@@ -1,0 +1,57 @@
+"""How the launcher reaches a node: this machine, ``ssh``, or ``docker exec`` (over ssh for
+remote nodes when CONTAINER_NAME is set).
+
+    HOSTS=node0,node1 SSH_OPTS="-F cluster.cfg" python -m orchestration status demo
+
+Pure: argv lists built with ``shlex.quote``; a RUN name is checked before it gets here and is
+never pasted into a shell unquoted.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Sequence
+
+from orchestration.launch_env import DEFAULT_SSH_CONNECT_TIMEOUT_S, LaunchEnv
+
+
+def remote_shell_command(argv: Sequence[str], env: dict[str, str], cwd: str) -> str:
+    """One quoted shell line: ``cd CWD && exec env K=V ... ARGV`` (for ssh)."""
+    assignments = [f"{k}={v}" for k, v in env.items()]
+    return f"cd {shlex.quote(cwd)} && exec env " + " ".join(shlex.quote(a) for a in [*assignments, *argv])
+
+
+def ssh_argv(launch: LaunchEnv, host: str, command: str) -> list[str]:
+    return [
+        "ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={DEFAULT_SSH_CONNECT_TIMEOUT_S}",
+        *launch.ssh_opts, host, "--", command,
+    ]
+
+
+def docker_exec_argv(container: str, argv: Sequence[str], env: dict[str, str], cwd: str) -> list[str]:
+    flags: list[str] = ["-w", cwd]
+    for k, v in env.items():
+        flags += ["-e", f"{k}={v}"]
+    return ["docker", "exec", *flags, container, *argv]
+
+
+def runs_here(launch: LaunchEnv, host: str) -> bool:
+    """Whether a command for ``host`` runs as a plain subprocess of the launcher (this machine,
+    no container): then the caller applies env and cwd itself."""
+    return launch.is_local(host) and not launch.container_name
+
+
+def transport_argv(launch: LaunchEnv, host: str, argv: Sequence[str], env: dict[str, str], cwd: str) -> list[str]:
+    """How this machine runs ``argv`` with ``env`` in ``cwd`` on ``host``.
+
+    local: the argv itself (env and cwd are applied by the caller); ssh: one quoted command
+    line; CONTAINER_NAME: ``docker exec`` into the container, over ssh for remote hosts.
+    """
+    if launch.container_name:
+        inner = docker_exec_argv(launch.container_name, argv, env, cwd)
+        if launch.is_local(host):
+            return inner
+        return ssh_argv(launch, host, shlex.join(inner))
+    if launch.is_local(host):
+        return list(argv)
+    return ssh_argv(launch, host, remote_shell_command(argv, env, cwd))
