@@ -52,7 +52,9 @@ def plan_start(launch: LaunchEnv, model: str, data: str, run: str, nodes: Sequen
     params = load_run_params(model, data, RunOverrides(launch.zero_stage, launch.overrides.engine))
     params, geometry = with_batch_geometry(params, launch.world_size)
     paths = RunPaths(launch.artifact_root, run)
-    program = plan_program(params, model, data, paths, launch.megatron_lm_dir, prepare=prepare)
+    program = plan_program(params, model, data, paths, launch, prepare=prepare)
+    for note in program.notes:
+        print(f"note: {note}", file=sys.stderr, flush=True)
     run_id = f"{run}-{uuid.uuid4().hex[:10]}"
     return build_start_plan(launch, params, geometry, program, run, run_id, nodes, sys.executable, os.getcwd())
 

@@ -7,6 +7,8 @@ import pytest
 from megatron_ext.spec.flops import flops_per_token, padded_vocab_size
 from megatron_ext.spec.iteration_log import IterationRecord, format_iteration_line, parse_iteration_line
 from megatron_ext.training.model import count_parameters
+
+from conftest import TEST_DATA
 from megatron_ext.spec.params import load_model
 
 
@@ -33,16 +35,18 @@ def test_qwen3_flops_per_token(seq, gflop):
 
 
 def test_iteration_line_is_megatron_format():
-    r = IterationRecord(iteration=3, train_iters=10, consumed_samples=48, lm_loss=7.5, lr=3e-4, grad_norm=1.25,
-                        step_time_s=0.4567, tokens_per_s=1.0, tflops_per_gpu=12.34, global_batch_size=16,
-                        world_size=2, zero_stage=1)
-    line = format_iteration_line(r, timestamp="2026-01-01 00:00:00")
-    assert line == (
-        " [2026-01-01 00:00:00] iteration        3/      10 | consumed samples:           48 | "
-        "elapsed time per iteration (ms): 456.7 | throughput per GPU (TFLOP/s/GPU): 12.3 | "
-        "learning rate: 3.000000E-04 | global batch size:    16 | lm loss: 7.500000E+00 | loss scale: 1.0 | "
-        "grad norm: 1.250 | number of skipped iterations:   0 | number of nan iterations:   0 |"
-    )
+    """The same bytes Megatron-LM core_v0.16.1's training_log prints for the same values (the line in
+    tests/data was produced by running that function's own statements, see make_iteration_line.py)."""
+    real = (TEST_DATA / "megatron_lm" / "iteration_line_core_v0.16.1.txt").read_text().splitlines()
+    for line, (it, ms, tflops, lr, loss, gnorm) in zip(real, [(1, 2050.3, 310.2, 6e-5, 11.95312, 12.345),
+                                                              (2, 1000.0, 455.1, 1.2e-4, 11.02344, 8.5)], strict=True):
+        r = IterationRecord(iteration=it, train_iters=10, consumed_samples=32 * it, lm_loss=loss, lr=lr, grad_norm=gnorm,
+                            step_time_s=ms / 1000, tokens_per_s=1.0, tflops_per_gpu=tflops, global_batch_size=32,
+                            world_size=32, zero_stage=1)
+        timestamp = line[2:line.index("]")]
+        assert format_iteration_line(r, timestamp=timestamp) == line
+        back = parse_iteration_line(line, seq_length=4096)
+        assert (back.iteration, back.consumed_samples, back.lm_loss, back.grad_norm) == (it, 32 * it, loss, gnorm)
 
 
 def test_iteration_line_round_trip():

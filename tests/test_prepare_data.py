@@ -15,7 +15,7 @@ from megatron_ext.spec.params import DataParams, TokenizerParams
 from megatron_ext.data.prepare import ensure_prepared
 from megatron_ext.data.tokenizers import SentencePieceTokenizer
 
-from conftest import REPO
+from conftest import REPO, TEST_DATA
 
 
 def test_embedded_corpus_is_half_a_megabyte_of_stdlib_docstrings():
@@ -47,6 +47,32 @@ def test_prepare_cli_from_jsonl_and_text(tmp_path):
     assert first[-1] == tok.eod  # every document ends with end-of-document
     assert list(first[:-1]) == tok.tokenize(docs[0])
     assert isinstance(first, np.ndarray)
+
+
+def test_same_bytes_as_megatron_lm_preprocess_data(tmp_path):
+    """tests/data/prepare/small.jsonl (empty and whitespace-only documents among them) with a
+    fixed sentencepiece model: the .bin/.idx Megatron-LM core_v0.16.1's tools/preprocess_data.py
+    --append-eod wrote (checksums, lengths and document index recorded by hand, see README): an
+    empty document adds no sequence and no end-of-document, only a document boundary."""
+    import hashlib
+
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    data = TEST_DATA / "prepare"
+    expected = json.loads((data / "small_expected.json").read_text())
+    prefix = tmp_path / "ours"
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_ext.data.prepare", "--input", str(data / "small.jsonl"),
+         "--tokenizer-model", str(data / "sp512.model"), "--output-prefix", str(prefix), "--workers", "2"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    ds = IndexedDataset(f"{prefix}_text_document")
+    assert list(ds.sequence_lengths) == expected["sequence_lengths"]
+    assert list(ds.document_indices) == expected["document_indices"]
+    for suffix in ("bin", "idx"):
+        digest = hashlib.sha256(open(f"{prefix}_text_document.{suffix}", "rb").read()).hexdigest()
+        assert digest == expected[f"{suffix}_sha256"], suffix
 
 
 def test_bad_jsonl_line_is_named(tmp_path):
@@ -115,7 +141,7 @@ def test_blend_of_two_prepared_datasets_with_weights_and_split(tmp_path):
     from megatron.core.datasets.blended_dataset import BlendedDataset
 
     from megatron_ext.training.datasets import build_datasets
-    from megatron_ext.data.prepare import write_indexed_dataset
+    from megatron_ext.data.prepare import chunks_from_documents, write_indexed_dataset
 
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("".join(f"alpha document {i} speaks of optimizers and shards\n" for i in range(300)))
@@ -123,9 +149,9 @@ def test_blend_of_two_prepared_datasets_with_weights_and_split(tmp_path):
     first = ensure_prepared(DataParams(source="files", paths=(str(a),), tokenizer=TokenizerParams(vocab_size=320)), tmp_path / "cache", workers=1)
     shared = TokenizerParams("sentencepiece", first.tokenizer_path, 320)
     docs_b = [line for line in b.read_text().splitlines()]
-    prefix_b = write_indexed_dataset(docs_b, shared, tmp_path / "b", workers=1)
+    prefix_b = write_indexed_dataset(chunks_from_documents(docs_b), shared, tmp_path / "b", workers=1)
     # Split "a" into documents too, so both have many documents to split train/valid.
-    prefix_a = write_indexed_dataset(a.read_text().splitlines(), shared, tmp_path / "a", workers=1)
+    prefix_a = write_indexed_dataset(chunks_from_documents(a.read_text().splitlines()), shared, tmp_path / "a", workers=1)
     data = DataParams(source="files", paths=(str(prefix_a), str(prefix_b)), weights=(0.25, 0.75), split="90,10,0", tokenizer=shared)
     prepared = ensure_prepared(data, tmp_path / "cache")
     assert prepared.prefixes == (str(prefix_a), str(prefix_b)) and prepared.weights == (0.25, 0.75)

@@ -7,8 +7,10 @@
 Inputs: JSONL files with a ``text`` field (Megatron-LM ``preprocess_data.py``'s convention) or
 plain text files (one document per file); no input = the embedded corpus (standard-library
 docstrings). Output: ``<prefix>_text_document.bin/.idx`` written with megatron-core's
-``IndexedDatasetBuilder``, readable by Megatron-LM's GPTDataset, each document followed by the
-end-of-document token. With ``--vocab-size`` and no model, a sentencepiece model is trained on
+``IndexedDatasetBuilder``, byte for byte what Megatron-LM's ``tools/preprocess_data.py
+--append-eod`` writes with the same tokenizer: one sequence per document, its tokens followed by
+the end-of-document token; a document with no tokens adds no sequence (only a document boundary);
+``uint16`` below 65,500 tokens of vocabulary, else ``int32``. With ``--vocab-size`` and no model, a sentencepiece model is trained on
 the corpus and written to ``<prefix>.model``. Encoding runs in ``--workers`` processes.
 
 Side effects: reads inputs, writes the outputs (atomically, under a file lock when called
@@ -77,45 +79,120 @@ def read_documents(paths: Iterable[str]) -> Iterator[str]:
             yield p.read_text(encoding="utf-8", errors="replace")
 
 
+CHUNK_CHARS = 1 << 20
+"""Documents travel to the encoding workers in chunks of about this many characters."""
+CHUNK_DOCUMENTS = 512
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """Consecutive documents for one worker: raw JSONL lines (parsed in the worker) or texts."""
+
+    source: str
+    first_line: int
+    jsonl: bool
+    items: list[str]
+
+
+def _chunks(items: Iterable[str], source: str, jsonl: bool) -> Iterator[_Chunk]:
+    batch: list[str] = []
+    size, first = 0, 1
+    for lineno, item in enumerate(items, 1):
+        batch.append(item)
+        size += len(item)
+        if size >= CHUNK_CHARS or len(batch) >= CHUNK_DOCUMENTS:
+            yield _Chunk(source, first, jsonl, batch)
+            batch, size, first = [], 0, lineno + 1
+    if batch:
+        yield _Chunk(source, first, jsonl, batch)
+
+
+def chunks_from_documents(documents: Iterable[str]) -> Iterator[_Chunk]:
+    """Chunks of documents already in memory (the embedded corpus, a corpus read for training a tokenizer)."""
+    return _chunks(documents, "documents", jsonl=False)
+
+
+def chunks_from_files(paths: Iterable[str]) -> Iterator[_Chunk]:
+    """Chunks of JSONL lines (one document each, parsed by the workers) and whole text files."""
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"data path {path} does not exist; give an existing .jsonl or text file")
+        if p.suffix in (".jsonl", ".json"):
+            with p.open(encoding="utf-8") as fh:
+                yield from _chunks(fh, str(path), jsonl=True)
+        else:
+            yield _Chunk(str(path), 1, False, [p.read_text(encoding="utf-8", errors="replace")])
+
+
+def _json_text(line: str, source: str, lineno: int) -> str | None:
+    if not line.strip():
+        return None  # a blank line is no document
+    try:
+        return json.loads(line)["text"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise UserError(
+            f"{source}:{lineno} is not a JSON object with a 'text' field; fix the line or pass a plain text file"
+        ) from None
+
+
 _worker_tokenizer = None
+_worker_dtype = None
 
 
-def _init_worker(tokenizer_type: str, tokenizer_path: str | None, vocab_size: int) -> None:
-    global _worker_tokenizer
+def _init_worker(tokenizer_type: str, tokenizer_path: str | None, vocab_size: int, dtype) -> None:
+    global _worker_tokenizer, _worker_dtype
     _worker_tokenizer = load_tokenizer(TokenizerParams(tokenizer_type, tokenizer_path, vocab_size))
+    _worker_dtype = dtype
 
 
-def _encode(text: str) -> np.ndarray:
-    ids = _worker_tokenizer.tokenize(text)
-    ids.append(_worker_tokenizer.eod)
-    return np.asarray(ids, dtype=np.int32)
+def _encode_chunk(chunk: _Chunk) -> tuple[bytes, list[int]]:
+    """Megatron-LM ``tools/preprocess_data.py --append-eod`` for a chunk of documents: each
+    document's tokens and one end-of-document token, or nothing for a document with no tokens.
+    Returns the chunk's tokens as the dataset's bytes and each document's length (0 = empty)."""
+    texts = chunk.items
+    if chunk.jsonl:
+        texts = [t for i, line in enumerate(chunk.items) if (t := _json_text(line, chunk.source, chunk.first_line + i)) is not None]
+    encoded = _worker_tokenizer.tokenize_batch(texts)
+    eod = _worker_tokenizer.eod
+    lengths = [len(ids) + 1 if ids else 0 for ids in encoded]
+    tokens = np.fromiter((t for ids in encoded if ids for t in (*ids, eod)), dtype=_worker_dtype, count=sum(lengths))
+    return tokens.tobytes(), lengths
 
 
 def write_indexed_dataset(
-    documents: Iterable[str],
+    chunks: Iterable[_Chunk],
     tokenizer_params: TokenizerParams,
     output_prefix: Path,
     workers: int = 2,
 ) -> Path:
-    """Encode ``documents`` in ``workers`` processes into ``<output_prefix>_text_document``."""
-    import torch
+    """Encode ``chunks`` (see :func:`chunks_from_files`, :func:`chunks_from_documents`) in
+    ``workers`` processes into ``<output_prefix>_text_document.bin/.idx`` with megatron-core's
+    ``IndexedDatasetBuilder``."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     tokenizer = load_tokenizer(tokenizer_params)
-    dtype = np.uint16 if tokenizer.vocab_size < 65500 else np.int32
+    dtype = np.uint16 if tokenizer.vocab_size < 65500 else np.int32  # Megatron's DType.optimal_dtype
     prefix = Path(f"{output_prefix}{DOCUMENT_SUFFIX}")
     prefix.parent.mkdir(parents=True, exist_ok=True)
     builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
-    initargs = (tokenizer_params.type, tokenizer_params.model_path, tokenizer_params.vocab_size)
+    initargs = (tokenizer_params.type, tokenizer_params.model_path, tokenizer_params.vocab_size, dtype)
     ctx = multiprocessing.get_context("spawn" if "torch" in sys.modules else "fork")
     num_docs = num_tokens = 0
     with ctx.Pool(max(1, workers), initializer=_init_worker, initargs=initargs) as pool:
-        for ids in pool.imap(_encode, documents, chunksize=32):
-            builder.add_document(torch.from_numpy(ids), [len(ids)])
-            num_docs += 1
-            num_tokens += len(ids)
-    if num_docs == 0:
-        raise UserError("the input holds no documents; give a non-empty JSONL or text file")
+        for data, lengths in pool.imap(_encode_chunk, chunks):
+            # What builder.add_document does per document, for a whole chunk at once: an empty
+            # document adds no sequence, only a document boundary (as Megatron-LM's tool).
+            builder.data_file.write(data)
+            for n in lengths:
+                if n:
+                    builder.sequence_lengths.append(n)
+                builder.document_indices.append(len(builder.sequence_lengths))
+            num_docs += len(lengths)
+            num_tokens += sum(lengths)
+    if num_tokens == 0:
+        builder.data_file.close()
+        raise UserError("the input holds no tokens; give a non-empty JSONL or text file")
     builder.finalize(f"{prefix}.idx")
     logger.info("wrote %s.{bin,idx}: %d documents, %d tokens", prefix, num_docs, num_tokens)
     return prefix
@@ -150,12 +227,15 @@ def _prepare_into(data: DataParams, out_dir: Path, workers: int) -> PreparedData
 
     tok = data.tokenizer
     name = _corpus_name(data)
-    documents: list[str] | Iterator[str] = embedded_documents() if data.source == "embedded" else read_documents(data.paths)
-    if tok.type == "sentencepiece" and tok.model_path is None:
-        documents = list(documents)
+    chunks: Iterable[_Chunk]
+    if tok.type == "sentencepiece" and tok.model_path is None:  # train on the corpus first
+        documents = embedded_documents() if data.source == "embedded" else list(read_documents(data.paths))
         model_path = train_sentencepiece(documents, tok.vocab_size, out_dir / f"{name}.model")
         tok = TokenizerParams("sentencepiece", str(model_path), tok.vocab_size)
-    prefix = write_indexed_dataset(documents, tok, out_dir / name, workers)
+        chunks = chunks_from_documents(documents)
+    else:
+        chunks = chunks_from_documents(embedded_documents()) if data.source == "embedded" else chunks_from_files(data.paths)
+    prefix = write_indexed_dataset(chunks, tok, out_dir / name, workers)
     tokenizer = load_tokenizer(tok)
     return PreparedData((str(prefix),), (1.0,), tok.type, tok.model_path, tokenizer.vocab_size, tokenizer.eod)
 
@@ -249,15 +329,18 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_ext.data.corpus import embedded_documents
 
     try:
-        documents = list(read_documents(args.input)) if args.input else embedded_documents()
         tok = TokenizerParams(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
         if tok.model_path is None:
             if tok.type != "sentencepiece":
                 raise UserError("--tokenizer-type huggingface needs --tokenizer-model tokenizer.json")
+            documents = list(read_documents(args.input)) if args.input else embedded_documents()
             model = train_sentencepiece(documents, args.vocab_size, Path(f"{args.output_prefix}.model"))
             tok = TokenizerParams("sentencepiece", str(model), args.vocab_size)
             print(f"trained tokenizer {model}")
-        prefix = write_indexed_dataset(documents, tok, Path(args.output_prefix), args.workers)
+            chunks = chunks_from_documents(documents)
+        else:
+            chunks = chunks_from_files(args.input) if args.input else chunks_from_documents(embedded_documents())
+        prefix = write_indexed_dataset(chunks, tok, Path(args.output_prefix), args.workers)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

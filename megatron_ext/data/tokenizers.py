@@ -42,6 +42,9 @@ class SentencePieceTokenizer(_Identified):
     def tokenize(self, text: str) -> list[int]:
         return self._sp.encode(text)
 
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._sp.encode(texts)
+
     def detokenize(self, ids: list[int]) -> str:
         return self._sp.decode(ids)
 
@@ -73,6 +76,9 @@ class HuggingFaceTokenizer(_Identified):
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
     def detokenize(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 
@@ -89,6 +95,9 @@ class NullTokenizer(_Identified):
 
     def tokenize(self, text: str) -> list[int]:
         return [int(x) for x in text.split()]
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.tokenize(t) for t in texts]
 
     def detokenize(self, ids: list[int]) -> str:
         return " ".join(map(str, ids))

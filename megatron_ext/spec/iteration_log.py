@@ -4,9 +4,11 @@
 
 This project's program prints Megatron-LM's ``training_log`` line (so existing log readers keep
 working) and writes the same :class:`IterationRecord` as JSON lines; Megatron-LM's own runs are
-read back from their node logs with the same parser. Format, fields joined by `` |``::
+read back from their node logs with the same parser. Format (``training_log`` in Megatron-LM
+core_v0.16.1 ``megatron/training/training.py``: a leading space, the timestamp with microseconds
+since 0.16, every field ending in `` |``)::
 
-     [2026-01-01 00:00:00] iteration        3/      10 | consumed samples:           48 | elapsed time per
+     [2026-01-01 00:00:00.123456] iteration        3/      10 | consumed samples:           48 | elapsed time per
     iteration (ms): 456.7 | throughput per GPU (TFLOP/s/GPU): 12.3 | learning rate: 3.000000E-04 | global
     batch size:    16 | lm loss: 7.500000E+00 | loss scale: 1.0 | grad norm: 1.250 | number of skipped
     iterations:   0 | number of nan iterations:   0 |
@@ -20,8 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import time
 from dataclasses import asdict, dataclass
+from datetime import datetime
 from pathlib import Path
 
 
@@ -75,7 +77,7 @@ class IterationRecord:
 
 def format_iteration_line(r: IterationRecord, timestamp: str | None = None) -> str:
     """Megatron-LM's ``training_log`` line, field for field (with ``--log-throughput``)."""
-    ts = timestamp or time.strftime("%Y-%m-%d %H:%M:%S")
+    ts = timestamp or datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
     return (
         f" [{ts}]"
         f" iteration {r.iteration:8d}/{r.train_iters:8d} |"

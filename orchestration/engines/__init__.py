@@ -5,19 +5,23 @@
 :func:`plan_program` returns the program part of the torchrun command line and the environment
 changes every rank needs (the ZeRO stage's, for both engines). For Megatron-LM it reads the
 checkout (version, flags) from source, renders ``pretrain_gpt.py``'s arguments from the same
-params and ZeRO table, and refuses a flag or value the checkout lacks. ``prepare=True`` prepares
+params and ZeRO table, and has Megatron-LM's own ``parse_args`` + ``validate_args`` check it at the
+run's world size (:mod:`orchestration.engines.megatron_lm_validate`); where the checkout does not
+import here, it checks every flag against the checkout's source instead and says so (a note).
+Either way a refusal is a :class:`UserError` before anything starts. ``prepare=True`` prepares
 the data first (the start command does, once); otherwise the render names where the data will be
 (dry runs). Reads files; may prepare data.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_ext.spec.errors import UserError
 from megatron_ext.spec.params import RunParams
 from megatron_ext.spec.run_paths import RunPaths
 from megatron_ext.spec.zero import stage_environment
+from orchestration.launch_env import LaunchEnv
 
 
 @dataclass(frozen=True)
@@ -27,9 +31,11 @@ class ProgramPlan:
     """What follows torchrun's own options: ``-m module ...`` or ``script.py ...``."""
     env: dict[str, str | None]
     """Environment changes for every rank (None = unset)."""
+    notes: tuple[str, ...] = field(default=())
+    """What the user should know about how the program was checked (printed to stderr)."""
 
 
-def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, megatron_lm_dir: str | None,
+def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, launch: LaunchEnv,
                  prepare: bool = False) -> ProgramPlan:
     t = params.training
     if t.engine == "megatron-core":
@@ -40,11 +46,30 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, mega
     from megatron_ext.data.prepare import ensure_prepared, planned_prepared
     from orchestration.engines.megatron_lm_args import check_flags, render_pretrain_gpt
     from orchestration.engines.megatron_lm_checkout import read_checkout
+    from orchestration.engines.megatron_lm_validate import validate_with_megatron
 
-    if not megatron_lm_dir:
+    if not launch.megatron_lm_dir:
         raise UserError("ENGINE=megatron-lm needs MEGATRON_LM_DIR, the Megatron-LM checkout holding pretrain_gpt.py")
-    checkout = read_checkout(megatron_lm_dir)
+    checkout = read_checkout(launch.megatron_lm_dir)
     prepared = (ensure_prepared if prepare else planned_prepared)(params.data, paths.data_cache_dir)
     render = render_pretrain_gpt(params, prepared, paths, checkout.version[:2])
-    check_flags(render.args, checkout.flags, checkout.version_text)
-    return ProgramPlan("megatron-lm", (str(checkout.root / "pretrain_gpt.py"), *render.args), render.env)
+    rank_env = {k: v for k, v in launch.forwarded.items() if k not in render.env}
+    rank_env.update({k: v for k, v in render.env.items() if v is not None})
+    verdict = validate_with_megatron(checkout.root, render.args, launch.world_size, rank_env)
+    if verdict.status == "refused":
+        raise UserError(
+            f"Megatron-LM {checkout.version_text} ({checkout.root}) refuses the rendered arguments at world size "
+            f"{launch.world_size}: {verdict.message}; change the params, ZERO_STAGE or the cluster shape"
+        )
+    if verdict.status == "accepted":
+        note = f"Megatron-LM {checkout.version_text}'s own parse_args + validate_args accept the arguments at world size {launch.world_size}"
+        notes = (note + (f" ({verdict.message})" if verdict.message else ""),)
+    else:
+        fallback = (f"Megatron-LM's own argument check cannot run here ({verdict.message}); checked every flag "
+                    f"against the checkout's source instead")
+        try:
+            check_flags(render.args, checkout.flags, checkout.version_text)
+        except UserError as exc:
+            raise UserError(f"{exc}\nnote: {fallback}") from None
+        notes = (fallback,)
+    return ProgramPlan("megatron-lm", (str(checkout.root / "pretrain_gpt.py"), *render.args), render.env, notes)

@@ -157,7 +157,7 @@ def check_flags(args: list[str], known: dict[str, tuple[str, ...]], version_text
     """Refuse a flag the checkout does not define, or a value outside its choices."""
     for flag, values in split_flags(args):
         if flag not in known:
-            alternative = FLAG_ALTERNATIVES.get(flag) or next(iter(difflib.get_close_matches(flag, list(known), n=1)), None)
+            alternative = FLAG_ALTERNATIVES.get(flag) or next(iter(difflib.get_close_matches(flag, list(known), n=1, cutoff=0.85)), None)
             hint = f"; the checkout has {alternative}" if alternative else ""
             raise UserError(
                 f"Megatron-LM {version_text} does not define {flag}{hint}; use a checkout that has it "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_ext.spec.errors import UserError
@@ -26,6 +26,10 @@ class Checkout:
     version: tuple[int, int, int]
     flags: dict[str, tuple[str, ...]]
     """Every option string -> its choices (empty = any value)."""
+    skipped: tuple[str, ...] = ()
+    """Config fields whose annotation the reader could not read (their flags are missing)."""
+    optional_flags: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Flags the parser adds only when an optional package imports (``if HAVE_KITCHEN:``)."""
 
     @property
     def version_text(self) -> str:
@@ -57,28 +61,87 @@ def _keyword(call: ast.Call, name: str):
     return next((k.value for k in call.keywords if k.arg == name), None)
 
 
-def _choices(node: ast.AST | None) -> tuple[str, ...]:
-    value = _literal(node) if node is not None else None
-    return tuple(str(v) for v in value) if isinstance(value, (list, tuple)) else ()
+def _choices(node: ast.AST | None, index: "_ClassIndex | None" = None) -> tuple[str, ...]:
+    """The ``choices=`` of an ``add_argument`` call: a literal list, ``range(...)``, or
+    ``[e.value for e in SomeEnum]`` over an enum defined in the checkout."""
+    if node is None:
+        return ()
+    value = _literal(node)
+    if isinstance(value, (list, tuple)):
+        return tuple(str(v) for v in value)
+    if (index is not None and isinstance(node, ast.Call) and getattr(node.func, "id", None) == "list"
+            and len(node.args) == 1 and isinstance(node.args[0], ast.Name)):  # list(SomeEnum)
+        members = index.enum_members(node.args[0].id)
+        if members is not None:
+            return tuple(members)
+    if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "range":
+        bounds = [_literal(a) for a in node.args]
+        if bounds and all(isinstance(b, int) for b in bounds):
+            return tuple(str(v) for v in range(*bounds))
+    if (index is not None and isinstance(node, ast.ListComp) and len(node.generators) == 1
+            and isinstance(node.generators[0].iter, ast.Name) and isinstance(node.elt, ast.Attribute)):
+        members = index.enum_members(node.generators[0].iter.id)
+        if members is not None:
+            return tuple(str(v) for v in (members.values() if node.elt.attr == "value" else members))
+    return ()
 
 
-def literal_add_argument_flags(tree: ast.AST) -> dict[str, tuple[str, ...]]:
+def _is_boolean_optional(call: ast.Call) -> bool:
+    action = _keyword(call, "action")
+    return isinstance(action, ast.Attribute) and action.attr == "BooleanOptionalAction"
+
+
+def _guarded_by_optional_package(test: ast.AST) -> bool:
+    """``if HAVE_KITCHEN:`` and the like: a block that exists only when an optional package imports."""
+    return isinstance(test, ast.Name) and test.id.startswith("HAVE_")
+
+
+def literal_add_argument_flags(tree: ast.AST, index: "_ClassIndex | None" = None,
+                               optional: dict[str, tuple[str, ...]] | None = None) -> dict[str, tuple[str, ...]]:
+    """Flags of the literal ``add_argument('--x', ...)`` calls (``BooleanOptionalAction`` adds
+    ``--no-x``). Flags added only when an optional package imports (``if HAVE_X:``) go to
+    ``optional`` instead: the parser has them only where that package is installed."""
     flags: dict[str, tuple[str, ...]] = {}
-    for node in ast.walk(tree):
+
+    def visit(node: ast.AST, target: dict[str, tuple[str, ...]]) -> None:
+        if isinstance(node, ast.If) and _guarded_by_optional_package(node.test) and optional is not None:
+            for child in node.body:
+                visit(child, optional)
+            for child in node.orelse:
+                visit(child, target)
+            return
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
             names = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith("--")]
+            if _is_boolean_optional(node):
+                names += [f"--no-{n[2:]}" for n in names]
             for name in names:
-                flags[name] = _choices(_keyword(node, "choices"))
+                target[name] = _choices(_keyword(node, "choices"), index)
+        for child in ast.iter_child_nodes(node):
+            visit(child, target)
+
+    visit(tree, flags)
     return flags
 
 
 def _factory_calls(tree: ast.AST) -> list[tuple[str, set[str]]]:
+    """``ArgumentGroupFactory(ConfigClass, exclude=...)`` calls; an ``exclude`` given as a local
+    variable is resolved to its last literal assignment before the call, in the same function."""
     out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "ArgumentGroupFactory":
-            if node.args and isinstance(node.args[0], ast.Name):
-                exclude = _literal(_keyword(node, "exclude")) or []
-                out.append((node.args[0].id, set(exclude)))
+    for function in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.Module))]:
+        assigned: list[tuple[int, str, ast.AST]] = [
+            (n.lineno, n.targets[0].id, n.value) for n in ast.walk(function)
+            if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
+        ]
+        body = function.body if isinstance(function, ast.FunctionDef) else [
+            n for n in function.body if not isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        for node in (c for stmt in body for c in ast.walk(stmt)):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "ArgumentGroupFactory":
+                if node.args and isinstance(node.args[0], ast.Name):
+                    exclude = _keyword(node, "exclude")
+                    if isinstance(exclude, ast.Name):
+                        earlier = [v for line, name, v in assigned if name == exclude.id and line < node.lineno]
+                        exclude = earlier[-1] if earlier else None
+                    out.append((node.args[0].id, set(_literal(exclude) or []) if exclude is not None else set()))
     return out
 
 
@@ -101,27 +164,114 @@ class _ClassIndex:
                     break
         return self.cache[name]
 
+    def enum_members(self, name: str) -> dict[str, object] | None:
+        """``{member: value}`` of an ``enum.Enum`` subclass defined in the checkout, else None."""
+        cls = self.find(name)
+        if cls is None or not any(getattr(b, "id", getattr(b, "attr", "")).endswith("Enum") for b in cls.bases):
+            return None
+        return {t.id: _literal(stmt.value) for stmt in cls.body if isinstance(stmt, ast.Assign)
+                for t in stmt.targets if isinstance(t, ast.Name)}
 
-def _annotation_kind(node: ast.AST | None) -> tuple[str, tuple[str, ...]]:
-    """('bool' | 'literal' | 'other', choices) for a field annotation."""
+
+_UNION_NAMES = {"Optional", "Union"}
+
+
+def _subscript_name(node: ast.Subscript) -> str | None:
+    """``Literal`` for ``Literal[...]`` and ``typing.Literal[...]``."""
+    value = node.value
+    return value.id if isinstance(value, ast.Name) else value.attr if isinstance(value, ast.Attribute) else None
+
+
+def _slice_items(node: ast.Subscript) -> list[ast.AST]:
+    return list(node.slice.elts) if isinstance(node.slice, ast.Tuple) else [node.slice]
+
+
+def _union_members(node: ast.AST) -> list[ast.AST] | None:
+    """The members of ``Optional[X]``, ``Union[X, Y]`` or ``X | Y``; None for anything else."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return (_union_members(node.left) or [node.left]) + (_union_members(node.right) or [node.right])
+    if isinstance(node, ast.Subscript) and _subscript_name(node) in _UNION_NAMES:
+        return _slice_items(node)
+    return None
+
+
+def _is_none(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Constant) and node.value is None) or (isinstance(node, ast.Name) and node.id == "None")
+
+
+class UnknownAnnotation(ValueError):
+    """An annotation construct the reader does not understand (counted, never raised to users)."""
+
+
+def _enum_choices(node: ast.AST, index: _ClassIndex | None) -> tuple[str, ...] | None:
+    """Member names of an enum annotation: a class in the checkout (``AttnBackend``) or a
+    standard-library one (``signal.Signals``); None when ``node`` names no enum."""
+    if isinstance(node, ast.Name) and index is not None:
+        members = index.enum_members(node.id)
+        return tuple(members) if members is not None else None
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in sys.stdlib_module_names:
+        import enum
+        import importlib
+
+        cls = getattr(importlib.import_module(node.value.id), node.attr, None)
+        if isinstance(cls, type) and issubclass(cls, enum.Enum):
+            return tuple(m.name for m in cls)
+    return None
+
+
+def annotation_kind(node: ast.AST | None, index: _ClassIndex | None = None) -> tuple[str, tuple[str, ...]]:
+    """('bool' | 'literal' | 'other', choices) for a field annotation, read from its syntax tree:
+    ``Optional[...]``, ``Union[..., None]``, ``X | None``, ``Annotated[X, ...]``, string forward
+    references and ``Literal[...]`` nested in any of them. Raises :class:`UnknownAnnotation` for a
+    construct it cannot read (the caller skips the field and counts it)."""
     if node is None:
         return "other", ()
-    text = ast.unparse(node)
-    literal = re.search(r"Literal\[(.*)\]", text)
-    if literal:
-        values = _literal(ast.parse(f"({literal.group(1)},)", mode="eval").body)
-        return "literal", tuple(str(v) for v in values or ())
-    if re.fullmatch(r"(Optional\[)?bool\]?|bool\s*\|\s*None", text):
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):  # a forward reference
+        try:
+            return annotation_kind(ast.parse(node.value, mode="eval").body, index)
+        except SyntaxError:
+            raise UnknownAnnotation(node.value) from None
+    members = _union_members(node)
+    if members is not None:
+        kinds = [annotation_kind(m, index) for m in members if not _is_none(m)]
+        if len(kinds) == 1:
+            return kinds[0]
+        if kinds and all(kind == "literal" for kind, _ in kinds):
+            return "literal", tuple(c for _, choices in kinds for c in choices)
+        return "other", ()
+    if isinstance(node, ast.Subscript):
+        name = _subscript_name(node)
+        if name == "Literal":
+            values = []
+            for item in _slice_items(node):
+                try:
+                    values.append(ast.literal_eval(item))
+                except ValueError:
+                    raise UnknownAnnotation(ast.unparse(node)) from None
+            return "literal", tuple(str(v) for v in values)
+        if name == "Annotated":
+            return annotation_kind(_slice_items(node)[0], index)
+        return "other", ()
+    if isinstance(node, ast.Name) and node.id == "bool":
         return "bool", ()
-    return "other", ()
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        choices = _enum_choices(node, index)
+        return ("literal", choices) if choices is not None else ("other", ())
+    if isinstance(node, ast.Constant):
+        return "other", ()
+    raise UnknownAnnotation(ast.unparse(node))
 
 
-def dataclass_flags(cls: ast.ClassDef, index: _ClassIndex, exclude: set[str]) -> dict[str, tuple[str, ...]]:
+def dataclass_flags(cls: ast.ClassDef, index: _ClassIndex, exclude: set[str],
+                    skipped: list[str] | None = None) -> dict[str, tuple[str, ...]]:
+    """The flags ``ArgumentGroupFactory`` generates from ``cls`` (and its bases); fields whose
+    annotation the reader cannot read are appended to ``skipped``."""
     flags: dict[str, tuple[str, ...]] = {}
+    skipped = [] if skipped is None else skipped
     for base in cls.bases:
         base_cls = index.find(base.id) if isinstance(base, ast.Name) else None
         if base_cls is not None:
-            flags.update(dataclass_flags(base_cls, index, exclude))
+            flags.update(dataclass_flags(base_cls, index, exclude, skipped))
     for stmt in cls.body:
         if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)) or stmt.target.id in exclude:
             continue
@@ -136,35 +286,42 @@ def dataclass_flags(cls: ast.ClassDef, index: _ClassIndex, exclude: set[str]) ->
                 for k, v in zip(metadata.keys, metadata.values):
                     if _literal(k) == "argparse_meta" and isinstance(v, ast.Dict):
                         meta = {_literal(mk): mv for mk, mv in zip(v.keys, v.values)}
-        kind, choices = _annotation_kind(stmt.annotation)
+        try:
+            kind, choices = annotation_kind(stmt.annotation, index)
+        except UnknownAnnotation:
+            skipped.append(f"{cls.name}.{name}")
+            continue
         dashed = name.replace("_", "-")
-        if kind == "bool" and _literal(default) is True:
+        # ArgumentGroupFactory: store_true only for a default of False; any other default
+        # (True, None) becomes store_false, spelled --no-x and --disable-x.
+        if kind == "bool" and not (default is not None and _literal(default) is False):
             names = [f"--no-{dashed}", f"--disable-{dashed}"]
         else:
             names = [f"--{dashed}"]
         if "arg_names" in meta and isinstance(_literal(meta["arg_names"]), (list, tuple)):
             names = list(_literal(meta["arg_names"]))
         if "choices" in meta:
-            choices = _choices(meta["choices"]) or choices
+            choices = _choices(meta["choices"], index) or choices
         for flag in names:
             flags[flag] = choices
     return flags
 
 
-def read_flags(root: Path) -> dict[str, tuple[str, ...]]:
+def read_flags(root: Path, skipped: list[str] | None = None,
+               optional: dict[str, tuple[str, ...]] | None = None) -> dict[str, tuple[str, ...]]:
+    """Every option string of the checkout's parser, from source; unreadable config fields are
+    appended to ``skipped``, flags that need an optional package go to ``optional``."""
     path = root / "megatron" / "training" / "arguments.py"
     if not path.is_file():
         raise UserError(f"MEGATRON_LM_DIR={root} has no megatron/training/arguments.py; is it a Megatron-LM checkout?")
     tree = ast.parse(path.read_text())
-    flags = literal_add_argument_flags(tree)
-    factories = _factory_calls(tree)
-    if factories:
-        index = _ClassIndex(root)
-        for name, exclude in factories:
-            cls = index.find(name)
-            if cls is not None:
-                for flag, choices in dataclass_flags(cls, index, exclude).items():
-                    flags.setdefault(flag, choices)
+    index = _ClassIndex(root)
+    flags = literal_add_argument_flags(tree, index, optional)
+    for name, exclude in _factory_calls(tree):
+        cls = index.find(name)
+        if cls is not None:
+            for flag, choices in dataclass_flags(cls, index, exclude, skipped).items():
+                flags.setdefault(flag, choices)
     return flags
 
 
@@ -172,9 +329,13 @@ def read_checkout(root: str | Path) -> Checkout:
     root = Path(root)
     if not (root / "pretrain_gpt.py").is_file():
         raise UserError(f"MEGATRON_LM_DIR={root} has no pretrain_gpt.py; point it at a Megatron-LM checkout")
-    return Checkout(root, read_version(root), read_flags(root))
+    skipped: list[str] = []
+    optional: dict[str, tuple[str, ...]] = {}
+    flags = read_flags(root, skipped, optional)
+    return Checkout(root, read_version(root), flags, tuple(skipped), optional)
 
 
 if __name__ == "__main__":
     c = read_checkout(sys.argv[1])
-    print(f"Megatron-LM {c.version_text}: {len(c.flags)} flags")
+    print(f"Megatron-LM {c.version_text}: {len(c.flags)} flags"
+          + (f"; {len(c.skipped)} config field(s) skipped: {', '.join(c.skipped)}" if c.skipped else ""))

@@ -1,0 +1,128 @@
+"""Megatron-LM's own ``parse_args`` + ``validate_args`` on a rendered ``pretrain_gpt.py`` argv, before launch.
+
+    python -m orchestration.engines.megatron_lm_validate /opt/Megatron-LM 32 -- --num-layers 28 ...
+
+:func:`validate_with_megatron` runs this module in a subprocess with the launcher's interpreter
+(node 0's: wherever ``pretrain_gpt.py`` will run, it imports), the checkout first on
+``sys.path``, ``WORLD_SIZE`` = nodes x processes, ``RANK=0`` and the environment the ranks will
+get. The child prints one JSON line: accepted, refused (Megatron's own message), or unavailable
+(the checkout does not import here, e.g. a login node without torch) — then the launcher falls
+back to the source reader (:mod:`orchestration.engines.megatron_lm_checkout`) and says so.
+
+Without a GPU, ``validate_args`` cannot ask the device for its compute capability (it does for
+Megatron-FSDP and tensor/context parallelism); the child then answers for a Hopper GPU
+(capability 9, the H100/H200 this launcher targets; ``MEGATRON_DEVICE_ARCH`` overrides) and says
+so. Side effects: one subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+VALIDATION_TIMEOUT_S = 120.0
+DEFAULT_DEVICE_ARCH = 9
+"""Compute capability assumed when node 0 has no GPU (Hopper: H100, H200)."""
+
+
+@dataclass(frozen=True)
+class Validation:
+    status: str
+    """accepted, refused or unavailable."""
+    message: str
+    """Megatron's own message (refused), why it could not run (unavailable), or notes (accepted)."""
+
+
+def validate_with_megatron(checkout: Path, argv: Sequence[str], world_size: int, env: Mapping[str, str],
+                           python: str = sys.executable, timeout_s: float = VALIDATION_TIMEOUT_S) -> Validation:
+    """Run Megatron-LM's parse_args + validate_args on ``argv`` in a child process with ``env``."""
+    child_env = {**env, "WORLD_SIZE": str(world_size), "RANK": "0", "LOCAL_RANK": "0"}
+    cmd = [python, "-m", "orchestration.engines.megatron_lm_validate", str(checkout), str(world_size), "--", *argv]
+    try:
+        proc = subprocess.run(cmd, env=child_env, cwd=str(Path(__file__).resolve().parents[2]), capture_output=True,
+                              text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return Validation("unavailable", f"Megatron-LM's argument check did not finish within {timeout_s:.0f}s")
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                raw = json.loads(line)
+                return Validation(raw["status"], raw["message"])
+            except (json.JSONDecodeError, KeyError):
+                break
+    tail = " ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+    return Validation("unavailable", f"the check exited with code {proc.returncode}: {tail[-300:]}")
+
+
+# -- the child --------------------------------------------------------------------------------
+
+def _answer(status: str, message: str) -> int:
+    print(json.dumps({"status": status, "message": message}), file=sys.__stdout__, flush=True)
+    return 0
+
+
+def _check(checkout: str, world_size: int, argv: list[str]) -> int:
+    import argparse
+    import contextlib
+    import warnings
+
+    def parser_error(self, message):  # argparse would print usage and exit; keep its message
+        raise ValueError(f"{self.prog}: error: {message}")
+
+    argparse.ArgumentParser.error = parser_error
+    warnings.simplefilter("ignore")
+    sys.path.insert(0, checkout)
+    notes = []
+    with contextlib.redirect_stdout(sys.stderr):  # validate_args prints every argument
+        try:
+            import megatron
+            from megatron.training import arguments
+        except Exception as exc:  # ImportError, or a broken install raising anything else
+            return _answer("unavailable", f"cannot import megatron.training.arguments from {checkout} "
+                                          f"({type(exc).__name__}: {exc})")
+        if not (hasattr(arguments, "parse_args") and hasattr(arguments, "validate_args")):
+            return _answer("unavailable", f"{checkout}'s megatron.training.arguments has no parse_args / validate_args")
+        where = os.path.abspath(list(megatron.__path__)[0])
+        if not where.startswith(os.path.abspath(checkout) + os.sep):
+            return _answer("unavailable", f"megatron imports from {where}, not from the checkout {checkout}")
+        try:
+            import torch
+
+            has_gpu = torch.cuda.is_available()
+        except Exception:
+            has_gpu = False
+        if not has_gpu and hasattr(arguments, "get_device_arch_version"):
+            arch = int(os.environ.get("MEGATRON_DEVICE_ARCH") or DEFAULT_DEVICE_ARCH)
+            arguments.get_device_arch_version = lambda: arch
+            notes.append(f"no GPU here: checked as for compute capability {arch}")
+        sys.argv = ["pretrain_gpt.py", *argv]
+        try:
+            args = arguments.parse_args()
+            arguments.validate_args(args, {})
+            per_step = args.micro_batch_size * args.data_parallel_size
+            if args.global_batch_size % per_step:  # what initialize_megatron's microbatch calculator asserts next
+                raise AssertionError(
+                    f"global batch size ({args.global_batch_size}) is not divisible by micro batch size "
+                    f"({args.micro_batch_size}) times data parallel size ({args.data_parallel_size})")
+        except SystemExit as exc:
+            return _answer("refused", f"Megatron-LM exited with code {exc.code} while checking the arguments")
+        except Exception as exc:  # AssertionError / ValueError / RuntimeError raised by Megatron
+            return _answer("refused", f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+    return _answer("accepted", "; ".join(notes))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 3 or argv[2] != "--":
+        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        return 2
+    return _check(argv[0], int(argv[1]), argv[3:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
