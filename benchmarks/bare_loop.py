@@ -25,6 +25,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--model", default="gpt_smoke")
     p.add_argument("--data", default="smoke")
+    p.add_argument("--attention", choices=["sdpa", "local"], default="sdpa",
+                   help="sdpa: the program's (torch scaled_dot_product_attention); local: megatron-core DotProductAttention")
     args = p.parse_args()
     from megatron.core import parallel_state
 
@@ -34,7 +36,9 @@ def main() -> None:
     from megatron_ext.spec.run_paths import artifact_root
     from megatron_ext.training.cpu_compat import install_cpu_compat
     from megatron_ext.training.datasets import build_datasets, global_batch_slice
-    from megatron_ext.training.model import build_gpt_model, model_vocab_size
+    import dataclasses
+
+    from megatron_ext.training.model import CPU_KERNELS, build_gpt_model, model_vocab_size
 
     params, geometry = with_batch_geometry(load_run_params(args.model, args.data), int(os.environ["WORLD_SIZE"]))
     m, t = params.model, params.training
@@ -46,11 +50,11 @@ def main() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     torch.manual_seed(t.seed)
     vocab = padded_vocab_size(model_vocab_size(m, prepared.vocab_size), m.make_vocab_size_divisible_by)
-    model = build_gpt_model(m, vocab, t.seq_length)
+    model = build_gpt_model(m, vocab, t.seq_length, kernels=dataclasses.replace(CPU_KERNELS, attention=args.attention))
     ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, foreach=False)
     train, _ = build_datasets(prepared, params.data, t.seq_length, t.seed, args.iters * t.global_batch_size, t.global_batch_size,
-                              root / "data_cache" / "index")
+                              root / "data_cache" / "index", create_attention_mask=args.attention == "local")
     dp, rank = dist.get_world_size(), dist.get_rank()
     accumulation = geometry.accumulation_steps
     times = []

@@ -8,10 +8,24 @@ Per token, forward + backward, causal attention halved:
 
 from __future__ import annotations
 
+import re
+
 from megatron_ext.spec.params import ModelPreset
 
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "B200": 2250.0}
-"""Dense BF16 peak per device name fragment (SXM), for MFU."""
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    # (torch.cuda.get_device_name() pattern, dense BF16 TFLOP/s from NVIDIA's datasheets)
+    (r"NVIDIA H100 80GB HBM3", 989.0),          # H100 SXM
+    (r"NVIDIA H100 PCIe", 756.0),
+    (r"NVIDIA H100 NVL", 835.0),
+    (r"NVIDIA H800", 989.0),                    # H800 SXM
+    (r"NVIDIA H200", 989.0),                    # H200 SXM (141 GB)
+    (r"NVIDIA H200 NVL", 835.0),
+    (r"NVIDIA GH200 (480|144)GB", 989.0),
+    (r"NVIDIA A100-SXM4-(40|80)GB", 312.0),
+    (r"NVIDIA A100 80GB PCIe|NVIDIA A100-PCIE-40GB", 312.0),
+    (r"NVIDIA B200", 2250.0),
+)
+"""Device names matched exactly (the whole name): an unknown device gets no MFU rather than a wrong one."""
 
 
 def flops_per_token(m: ModelPreset, seq_length: int, padded_vocab: int) -> float:
@@ -31,8 +45,9 @@ def tflops_per_gpu(flops_per_iteration: float, iteration_s: float, world_size: i
 
 
 def peak_tflops_for(device_name: str) -> float | None:
-    for fragment, peak in PEAK_BF16_TFLOPS.items():
-        if fragment in device_name:
+    """Dense BF16 peak of ``device_name`` (``torch.cuda.get_device_name()``), or None if unknown."""
+    for pattern, peak in PEAK_BF16_TFLOPS:
+        if re.fullmatch(pattern, device_name.strip()):
             return peak
     return None
 

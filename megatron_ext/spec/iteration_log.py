@@ -40,9 +40,9 @@ class IterationRecord:
     lm_loss: float
     """Training loss of this step (mean cross-entropy, nats per token)."""
     lr: float
-    """Learning rate used for this step."""
+    """Learning rate as Megatron-LM logs it: the scheduler's value after this step."""
     grad_norm: float
-    """Global gradient L2 norm before clipping."""
+    """Global gradient L2 norm before clipping (also with clipping off)."""
     step_time_s: float
     """Wall time of this step (seconds)."""
     tokens_per_s: float
@@ -55,6 +55,10 @@ class IterationRecord:
     """Ranks (0 when unknown, e.g. parsed from a log)."""
     zero_stage: int
     """ZeRO stage (-1 when unknown)."""
+    skipped_iterations: int = 0
+    """Iterations since the previous record whose optimizer step was skipped (non-finite gradients)."""
+    nan_iterations: int = 0
+    """Skipped iterations since the previous record whose loss was NaN or infinite."""
     mfu: float | None = None
     """Model FLOPs utilisation against the device's peak (GPUs only; 0-1)."""
     cuda_peak_allocated_bytes: int | None = None
@@ -89,8 +93,8 @@ def format_iteration_line(r: IterationRecord, timestamp: str | None = None) -> s
         f" lm loss: {r.lm_loss:.6E} |"
         f" loss scale: {1.0:.1f} |"
         f" grad norm: {r.grad_norm:.3f} |"
-        f" number of skipped iterations: {0:3d} |"
-        f" number of nan iterations: {0:3d} |"
+        f" number of skipped iterations: {r.skipped_iterations:3d} |"
+        f" number of nan iterations: {r.nan_iterations:3d} |"
     )
 
 
@@ -112,6 +116,8 @@ _KEYS = {
     "global batch size": "global_batch_size",
     "lm loss": "lm_loss",
     "grad norm": "grad_norm",
+    "number of skipped iterations": "skipped_iterations",
+    "number of nan iterations": "nan_iterations",
 }
 
 
@@ -146,6 +152,7 @@ def parse_iteration_line(line: str, seq_length: int | None = None, world_size: i
         lm_loss=values["lm_loss"], lr=values["lr"], grad_norm=values.get("grad_norm", float("nan")), step_time_s=step_s,
         tokens_per_s=gbs * seq_length / step_s if seq_length and step_s > 0 else 0.0,
         tflops_per_gpu=values.get("tflops", 0.0), global_batch_size=gbs, world_size=world_size, zero_stage=zero_stage,
+        skipped_iterations=int(values.get("skipped_iterations", 0)), nan_iterations=int(values.get("nan_iterations", 0)),
     )
 
 

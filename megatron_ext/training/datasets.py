@@ -24,8 +24,11 @@ def build_datasets(
     num_train_samples: int,
     num_valid_samples: int,
     cache_dir: Path,
+    create_attention_mask: bool = False,
 ):
-    """(train, valid) megatron-core GPT datasets of at least the given sample counts."""
+    """(train, valid) megatron-core GPT datasets of at least the given sample counts. No attention
+    mask by default: causal attention kernels (SDPA, transformer-engine) need none; megatron-core's
+    own DotProductAttention does."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
@@ -44,7 +47,7 @@ def build_datasets(
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
-        create_attention_mask=True,
+        create_attention_mask=create_attention_mask,
         mmap_bin_files=True,
     )
     cls = MockGPTDataset if mock else GPTDataset
@@ -63,10 +66,6 @@ def global_batch_slice(dataset, start_sample: int, global_batch: int, dp_rank: i
     """
     first = start_sample + micro_step * micro_batch * dp_size + dp_rank * micro_batch
     samples = [dataset[(first + i) % len(dataset)] for i in range(micro_batch)]
-    return {
-        "tokens": torch.stack([s["tokens"] for s in samples]),
-        "labels": torch.stack([s["labels"] for s in samples]),
-        "loss_mask": torch.stack([s["loss_mask"] for s in samples]),
-        "position_ids": torch.stack([s["position_ids"] for s in samples]),
-        "attention_mask": samples[0]["attention_mask"].unsqueeze(0),
-    }
+    batch = {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels", "loss_mask", "position_ids")}
+    batch["attention_mask"] = samples[0]["attention_mask"].unsqueeze(0) if "attention_mask" in samples[0] else None
+    return batch

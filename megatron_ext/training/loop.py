@@ -52,22 +52,32 @@ class RunInputs:
     paths: RunPaths
 
 
-def learning_rate(t: TrainingParams, iteration: int) -> float:
-    """Linear warmup to ``lr`` then cosine decay to ``min_lr`` (iteration counts from 1)."""
-    if t.lr_warmup_iters and iteration <= t.lr_warmup_iters:
-        return t.lr * iteration / t.lr_warmup_iters
-    decay = t.lr_decay_iters or t.train_iters
-    progress = min(1.0, (iteration - t.lr_warmup_iters) / max(1, decay - t.lr_warmup_iters))
-    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
+def learning_rate(t: TrainingParams, steps_done: int) -> float:
+    """Megatron-LM's learning rate after ``steps_done`` optimizer steps (``OptimizerParamScheduler.get_lr``,
+    iteration-based, ``--lr-warmup-init 0``): linear warmup over ``lr_warmup_iters``, then cosine
+    decay to ``min_lr`` at ``lr_decay_iters`` (counted from the start, warmup included). As in
+    Megatron-LM, iteration i trains with ``learning_rate(t, i - 1)`` (0 on the first iteration
+    under warmup) and its log line shows ``learning_rate(t, i)``, the scheduler's value after the step."""
+    warmup, decay = t.lr_warmup_iters, t.lr_decay_iters or t.train_iters
+    if warmup > 0 and steps_done <= warmup:
+        return t.lr * steps_done / warmup
+    if steps_done > decay:
+        return t.min_lr
+    ratio = (steps_done - warmup) / (decay - warmup)
+    return t.min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (t.lr - t.min_lr)
 
 
 @dataclass
 class _Interval:
-    """What the loop accumulates between two log lines."""
+    """What the loop accumulates between two log lines (Megatron-LM resets its counters likewise)."""
 
     loss_sum: torch.Tensor | None = None
     iterations: int = 0
     step_s: float = 0.0
+    skipped: int = 0
+    """Iterations whose optimizer step was skipped (non-finite gradients)."""
+    nan: int = 0
+    """Skipped iterations whose loss was NaN or infinite (Megatron's "number of nan iterations")."""
 
 
 class Pretrain:
@@ -106,15 +116,15 @@ class Pretrain:
         """Data, the model, its trainer for the ZeRO stage, the datasets, the FLOPs per step."""
         from megatron_ext.data.prepare import ensure_prepared
         from megatron_ext.training.datasets import build_datasets
-        from megatron_ext.training.model import build_gpt_model, model_vocab_size, transformer_engine_available
+        from megatron_ext.training.model import build_gpt_model, choose_kernels, model_vocab_size, transformer_engine_available
         from megatron_ext.training.trainers import build_trainer
 
         m, t = self.params.model, self.t
         self.prepared = ensure_prepared(self.params.data, self.paths.data_cache_dir)
         self.vocab = padded_vocab_size(model_vocab_size(m, self.prepared.vocab_size), m.make_vocab_size_divisible_by)
-        self.use_te = self.on_cuda and transformer_engine_available()
+        self.kernels = choose_kernels(self.on_cuda, transformer_engine_available(), t.zero_stage)
         module = build_gpt_model(m, self.vocab, t.seq_length, params_dtype=torch.bfloat16 if self.on_cuda else torch.float32,
-                                 on_cpu=not self.on_cuda, use_transformer_engine=self.use_te)
+                                 kernels=self.kernels)
         if self.on_cuda:
             module.cuda()
         self.trainer = build_trainer(module, t.zero_stage, t, self.on_cuda)
@@ -130,8 +140,8 @@ class Pretrain:
         if self.ranks.rank == 0:
             print(
                 f"run {self.paths.run}: model {m.name} data {self.params.data_set} | world size {self.ranks.world_size} "
-                f"| ZERO_STAGE={t.zero_stage} | {'cuda/nccl/bf16' if self.on_cuda else 'cpu/gloo/fp32'}"
-                f"{' + transformer-engine' if self.use_te else ''} | vocab {self.vocab} | {self.geometry.describe()}",
+                f"| ZERO_STAGE={t.zero_stage} | {'cuda/nccl/bf16' if self.on_cuda else 'cpu/gloo/fp32'} "
+                f"| vocab {self.vocab} | {self.geometry.describe()}\nkernels: {self.kernels.describe()}",
                 flush=True,
             )
 
@@ -142,17 +152,17 @@ class Pretrain:
         t = self.t
         batch = global_batch_slice(dataset, first_sample, t.global_batch_size, self.ranks.rank, self.ranks.world_size,
                                    t.micro_batch_size, micro_step)
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        return {k: v.to(self.device, non_blocking=True) if v is not None else None for k, v in batch.items()}
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         losses = self.trainer.model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
         mask = batch["loss_mask"]
         return (losses.float() * mask).sum() / mask.sum().clamp(min=1)
 
-    def train_step(self, iteration: int, sample_memory: bool) -> tuple[torch.Tensor, float, float]:
-        """One optimizer step: (this rank's mean micro-batch loss, tensor; grad norm; lr)."""
+    def train_step(self, iteration: int, sample_memory: bool) -> tuple[torch.Tensor, float, bool]:
+        """One optimizer step: (this rank's mean micro-batch loss, tensor; grad norm; skipped)."""
         accumulation = self.geometry.accumulation_steps
-        lr = learning_rate(self.t, iteration)
+        lr = learning_rate(self.t, iteration - 1)
         self.trainer.zero_grad()
         loss_sum = torch.zeros(1, device=self.device)
         first = (iteration - 1) * self.t.global_batch_size
@@ -163,11 +173,11 @@ class Pretrain:
                     self.trainer.sample_memory()
                 (loss / accumulation).backward()
             loss_sum += loss.detach() / accumulation
-        grad_norm = self.trainer.step(lr)
-        return loss_sum, grad_norm, lr
+        grad_norm, skipped = self.trainer.step(lr, self.t.weight_decay)
+        return loss_sum, grad_norm, skipped
 
     # -- log ------------------------------------------------------------------------------------
-    def log(self, iteration: int, interval: _Interval, grad_norm: float, lr: float, valid_loss: float | None,
+    def log(self, iteration: int, interval: _Interval, grad_norm: float, valid_loss: float | None,
             elapsed_s: float) -> None:
         """One collective (all ranks): the interval's loss and every rank's memory figures."""
         memory = self.trainer.memory_values()
@@ -183,7 +193,8 @@ class Pretrain:
         tflops = tflops_per_gpu(self.flops_per_iteration, step_s, world)
         record = IterationRecord(
             iteration=iteration, train_iters=t.train_iters, consumed_samples=iteration * t.global_batch_size,
-            lm_loss=lm_loss, lr=lr, grad_norm=grad_norm, step_time_s=step_s,
+            lm_loss=lm_loss, lr=learning_rate(t, iteration), grad_norm=grad_norm, step_time_s=step_s,
+            skipped_iterations=interval.skipped, nan_iterations=interval.nan,
             tokens_per_s=t.global_batch_size * t.seq_length / step_s, tflops_per_gpu=tflops,
             global_batch_size=t.global_batch_size, world_size=world, zero_stage=t.zero_stage,
             mfu=tflops / self.peak_tflops if self.peak_tflops else None, valid_loss=valid_loss, time=time.time(),
@@ -210,10 +221,9 @@ class Pretrain:
     def save_checkpoint(self, iteration: int) -> None:
         """Model weights with torch.distributed.checkpoint (sharded stages write their shards)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         target = self.paths.checkpoints_dir / f"iter_{iteration:07d}"
-        dcp.save({"model": get_model_state_dict(self.trainer.module)}, checkpoint_id=str(target))
+        dcp.save({"model": self.trainer.model_state_dict()}, checkpoint_id=str(target))
 
     # -- the whole run --------------------------------------------------------------------------
     def _logs_at(self, iteration: int) -> bool:
@@ -230,10 +240,13 @@ class Pretrain:
         for iteration in range(1, t.train_iters + 1):
             logs = self._logs_at(iteration)
             step_start = time.time()
-            loss, grad_norm, lr = self.train_step(iteration, sample_memory=logs)
+            loss, grad_norm, skipped = self.train_step(iteration, sample_memory=logs)
             if self.on_cuda:
                 torch.cuda.synchronize()
             interval.step_s += time.time() - step_start
+            if skipped:
+                interval.skipped += 1
+                interval.nan += int(not math.isfinite(float(loss.item())))
             interval.loss_sum = loss if interval.loss_sum is None else interval.loss_sum + loss
             interval.iterations += 1
             last = iteration == t.train_iters
@@ -245,7 +258,7 @@ class Pretrain:
             if t.save_interval and (iteration % t.save_interval == 0 or last):
                 self.save_checkpoint(iteration)
             if logs:
-                self.log(iteration, interval, grad_norm, lr, valid_loss, time.time() - start)
+                self.log(iteration, interval, grad_norm, valid_loss, time.time() - start)
                 interval = _Interval()
         if self.ranks.local_rank == 0:
             print(f"done: {t.train_iters} iterations in {time.time() - start:.1f}s; metrics {self.paths.metrics_path}", flush=True)

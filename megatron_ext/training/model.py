@@ -44,7 +44,73 @@ def ensure_model_parallel() -> None:
         parallel_state.initialize_model_parallel(1, 1)
 
 
-def transformer_config(preset: ModelPreset, params_dtype: torch.dtype, on_cpu: bool, **overrides):
+@dataclasses.dataclass(frozen=True)
+class KernelChoices:
+    """Which fused kernels and which attention a run uses, decided once from what is installed.
+
+    megatron-core's fusions are enabled only where their kernels exist: with transformer-engine
+    (its layers, norms, fused attention and rope), or where the compiled extension is found;
+    otherwise the unfused path. A GPU without transformer-engine (a plain PyTorch image) gets
+    megatron-core's local layers, unfused norms and :class:`SdpaAttention`."""
+
+    device: str
+    """cuda or cpu."""
+    transformer_engine: bool
+    """Layers from transformer-engine (the TE layer spec)."""
+    attention: str
+    """transformer-engine (its fused attention), sdpa (torch scaled_dot_product_attention), or
+    local (megatron-core's DotProductAttention: needs the attention mask; benchmarks only)."""
+    persist_layer_norm: bool
+    """Persistent fused layer norm: only transformer-engine's norms have it (torch's LayerNorm asserts)."""
+    masked_softmax_fusion: bool
+    """Fused scale-mask-softmax: transformer-engine, or the scaled_masked_softmax_cuda extension."""
+    bias_dropout_fusion: bool
+    """Fused bias + dropout + residual add (megatron-core's jit function): any CUDA device."""
+    bias_activation_fusion: bool
+    """Fused bias + GeLU / SwiGLU (megatron-core's jit functions): any CUDA device."""
+    apply_rope_fusion: bool
+    """Fused rotary embedding: transformer-engine's kernel."""
+    gradient_accumulation_fusion: bool
+    """Weight-gradient accumulation into main_grad in the GEMM: transformer-engine or the
+    fused_weight_gradient_mlp_cuda extension, and megatron-core DDP (not Megatron-FSDP)."""
+    cross_entropy_loss_fusion: bool
+    """Fused vocabulary-parallel cross entropy (megatron-core's native implementation): any CUDA device."""
+
+    def describe(self) -> str:
+        fused = [f.name for f in dataclasses.fields(self) if f.type in (bool, "bool") and getattr(self, f.name)
+                 and f.name != "transformer_engine"]
+        return (f"{self.device}: transformer-engine {'yes' if self.transformer_engine else 'no'}, attention "
+                f"{self.attention}, fusions: {', '.join(fused) if fused else 'none'}")
+
+
+def choose_kernels(on_cuda: bool, transformer_engine: bool, zero_stage: int, find_spec=None) -> KernelChoices:
+    """Pure apart from ``find_spec`` (``importlib.util.find_spec``: is a compiled extension installed)."""
+    import importlib.util
+
+    find_spec = find_spec or importlib.util.find_spec
+    te = on_cuda and transformer_engine
+
+    def extension(name: str) -> bool:
+        try:
+            return find_spec(name) is not None
+        except (ImportError, ValueError):
+            return False
+
+    return KernelChoices(
+        device="cuda" if on_cuda else "cpu",
+        transformer_engine=te,
+        attention="transformer-engine" if te else "sdpa",
+        persist_layer_norm=te,
+        masked_softmax_fusion=on_cuda and (te or extension("scaled_masked_softmax_cuda")),
+        bias_dropout_fusion=on_cuda,
+        bias_activation_fusion=on_cuda,
+        apply_rope_fusion=te,
+        gradient_accumulation_fusion=on_cuda and zero_stage < 2 and (te or extension("fused_weight_gradient_mlp_cuda")),
+        cross_entropy_loss_fusion=on_cuda,
+    )
+
+
+def transformer_config(preset: ModelPreset, params_dtype: torch.dtype, kernels: KernelChoices, **overrides):
     from megatron.core.transformer import TransformerConfig
 
     kwargs = dict(
@@ -64,27 +130,31 @@ def transformer_config(preset: ModelPreset, params_dtype: torch.dtype, on_cpu: b
         attention_dropout=preset.attention_dropout,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
-        use_cpu_initialization=on_cpu,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=not on_cpu,
-        persist_layer_norm=not on_cpu,
-        bias_dropout_fusion=not on_cpu,
-        apply_rope_fusion=False,
+        use_cpu_initialization=kernels.device == "cpu",
+        persist_layer_norm=kernels.persist_layer_norm,
+        masked_softmax_fusion=kernels.masked_softmax_fusion,
+        bias_dropout_fusion=kernels.bias_dropout_fusion,
+        bias_activation_fusion=kernels.bias_activation_fusion,
+        apply_rope_fusion=kernels.apply_rope_fusion,
+        gradient_accumulation_fusion=kernels.gradient_accumulation_fusion,
+        cross_entropy_loss_fusion=kernels.cross_entropy_loss_fusion,
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(preset: ModelPreset, use_transformer_engine: bool):
+def layer_spec(preset: ModelPreset, kernels: KernelChoices):
+    """transformer-engine's layer spec, or megatron-core's local spec with :class:`SdpaAttention`."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if use_transformer_engine:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            qk_layernorm=preset.qk_layernorm
-        )
-    return gpt_layer_specs.get_gpt_layer_local_spec(
-        qk_layernorm=preset.qk_layernorm, normalization=preset.normalization
-    )
+    if kernels.transformer_engine:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=preset.qk_layernorm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=preset.qk_layernorm, normalization=preset.normalization)
+    if kernels.attention == "sdpa":
+        from megatron_ext.training.sdpa_attention import SdpaAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    return spec
 
 
 def transformer_engine_available() -> bool:
@@ -97,25 +167,27 @@ def transformer_engine_available() -> bool:
     return True
 
 
+CPU_KERNELS = choose_kernels(on_cuda=False, transformer_engine=False, zero_stage=0)
+
+
 def build_gpt_model(
     preset: ModelPreset,
     vocab_size: int,
     seq_length: int,
     params_dtype: torch.dtype = torch.float32,
-    on_cpu: bool = True,
-    use_transformer_engine: bool = False,
+    kernels: KernelChoices = CPU_KERNELS,
     **config_overrides,
 ):
     """A megatron-core GPTModel for ``preset`` with the padded ``vocab_size`` already applied."""
     from megatron.core.models.gpt import GPTModel
 
     ensure_model_parallel()
-    config = transformer_config(preset, params_dtype, on_cpu, **config_overrides)
+    config = transformer_config(preset, params_dtype, kernels, **config_overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(preset, use_transformer_engine),
+            transformer_layer_spec=layer_spec(preset, kernels),
             vocab_size=vocab_size,
             max_sequence_length=max(seq_length, preset.max_position_embeddings),
             share_embeddings_and_output_weights=preset.tie_embeddings,
@@ -141,9 +213,7 @@ def count_parameters(preset: ModelPreset, vocab_size: int | None = None) -> Para
         vocab_size or model_vocab_size(preset, None), preset.make_vocab_size_divisible_by
     )
     with torch.device("meta"):
-        model = build_gpt_model(
-            preset, vocab, preset.max_position_embeddings, on_cpu=True, perform_initialization=False
-        )
+        model = build_gpt_model(preset, vocab, preset.max_position_embeddings, perform_initialization=False)
     total = sum(p.numel() for p in model.parameters())
     embedding = model.embedding.word_embeddings.weight.numel()
     if not preset.tie_embeddings:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
 import resource
 from typing import Iterable
 
@@ -63,8 +64,15 @@ class Trainer(abc.ABC):
         """Gradient reduction only on the last micro-step of an optimizer step."""
 
     @abc.abstractmethod
-    def step(self, lr: float) -> float:
-        """Clip, step with learning rate ``lr``, and return the global gradient norm (before clipping)."""
+    def step(self, lr: float, weight_decay: float) -> tuple[float, bool]:
+        """Clip and step with learning rate ``lr`` and weight decay ``weight_decay`` (times each
+        parameter group's ``wd_mult``: 0 for biases and norm weights, as Megatron). Returns the
+        global gradient norm before clipping (also with clipping off) and whether the step was
+        skipped (non-finite gradients)."""
+
+    @abc.abstractmethod
+    def model_state_dict(self) -> dict:
+        """The model's weights for a checkpoint, in the parameters' dtype whatever the stage."""
 
     def release_unsharded(self) -> None:
         """Free parameters gathered for a forward with no backward (evaluation)."""
@@ -99,16 +107,25 @@ class CpuTrainer(Trainer):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def step(self, lr: float) -> float:
+    def step(self, lr: float, weight_decay: float) -> tuple[float, bool]:
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
+        norm = float(norm)
+        if not math.isfinite(norm):  # the same on every rank: the norm is global
+            return norm, True
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+            group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
         self.optimizer.step()
-        return float(norm)
+        return norm, False
+
+    def model_state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.module)
 
     def release_unsharded(self) -> None:
         if self.fsdp_sharded_bytes:
@@ -165,12 +182,29 @@ class CudaTrainer(Trainer):
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def step(self, lr: float) -> float:
+    def step(self, lr: float, weight_decay: float) -> tuple[float, bool]:
         self.model.finish_grad_sync()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        _, grad_norm, _ = self.optimizer.step()
-        return float(grad_norm or 0.0)
+        for group in self.optimizer.param_groups:  # what Megatron's OptimizerParamScheduler.step sets
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
+        success, grad_norm, _ = self.optimizer.step()
+        if self.clip_grad <= 0:  # megatron-core computes the norm only to clip
+            grad_norm = self.optimizer.get_grad_norm()
+        return float(grad_norm if grad_norm is not None else float("nan")), not success
+
+    def model_state_dict(self) -> dict:
+        """Megatron-FSDP hands uneven DTensor shards: prepared as Megatron-LM's checkpointing does
+        before a DCP save (``preprocess_state_dict_for_uneven_dtensor``); bf16 at every stage."""
+        state = {k: v for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
+        dtype = self.module.config.params_dtype
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        if self.stage >= ZeroStage.GRADIENTS:
+            from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+                preprocess_state_dict_for_uneven_dtensor,
+            )
+
+            preprocess_state_dict_for_uneven_dtensor(state)
+        return state
 
     def memory_values(self) -> list[int]:
         return [torch.cuda.max_memory_allocated()]
@@ -181,6 +215,21 @@ class CudaTrainer(Trainer):
 
 def _adamw(t: TrainingParams, **extra):
     return dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay, **extra)
+
+
+def no_weight_decay(name: str, param: torch.Tensor) -> bool:
+    """Megatron's rule (megatron-core ``get_standard_config_overrides``): no weight decay on biases
+    and one-dimensional parameters (norm weights)."""
+    return name.endswith(".bias") or param.dim() == 1
+
+
+def param_groups(module: torch.nn.Module) -> list[dict]:
+    """AdamW parameter groups carrying Megatron's ``wd_mult`` (1: decayed, 0: not)."""
+    decay, plain = [], []
+    for name, param in module.named_parameters():
+        if param.requires_grad:
+            (plain if no_weight_decay(name, param) else decay).append(param)
+    return [g for g in ({"params": decay, "wd_mult": 1.0}, {"params": plain, "wd_mult": 0.0}) if g["params"]]
 
 
 def wrap_cpu(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams) -> CpuTrainer:
@@ -194,15 +243,17 @@ def wrap_cpu(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams) -> Cp
             fully_shard(layer, reshard_after_forward=reshard)
         fully_shard(module, reshard_after_forward=reshard)
         sharded = _unique_storage_bytes(module.parameters(), set())
-        optimizer = torch.optim.AdamW(module.parameters(), **_adamw(t, foreach=False))
+        optimizer = torch.optim.AdamW(param_groups(module), **_adamw(t, foreach=False))
         return CpuTrainer(module, module, optimizer, stage, t.clip_grad, sharded)
     model = DistributedDataParallel(module, gradient_as_bucket_view=True, broadcast_buffers=False)
     if stage == ZeroStage.OPTIMIZER:
-        optimizer = ZeroRedundancyOptimizer(
-            module.parameters(), optimizer_class=torch.optim.AdamW, **_adamw(t, foreach=False)
-        )
+        groups = param_groups(module)
+        optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW, **_adamw(t, foreach=False))
+        for group in groups[1:]:  # ZeroRedundancyOptimizer takes one group at construction
+            optimizer.add_param_group(group)
+        optimizer.param_groups[0]["wd_mult"] = groups[0]["wd_mult"]
     else:
-        optimizer = torch.optim.AdamW(module.parameters(), **_adamw(t, foreach=False))
+        optimizer = torch.optim.AdamW(param_groups(module), **_adamw(t, foreach=False))
     return CpuTrainer(model, module, optimizer, stage, t.clip_grad)
 
 
