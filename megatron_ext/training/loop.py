@@ -146,12 +146,29 @@ class Pretrain:
             )
 
     # -- one step -------------------------------------------------------------------------------
-    def _batch(self, dataset, first_sample: int, micro_step: int) -> dict[str, torch.Tensor]:
+    def _read(self, dataset, first_sample: int, micro_step: int) -> dict[str, torch.Tensor | None]:
+        """One micro-batch on the host (pinned on CUDA, so the copy to the GPU can overlap)."""
         from megatron_ext.training.datasets import global_batch_slice
 
         t = self.t
         batch = global_batch_slice(dataset, first_sample, t.global_batch_size, self.ranks.rank, self.ranks.world_size,
                                    t.micro_batch_size, micro_step)
+        if self.on_cuda:
+            batch = {k: v.pin_memory() if v is not None else None for k, v in batch.items()}
+        return batch
+
+    def _batch(self, dataset, first_sample: int, micro_step: int, then: tuple[int, int] | None = None):
+        """This micro-batch on the device; on CUDA the one after it (``then``: first sample, micro
+        step) is read on a background thread meanwhile."""
+        key = (id(dataset), first_sample, micro_step)
+        pending, self._pending = getattr(self, "_pending", None), None
+        batch = pending[1].result() if pending and pending[0] == key else self._read(dataset, first_sample, micro_step)
+        if self.on_cuda and then is not None:
+            if not hasattr(self, "_reader"):
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+            self._pending = ((id(dataset), *then), self._reader.submit(self._read, dataset, *then))
         return {k: v.to(self.device, non_blocking=True) if v is not None else None for k, v in batch.items()}
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -167,8 +184,9 @@ class Pretrain:
         loss_sum = torch.zeros(1, device=self.device)
         first = (iteration - 1) * self.t.global_batch_size
         for micro in range(accumulation):
+            then = (first, micro + 1) if micro + 1 < accumulation else (first + self.t.global_batch_size, 0)
             with self.trainer.sync_context(micro == accumulation - 1):
-                loss = self._loss(self._batch(self.train_ds, first, micro))
+                loss = self._loss(self._batch(self.train_ds, first, micro, then))
                 if micro == 0 and sample_memory:
                     self.trainer.sample_memory()
                 (loss / accumulation).backward()
@@ -209,7 +227,7 @@ class Pretrain:
         t, accumulation = self.t, self.geometry.accumulation_steps
         self.trainer.model.eval()
         total = torch.zeros(1, device=self.device)
-        with torch.no_grad():
+        with torch.no_grad(), self.trainer.synced_parameters():
             for i in range(t.eval_iters):
                 for micro in range(accumulation):
                     total += self._loss(self._batch(self.valid_ds, i * t.global_batch_size, micro)).detach() / accumulation
@@ -223,7 +241,8 @@ class Pretrain:
         import torch.distributed.checkpoint as dcp
 
         target = self.paths.checkpoints_dir / f"iter_{iteration:07d}"
-        dcp.save({"model": self.trainer.model_state_dict()}, checkpoint_id=str(target))
+        with self.trainer.synced_parameters():
+            dcp.save({"model": self.trainer.model_state_dict()}, checkpoint_id=str(target))
 
     # -- the whole run --------------------------------------------------------------------------
     def _logs_at(self, iteration: int) -> bool:

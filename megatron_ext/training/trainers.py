@@ -77,6 +77,11 @@ class Trainer(abc.ABC):
     def release_unsharded(self) -> None:
         """Free parameters gathered for a forward with no backward (evaluation)."""
 
+    def synced_parameters(self) -> contextlib.AbstractContextManager:
+        """Parameters up to date for a forward outside training or a save (with overlapped
+        parameter gathers, the next forward's hooks would otherwise gather them)."""
+        return contextlib.nullcontext()
+
     def sample_memory(self) -> None:
         """Note this moment's memory (called at the end of a forward, where sharded stages peak)."""
 
@@ -173,7 +178,21 @@ class CpuTrainer(Trainer):
 
 
 class CudaTrainer(Trainer):
-    """megatron-core DDP / distributed optimizer / Megatron-FSDP on NCCL, bf16 params, fp32 grads."""
+    """megatron-core DDP / distributed optimizer / Megatron-FSDP on NCCL, bf16 params, fp32 grads
+    (bf16 with ``grad_reduce_in_bf16``); gradient reduction overlapped with backward, and (stage 1)
+    parameter gathers with the next forward, as Megatron-LM's ``--overlap-grad-reduce
+    --overlap-param-gather``."""
+
+    @contextlib.contextmanager
+    def synced_parameters(self):
+        if self.stage != ZeroStage.OPTIMIZER:
+            yield
+            return
+        self.model.disable_forward_pre_hook()  # gathers every parameter now, as Megatron-LM before eval and save
+        try:
+            yield
+        finally:
+            self.model.enable_forward_pre_hook()
 
     def sync_context(self, last_micro_step: bool):
         return contextlib.nullcontext() if last_micro_step else self.model.no_sync()
@@ -257,12 +276,15 @@ def wrap_cpu(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams) -> Cp
     return CpuTrainer(model, module, optimizer, stage, t.clip_grad)
 
 
-def megatron_core_ddp_config(stage: int):
-    """megatron-core DistributedDataParallelConfig for ``stage`` (fp32 gradient reduction)."""
+def megatron_core_ddp_config(stage: int, grad_reduce_in_bf16: bool = False):
+    """megatron-core DistributedDataParallelConfig for ``stage``: fp32 gradient reduction (unless
+    ``grad_reduce_in_bf16``), reduction overlapped with backward, and from stage 1 parameter
+    gathers overlapped with forward (the distributed optimizer's, or Megatron-FSDP's)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, **strategy_for(stage).megatron_core_ddp
+        grad_reduce_in_fp32=not grad_reduce_in_bf16, overlap_grad_reduce=True, overlap_param_gather=stage >= 1,
+        **strategy_for(stage).megatron_core_ddp,
     )
 
 
@@ -293,7 +315,7 @@ def wrap_cuda(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams) -> C
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     config = module.config
-    ddp_config = megatron_core_ddp_config(stage)
+    ddp_config = megatron_core_ddp_config(stage, t.grad_reduce_in_bf16)
     wrapped = Float16Module(config, module) if config.bf16 else module
     if stage >= ZeroStage.GRADIENTS:
         from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel

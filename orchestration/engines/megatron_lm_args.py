@@ -107,6 +107,8 @@ def training_flags(p: RunParams, bf16: bool) -> list[str]:
     ]
     if bf16:
         flags.append("--bf16")
+    if t.grad_reduce_in_bf16:
+        flags.append("--grad-reduce-in-bf16")
     return flags
 
 
@@ -123,6 +125,13 @@ def logging_and_checkpoint_flags(p: RunParams, paths: RunPaths) -> list[str]:
     ]
 
 
+def overlap_flags(stage: int) -> list[str]:
+    """Communication overlap as the megatron-core engine configures it: gradient reduction with
+    backward at every stage, parameter gathers with forward from stage 1 (distributed optimizer
+    or Megatron-FSDP; Megatron-LM requires one of them for --overlap-param-gather)."""
+    return ["--overlap-grad-reduce", *(["--overlap-param-gather"] if stage >= 1 else [])]
+
+
 def render_pretrain_gpt(p: RunParams, prepared: PreparedData, paths: RunPaths, version: tuple[int, int],
                         bf16: bool = True) -> MegatronLMRender:
     stage = p.training.zero_stage
@@ -132,6 +141,7 @@ def render_pretrain_gpt(p: RunParams, prepared: PreparedData, paths: RunPaths, v
         + training_flags(p, bf16)
         + logging_and_checkpoint_flags(p, paths)
         + megatron_lm_flags_for_stage(stage, version)
+        + overlap_flags(stage)
     )
     return MegatronLMRender(args, stage_environment(stage))
 

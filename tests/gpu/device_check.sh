@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # device_check.sh: the GPU check as one command for a lent GPU machine (Python 3.12, torch, no
-# megatron-core there). Beforehand, on the developer machine, in the repo root:
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#       -d .whl megatron-core==0.16.1
-# then run this script there with `.whl` carried. Writes the table to $OUT/gpu_check.txt.
+# megatron-core and no transformer-engine there). When megatron-core does not import, it installs a
+# megatron-core 0.16.1 wheel for Python 3.12 from .whl/, shared/wheels/ or ../shared/wheels/ (or,
+# on the developer machine beforehand: `echo /.whl/ >> .git/info/exclude` and
+# `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+#  --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1`, then carry `.whl`).
+# Prints each stage's row as it finishes; under 8 minutes; the table also goes to $OUT/gpu_check.txt.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export PYTHONPATH="$PWD"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+if ! python3 -c "import megatron.core" 2>/dev/null; then
+  for dir in .whl shared/wheels ../shared/wheels; do
+    wheel=$(compgen -G "$dir/megatron_core-0.16.1-cp312-*.whl" | head -1 || true)
+    if [ -n "$wheel" ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$wheel"
+      export PYTHONPATH="/tmp/site:$PYTHONPATH"
+      break
+    fi
+  done
 fi
 python3 -c "import torch, megatron.core; assert torch.cuda.is_available(), 'no CUDA device'"
 nvidia-smi -L || true
