@@ -5,7 +5,7 @@
 
 The edge of the program: reads the rank's environment once (RANK, LOCAL_RANK, WORLD_SIZE,
 LOCAL_WORLD_SIZE as torchrun sets them; ZERO_STAGE and ENGINE when no ``--zero-stage`` is given;
-ARTIFACT_ROOT), checks parameters, batch geometry, megatron-core and the data paths before any
+ARTIFACT_ROOT; MEGATRON_EXT_ALLOW_UNTESTED), checks parameters, batch geometry, megatron-core and the data paths before any
 process group exists, and hands over to :class:`megatron_ext.training.loop.Pretrain`. With CUDA:
 NCCL, one GPU per LOCAL_RANK, bf16, transformer-engine layers when they import. Without: gloo,
 fp32, megatron-core's local layers (see training/cpu_compat.py). A user error is one message
@@ -52,7 +52,7 @@ def resolve(args, env: Mapping[str, str]):
     """Everything checked before a process group exists (the environment is read here only)."""
     from megatron_ext.data.prepare import planned_prepared
     from megatron_ext.training.loop import RunInputs
-    from megatron_ext.training.versions import check_megatron_core
+    from megatron_ext.training.versions import ALLOW_UNTESTED_ENV, check_megatron_core
 
     run = check_run_name(args.run or f"{args.model}_{os.path.splitext(os.path.basename(args.data))[0]}")
     overrides = read_overrides(env)
@@ -61,7 +61,9 @@ def resolve(args, env: Mapping[str, str]):
     overrides = dataclasses.replace(overrides, train_iters=args.train_iters)
     ranks = read_rank_env(env)
     params, geometry = with_batch_geometry(load_run_params(args.model, args.data, overrides), ranks.world_size)
-    check_megatron_core()
+    _, warning = check_megatron_core(allow_untested=env.get(ALLOW_UNTESTED_ENV, "").strip() not in ("", "0"))
+    if warning and ranks.rank == 0:
+        print(warning, file=sys.stderr, flush=True)
     paths = RunPaths(artifact_root(env), run)
     planned_prepared(params.data, paths.data_cache_dir)  # missing data paths fail here, on every rank
     return RunInputs(params, geometry, ranks, paths)

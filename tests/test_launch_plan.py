@@ -131,3 +131,18 @@ def test_dry_run_prints_one_json_line_per_node_and_starts_nothing(tmp_path):
     assert argv[argv.index("--zero-stage") + 1] == "3" and lines[1]["env"]["GLOO_SOCKET_IFNAME"] == "eth0"
     assert lines[1]["env"]["ARTIFACT_ROOT"] == str(tmp_path) and lines[1]["unset"] == ["CUDA_DEVICE_MAX_CONNECTIONS"]
     assert not (tmp_path / "run_state").exists() and not (tmp_path / "logs").exists()
+
+
+def test_setup_decides_by_metadata_and_never_replaces():
+    from orchestration.setup_env import plan_installs
+
+    commands, _ = plan_installs((3, 12), None, None, None)
+    assert commands == [["install", "torch==2.13.0"], ["install", "--no-deps", "megatron-core==0.19.2"],
+                        ["install", "packaging>=24.2", "einops", "pyyaml"]]
+    assert plan_installs((3, 11), "2.13.0", None, None)[0][0] == ["install", "--no-deps", "megatron-core==0.16.1"]
+    # An installed release that fails to import only for a missing small package keeps its release.
+    commands, messages = plan_installs((3, 12), "2.13.0", "0.19.2", ModuleNotFoundError("no packaging", name="packaging"))
+    assert commands == [["install", "packaging>=24.2"]] and "keeping megatron-core 0.19.2" in messages[-1]
+    commands, messages = plan_installs((3, 12), "2.11.0", "0.19.2", ImportError("libcudart.so.13: cannot open"))
+    assert commands == [] and messages[-1].startswith("error: megatron-core 0.19.2 is installed but does not import")
+    assert plan_installs((3, 12), "2.11.0+cu130", "0.16.1", None)[0] == []  # a container's builds stay

@@ -27,7 +27,7 @@ STAGE_FLAGS = {  # facts.md, exactly
     2: "--use-megatron-fsdp --use-distributed-optimizer --data-parallel-sharding-strategy optim_grads --ckpt-format fsdp_dtensor".split(),
     3: "--use-megatron-fsdp --use-distributed-optimizer --data-parallel-sharding-strategy optim_grads_params --ckpt-format fsdp_dtensor".split(),
 }
-DATA_FOR = {"gpt_smoke": "smoke", "gpt2": "gpt2_smoke", "qwen3_1p7b": "qwen3_1p7b_smoke"}
+DATA_FOR = {"gpt_smoke": "smoke", "qwen3_smoke": "smoke", "gpt2": "gpt2_smoke", "qwen3_1p7b": "qwen3_1p7b_smoke"}
 
 
 FLAG_LISTS = sorted((TEST_DATA / "megatron_lm").glob("flags_*.tsv"))

@@ -88,7 +88,13 @@ def test_learning_rate_warmup_then_cosine():
 def test_megatron_core_version_gate():
     from megatron_ext.training.versions import check_megatron_core
 
-    assert check_megatron_core("0.16.1") == "0.16.1" and check_megatron_core("0.14.0rc1") == "0.14.0rc1"
-    for old in ("0.13.1", "0.17.0", "1.0.0"):
-        with pytest.raises(UserError, match=r"outside the supported range 0.14.x-0.16.x \(tested: 0.16.1"):
-            check_megatron_core(old)
+    for tested in ("0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2", "0.16.0rc1"):
+        assert check_megatron_core(tested) == (tested, None)
+    for old in ("0.13.1", "0.9.0"):
+        with pytest.raises(UserError, match=r"outside the tested range 0.14-0.19 \(tested: 0.14.0, .*0.19.2\)") as err:
+            check_megatron_core(old, allow_untested=True)  # never for older releases
+        assert "MEGATRON_EXT_ALLOW_UNTESTED" not in str(err.value)
+    with pytest.raises(UserError, match=r"megatron-core 0.20.0 is outside .* set MEGATRON_EXT_ALLOW_UNTESTED=1"):
+        check_megatron_core("0.20.0")
+    version, warning = check_megatron_core("0.20.0", allow_untested=True)
+    assert version == "0.20.0" and warning.startswith("warning: megatron-core 0.20.0 is newer than the tested releases")

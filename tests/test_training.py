@@ -48,6 +48,21 @@ def test_every_stage_gives_the_same_loss(stage_runs):
             assert abs(a - b) / abs(a) <= 1e-5, f"stage {stage} iteration {it}: {b} vs stage 0 {a}"
 
 
+def test_qwen3_shaped_smoke_trains_identically_under_stage_0_and_3(artifact_root):
+    """RoPE (kept on the CPU on every megatron-core release, see training/compat.py), RMSNorm,
+    QK-layernorm, SwiGLU and grouped-query attention through the SDPA core attention."""
+    losses = {}
+    for stage in (0, 3):
+        proc, records = run_torchrun(artifact_root, f"qwen3_smoke_z{stage}", model="qwen3_smoke", train_iters=4,
+                                     ZERO_STAGE=str(stage))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "attention sdpa" in proc.stdout
+        losses[stage] = [r["lm_loss"] for r in records]
+    assert len(losses[0]) == 4
+    for a, b in zip(losses[0], losses[3], strict=True):
+        assert abs(a - b) / a <= 1e-5
+
+
 def expected_model_state(psi: int, d: int) -> dict[int, tuple[float, float]]:
     """(between steps, peak) bytes per rank for fp32 AdamW on CPU, from facts.md."""
     return {

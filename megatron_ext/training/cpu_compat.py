@@ -7,8 +7,9 @@ TP=1 and PP=1 otherwise runs on CPU unchanged:
 1. The model-parallel RNG tracker (``megatron.core.tensor_parallel.random``) forks the CUDA RNG
    state around dropout. :class:`CpuRNGStatesTracker` keeps the same named states on the CPU
    generator and is installed as the global tracker.
-2. ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()`` on its
-   first call. The replacement keeps it where the module lives and is otherwise the same code.
+2. RoPE moves ``inv_freq`` to ``torch.cuda.current_device()`` on its first call (in ``forward``
+   up to 0.15, in ``get_emb`` from 0.16: :mod:`megatron_ext.training.compat`); it is kept where the
+   module lives instead.
 3. The global memory buffer that ``DotProductAttention`` (local spec) uses for its attention
    scores allocates on ``torch.cuda.current_device()``; :class:`CpuMemoryBuffer` allocates on CPU.
 
@@ -27,6 +28,8 @@ from megatron.core import parallel_state
 from megatron.core.models.common.embeddings import rotary_pos_embedding
 from megatron.core.tensor_parallel import random as mp_random
 from megatron.core.utils import GlobalMemoryBuffer
+
+from megatron_ext.training.compat import keep_rotary_on_module_device
 
 
 class CpuRNGStatesTracker(mp_random.CudaRNGStatesTracker):
@@ -64,21 +67,11 @@ class CpuMemoryBuffer(GlobalMemoryBuffer):
         return buf[:required].view(*tensor_shape)
 
 
-def _rotary_get_emb_on_module_device(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
-    # megatron-core 0.16 RotaryEmbedding.get_emb without the move of inv_freq to CUDA.
-    freqs = self.get_freqs_non_repeated(max_seq_len, offset)
-    if not self.rotary_interleaved:
-        emb = torch.cat((freqs, freqs), dim=-1)
-    else:
-        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
-    return emb[:, None, None, :]
-
-
 def install_cpu_compat(seed: int) -> None:
     """Install the three replacements; call after ``initialize_model_parallel``."""
     tracker = CpuRNGStatesTracker()
     tracker.add(mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718)
     mp_random._CUDA_RNG_STATE_TRACKER = tracker
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    rotary_pos_embedding.RotaryEmbedding.get_emb = _rotary_get_emb_on_module_device
+    keep_rotary_on_module_device(rotary_pos_embedding.RotaryEmbedding)
     parallel_state._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()

@@ -1,0 +1,35 @@
+"""The training tests again on Python 3.12 with megatron-core 0.19.2 (the newest release; it needs
+Python >= 3.12), in the virtual environment ``.venv-py312`` that ``.ci/run`` builds:
+
+    bash .ci/py312_env.sh && python3 -m pytest -q tests/test_other_python.py
+
+Skipped where that environment does not exist, except with ``CI=true``, where that is a failure."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from conftest import REPO, clean_env
+
+VENV_PYTHON = REPO / ".venv-py312" / "bin" / "python"
+
+
+def test_training_tests_on_python_312_with_megatron_core_019(tmp_path):
+    if not VENV_PYTHON.exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{VENV_PYTHON} is missing: .ci/run builds it with .ci/py312_env.sh")
+        pytest.skip(f"no {VENV_PYTHON}; build it with `bash .ci/py312_env.sh`")
+    versions = subprocess.run([str(VENV_PYTHON), "-c", "import sys, megatron.core.package_info as p; "
+                               "print('%d.%d' % sys.version_info[:2], p.__version__)"],
+                              capture_output=True, text=True, env=clean_env())
+    assert versions.stdout.split() == ["3.12", "0.19.2"], versions.stdout + versions.stderr
+    env = clean_env(PYTHONPATH=str(REPO))
+    env.pop("VIRTUAL_ENV", None)
+    proc = subprocess.run([str(VENV_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_training.py",
+                           "--basetemp", str(tmp_path / "py312")], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout.splitlines()[-1] and "failed" not in proc.stdout.splitlines()[-1]
