@@ -15,13 +15,16 @@ entry point is the only place that configures output; every node command prints 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import uuid
 from typing import Mapping, Sequence
 
+from megatron_ext.spec.checkpoints import check_resumable, latest_iteration, read_meta
 from megatron_ext.spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
+from megatron_ext.spec.params import COLLECTIVE_TIMEOUT_S
 from megatron_ext.spec.params import RunOverrides, load_run_params, with_batch_geometry
 from megatron_ext.spec.resolved import read_resolved, write_resolved
 from megatron_ext.spec.run_paths import RunPaths, check_run_name
@@ -34,8 +37,7 @@ from orchestration.processes import DEFAULT_STOP_GRACE_S
 
 
 def _launch_env(env: Mapping[str, str]) -> LaunchEnv:
-    gpus = 0 if env.get("NPROC_PER_NODE", "").strip() else visible_gpu_count(env)
-    return read_launch_env(env, gpus)
+    return read_launch_env(env, visible_gpu_count(env))
 
 
 def _nodes(launch: LaunchEnv, this_node: bool) -> list[tuple[int, str]]:
@@ -52,11 +54,19 @@ def plan_start(launch: LaunchEnv, model: str, data: str, run: str, nodes: Sequen
     params = load_run_params(model, data, RunOverrides(launch.zero_stage, launch.overrides.engine))
     params, geometry = with_batch_geometry(params, launch.world_size)
     paths = RunPaths(launch.artifact_root, run)
+    resume_from = latest_iteration(paths.checkpoints_dir)
+    notes = []
+    if resume_from is not None and params.training.engine == "megatron-core":
+        t = params.training
+        note = check_resumable(read_meta(paths.checkpoints_dir, resume_from), launch.world_size, t.zero_stage,
+                               t.global_batch_size, launch.device, paths.checkpoints_dir)
+        notes += [note] if note else []
     program = plan_program(params, model, data, paths, launch, prepare=prepare)
-    for note in program.notes:
+    for note in (*program.notes, *notes):
         print(f"note: {note}", file=sys.stderr, flush=True)
     run_id = f"{run}-{uuid.uuid4().hex[:10]}"
-    return build_start_plan(launch, params, geometry, program, run, run_id, nodes, sys.executable, os.getcwd())
+    plan = build_start_plan(launch, params, geometry, program, run, run_id, nodes, sys.executable, os.getcwd())
+    return dataclasses.replace(plan, resume_from=resume_from)
 
 
 def _on_nodes(launch: LaunchEnv, nodes: Sequence[tuple[int, str]], argv_for,
@@ -108,11 +118,14 @@ def cmd_start(args, launch: LaunchEnv) -> int:
             _on_nodes(launch, started, _node_args("node-stop", args.run, launch))
         return EXIT_NODE_FAILED
     t = plan.resolved.params.training
+    checkpoints = RunPaths(launch.artifact_root, args.run).checkpoints_dir
+    resume = (f"resuming from iteration {plan.resume_from} (for a fresh start use another RUN name or remove "
+              f"{checkpoints})" if plan.resume_from is not None else "fresh start")
     print(
         f"run {args.run} started: {len(nodes)} node(s) x {launch.nproc_per_node} processes, world size "
-        f"{launch.world_size}, ZERO_STAGE={t.zero_stage}, engine {t.engine}, {plan.geometry.describe()}; "
-        f"status: status_training.sh {args.run}; stop: "
-        f"{'stop_training.sh' if args.this_node else 'stop_multinode_training.sh'} {args.run}",
+        f"{launch.world_size}, ZERO_STAGE={t.zero_stage}, engine {t.engine}, {plan.geometry.describe()}, "
+        f"{resume}, collective timeout {COLLECTIVE_TIMEOUT_S[launch.device]} s; status: status_training.sh {args.run}; "
+        f"stop: {'stop_training.sh' if args.this_node else 'stop_multinode_training.sh'} {args.run}",
         flush=True,
     )
     return EXIT_OK

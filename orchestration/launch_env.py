@@ -49,6 +49,8 @@ class LaunchEnv:
     """Logs, pid files, metrics, checkpoints, data cache."""
     megatron_lm_dir: str | None = None
     """MEGATRON_LM_DIR: the Megatron-LM checkout for ENGINE=megatron-lm."""
+    visible_gpus: int = 0
+    """GPUs this machine shows (CUDA_VISIBLE_DEVICES or /dev/nvidia*): the run's device kind."""
     container_name: str | None = None
     """Run every node command through ``docker exec`` into this container."""
     ssh_opts: tuple[str, ...] = ()
@@ -63,6 +65,10 @@ class LaunchEnv:
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.visible_gpus else "cpu"
 
     def is_local(self, host: str) -> bool:
         return host in LOCAL_HOSTS
@@ -155,6 +161,7 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0) -> LaunchEnv:
         overrides=read_overrides(env),
         artifact_root=artifact_root(env),
         megatron_lm_dir=env.get("MEGATRON_LM_DIR", "").strip() or None,
+        visible_gpus=visible_gpus,
         container_name=env.get("CONTAINER_NAME", "").strip() or None,
         ssh_opts=tuple(shlex.split(env.get("SSH_OPTS", ""))),
         dry_run=env.get("DRY_RUN", "").strip() not in ("", "0", "false", "no"),

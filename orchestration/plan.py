@@ -69,6 +69,8 @@ class StartPlan:
     """Written to the run's params file at start."""
     geometry: BatchGeometry
     nodes: tuple[NodePlan, ...] = field(default_factory=tuple)
+    resume_from: int | None = None
+    """The iteration of the run's latest checkpoint, which the ranks will resume from."""
 
 
 def render_torchrun_argv(launch: LaunchEnv, node_rank: int, python: str, program: Sequence[str]) -> list[str]:

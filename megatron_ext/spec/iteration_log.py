@@ -121,8 +121,12 @@ _KEYS = {
 }
 
 
+_LOOKS = re.compile(r"\biteration\s+\d+/\s*\d+\s*\|.*consumed samples")
+
+
 def looks_like_iteration_line(line: str) -> bool:
-    return "iteration" in line and "consumed samples" in line
+    """An iteration line, possibly torn or garbled (then counted as malformed)."""
+    return bool(_LOOKS.search(line))
 
 
 def parse_iteration_line(line: str, seq_length: int | None = None, world_size: int = 0,
@@ -172,12 +176,18 @@ def parse_log(text: str, seq_length: int | None = None, world_size: int = 0,
 
 
 class MetricsWriter:
-    """Writes :class:`IterationRecord` objects as JSON lines. Side effect: one file."""
+    """Writes :class:`IterationRecord` objects as JSON lines. Side effect: one file.
 
-    def __init__(self, path: Path):
+    A fresh start starts the file anew; a resumed one (``resume_after`` = the checkpoint's
+    iteration) keeps the records up to that iteration and appends after them."""
+
+    def __init__(self, path: Path, resume_after: int = 0):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = path.open("w", buffering=1)  # a new start of the run starts its metrics anew
+        kept = [r for r in read_metrics(path) if r.iteration <= resume_after] if resume_after else []
+        self._fh = path.open("w", buffering=1)
+        for record in kept:
+            self.write(record)
 
     def write(self, record: IterationRecord) -> None:
         self._fh.write(json.dumps(asdict(record)) + "\n")

@@ -167,7 +167,10 @@ class TrainingParams:
     eval_iters: int = 2
     """Global batches per validation pass."""
     save_interval: int = 0
-    """Optimizer steps between checkpoints (and one at the end); 0 = no checkpoints."""
+    """Optimizer steps between checkpoints (and one at the end); 0 = no checkpoints. A run whose
+    checkpoint exists resumes from the latest one."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept on disk (the newest ones); older ones are removed after each save."""
     zero_stage: int = 0
     """ZeRO stage 0-3 (ZERO_STAGE in the environment overrides it)."""
     engine: Engine = "megatron-core"
@@ -187,6 +190,13 @@ class RunParams:
     """The schedule (with overrides applied)."""
     data_set: str
     """The data set's name (or YAML path), for messages."""
+
+
+COLLECTIVE_TIMEOUT_S = {"cpu": 300, "cuda": 600}
+"""How long a collective waits for a peer before the job fails (gloo on CPU, NCCL on GPUs): a lost
+peer ends the run in minutes, not in torch's default half hour; long enough for rank 0 to build
+a data set's index while the others wait. The launcher's supervisor stops a run whose node fails
+much sooner (see orchestration/supervisor.py)."""
 
 
 @dataclass(frozen=True)
@@ -397,7 +407,7 @@ def validate_run_params(p: RunParams) -> None:
     if d.tokenizer.type == "huggingface" and not d.tokenizer.model_path:
         raise UserError("data.tokenizer.type=huggingface needs model_path (a tokenizer.json)")
     for key in ("micro_batch_size", "global_batch_size", "gradient_accumulation_steps", "train_iters", "seq_length",
-                "log_interval"):
+                "log_interval", "keep_checkpoints"):
         value = getattr(t, key)
         if value is not None and value <= 0:
             raise UserError(f"training.{key}={value} must be > 0")

@@ -15,6 +15,7 @@ root, stdout.
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import time
@@ -27,7 +28,8 @@ from megatron_ext.spec.flops import flops_per_token, padded_vocab_size, peak_tfl
 from megatron_ext.spec.iteration_log import (
     IterationRecord, MetricsWriter, format_iteration_line, format_progress_line,
 )
-from megatron_ext.spec.params import BatchGeometry, RunParams, TrainingParams
+from megatron_ext.spec.checkpoints import CheckpointMeta, check_resumable, latest_iteration, read_meta
+from megatron_ext.spec.params import COLLECTIVE_TIMEOUT_S, BatchGeometry, RunParams, TrainingParams
 from megatron_ext.spec.run_paths import RunPaths
 
 
@@ -93,11 +95,12 @@ class Pretrain:
         """Process group (NCCL or gloo), megatron's TP=1/PP=1 parallel state, RNG, threads."""
         from megatron.core import parallel_state
 
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S["cuda" if self.on_cuda else "cpu"])
         if self.on_cuda:
             torch.cuda.set_device(self.ranks.local_rank)
-            dist.init_process_group("nccl", device_id=self.device)
+            dist.init_process_group("nccl", device_id=self.device, timeout=timeout)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timeout)
         # On CPU the world group is gloo already: no second set of gloo groups.
         parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=self.on_cuda)
         if self.on_cuda:
@@ -136,7 +139,8 @@ class Pretrain:
         )
         self.flops_per_iteration = flops_per_token(m, t.seq_length, self.vocab) * t.global_batch_size * t.seq_length
         self.peak_tflops = peak_tflops_for(torch.cuda.get_device_name(self.device)) if self.on_cuda else None
-        self.writer = MetricsWriter(self.paths.metrics_path) if self.ranks.rank == 0 else None
+        self.start_iteration = self.resume()
+        self.writer = MetricsWriter(self.paths.metrics_path, self.start_iteration) if self.ranks.rank == 0 else None
         if self.ranks.rank == 0:
             print(
                 f"run {self.paths.run}: model {m.name} data {self.params.data_set} | world size {self.ranks.world_size} "
@@ -236,17 +240,37 @@ class Pretrain:
         self.trainer.model.train()
         return float(total) / (self.ranks.world_size * t.eval_iters)
 
-    def save_checkpoint(self, iteration: int) -> None:
-        """Model weights with torch.distributed.checkpoint (sharded stages write their shards)."""
-        import torch.distributed.checkpoint as dcp
+    def resume(self) -> int:
+        """Load the latest checkpoint of the run, if any: the iteration it holds (0 = fresh start)."""
+        from megatron_ext.training import checkpoint
 
-        target = self.paths.checkpoints_dir / f"iter_{iteration:07d}"
-        with self.trainer.synced_parameters():
-            dcp.save({"model": self.trainer.model_state_dict()}, checkpoint_id=str(target))
+        where = self.paths.checkpoints_dir
+        latest = latest_iteration(where)
+        if latest is None:
+            return 0
+        t = self.t
+        note = check_resumable(read_meta(where, latest), self.ranks.world_size, t.zero_stage, t.global_batch_size,
+                               "cuda" if self.on_cuda else "cpu", where)
+        meta = checkpoint.load(self.trainer, where, latest)
+        if self.ranks.rank == 0:
+            print(f"resuming from iteration {meta.iteration} ({where}; consumed samples {meta.consumed_samples})"
+                  + (f"; {note}" if note else ""), flush=True)
+        return meta.iteration
+
+    def save_checkpoint(self, iteration: int) -> None:
+        """Model, optimizer, schedule and data position, RNG (see training/checkpoint.py)."""
+        from megatron_ext.training import checkpoint
+
+        t = self.t
+        meta = CheckpointMeta(iteration=iteration, consumed_samples=iteration * t.global_batch_size,
+                              world_size=self.ranks.world_size, zero_stage=t.zero_stage,
+                              global_batch_size=t.global_batch_size, device="cuda" if self.on_cuda else "cpu")
+        checkpoint.save(self.trainer, self.paths.checkpoints_dir, meta, t.keep_checkpoints)
 
     # -- the whole run --------------------------------------------------------------------------
     def _logs_at(self, iteration: int) -> bool:
-        return iteration == 1 or iteration % self.t.log_interval == 0 or iteration == self.t.train_iters
+        return (iteration == self.start_iteration + 1 or iteration % self.t.log_interval == 0
+                or iteration == self.t.train_iters)
 
     def run(self) -> None:
         from megatron.core import parallel_state
@@ -256,7 +280,7 @@ class Pretrain:
         t = self.t
         start = time.time()
         interval = _Interval()
-        for iteration in range(1, t.train_iters + 1):
+        for iteration in range(self.start_iteration + 1, t.train_iters + 1):
             logs = self._logs_at(iteration)
             step_start = time.time()
             loss, grad_norm, skipped = self.train_step(iteration, sample_memory=logs)

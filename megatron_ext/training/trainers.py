@@ -74,6 +74,22 @@ class Trainer(abc.ABC):
     def model_state_dict(self) -> dict:
         """The model's weights for a checkpoint, in the parameters' dtype whatever the stage."""
 
+    @abc.abstractmethod
+    def checkpoint_state(self) -> dict:
+        """What torch.distributed.checkpoint saves and loads in place (model, and the optimizer
+        where its state is in DCP's terms); also the template a load fills."""
+
+    @abc.abstractmethod
+    def load_checkpoint_state(self, state: dict) -> None:
+        """Apply a loaded :meth:`checkpoint_state`."""
+
+    def rank_local_state(self) -> dict | None:
+        """Optimizer state that only this rank can load (saved as its own file), or None."""
+        return None
+
+    def load_rank_local_state(self, state: dict) -> None:
+        raise NotImplementedError
+
     def release_unsharded(self) -> None:
         """Free parameters gathered for a forward with no backward (evaluation)."""
 
@@ -131,6 +147,28 @@ class CpuTrainer(Trainer):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return get_model_state_dict(self.module)
+
+    def checkpoint_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if self.stage == ZeroStage.OPTIMIZER:  # ZeroRedundancyOptimizer: a rank-local partition
+            return {"model": self.model_state_dict()}
+        model, optimizer = get_state_dict(self.module, self.optimizer)
+        return {"model": model, "optimizer": optimizer}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if self.stage == ZeroStage.OPTIMIZER:
+            set_model_state_dict(self.module, state["model"])
+        else:
+            set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    def rank_local_state(self) -> dict | None:
+        return self.optimizer.optim.state_dict() if self.stage == ZeroStage.OPTIMIZER else None
+
+    def load_rank_local_state(self, state: dict) -> None:
+        self.optimizer.optim.load_state_dict(state)
 
     def release_unsharded(self) -> None:
         if self.fsdp_sharded_bytes:
@@ -224,6 +262,18 @@ class CudaTrainer(Trainer):
 
             preprocess_state_dict_for_uneven_dtensor(state)
         return state
+
+    def checkpoint_state(self) -> dict:
+        return {"model": self.model_state_dict()}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"], strict=False)
+
+    def rank_local_state(self) -> dict | None:
+        return self.optimizer.state_dict()
+
+    def load_rank_local_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
 
     def memory_values(self) -> list[int]:
         return [torch.cuda.max_memory_allocated()]

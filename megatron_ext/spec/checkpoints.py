@@ -1,0 +1,90 @@
+"""Which checkpoint a run would resume from: the ``latest`` markers of both engines.
+
+    python -c "from megatron_ext.spec.checkpoints import latest_iteration; print(latest_iteration('artifacts/runs/demo/checkpoints'))"
+
+This project's program writes ``<checkpoints>/iter_NNNNNNN/`` (one shard per rank plus
+``meta.json``) and then, last and atomically, ``<checkpoints>/latest`` naming that directory, so a
+crash during a save leaves the previous checkpoint as the latest. Megatron-LM writes
+``latest_checkpointed_iteration.txt`` into ``--save``. Pure apart from reading those files.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_ext.spec.errors import UserError
+
+LATEST = "latest"
+MEGATRON_LM_LATEST = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """``meta.json`` of a checkpoint: what resuming needs to know before loading it."""
+
+    iteration: int
+    consumed_samples: int
+    world_size: int
+    zero_stage: int
+    global_batch_size: int
+    device: str
+    """cpu or cuda: the checkpoint's layout differs."""
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, indent=1)
+
+
+def latest_iteration(checkpoints_dir: Path | str) -> int | None:
+    """The iteration the latest complete checkpoint holds (either engine), or None."""
+    checkpoints_dir = Path(checkpoints_dir)
+    marker = checkpoints_dir / LATEST
+    if marker.is_file():
+        name = marker.read_text().strip()
+        if name.startswith("iter_") and (checkpoints_dir / name / "meta.json").is_file():
+            return int(name[len("iter_"):])
+    megatron = checkpoints_dir / MEGATRON_LM_LATEST
+    if megatron.is_file():
+        text = megatron.read_text().strip()
+        return int(text) if text.isdigit() else None
+    return None
+
+
+def read_meta(checkpoints_dir: Path, iteration: int) -> CheckpointMeta:
+    return CheckpointMeta(**json.loads((checkpoints_dir / iteration_dir_name(iteration) / "meta.json").read_text()))
+
+
+def check_resumable(meta: CheckpointMeta, world_size: int, zero_stage: int, global_batch_size: int, device: str,
+                    checkpoints_dir: Path) -> str | None:
+    """A note when the checkpoint loads at another data-parallel size, None when it loads as saved;
+    a UserError when it cannot be resumed exactly (saying why and what to do)."""
+    fresh = f"for a fresh start, use another RUN name or remove {checkpoints_dir}"
+    if meta.zero_stage != zero_stage:
+        raise UserError(
+            f"the checkpoint at iteration {meta.iteration} ({checkpoints_dir}) was saved under ZERO_STAGE={meta.zero_stage}; "
+            f"resume it with ZERO_STAGE={meta.zero_stage} (the optimizer state's layout differs per stage), or {fresh}"
+        )
+    if meta.global_batch_size != global_batch_size:
+        raise UserError(
+            f"the checkpoint at iteration {meta.iteration} was trained with global batch {meta.global_batch_size}, this "
+            f"start would use {global_batch_size} (the data position and schedule would not continue exactly); resume "
+            f"with the same global batch (at another world size, give global_batch_size in the data set), or {fresh}"
+        )
+    if meta.device != device:
+        raise UserError(f"the checkpoint at iteration {meta.iteration} was saved on {meta.device}, this start runs on "
+                        f"{device}; resume it on {meta.device}, or {fresh}")
+    if meta.world_size == world_size:
+        return None
+    if device == "cuda" or zero_stage == 1:
+        layout = "megatron-core optimizer state per rank" if device == "cuda" else "ZeroRedundancyOptimizer partitions"
+        raise UserError(
+            f"the checkpoint at iteration {meta.iteration} holds {layout} of {meta.world_size} ranks, which cannot be "
+            f"resharded to {world_size} ranks; resume with {meta.world_size} ranks, or {fresh}"
+        )
+    return (f"resharding the checkpoint of {meta.world_size} ranks to {world_size} (torch.distributed.checkpoint); "
+            f"the data continues at sample {meta.consumed_samples}")

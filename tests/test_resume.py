@@ -1,0 +1,141 @@
+"""Checkpoints and exact resume, through the start and stop scripts (one node, 2 CPU processes):
+a run stopped after a checkpoint and started again gives the same lm loss at every iteration as a
+run that was never stopped, under every ZeRO stage; a crash during a save leaves the previous
+checkpoint as the one resumed; another data-parallel size is resharded (stage 3) or refused with
+the reason (stage 1), before anything starts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from megatron_ext.spec.checkpoints import latest_iteration
+from megatron_ext.spec.iteration_log import parse_log
+
+from conftest import clean_env, free_port, run_script, tagged_pids, wait_for
+
+ITERS = 30
+SAVE_EVERY = 5
+
+
+def write_resume_data_set(path) -> str:
+    """gpt_smoke-sized schedule with checkpoints; a fixed global batch, so another data-parallel
+    size can resume it."""
+    path.write_text(
+        "data:\n  source: embedded\n  split: \"95,5,0\"\n  tokenizer: {type: sentencepiece, vocab_size: 2048}\n"
+        f"training:\n  seq_length: 128\n  micro_batch_size: 4\n  global_batch_size: 16\n  train_iters: {ITERS}\n"
+        f"  lr: 3.0e-3\n  min_lr: 3.0e-4\n  lr_warmup_iters: 3\n  weight_decay: 0.01\n  eval_iters: 0\n"
+        f"  save_interval: {SAVE_EVERY}\n  keep_checkpoints: 2\n"
+    )
+    return str(path)
+
+
+def losses_from_log(log) -> dict[int, float]:
+    """lm loss per iteration from a node log; a resumed run's later lines win."""
+    records, skipped = parse_log(log.read_text(errors="replace"))
+    assert skipped == 0
+    return {r.iteration: r.lm_loss for r in records}
+
+
+@pytest.fixture(scope="module")
+def resume_env(artifact_root):
+    return clean_env(ARTIFACT_ROOT=str(artifact_root), NPROC_PER_NODE="2")
+
+
+@pytest.fixture(scope="module")
+def reference(resume_env, artifact_root, tmp_path_factory):
+    """The run never stopped (stage 0: every stage gives the same loss, tests/test_training.py)."""
+    data = write_resume_data_set(tmp_path_factory.mktemp("resume") / "resume.yaml")
+    env = {**resume_env, "MASTER_PORT": str(free_port())}
+    assert run_script("start_training.sh", "gpt_smoke", data, "resume_ref", env=env).returncode == 0
+    wait_for(lambda: not tagged_pids("resume_ref"), 300, what="the reference run to finish")
+    losses = losses_from_log(artifact_root / "logs" / "resume_ref_node0.log")
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    return data, losses
+
+
+def stop_after_a_checkpoint(run: str, data: str, env: dict, root) -> int:
+    """Start ``run``, stop it once a checkpoint exists (before the end); the checkpoint's iteration."""
+    start = run_script("start_training.sh", "gpt_smoke", data, run, env=env)
+    assert start.returncode == 0, start.stdout + start.stderr
+    checkpoints = root / "runs" / run / "checkpoints"
+    wait_for(lambda: latest_iteration(checkpoints), 240, interval_s=0.2, what="a first checkpoint")
+    stop = run_script("stop_training.sh", run, env=env)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert tagged_pids(run) == []
+    saved = latest_iteration(checkpoints)
+    assert saved is not None and saved < ITERS, f"stopped too late: checkpoint {saved}"
+    return saved
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_stop_and_start_again_resumes_exactly(stage, reference, resume_env, artifact_root):
+    data, expected = reference
+    run = f"resume_z{stage}"
+    env = {**resume_env, "MASTER_PORT": str(free_port()), "ZERO_STAGE": str(stage)}
+    saved = stop_after_a_checkpoint(run, data, env, artifact_root)
+    again = run_script("start_training.sh", "gpt_smoke", data, run, env=env)
+    assert again.returncode == 0 and f"resuming from iteration {saved}" in again.stdout, again.stdout + again.stderr
+    wait_for(lambda: not tagged_pids(run), 300, what="the resumed run to finish")
+    log = artifact_root / "logs" / f"{run}_node0.log"
+    assert f"resuming from iteration {saved} (" in log.read_text()
+    losses = losses_from_log(log)
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    for it in range(1, ITERS + 1):
+        assert abs(losses[it] - expected[it]) <= 1e-6 * abs(expected[it]), (stage, it, losses[it], expected[it])
+    # Metrics continue after the checkpoint instead of starting anew.
+    metrics = [json.loads(l)["iteration"] for l in (artifact_root / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+    assert metrics == list(range(1, ITERS + 1))
+    kept = sorted(p.name for p in (artifact_root / "runs" / run / "checkpoints").glob("iter_*"))
+    assert len(kept) == 2 and kept[-1] == f"iter_{ITERS:07d}"  # keep_checkpoints: 2
+
+
+def test_a_crash_during_a_save_resumes_from_the_previous_checkpoint(reference, resume_env, artifact_root):
+    """What a process killed in the middle of a save leaves behind: the next iteration's directory
+    with some shards and no meta.json, and a half-written marker beside ``latest``. The next start
+    resumes from the checkpoint ``latest`` names, and overwrites the broken one when it gets there."""
+    data, expected = reference
+    run = "resume_crash"
+    env = {**resume_env, "MASTER_PORT": str(free_port())}
+    saved = stop_after_a_checkpoint(run, data, env, artifact_root)
+    checkpoints = artifact_root / "runs" / run / "checkpoints"
+    broken = checkpoints / f"iter_{saved + SAVE_EVERY:07d}"
+    shutil.rmtree(broken, ignore_errors=True)
+    shutil.copytree(checkpoints / f"iter_{saved:07d}", broken)
+    (broken / "meta.json").unlink()
+    next(broken.glob("*.distcp")).write_bytes(b"torn")
+    (checkpoints / ".latest.tmp").write_text(broken.name[:6])
+    assert latest_iteration(checkpoints) == saved
+    again = run_script("start_training.sh", "gpt_smoke", data, run, env=env)
+    assert again.returncode == 0 and f"resuming from iteration {saved}" in again.stdout
+    wait_for(lambda: not tagged_pids(run), 300, what="the resumed run to finish")
+    losses = losses_from_log(artifact_root / "logs" / f"{run}_node0.log")
+    assert all(abs(losses[it] - expected[it]) <= 1e-6 * abs(expected[it]) for it in range(1, ITERS + 1))
+
+
+def test_another_data_parallel_size_reshards_stage_3_and_refuses_stage_1(reference, resume_env, artifact_root):
+    data, expected = reference
+    for stage, run in ((3, "reshard_z3"), (1, "reshard_z1")):
+        env = {**resume_env, "MASTER_PORT": str(free_port()), "ZERO_STAGE": str(stage)}
+        saved = stop_after_a_checkpoint(run, data, env, artifact_root)
+        wider = {**env, "NPROC_PER_NODE": "4"}
+        again = run_script("start_training.sh", "gpt_smoke", data, run, env=wider)
+        if stage == 1:
+            assert again.returncode == 2 and tagged_pids(run) == []
+            assert (f"holds ZeroRedundancyOptimizer partitions of 2 ranks, which cannot be resharded to 4 ranks; "
+                    f"resume with 2 ranks") in again.stderr and again.stderr.count("error:") == 1
+            continue
+        assert again.returncode == 0, again.stderr
+        assert "note: resharding the checkpoint of 2 ranks to 4" in again.stderr
+        assert f"resuming from iteration {saved}" in again.stdout
+        wait_for(lambda: not tagged_pids(run), 400, what="the resharded run to finish")
+        log = (artifact_root / "logs" / f"{run}_node0.log").read_text()
+        assert "resharding the checkpoint of 2 ranks to 4" in log
+        losses = losses_from_log(artifact_root / "logs" / f"{run}_node0.log")
+        assert sorted(losses) == list(range(1, ITERS + 1))
+        # The same model, optimizer state and samples: the loss continues where it was, within
+        # float reassociation (4 ranks sum the gradients in another order than 2).
+        for it in range(saved + 1, ITERS + 1):
+            assert abs(losses[it] - expected[it]) <= 1e-3 * abs(expected[it]), (it, losses[it], expected[it])
