@@ -107,7 +107,9 @@ def cmd_start(args, launch: LaunchEnv) -> int:
             if not c.ok:
                 print(f"  {c.describe_failure()}", file=sys.stderr)
         return EXIT_USER_ERROR if all(c.returncode in (0, EXIT_USER_ERROR) for c in checks) else EXIT_NODE_FAILED
-    write_resolved(RunPaths(launch.artifact_root, args.run).params_path, plan.resolved)
+    paths = RunPaths(launch.artifact_root, args.run)
+    write_resolved(paths.params_path, plan.resolved)
+    paths.failure_file.unlink(missing_ok=True)  # a new start begins without the last one's failure
     by_rank = {p.node_rank: p for p in plan.nodes}
     results = _on_nodes(launch, nodes, lambda rank, host: ["node-start", "--plan", by_rank[rank].to_json()])
     ok = _report(results, lambda r: f"[node{r.node_rank} {r.host}] started torchrun pid {r.payload['pid']}; log {r.payload['log']}")
@@ -158,7 +160,7 @@ def cmd_status(args, launch: LaunchEnv) -> int:
         for r in results:
             print(json.dumps(r.payload if r.ok else {"node_rank": r.node_rank, "host": r.host, "error": r.describe_failure()}))
         return EXIT_OK if all(r.ok for r in results) else EXIT_NODE_FAILED
-    print(f"{'node':<5} {'host':<16} {'alive':<6} {'pid':>8} {'iteration':>11} {'tokens/s':>10}  last log line")
+    print(f"{'node':<5} {'host':<16} {'state':<11} {'pid':>8} {'iteration':>11} {'tokens/s':>10}  last log line")
     for r in results:
         if not r.ok:
             print(r.describe_failure())
@@ -166,7 +168,10 @@ def cmd_status(args, launch: LaunchEnv) -> int:
         p = r.payload
         it = f"{p['last_iteration']}/{p['train_iters']}" if p["last_iteration"] is not None else "-"
         tps = f"{p['tokens_per_s']:,.0f}" if p["tokens_per_s"] is not None else "-"
-        print(f"{p['node_rank']:<5} {p['host']:<16} {'yes' if p['alive'] else 'no':<6} {p['pid'] or '-':>8} {it:>11} {tps:>10}  {p['last_line']}")
+        print(f"{p['node_rank']:<5} {p['host']:<16} {p['state']:<11} {p['pid'] or '-':>8} {it:>11} {tps:>10}  {p['last_line']}")
+    failure = next((r.payload["run_failure"] for r in results if r.ok and r.payload["run_failure"]), None)
+    if failure:
+        print(f"run failed: {failure} (details: {RunPaths(launch.artifact_root, args.run).failure_file})")
     return EXIT_OK if all(r.ok for r in results) else EXIT_NODE_FAILED
 
 
@@ -201,7 +206,7 @@ def cmd_compare(args, launch: LaunchEnv) -> int:
 def cmd_node(args) -> int:
     try:
         if args.command == "node-start":
-            payload = node.node_start(NodePlan.from_json(args.plan), os.environ)
+            payload = node.node_start(NodePlan.from_json(args.plan), os.environ, sys.executable)
         else:
             check_run_name(args.run)
             paths = RunPaths(args.artifact_root, args.run)
@@ -243,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("runs", nargs="+")
     node_start = sub.add_parser("node-start", help=argparse.SUPPRESS)
     node_start.add_argument("--plan", required=True, help="this node's NodePlan as JSON")
+    supervise = sub.add_parser("node-supervise", help=argparse.SUPPRESS)
+    supervise.add_argument("--plan-file", required=True)
     for name in ("node-check", "node-stop", "node-status"):
         p = sub.add_parser(name, help=argparse.SUPPRESS)
         p.add_argument("run")
@@ -263,6 +270,10 @@ COMMANDS = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "train":
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "node-supervise":
+        from orchestration.supervisor import main as supervise
+
+        return supervise(["--plan-file", args.plan_file])
     if args.command.startswith("node-"):
         return cmd_node(args)
     try:

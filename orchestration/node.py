@@ -20,6 +20,7 @@ from megatron_ext.spec.iteration_log import parse_log
 from megatron_ext.spec.run_paths import RunPaths
 from orchestration import processes
 from orchestration.plan import NodePlan
+from orchestration.supervisor import read_exit
 
 START_SETTLE_S = 1.5
 """How long node-start watches torchrun before reporting it started (catches instant failures)."""
@@ -51,22 +52,33 @@ def node_check(paths: RunPaths, node_rank: int, host: str, master_port: int | No
     return {"node_rank": node_rank, "host": host, "ok": True}
 
 
-def node_start(plan: NodePlan, node_env: Mapping[str, str]) -> dict:
-    """Start the plan's torchrun detached, exactly as planned, and record it."""
+def node_start(plan: NodePlan, node_env: Mapping[str, str], python: str) -> dict:
+    """Start the node's supervisor detached, which starts the plan's torchrun exactly as planned and
+    records it (see orchestration/supervisor.py); report once it runs."""
+    paths = RunPaths(Path(plan.env["ARTIFACT_ROOT"]), plan.run)
     pid_path, log_path = Path(plan.pid_path), Path(plan.log_path)
     refuse_if_running(pid_path, plan.run, plan.node_rank)
-    proc = processes.start_detached(plan.argv, plan.process_environment(node_env), plan.cwd, log_path)
-    record = processes.new_record(plan.run, plan.run_id, plan.node_rank, plan.host, proc, plan.argv, log_path)
-    processes.write_pid_file(pid_path, record)
+    for stale in (paths.node_exit_file(plan.node_rank), paths.node_heartbeat_file(plan.node_rank), pid_path):
+        stale.unlink(missing_ok=True)
+    plan_file = paths.node_plan_file(plan.node_rank)
+    plan_file.parent.mkdir(parents=True, exist_ok=True)
+    plan_file.write_text(plan.to_json())
+    supervisor = processes.start_detached([python, "-m", "orchestration", "node-supervise", "--plan-file", str(plan_file)],
+                                          plan.process_environment(node_env), plan.cwd, log_path)
     deadline = time.monotonic() + START_SETTLE_S
-    while time.monotonic() < deadline:
-        code = proc.poll()
-        if code is not None:
+    record = None
+    while time.monotonic() < deadline or record is None:
+        record = record or processes.read_pid_file(pid_path)
+        ended = read_exit(paths.node_exit_file(plan.node_rank))
+        if supervisor.poll() is not None or (ended and ended.state == "failed"):
             processes.stop_run(plan.run, plan.node_rank, plan.host, pid_path, grace_s=1.0)
-            raise NodeError(f"torchrun exited with code {code} at start; last log lines:\n{tail(log_path, 15)}")
+            why = ended.reason if ended else f"its supervisor exited with code {supervisor.returncode}"
+            raise NodeError(f"the run ended at start ({why}); last log lines:\n{tail(log_path, 15)}")
+        if record is None and time.monotonic() > deadline + 30:
+            raise NodeError(f"torchrun did not start within {START_SETTLE_S + 30:.0f}s; see {log_path}")
         time.sleep(0.1)
     return {"node_rank": plan.node_rank, "host": plan.host, "pid": record.pid, "pgid": record.pgid,
-            "log": str(log_path), "run_id": plan.run_id}
+            "supervisor_pid": supervisor.pid, "log": str(log_path), "run_id": plan.run_id}
 
 
 def node_stop(paths: RunPaths, node_rank: int, host: str, grace_s: float) -> dict:
@@ -91,6 +103,9 @@ def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | No
     with the one iteration-line parser; ``seq_length`` turns step time into tokens/s."""
     record = processes.read_pid_file(paths.node_pid_file(node_rank))
     alive = bool(record and processes.record_is_alive(record))
+    ended = read_exit(paths.node_exit_file(node_rank))
+    state = "running" if alive else ended.state if ended else "stopped" if paths.node_log(node_rank).exists() else "not started"
+    failure = paths.failure_file.read_text().splitlines()[0] if paths.failure_file.is_file() else None
     text = tail(paths.node_log(node_rank), 200)
     records, _ = parse_log(text, seq_length)
     last = records[-1] if records else None
@@ -99,6 +114,9 @@ def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | No
         "node_rank": node_rank,
         "host": host,
         "alive": alive,
+        "state": state,
+        "exit": ended.reason if ended else None,
+        "run_failure": failure,
         "pid": record.pid if record else None,
         "last_iteration": last.iteration if last else None,
         "train_iters": last.train_iters if last else None,

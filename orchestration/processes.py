@@ -41,6 +41,8 @@ class PidRecord:
     argv: list[str]
     log_path: str
     started_at: float
+    supervisor_pid: int | None = None
+    """The node's supervisor (orchestration/supervisor.py), torchrun's parent in the same process group."""
 
 
 def write_pid_file(path: Path, record: PidRecord) -> None:
@@ -112,11 +114,12 @@ def start_detached(argv: Sequence[str], env: dict[str, str], cwd: str, log_path:
         )
 
 
-def new_record(run: str, run_id: str, node_rank: int, host: str, proc: subprocess.Popen, argv: Sequence[str], log_path: Path) -> PidRecord:
+def new_record(run: str, run_id: str, node_rank: int, host: str, proc: subprocess.Popen, argv: Sequence[str],
+               log_path: Path, supervisor_pid: int | None = None) -> PidRecord:
     return PidRecord(
         run=run, run_id=run_id, node_rank=node_rank, host=host, hostname=socket.gethostname(),
         pid=proc.pid, pgid=os.getpgid(proc.pid), start_time=process_start_time(proc.pid) or 0,
-        argv=list(argv), log_path=str(log_path), started_at=time.time(),
+        argv=list(argv), log_path=str(log_path), started_at=time.time(), supervisor_pid=supervisor_pid,
     )
 
 
@@ -152,15 +155,20 @@ class StopResult:
         return not self.left
 
 
-def stop_run(run: str, node_rank: int, host: str, pid_path: Path, grace_s: float = DEFAULT_STOP_GRACE_S) -> StopResult:
-    """SIGTERM the recorded group, wait, then SIGTERM/SIGKILL every process still tagged."""
+def stop_run(run: str, node_rank: int, host: str, pid_path: Path, grace_s: float = DEFAULT_STOP_GRACE_S,
+             signal_group: bool = True) -> StopResult:
+    """SIGTERM the recorded group (or, from the node's own supervisor, torchrun alone), wait, then
+    SIGTERM/SIGKILL every process still tagged (never the caller)."""
     record = read_pid_file(pid_path)
     alive = record is not None and record_is_alive(record)
     group = None
     if alive:
         try:
-            os.killpg(record.pgid, signal.SIGTERM)
-            group = record.pgid
+            if signal_group:
+                os.killpg(record.pgid, signal.SIGTERM)
+                group = record.pgid
+            else:
+                os.kill(record.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
     left = _wait_until_gone(run, node_rank, grace_s if alive else 0.0)

@@ -76,7 +76,9 @@ def test_two_nodes_over_ssh_train_and_match_one_node(cluster_env, artifact_root,
     assert proc.returncode == 0, proc.stderr[-2000:]
     for a, b in zip(multi, single, strict=True):
         assert abs(a["lm_loss"] - b["lm_loss"]) / b["lm_loss"] <= 1e-5, (a["iteration"], a["lm_loss"], b["lm_loss"])
-    # A run that ended on its own stops cleanly.
+    # A run that ended on its own shows as finished on every node, and stops cleanly.
+    status = run_script("status_training.sh", "mn_short", "--json", env=cluster_env)
+    assert [json.loads(l)["state"] for l in status.stdout.splitlines()] == ["finished", "finished"], status.stdout
     stop = run_script("stop_multinode_training.sh", "mn_short", env=cluster_env)
     assert stop.returncode == 0 and stop.stdout.count("not running") == 2, stop.stdout + stop.stderr
 
@@ -114,6 +116,36 @@ def test_ssh_disconnect_does_not_stop_and_stop_spares_the_other_run(cluster, clu
         run_script("stop_multinode_training.sh", "mn_other", env=other_env)
         run_script("stop_multinode_training.sh", "mn_long", env=cluster_env)
     assert tagged_pids("mn_other") == []
+
+
+def test_a_worker_killed_on_node_1_stops_both_nodes(cluster_env, artifact_root, tmp_path):
+    """SIGKILL one worker on node 1 of a 2 x 2 run: torchrun on node 1 tears its workers down and
+    exits non-zero, node 1's supervisor writes the failure file, node 0's supervisor stops node 0."""
+    from orchestration.processes import process_environ
+
+    data = write_data_set(tmp_path / "long.yaml", train_iters=5000)
+    run = "mn_fail"
+    env = {**cluster_env, "MASTER_PORT": "29653"}
+    try:
+        assert run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=env).returncode == 0
+        wait_for(lambda: last_iteration(artifact_root / "logs" / f"{run}_node1.log") >= 2, 240, what="node 1 to train")
+        workers = [p for p in tagged_pids(run)
+                   if process_environ(p).get("LAUNCHER_NODE_RANK") == "1" and "LOCAL_RANK" in process_environ(p)]
+        assert len(workers) == 2, workers
+        killed_at = time.monotonic()
+        os.kill(workers[1], 9)
+        wait_for(lambda: not tagged_pids(run), 30, interval_s=0.2, what="every process of the run on both nodes to end")
+        assert time.monotonic() - killed_at <= 30
+        failure = (artifact_root / "run_state" / f"{run}_failure.txt").read_text()
+        assert failure.startswith("node 1 (node1) failed: torchrun exit code 1; rank 3"), failure
+        assert "last lines of node 1's log" in failure
+        status = run_script("status_training.sh", run, "--json", env=env)
+        states = [json.loads(l)["state"] for l in status.stdout.splitlines()]
+        assert states == ["stopped", "failed"], status.stdout
+        assert "run failed: node 1 (node1) failed" in run_script("status_training.sh", run, env=env).stdout
+    finally:
+        run_script("stop_multinode_training.sh", run, env=env)
+    assert tagged_pids(run) == []
 
 
 def _start_fails(env, run, message, args=("gpt_smoke", "smoke")):

@@ -7,6 +7,8 @@ Layout (``RunPaths``)::
     $ARTIFACT_ROOT/logs/<run>_node<N>.log       every rank's output on node N
     $ARTIFACT_ROOT/logs/<run>_params.yaml       resolved parameters of the run
     $ARTIFACT_ROOT/run_state/<run>_node<N>.pid  what stop needs (JSON)
+    $ARTIFACT_ROOT/run_state/<run>_node<N>.{plan.json,exit.json,heartbeat}  the node's supervisor
+    $ARTIFACT_ROOT/run_state/<run>_failure.txt  the run's first failure
     $ARTIFACT_ROOT/runs/<run>/metrics.jsonl     one record per iteration
     $ARTIFACT_ROOT/runs/<run>/checkpoints/      torch.distributed.checkpoint directories
     $ARTIFACT_ROOT/data_cache/                  prepared corpora and dataset index caches
@@ -85,3 +87,20 @@ class RunPaths:
 
     def node_pid_file(self, node_rank: int) -> Path:
         return self.run_state_dir / f"{self.run}_node{node_rank}.pid"
+
+    def node_plan_file(self, node_rank: int) -> Path:
+        """The node's plan, as its supervisor reads it."""
+        return self.run_state_dir / f"{self.run}_node{node_rank}.plan.json"
+
+    def node_exit_file(self, node_rank: int) -> Path:
+        """How the node's run ended: finished, failed or stopped (JSON, written by its supervisor)."""
+        return self.run_state_dir / f"{self.run}_node{node_rank}.exit.json"
+
+    def node_heartbeat_file(self, node_rank: int) -> Path:
+        """Touched by the node's supervisor every few seconds while the run lives."""
+        return self.run_state_dir / f"{self.run}_node{node_rank}.heartbeat"
+
+    @property
+    def failure_file(self) -> Path:
+        """The first failure of the run: node, rank, exit code or signal, the node log's last lines."""
+        return self.run_state_dir / f"{self.run}_failure.txt"
