@@ -31,8 +31,9 @@ from megatron_ext.spec.run_paths import RunPaths, check_run_name
 from orchestration import node
 from orchestration.engines import plan_program
 from orchestration.fanout import DEFAULT_NODE_TIMEOUT_S, NodeResult, fan_out
-from orchestration.launch_env import LaunchEnv, read_launch_env, visible_gpu_count
-from orchestration.plan import NodePlan, StartPlan, build_start_plan, orchestration_argv
+from orchestration.launch_env import SOCKET_IFNAME_VARIABLES, LaunchEnv, read_launch_env, visible_gpu_count
+from orchestration.plan import NodePlan, StartPlan, build_start_plan, orchestration_argv, rebuild_start_plan
+from orchestration.preflight import NodeReport, cluster_problems, format_problems
 from orchestration.processes import DEFAULT_STOP_GRACE_S
 
 
@@ -44,6 +45,15 @@ def _nodes(launch: LaunchEnv, this_node: bool) -> list[tuple[int, str]]:
     if this_node:
         return [(launch.node_rank, "localhost")]
     return list(enumerate(launch.hosts))
+
+
+def _run_nodes(launch: LaunchEnv, run: str, this_node: bool) -> list[tuple[int, str]]:
+    """The nodes a run lives on: HOSTS/HOSTFILE when given, else the hosts its start recorded."""
+    if not this_node and not launch.hosts_explicit:
+        resolved = read_resolved(RunPaths(launch.artifact_root, run).params_path)
+        if resolved is not None:
+            return list(enumerate(resolved.runtime.hosts))
+    return _nodes(launch, this_node)
 
 
 def plan_start(launch: LaunchEnv, model: str, data: str, run: str, nodes: Sequence[tuple[int, str]],
@@ -91,22 +101,71 @@ def _report(results: Sequence[NodeResult], describe) -> bool:
 
 # -- user commands ------------------------------------------------------------------------------
 
+def run_preflight(launch: LaunchEnv, plan: StartPlan, nodes: Sequence[tuple[int, str]]):
+    """Every check on every node in parallel (orchestration/preflight.py): (reports, problem lines,
+    whether every node answered)."""
+    params = plan.resolved.params
+    required = [*params.data.paths, *([params.data.tokenizer.model_path] if params.data.tokenizer.model_path else [])]
+    paths = RunPaths(launch.artifact_root, plan.run)
+    token = paths.run_state_dir / f".preflight-{plan.run_id}"
+    token.parent.mkdir(parents=True, exist_ok=True)
+    token.write_text(plan.run_id)
+    try:
+        def check(rank: int, host: str) -> list[str]:
+            argv = _node_args("node-check", plan.run, launch)(rank, host) + [
+                "--master-addr", launch.master_addr, "--nproc-per-node", str(launch.nproc_per_node),
+                "--shared-token", str(token)]
+            if launch.master_port_explicit or rank != 0:
+                argv += ["--master-port", str(launch.master_port)]
+            return argv + [a for p in required for a in ("--require-path", p)]
+
+        results = _on_nodes(launch, nodes, check)
+    finally:
+        token.unlink(missing_ok=True)
+    reports = [NodeReport(**r.payload) for r in results if r.ok and "problems" in r.payload]
+    problems = cluster_problems(reports)
+    problems += [(r.node_rank, r.host, r.payload["error"] if r.payload and "error" in r.payload else r.describe_failure())
+                 for r in results if not (r.ok and "problems" in r.payload)]
+    return reports, sorted(problems), all(r.returncode in (0, EXIT_USER_ERROR) for r in results)
+
+
+def settle_after_preflight(launch: LaunchEnv, plan: StartPlan, reports) -> tuple[LaunchEnv, StartPlan, list[str]]:
+    """The port node 0 picked (MASTER_PORT unset) and each node's interface to MASTER_ADDR (socket
+    variables unset), applied to the plan; the notes that say so."""
+    notes = []
+    node0 = next((r for r in reports if r.node_rank == 0), None)
+    if not launch.master_port_explicit and node0 and node0.free_port:
+        launch = dataclasses.replace(launch, master_port=node0.free_port)
+        notes.append(f"MASTER_PORT is not set: using {node0.free_port}, the first free port from 6000 on node 0")
+    unset = [v for v in SOCKET_IFNAME_VARIABLES if v not in launch.forwarded] if launch.nnodes > 1 else []
+    node_env = {}
+    if unset:
+        node_env = {r.node_rank: {v: r.interface for v in unset} for r in reports if r.interface}
+        if node_env:
+            where = ", ".join(f"node{r.node_rank} {r.interface}" for r in reports if r.interface)
+            notes.append(f"{' and '.join(unset)} not set: using the interface that routes to MASTER_ADDR on each node ({where})")
+    return launch, rebuild_start_plan(launch, plan, node_env), notes
+
+
 def cmd_start(args, launch: LaunchEnv) -> int:
     nodes = _nodes(launch, args.this_node)
     plan = plan_start(launch, args.model, args.data, args.run, nodes, prepare=not launch.dry_run)
     if launch.dry_run:
+        if not launch.master_port_explicit:
+            print(f"note: MASTER_PORT is not set: a start takes the first free port from 6000 on node 0 (the dry run "
+                  f"shows {launch.master_port}), and the interface that routes to MASTER_ADDR on each node when "
+                  f"{' / '.join(SOCKET_IFNAME_VARIABLES)} are unset", file=sys.stderr)
         for node_plan in plan.nodes:
             print(node_plan.to_json(), flush=True)
         return EXIT_OK
-    port_check = lambda rank, host: (  # noqa: E731
-        _node_args("node-check", args.run, launch)(rank, host) + (["--master-port", str(launch.master_port)] if rank == 0 else []))
-    checks = _on_nodes(launch, nodes, port_check)
-    if not all(c.ok for c in checks):
-        print("error: preflight failed; nothing was started:", file=sys.stderr)
-        for c in checks:
-            if not c.ok:
-                print(f"  {c.describe_failure()}", file=sys.stderr)
-        return EXIT_USER_ERROR if all(c.returncode in (0, EXIT_USER_ERROR) for c in checks) else EXIT_NODE_FAILED
+    reports, problems, answered = run_preflight(launch, plan, nodes)
+    if problems:
+        print(f"error: preflight found {len(problems)} problem(s); nothing was started:\n{format_problems(problems)}",
+              file=sys.stderr)
+        return EXIT_USER_ERROR if answered else EXIT_NODE_FAILED
+    launch, plan, notes = settle_after_preflight(launch, plan, reports)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr, flush=True)
     paths = RunPaths(launch.artifact_root, args.run)
     write_resolved(paths.params_path, plan.resolved)
     paths.failure_file.unlink(missing_ok=True)  # a new start begins without the last one's failure
@@ -120,21 +179,36 @@ def cmd_start(args, launch: LaunchEnv) -> int:
             _on_nodes(launch, started, _node_args("node-stop", args.run, launch))
         return EXIT_NODE_FAILED
     t = plan.resolved.params.training
-    checkpoints = RunPaths(launch.artifact_root, args.run).checkpoints_dir
     resume = (f"resuming from iteration {plan.resume_from} (for a fresh start use another RUN name or remove "
-              f"{checkpoints})" if plan.resume_from is not None else "fresh start")
+              f"{paths.checkpoints_dir})" if plan.resume_from is not None else "fresh start")
     print(
         f"run {args.run} started: {len(nodes)} node(s) x {launch.nproc_per_node} processes, world size "
         f"{launch.world_size}, ZERO_STAGE={t.zero_stage}, engine {t.engine}, {plan.geometry.describe()}, "
-        f"{resume}, collective timeout {COLLECTIVE_TIMEOUT_S[launch.device]} s; status: status_training.sh {args.run}; "
-        f"stop: {'stop_training.sh' if args.this_node else 'stop_multinode_training.sh'} {args.run}",
+        f"{resume}, MASTER_PORT {launch.master_port}, collective timeout {COLLECTIVE_TIMEOUT_S[launch.device]} s; "
+        f"status: status_training.sh {args.run}; stop: "
+        f"{'stop_training.sh' if args.this_node else 'stop_multinode_training.sh'} {args.run}",
         flush=True,
     )
     return EXIT_OK
 
 
+def cmd_preflight(args, launch: LaunchEnv) -> int:
+    """The start's checks on every node, on their own: nothing is started."""
+    nodes = _nodes(launch, args.this_node)
+    plan = plan_start(launch, args.model, args.data, args.run, nodes, prepare=False)
+    reports, problems, answered = run_preflight(launch, plan, nodes)
+    if problems:
+        print(format_problems(problems))
+        return EXIT_USER_ERROR if answered else EXIT_NODE_FAILED
+    _, _, notes = settle_after_preflight(launch, plan, reports)
+    for note in notes:
+        print(f"note: {note}")
+    print(f"preflight: no problem on {len(nodes)} node(s)")
+    return EXIT_OK
+
+
 def cmd_stop(args, launch: LaunchEnv) -> int:
-    results = _on_nodes(launch, _nodes(launch, args.this_node),
+    results = _on_nodes(launch, _run_nodes(launch, args.run, args.this_node),
                         _node_args("node-stop", args.run, launch, "--grace-s", str(args.grace_s)),
                         timeout_s=args.grace_s + 60)
 
@@ -155,7 +229,7 @@ def cmd_stop(args, launch: LaunchEnv) -> int:
 def cmd_status(args, launch: LaunchEnv) -> int:
     resolved = read_resolved(RunPaths(launch.artifact_root, args.run).params_path)
     seq = ["--seq-length", str(resolved.params.training.seq_length)] if resolved else []
-    results = _on_nodes(launch, _nodes(launch, args.this_node), _node_args("node-status", args.run, launch, *seq))
+    results = _on_nodes(launch, _run_nodes(launch, args.run, args.this_node), _node_args("node-status", args.run, launch, *seq))
     if args.json:
         for r in results:
             print(json.dumps(r.payload if r.ok else {"node_rank": r.node_rank, "host": r.host, "error": r.describe_failure()}))
@@ -211,7 +285,7 @@ def cmd_node(args) -> int:
             check_run_name(args.run)
             paths = RunPaths(args.artifact_root, args.run)
             if args.command == "node-check":
-                payload = node.node_check(paths, args.node_rank, args.host, args.master_port)
+                payload = node.node_check(paths, args, visible_gpu_count(os.environ))
             elif args.command == "node-stop":
                 payload = node.node_stop(paths, args.node_rank, args.host, args.grace_s)
             else:
@@ -244,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="one JSON object per node")
     train = sub.add_parser("train", help="train in the foreground on this node (torchrun with a fixed node rank)")
     train.add_argument("model"), train.add_argument("data"), train.add_argument("run", nargs="?")
+    preflight = sub.add_parser("preflight", help="the start's checks on every node, nothing started")
+    preflight.add_argument("model"), preflight.add_argument("data"), preflight.add_argument("run")
+    preflight.add_argument("--this-node", action="store_true")
     compare = sub.add_parser("compare", help="side-by-side table of runs: speed, memory, loss")
     compare.add_argument("runs", nargs="+")
     node_start = sub.add_parser("node-start", help=argparse.SUPPRESS)
@@ -257,7 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--host", required=True)
         p.add_argument("--artifact-root", type=Path, required=True)
         if name == "node-check":
-            p.add_argument("--master-port", type=int, help="check this port is free here (node 0)")
+            p.add_argument("--master-addr", required=True)
+            p.add_argument("--master-port", type=int, help="node 0: must be free; others: node 0 must answer there")
+            p.add_argument("--nproc-per-node", type=int, required=True)
+            p.add_argument("--shared-token", type=Path, help="a file node 0 wrote: the artifact root is shared")
+            p.add_argument("--require-path", action="append", default=[], help="a data or tokenizer path the run reads")
         if name == "node-stop":
             p.add_argument("--grace-s", type=float, default=DEFAULT_STOP_GRACE_S)
         if name == "node-status":
@@ -265,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "train": cmd_train, "compare": cmd_compare}
+COMMANDS = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "train": cmd_train, "compare": cmd_compare,
+            "preflight": cmd_preflight}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

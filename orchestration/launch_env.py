@@ -28,6 +28,8 @@ LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 FORWARDED_PREFIXES = ("NCCL_", "GLOO_", "CUDA_", "TORCH_", "PYTHON", "MEGATRON_")
 FORWARDED_NAMES = ("PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "OMP_NUM_THREADS")
+SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""Set per node by the start (the interface that routes to MASTER_ADDR) when not given."""
 _HOST_RE = re.compile(r"^[A-Za-z0-9._:@\[\]-]+$")
 
 
@@ -43,6 +45,10 @@ class LaunchEnv:
     nproc_per_node: int
     master_addr: str
     master_port: int
+    master_port_explicit: bool
+    """MASTER_PORT was given (else node 0 picks the first free port from 6000 at start)."""
+    hosts_explicit: bool
+    """HOSTS or HOSTFILE was given (else stop and status take the run's hosts from its resolved plan)."""
     overrides: RunOverrides
     """ZERO_STAGE and ENGINE (None = the data set's)."""
     artifact_root: Path
@@ -158,6 +164,8 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0) -> LaunchEnv:
         nproc_per_node=nproc,
         master_addr=master_addr,
         master_port=port,
+        master_port_explicit=bool(env.get("MASTER_PORT", "").strip()),
+        hosts_explicit=explicit_hosts,
         overrides=read_overrides(env),
         artifact_root=artifact_root(env),
         megatron_lm_dir=env.get("MEGATRON_LM_DIR", "").strip() or None,

@@ -41,15 +41,15 @@ def refuse_if_running(pid_path: Path, run: str, node_rank: int) -> None:
         )
 
 
-def node_check(paths: RunPaths, node_rank: int, host: str, master_port: int | None) -> dict:
-    """Preflight on this node: not already running, and (node 0) the master port is free."""
-    refuse_if_running(paths.node_pid_file(node_rank), paths.run, node_rank)
-    if master_port is not None and not processes.port_is_free(master_port):
-        raise UserError(
-            f"MASTER_PORT={master_port} is in use on node {node_rank} ({host}); choose a free port, "
-            f"e.g. MASTER_PORT={master_port + 1}"
-        )
-    return {"node_rank": node_rank, "host": host, "ok": True}
+def node_check(paths: RunPaths, args, visible_gpus: int) -> dict:
+    """Preflight on this node (orchestration/preflight.py): the run is not live here, and every
+    other check; the report lists every problem found."""
+    from orchestration.preflight import inspect_node
+
+    refuse_if_running(paths.node_pid_file(args.node_rank), paths.run, args.node_rank)
+    report = inspect_node(args.node_rank, args.host, args.master_addr, args.master_port, args.nproc_per_node,
+                          args.require_path, args.shared_token, paths.run_state_dir, visible_gpus, Path.cwd())
+    return report.to_json()
 
 
 def node_start(plan: NodePlan, node_env: Mapping[str, str], python: str) -> dict:

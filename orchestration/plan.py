@@ -12,6 +12,7 @@ and writes the pid file; ``train`` execs its node's plan in the foreground. Pure
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Sequence
@@ -71,6 +72,9 @@ class StartPlan:
     nodes: tuple[NodePlan, ...] = field(default_factory=tuple)
     resume_from: int | None = None
     """The iteration of the run's latest checkpoint, which the ranks will resume from."""
+    program: ProgramPlan | None = None
+    python: str = ""
+    cwd: str = ""
 
 
 def render_torchrun_argv(launch: LaunchEnv, node_rank: int, python: str, program: Sequence[str]) -> list[str]:
@@ -107,13 +111,16 @@ def node_environment(launch: LaunchEnv, node_rank: int, run: str, run_id: str,
 
 
 def build_start_plan(launch: LaunchEnv, params: RunParams, geometry: BatchGeometry, program: ProgramPlan,
-                     run: str, run_id: str, nodes: Sequence[tuple[int, str]], python: str, cwd: str) -> StartPlan:
+                     run: str, run_id: str, nodes: Sequence[tuple[int, str]], python: str, cwd: str,
+                     node_env: Mapping[int, Mapping[str, str]] | None = None) -> StartPlan:
     """The plan for ``nodes`` ((node rank, host) pairs) of a run of ``params`` (global batch
-    already applied) running ``program``."""
+    already applied) running ``program``; ``node_env`` adds variables per node (e.g. the socket
+    interface preflight found)."""
     paths = RunPaths(launch.artifact_root, run)
     node_plans = []
     for rank, host in nodes:
         env, unset = node_environment(launch, rank, run, run_id, program.env)
+        env.update((node_env or {}).get(rank, {}))
         node_plans.append(NodePlan(
             run=run, run_id=run_id, node_rank=rank, host=host,
             argv=tuple(render_torchrun_argv(launch, rank, python, program.argv)), env=env, unset=unset, cwd=cwd,
@@ -124,7 +131,16 @@ def build_start_plan(launch: LaunchEnv, params: RunParams, geometry: BatchGeomet
         hosts=tuple(launch.hosts), gradient_accumulation_steps=geometry.accumulation_steps,
         program_argv=tuple(program.argv), program_env=dict(program.env),
     )
-    return StartPlan(run, run_id, ResolvedRun(params, runtime), geometry, tuple(node_plans))
+    return StartPlan(run, run_id, ResolvedRun(params, runtime), geometry, tuple(node_plans), program=program,
+                     python=python, cwd=cwd)
+
+
+def rebuild_start_plan(launch: LaunchEnv, plan: StartPlan, node_env: Mapping[int, Mapping[str, str]]) -> StartPlan:
+    """``plan`` for another launch (e.g. the port preflight picked) with per-node variables; same run id."""
+    nodes = [(p.node_rank, p.host) for p in plan.nodes]
+    rebuilt = build_start_plan(launch, plan.resolved.params, plan.geometry, plan.program, plan.run, plan.run_id, nodes,
+                               plan.python, plan.cwd, node_env)
+    return dataclasses.replace(rebuilt, resume_from=plan.resume_from)
 
 
 def orchestration_argv(python: str, command: str, *args: str) -> list[str]:

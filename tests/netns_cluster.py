@@ -10,6 +10,7 @@ failure. Addresses are private (10.213.x.0/24) and exist only inside these names
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -111,8 +112,18 @@ class NamespaceCluster:
         for node in self.nodes:
             self.wait_for_ssh(node)
 
-    def start_sshd(self, node: Node) -> None:
-        _sh("ip", "netns", "exec", node.namespace, SSHD, "-f", str(node.sshd_config), "-E", str(self.workdir / f"{node.alias}.sshd.log"))
+    def start_sshd(self, node: Node, mounts: list[tuple[str, str]] = ()) -> None:
+        """The node's sshd; with ``mounts`` ((source or "tmpfs", target) pairs) in a mount namespace
+        of its own, so that what runs over ssh on this node sees another file system there (a
+        file missing on one node, a package of another version, an artifact root not shared)."""
+        sshd = [SSHD, "-f", str(node.sshd_config), "-E", str(self.workdir / f"{node.alias}.sshd.log")]
+        if not mounts:
+            _sh("ip", "netns", "exec", node.namespace, *sshd)
+            return
+        steps = [f"mount -t tmpfs tmpfs {shlex.quote(target)}" if source == "tmpfs"
+                 else f"mount --bind {shlex.quote(source)} {shlex.quote(target)}" for source, target in mounts]
+        script = " && ".join([*steps, "exec " + shlex.join(sshd)])
+        _sh("ip", "netns", "exec", node.namespace, "unshare", "--mount", "--propagation", "private", "sh", "-c", script)
 
     def wait_for_ssh(self, node: Node, timeout_s: float = 20.0) -> None:
         deadline = time.monotonic() + timeout_s

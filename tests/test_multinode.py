@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -179,3 +181,71 @@ def test_bad_cluster_input_starts_nothing(cluster, cluster_env, artifact_root):
     assert time.monotonic() - start < 120
     leftovers = [p.name for p in artifact_root.glob("run_state/*.pid") if p.name.startswith(("bad", "dup", "nnodes", "busy"))]
     assert leftovers == []
+
+
+def test_preflight_finds_every_problem_on_every_node_at_once(cluster, cluster_env, artifact_root, tmp_path):
+    """Node 1 gets a file system of its own (its sshd in a mount namespace): the data file is
+    missing there, the artifact root is not the one node 0 sees, and megatron-core reports another
+    release. One preflight lists all three for node 1 (and nothing for node 0); nothing starts."""
+    import importlib.metadata
+
+    data_dir = tmp_path / "corpus"
+    data_dir.mkdir()
+    (data_dir / "docs.jsonl").write_text(json.dumps({"text": "a document about gradients " * 20}) + "\n")
+    data = tmp_path / "files.yaml"
+    data.write_text(f"data:\n  source: files\n  paths: [{data_dir / 'docs.jsonl'}]\n  tokenizer: {{vocab_size: 300}}\n"
+                    "training:\n  train_iters: 2\n")
+    dist_info = importlib.metadata.distribution("megatron-core")._path
+    other = tmp_path / "other-dist-info"
+    shutil.copytree(dist_info, other)
+    metadata = (other / "METADATA").read_text()
+    (other / "METADATA").write_text(re.sub(r"(?m)^Version: .*$", "Version: 0.15.3", metadata))
+    (artifact_root / "run_state").mkdir(parents=True, exist_ok=True)
+    node1 = cluster.nodes[1]
+    cluster.kill_sshd(node1)
+    cluster.start_sshd(node1, mounts=[("tmpfs", str(data_dir)), ("tmpfs", str(artifact_root / "run_state")),
+                                      (str(other), str(dist_info))])
+    cluster.wait_for_ssh(node1)
+    try:
+        proc = run_script("preflight_training.sh", "gpt_smoke", str(data), "pre_bad", env=cluster_env)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        rows = [l for l in proc.stdout.splitlines()[1:] if l.strip()]
+        assert all(l.startswith("1 ") for l in rows), proc.stdout
+        text = " ".join(proc.stdout.split())
+        assert f"{data_dir / 'docs.jsonl'} does not exist on this node" in text
+        assert "the artifact root is not the one node 0 sees" in text
+        assert "megatron-core 0.15.3 here but 0.16.1 on node 0; every node needs the same megatron-core" in text
+        start = run_script("start_multinode_training.sh", "gpt_smoke", str(data), "pre_bad", env=cluster_env)
+        assert start.returncode == 2 and "preflight found 3 problem(s); nothing was started" in start.stderr
+        assert tagged_pids("pre_bad") == []
+    finally:
+        cluster.kill_sshd(node1)
+        cluster.start_sshd(node1)
+        cluster.wait_for_ssh(node1)
+
+
+def test_unset_master_port_and_interfaces_are_chosen_by_preflight(cluster, cluster_env, artifact_root, tmp_path):
+    """MASTER_PORT unset with 6000 busy on node 0: the start takes 6001; GLOO_SOCKET_IFNAME unset:
+    each node gets the interface that routes to MASTER_ADDR (the namespace's, not lo), and the
+    run trains across both nodes."""
+    env = {k: v for k, v in cluster_env.items() if k not in ("MASTER_PORT", "GLOO_SOCKET_IFNAME")}
+    data = write_data_set(tmp_path / "short.yaml", train_iters=3)
+    listener = subprocess.Popen(
+        ["ip", "netns", "exec", cluster.nodes[0].namespace, "python3", "-c",
+         "import socket,time; s=socket.socket(); s.bind(('0.0.0.0', 6000)); s.listen(); print('up', flush=True); time.sleep(300)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert listener.stdout.readline().strip() == "up"
+        start = run_script("start_multinode_training.sh", "gpt_smoke", data, "pre_auto", env=env)
+        assert start.returncode == 0, start.stdout + start.stderr
+        assert "note: MASTER_PORT is not set: using 6001, the first free port from 6000 on node 0" in start.stderr
+        assert (f"GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME not set: using the interface that routes to MASTER_ADDR on "
+                f"each node (node0 {cluster.interface}, node1 {cluster.interface})") in start.stderr
+        assert "MASTER_PORT 6001" in start.stdout
+        wait_for(lambda: not tagged_pids("pre_auto"), 240, what="the run to finish")
+        for rank in (0, 1):
+            assert last_iteration(artifact_root / "logs" / f"pre_auto_node{rank}.log") == 3
+    finally:
+        listener.kill()
+        listener.wait()
+        run_script("stop_multinode_training.sh", "pre_auto", env=env)

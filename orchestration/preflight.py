@@ -1,0 +1,180 @@
+"""Preflight: every problem on every node, found before anything starts, reported in one table.
+
+    python -m orchestration preflight gpt_smoke smoke demo       # the checks start runs, on their own
+
+Node side (:func:`inspect_node`, run by ``node-check`` on every node in parallel): the run is not
+live there; the software (Python, torch, megatron-core, transformer-engine, the project's revision)
+and whether the program accepts that megatron-core; the data paths and tokenizer the run reads;
+the artifact root writable and the same one node 0 sees (a token the launcher wrote); MASTER_ADDR
+resolves and node 0 answers on MASTER_PORT (a refused connection proves the path; a timeout means
+a firewall drops the traffic, e.g. Docker's FORWARD DROP with bridge netfilter); MASTER_PORT free on
+node 0, or the first free port from 6000 when MASTER_PORT is not set; the network interface that
+routes to MASTER_ADDR; NPROC_PER_NODE within the visible GPUs. Launcher side
+(:func:`cluster_problems`): the nodes agree on the software. Side effects of the node side:
+reads files, sockets, ``ip``, package metadata; writes and removes one probe file.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import socket
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+DEFAULT_PORT_SEARCH = range(6000, 6100)
+CONNECT_TIMEOUT_S = 5.0
+SOFTWARE = ("torch", "megatron-core", "transformer-engine")
+
+
+@dataclass
+class NodeReport:
+    node_rank: int
+    host: str
+    problems: list[str] = field(default_factory=list)
+    software: dict[str, str | None] = field(default_factory=dict)
+    """python, torch, megatron-core, transformer-engine, project (git revision): None = absent."""
+    interface: str | None = None
+    """The interface that routes to MASTER_ADDR here."""
+    free_port: int | None = None
+    """Node 0 with MASTER_PORT unset: the first free port from 6000."""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def installed_software(project_dir: Path) -> dict[str, str | None]:
+    found: dict[str, str | None] = {"python": "%d.%d.%d" % sys.version_info[:3]}
+    for dist in SOFTWARE:
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[dist] = None
+    rev = subprocess.run(["git", "-C", str(project_dir), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(project_dir), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True)
+    found["project"] = (rev.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")) if rev.returncode == 0 else None
+    return found
+
+
+def route_interface(address: str) -> str | None:
+    """The interface this node sends to ``address`` through (``ip route get``); for one of this
+    node's own addresses, the interface that holds it (not ``lo``)."""
+    try:
+        ip = socket.getaddrinfo(address, None, socket.AF_INET)[0][4][0]
+        route = subprocess.run(["ip", "-o", "route", "get", ip], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+    words = route.stdout.split()
+    dev = words[words.index("dev") + 1] if "dev" in words else None
+    if dev == "lo" and not ip.startswith("127."):
+        addrs = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+        for line in addrs.splitlines():
+            parts = line.split()
+            if len(parts) > 3 and parts[3].split("/")[0] == ip:
+                return parts[1]
+    return dev
+
+
+def probe_master(address: str, port: int) -> str | None:
+    """None when node 0 answers at ``address:port`` (a refused connection counts: the path works),
+    else the problem."""
+    try:
+        infos = socket.getaddrinfo(address, port, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"MASTER_ADDR={address} does not resolve here ({exc.strerror}); use an address every node resolves"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(CONNECT_TIMEOUT_S)
+        try:
+            s.connect(infos[0][4])
+        except ConnectionRefusedError:
+            return None
+        except (socket.timeout, TimeoutError):
+            return (f"no answer from node 0 at {address}:{port} within {CONNECT_TIMEOUT_S:.0f}s: something drops the "
+                    "traffic between the nodes (a firewall; e.g. Docker's FORWARD DROP with bridge netfilter); allow "
+                    "TCP between the nodes")
+        except OSError as exc:
+            return f"cannot reach node 0 at {address}:{port} ({exc.strerror}); check the network between the nodes"
+    return None  # something listens already: node 0's own check reports a busy port
+
+
+def first_free_port(ports=DEFAULT_PORT_SEARCH) -> int | None:
+    from orchestration.processes import port_is_free
+
+    return next((p for p in ports if port_is_free(p)), None)
+
+
+def inspect_node(node_rank: int, host: str, master_addr: str, master_port: int | None, nproc_per_node: int,
+                 required_paths: list[str], shared_token: Path | None, run_state_dir: Path, visible_gpus: int,
+                 project_dir: Path) -> NodeReport:
+    """Every check for this node; ``master_port`` None = MASTER_PORT not set (node 0 picks one)."""
+    from megatron_ext.spec.errors import UserError
+    from megatron_ext.training.versions import check_megatron_core
+    from orchestration.processes import port_is_free
+
+    report = NodeReport(node_rank, host, software=installed_software(project_dir))
+    problems = report.problems
+    mcore = report.software.get("megatron-core")
+    if report.software.get("torch") is None:
+        problems.append("torch is not installed; run training_scripts/setup_env.sh on this node")
+    if mcore is None:
+        problems.append("megatron-core is not installed; run training_scripts/setup_env.sh on this node")
+    else:
+        try:
+            check_megatron_core(mcore)
+        except UserError as exc:
+            problems.append(str(exc))
+    for path in required_paths:
+        p = Path(path)
+        if not (p.exists() or (Path(f"{path}.bin").is_file() and Path(f"{path}.idx").is_file())):
+            problems.append(f"{path} does not exist on this node; every node needs the run's data and tokenizer "
+                            "(a shared file system, or a copy at the same path)")
+    try:
+        run_state_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_state_dir / f".writable-node{node_rank}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        problems.append(f"the artifact root is not writable here ({exc}); set ARTIFACT_ROOT to a writable shared path")
+    if shared_token is not None and not shared_token.is_file():
+        problems.append(
+            f"the artifact root is not the one node 0 sees ({shared_token} is missing here): logs, pid files, the "
+            "failure file, checkpoints and the data cache (megatron-core builds its index on rank 0 only) must be "
+            "shared; set ARTIFACT_ROOT to a path on a file system every node mounts")
+    if node_rank == 0:
+        if master_port is None:
+            report.free_port = first_free_port()
+            if report.free_port is None:
+                problems.append(f"no free port in {DEFAULT_PORT_SEARCH.start}-{DEFAULT_PORT_SEARCH.stop - 1}; set MASTER_PORT")
+        elif not port_is_free(master_port):
+            problems.append(f"MASTER_PORT={master_port} is in use on node 0 ({host}); choose a free port, "
+                            f"e.g. MASTER_PORT={master_port + 1}, or unset it to pick one")
+    elif master_port is not None:
+        problem = probe_master(master_addr, master_port)
+        if problem:
+            problems.append(problem)
+    report.interface = route_interface(master_addr)
+    if visible_gpus and nproc_per_node > visible_gpus:
+        problems.append(f"NPROC_PER_NODE={nproc_per_node} but this node shows {visible_gpus} GPU(s); use at most "
+                        f"{visible_gpus} (or check CUDA_VISIBLE_DEVICES)")
+    return report
+
+
+def cluster_problems(reports: list[NodeReport]) -> list[tuple[int, str, str]]:
+    """(node rank, host, problem) for every node: its own problems, and software that differs from node 0's."""
+    out = [(r.node_rank, r.host, p) for r in reports for p in r.problems]
+    if reports:
+        base = reports[0]
+        for r in reports[1:]:
+            for name, version in r.software.items():
+                if version != base.software.get(name):
+                    out.append((r.node_rank, r.host, f"{name} {version or 'absent'} here but {base.software.get(name) or 'absent'} "
+                                                     f"on node 0; every node needs the same {name}"))
+    return sorted(out)
+
+
+def format_problems(problems: list[tuple[int, str, str]]) -> str:
+    lines = [f"{'node':<5} {'host':<16} problem"]
+    lines += [f"{rank:<5} {host:<16} {problem}" for rank, host, problem in problems]
+    return "\n".join(lines)
