@@ -124,8 +124,8 @@ def test_another_data_parallel_size_reshards_stage_3_and_refuses_stage_1(referen
         again = run_script("start_training.sh", "gpt_smoke", data, run, env=wider)
         if stage == 1:
             assert again.returncode == 2 and tagged_pids(run) == []
-            assert (f"holds ZeroRedundancyOptimizer partitions of 2 ranks, which cannot be resharded to 4 ranks; "
-                    f"resume with 2 ranks") in again.stderr and again.stderr.count("error:") == 1
+            assert ("holds ZeroRedundancyOptimizer partitions of 2 ranks, which cannot be resharded to 4 ranks; "
+                    "resume with 2 ranks") in again.stderr and again.stderr.count("error:") == 1
             continue
         assert again.returncode == 0, again.stderr
         assert "note: resharding the checkpoint of 2 ranks to 4" in again.stderr

@@ -40,6 +40,16 @@ def test_two_processes_train_smoke_and_loss_falls(stage_runs):
     assert records[-1]["tokens_per_s"] > 0 and records[-1]["tflops_per_gpu"] > 0
 
 
+def test_rank_0_writes_tensorboard_events(stage_runs, artifact_root):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(artifact_root / "runs" / "stages2_z0" / "tensorboard"))
+    events.Reload()
+    losses = [e.value for e in events.Scalars("lm loss")]
+    assert losses == pytest.approx([r["lm_loss"] for r in stage_runs[0][1]], rel=1e-6)
+    assert {"learning-rate", "grad-norm", "throughput/tokens-per-s", "memory/model-state-bytes"} <= set(events.Tags()["scalars"])
+
+
 def test_every_stage_gives_the_same_loss(stage_runs):
     reference = [r["lm_loss"] for r in stage_runs[0][1]]
     for stage in (1, 2, 3):

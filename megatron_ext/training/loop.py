@@ -69,6 +69,32 @@ def learning_rate(t: TrainingParams, steps_done: int) -> float:
     return t.min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (t.lr - t.min_lr)
 
 
+def open_tensorboard(directory):
+    """A TensorBoard event writer where ``tensorboard`` imports (``pip install tensorboard``), else None."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(log_dir=str(directory))
+
+
+TENSORBOARD_SCALARS = {
+    "lm loss": "lm_loss", "learning-rate": "lr", "grad-norm": "grad_norm", "throughput/tokens-per-s": "tokens_per_s",
+    "throughput/tflops-per-gpu": "tflops_per_gpu", "throughput/mfu": "mfu", "iteration-time-s": "step_time_s",
+    "memory/model-state-bytes": "model_state_bytes", "memory/model-state-peak-bytes": "model_state_peak_bytes",
+    "memory/cuda-peak-allocated-bytes": "cuda_peak_allocated_bytes", "validation/lm loss": "valid_loss",
+}
+"""TensorBoard tag -> IterationRecord field (Megatron-LM's tag names where it has one)."""
+
+
+def write_tensorboard(writer, record: IterationRecord) -> None:
+    for tag, field in TENSORBOARD_SCALARS.items():
+        value = getattr(record, field)
+        if value is not None:
+            writer.add_scalar(tag, value, record.iteration)
+    writer.flush()
+
+
 @dataclass
 class _Interval:
     """What the loop accumulates between two log lines (Megatron-LM resets its counters likewise)."""
@@ -141,6 +167,7 @@ class Pretrain:
         self.peak_tflops = peak_tflops_for(torch.cuda.get_device_name(self.device)) if self.on_cuda else None
         self.start_iteration = self.resume()
         self.writer = MetricsWriter(self.paths.metrics_path, self.start_iteration) if self.ranks.rank == 0 else None
+        self.tensorboard = open_tensorboard(self.paths.tensorboard_dir) if self.ranks.rank == 0 else None
         if self.ranks.rank == 0:
             print(
                 f"run {self.paths.run}: model {m.name} data {self.params.data_set} | world size {self.ranks.world_size} "
@@ -224,6 +251,8 @@ class Pretrain:
         )
         if self.writer:
             self.writer.write(record)
+        if self.tensorboard:
+            write_tensorboard(self.tensorboard, record)
         print(format_iteration_line(record), flush=True)
         print(format_progress_line(record, elapsed_s), flush=True)
 
@@ -307,6 +336,8 @@ class Pretrain:
             print(f"done: {t.train_iters} iterations in {time.time() - start:.1f}s; metrics {self.paths.metrics_path}", flush=True)
         if self.writer:
             self.writer.close()
+        if self.tensorboard:
+            self.tensorboard.close()
         dist.barrier()
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
