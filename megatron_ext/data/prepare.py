@@ -57,26 +57,12 @@ class PreparedData:
 
 
 def read_documents(paths: Iterable[str]) -> Iterator[str]:
-    """Documents from JSONL (``text`` field) and plain-text files, in order."""
-    for path in paths:
-        p = Path(path)
-        if not p.is_file():
-            raise UserError(f"data path {path} does not exist; give an existing .jsonl or text file")
-        if p.suffix in (".jsonl", ".json"):
-            with p.open(encoding="utf-8") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        text = json.loads(line)["text"]
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        raise UserError(
-                            f"{path}:{lineno} is not a JSON object with a 'text' field; "
-                            "fix the line or pass a plain text file"
-                        ) from None
-                    yield text
-        else:
-            yield p.read_text(encoding="utf-8", errors="replace")
+    """Documents from JSONL (``text`` field) and plain-text files, in order (for training a tokenizer)."""
+    for chunk in chunks_from_files(paths):
+        for i, item in enumerate(chunk.items):
+            text = _json_text(item, chunk.source, chunk.first_line + i) if chunk.jsonl else item
+            if text is not None:
+                yield text
 
 
 CHUNK_CHARS = 1 << 20
