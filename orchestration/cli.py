@@ -5,7 +5,10 @@
     python -m orchestration status demo
     python -m orchestration stop demo
     python -m orchestration train gpt2 gpt2_smoke                   # foreground, this node
-    python -m orchestration compare demo_z0 demo_z1 demo_z3
+    python -m orchestration compare demo_z0 demo_z1 demo_z3 --name demo   # + artifacts/compare/demo.{png,json,csv}
+    python -m orchestration sweep gpt_smoke smoke demo                 # ZERO_STAGE 0-3 one after another, then compare
+    python -m orchestration plan-memory qwen3_1p7b                     # expected memory per GPU per stage
+    python -m orchestration preflight gpt_smoke smoke demo             # the start's checks, nothing started
 
 The environment is read here, once (:func:`orchestration.launch_env.read_launch_env`); node
 commands get what they need as arguments. Exit codes: :mod:`megatron_ext.spec.errors`. The
@@ -19,6 +22,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 import uuid
 from typing import Mapping, Sequence
 
@@ -34,11 +38,15 @@ from orchestration.fanout import DEFAULT_NODE_TIMEOUT_S, NodeResult, fan_out
 from orchestration.launch_env import SOCKET_IFNAME_VARIABLES, LaunchEnv, read_launch_env, visible_gpu_count
 from orchestration.plan import NodePlan, StartPlan, build_start_plan, orchestration_argv, rebuild_start_plan
 from orchestration.preflight import NodeReport, cluster_problems, format_problems
+from orchestration import sweep as zero_sweep
 from orchestration.processes import DEFAULT_STOP_GRACE_S
 
 
 def _launch_env(env: Mapping[str, str]) -> LaunchEnv:
-    return read_launch_env(env, visible_gpu_count(env))
+    from orchestration import slurm
+
+    in_allocation = bool(env.get("SLURM_JOB_ID", "").strip())
+    return read_launch_env(env, visible_gpu_count(env), slurm.allocation_hosts(env) if in_allocation else None)
 
 
 def _nodes(launch: LaunchEnv, this_node: bool) -> list[tuple[int, str]]:
@@ -169,8 +177,11 @@ def cmd_start(args, launch: LaunchEnv) -> int:
     paths = RunPaths(launch.artifact_root, args.run)
     write_resolved(paths.params_path, plan.resolved)
     paths.failure_file.unlink(missing_ok=True)  # a new start begins without the last one's failure
-    by_rank = {p.node_rank: p for p in plan.nodes}
-    results = _on_nodes(launch, nodes, lambda rank, host: ["node-start", "--plan", by_rank[rank].to_json()])
+    if launch.transport == "srun":
+        results = _start_srun_step(launch, plan, paths)
+    else:
+        by_rank = {p.node_rank: p for p in plan.nodes}
+        results = _on_nodes(launch, nodes, lambda rank, host: ["node-start", "--plan", by_rank[rank].to_json()])
     ok = _report(results, lambda r: f"[node{r.node_rank} {r.host}] started torchrun pid {r.payload['pid']}; log {r.payload['log']}")
     if not ok:
         started = [(r.node_rank, r.host) for r in results if r.ok]
@@ -189,7 +200,49 @@ def cmd_start(args, launch: LaunchEnv) -> int:
         f"{'stop_training.sh' if args.this_node else 'stop_multinode_training.sh'} {args.run}",
         flush=True,
     )
-    return EXIT_OK
+    return _wait_for_end(paths, [rank for rank, _ in nodes]) if args.wait else EXIT_OK
+
+
+def _start_srun_step(launch: LaunchEnv, plan: StartPlan, paths: RunPaths) -> list[NodeResult]:
+    """Inside a Slurm allocation: one srun step, a task per node, each the node's supervisor; the
+    srun client runs detached here. A result per node once its torchrun runs (or the step ended)."""
+    from orchestration import processes, slurm
+    from orchestration.supervisor import read_exit
+
+    for node_plan in plan.nodes:
+        for stale in (paths.node_exit_file(node_plan.node_rank), paths.node_heartbeat_file(node_plan.node_rank),
+                      paths.node_pid_file(node_plan.node_rank)):
+            stale.unlink(missing_ok=True)
+        paths.node_plan_file(node_plan.node_rank).write_text(node_plan.to_json())
+    argv = slurm.srun_step_argv(launch.slurm_job_id, launch.nnodes, sys.executable, os.getcwd(), slurm.plan_file_pattern(paths))
+    client = processes.start_detached(argv, dict(os.environ), os.getcwd(), paths.logs_dir / f"{plan.run}_srun.log")
+    deadline = time.monotonic() + 120
+    results = []
+    for node_plan in plan.nodes:
+        rank, pid_path = node_plan.node_rank, paths.node_pid_file(node_plan.node_rank)
+        while not pid_path.exists() and client.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        record, ended = processes.read_pid_file(pid_path), read_exit(paths.node_exit_file(rank))
+        if record and not (ended and ended.state == "failed"):
+            results.append(NodeResult(rank, node_plan.host, argv, 0, {"pid": record.pid, "log": node_plan.log_path}, ""))
+        else:
+            why = ended.reason if ended else f"srun exited with {client.returncode}" if client.poll() is not None else "no answer"
+            log = paths.logs_dir / f"{plan.run}_srun.log"
+            results.append(NodeResult(rank, node_plan.host, argv, 1, None, f"{why}; see {log} and {node_plan.log_path}"))
+    return results
+
+
+def _wait_for_end(paths: RunPaths, ranks: Sequence[int], poll_s: float = 2.0) -> int:
+    """Block until every node recorded how it ended: 0 if all finished, 1 otherwise (``start --wait``, batch jobs)."""
+    from orchestration.supervisor import read_exit
+
+    while True:
+        ended = [read_exit(paths.node_exit_file(rank)) for rank in ranks]
+        if all(ended):
+            states = {e.state for e in ended}
+            print(f"run {paths.run} ended: {', '.join(f'node{e.node_rank} {e.state}' for e in ended)}", flush=True)
+            return EXIT_OK if states == {"finished"} else EXIT_NODE_FAILED
+        time.sleep(poll_s)
 
 
 def cmd_preflight(args, launch: LaunchEnv) -> int:
@@ -266,15 +319,6 @@ def cmd_train(args, launch: LaunchEnv) -> int:
     return EXIT_OK  # not reached
 
 
-def cmd_compare(args, launch: LaunchEnv) -> int:
-    from orchestration.compare import compare_runs, format_comparison
-
-    for run in args.runs:
-        check_run_name(run)
-    print(format_comparison(compare_runs(launch.artifact_root, args.runs)))
-    return EXIT_OK
-
-
 # -- node commands (one JSON line each; arguments only, no launcher variables) ----------------
 
 def cmd_node(args) -> int:
@@ -308,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     start = sub.add_parser("start", help="start a run on every node (or --this-node), detached")
     start.add_argument("model"), start.add_argument("data"), start.add_argument("run")
     start.add_argument("--this-node", action="store_true", help="only this machine, as node NODE_RANK")
+    start.add_argument("--wait", action="store_true", help="stay until the run ends; exit 0 if every node finished")
     stop = sub.add_parser("stop", help="stop a run on every node (or --this-node)")
     stop.add_argument("run")
     stop.add_argument("--this-node", action="store_true")
@@ -323,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     preflight.add_argument("--this-node", action="store_true")
     compare = sub.add_parser("compare", help="side-by-side table of runs: speed, memory, loss")
     compare.add_argument("runs", nargs="+")
+    zero_sweep.add_commands(sub)  # sweep, plan-memory, and compare's report options
     node_start = sub.add_parser("node-start", help=argparse.SUPPRESS)
     node_start.add_argument("--plan", required=True, help="this node's NodePlan as JSON")
     supervise = sub.add_parser("node-supervise", help=argparse.SUPPRESS)
@@ -346,8 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "train": cmd_train, "compare": cmd_compare,
-            "preflight": cmd_preflight}
+COMMANDS = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "train": cmd_train, "preflight": cmd_preflight,
+            **zero_sweep.COMMANDS}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

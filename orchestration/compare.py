@@ -1,22 +1,47 @@
-"""Side-by-side comparison of runs (e.g. one run under several ZeRO stages): speed, memory, loss.
+"""Side-by-side comparison of runs (e.g. one model under several ZeRO stages): speed, memory, loss.
 
-    python -m orchestration compare demo_z0 demo_z1 demo_z2 demo_z3
+    python -m orchestration compare demo_z0 demo_z1 demo_z2 demo_z3 [--warmup 2] [--name demo]
 
-Reads each run's ``metrics.jsonl`` (either engine writes the same records). Pure apart from
-reading those files. Speed is the median over iterations after the first (warm-up excluded);
-ratios are against the first run named, measured in the same table.
+Reads each run's ``metrics.jsonl`` (this project's program) or, for Megatron-LM runs, the
+iteration lines of its node logs, and its resolved parameters (``<run>_params.yaml``: engine,
+nodes, processes, the model for the memory plan). Speed is the median over the iterations after
+the warm-up ones; ratios and loss differences are against the first run named that has records,
+measured in the same table; "plan" columns come from :mod:`orchestration.planner` (fp32 AdamW
+for CPU runs, Megatron's bf16 figures for GPU runs). Pure apart from reading those files; the
+files a comparison writes (PNG, JSON, CSV) are :mod:`orchestration.report`'s.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 from megatron_ext.spec.errors import UserError
 from megatron_ext.spec.iteration_log import IterationRecord, parse_log, read_metrics
-from megatron_ext.spec.resolved import read_resolved
+from megatron_ext.spec.resolved import ResolvedRun, read_resolved
 from megatron_ext.spec.run_paths import RunPaths
+from orchestration.planner import format_rows, plan_for_run
+
+DEFAULT_WARMUP_ITERATIONS = 2
+"""Iterations left out of the medians (allocator warm-up, lazy communicator set-up, first gathers)."""
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """What a sweep knows about a run beyond its files."""
+
+    status: str
+    """done, failed or stopped."""
+    reason: str | None = None
+    """Why it failed or stopped (the node log's last meaningful line)."""
+    zero_stage: int | None = None
+    """What the run was to be, for a run that left no parameters file (it did not start)."""
+    engine: str | None = None
+    nnodes: int | None = None
+    nproc_per_node: int | None = None
 
 
 @dataclass(frozen=True)
@@ -25,30 +50,53 @@ class RunSummary:
     zero_stage: int
     world_size: int
     iterations: int
-    step_time_s: float
-    tokens_per_s: float
-    tflops_per_gpu: float
-    memory_bytes: int | None
-    """Peak model-state bytes per rank (CPU) or peak CUDA allocation (GPU), max over ranks."""
-    first_loss: float
-    last_loss: float
+    """Last iteration recorded (0 without records)."""
+    step_time_s: float | None
+    """Median over the steady iterations (seconds)."""
+    tokens_per_s: float | None
+    tflops_per_gpu: float | None
+    first_loss: float | None
+    last_loss: float | None
+    engine: str = "megatron-core"
+    model: str | None = None
+    data_set: str | None = None
+    nnodes: int | None = None
+    nproc_per_node: int | None = None
+    train_iters: int | None = None
+    device: str = "cpu"
+    """cpu or cuda (from the records: model-state bytes on CPU, CUDA peaks on GPUs; Megatron-LM: cuda)."""
+    warmup_iterations: int = DEFAULT_WARMUP_ITERATIONS
+    steady_iterations: tuple[int, ...] = ()
+    """The iterations the medians are over."""
+    mfu: float | None = None
+    peak_memory_bytes: int | None = None
+    """Per rank, the largest over ranks: peak CUDA allocation (GPUs) or peak model-state bytes (CPU)."""
+    peak_memory_per_rank: tuple[int, ...] = ()
+    """CPU: peak model-state bytes of every rank; GPUs: the one figure logged (largest over ranks)."""
+    model_state_bytes: int | None = None
+    """CPU: model-state bytes between steps, the largest over ranks."""
+    model_state_bytes_per_rank: tuple[int, ...] = ()
+    peak_rss_bytes: int | None = None
+    """CPU: rank 0's peak resident set size."""
+    planned_model_state_bytes: int | None = None
+    planned_peak_bytes: int | None = None
+    """Planned model states at their peak, plus (GPUs) the activation estimate: what peak_memory_bytes measures."""
+    losses: tuple[tuple[int, float], ...] = ()
+    """(iteration, lm loss) of every record."""
+    tokens_per_s_series: tuple[tuple[int, float], ...] = ()
+    status: str = "done"
+    """done, partial (fewer iterations than planned: running, or ended early), failed, stopped."""
+    reason: str | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
 
+    @property
+    def memory_bytes(self) -> int | None:
+        """The peak memory per rank (kept for older callers)."""
+        return self.peak_memory_bytes
 
-def summarize(run: str, records: list[IterationRecord]) -> RunSummary:
-    if not records:
-        raise UserError(f"run {run!r} has no metrics yet; start it first or check ARTIFACT_ROOT")
-    steady = records[1:] or records
-    last = records[-1]
-    memory = last.cuda_peak_allocated_bytes
-    if memory is None and last.model_state_peak_bytes_per_rank:
-        memory = max(last.model_state_peak_bytes_per_rank)
-    return RunSummary(
-        run=run, zero_stage=last.zero_stage, world_size=last.world_size, iterations=last.iteration,
-        step_time_s=statistics.median(r.step_time_s for r in steady),
-        tokens_per_s=statistics.median(r.tokens_per_s for r in steady),
-        tflops_per_gpu=statistics.median(r.tflops_per_gpu for r in steady),
-        memory_bytes=memory, first_loss=records[0].lm_loss, last_loss=last.lm_loss,
-    )
+    @property
+    def has_records(self) -> bool:
+        return bool(self.losses)
 
 
 def run_records(paths: RunPaths) -> list[IterationRecord]:
@@ -69,21 +117,159 @@ def run_records(paths: RunPaths) -> list[IterationRecord]:
     return best
 
 
-def compare_runs(root: Path, runs: list[str]) -> list[RunSummary]:
-    return [summarize(run, run_records(RunPaths(root, run))) for run in runs]
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(run: str, records: list[IterationRecord], resolved: ResolvedRun | None = None,
+              warmup: int = DEFAULT_WARMUP_ITERATIONS, outcome: RunOutcome | None = None) -> RunSummary:
+    """One run's row. Without records only a failed or stopped ``outcome`` is a row; else it is
+    a UserError saying the run has no metrics."""
+    if not records and (outcome is None or outcome.status == "done"):
+        raise UserError(f"run {run!r} has no metrics yet (no metrics.jsonl and no iteration lines in its node logs); "
+                        "start it and wait for its first iteration, or check ARTIFACT_ROOT")
+    runtime = resolved.runtime if resolved else None
+    training = resolved.params.training if resolved else None
+    last = records[-1] if records else None
+    steady = [r for r in records if r.iteration > warmup] or records[1:] or records
+    engine = runtime.engine if runtime else ((outcome and outcome.engine) or "megatron-core")
+    cpu = last is not None and last.model_state_bytes_per_rank is not None
+    device = "cpu" if cpu else "cuda" if (engine == "megatron-lm" or (last and last.cuda_peak_allocated_bytes)) else "cpu"
+    planned_shape = (outcome.nnodes, outcome.nproc_per_node) if outcome and outcome.nnodes else (None, None)
+    stage = training.zero_stage if training else (last.zero_stage if last else
+                                                  (outcome.zero_stage if outcome and outcome.zero_stage is not None else -1))
+    nnodes, nproc = (runtime.nnodes, runtime.nproc_per_node) if runtime else planned_shape
+    world = runtime.world_size if runtime else (last.world_size if last else (nnodes or 0) * (nproc or 0))
+    peak, per_rank, states, states_per_rank = None, (), None, ()
+    if last and cpu:
+        per_rank = tuple(last.model_state_peak_bytes_per_rank or ())
+        states_per_rank = tuple(last.model_state_bytes_per_rank)
+        peak, states = (max(per_rank) if per_rank else None), max(states_per_rank)
+    elif records:
+        cuda = [r.cuda_peak_allocated_bytes for r in records if r.cuda_peak_allocated_bytes]
+        peak = max(cuda) if cuda else None
+        per_rank = (peak,) if peak else ()
+    planned_states = planned_peak = None
+    if resolved and stage in (0, 1, 2, 3):
+        plan = plan_for_run(resolved.params, runtime.nnodes, runtime.nproc_per_node, "fp32" if device == "cpu" else "bf16")
+        if plan:
+            s = plan.stage(stage)
+            planned_states = s.states_bytes
+            planned_peak = s.states_peak_bytes if device == "cpu" else s.total_bytes
+    train_iters = training.train_iters if training else (last.train_iters if last else None)
+    if outcome and outcome.status != "done":
+        status, reason = outcome.status, outcome.reason
+    elif last and train_iters and last.iteration < train_iters:
+        status, reason = "partial", f"{last.iteration} of {train_iters} iterations recorded (still running, or ended early)"
+    else:
+        status, reason = "done", None
+    mfus = [r.mfu for r in steady if r.mfu is not None]
+    return RunSummary(
+        run=run, zero_stage=stage, world_size=world, iterations=last.iteration if last else 0,
+        step_time_s=_median([r.step_time_s for r in steady]), tokens_per_s=_median([r.tokens_per_s for r in steady]),
+        tflops_per_gpu=_median([r.tflops_per_gpu for r in steady]),
+        first_loss=records[0].lm_loss if records else None, last_loss=last.lm_loss if last else None,
+        engine=engine, model=resolved.params.model.name if resolved else None,
+        data_set=resolved.params.data_set if resolved else None, nnodes=nnodes, nproc_per_node=nproc,
+        train_iters=train_iters, device=device,
+        warmup_iterations=warmup, steady_iterations=tuple(r.iteration for r in steady), mfu=_median(mfus),
+        peak_memory_bytes=peak, peak_memory_per_rank=per_rank, model_state_bytes=states,
+        model_state_bytes_per_rank=states_per_rank, peak_rss_bytes=last.peak_rss_bytes if last else None,
+        planned_model_state_bytes=planned_states, planned_peak_bytes=planned_peak,
+        losses=tuple((r.iteration, r.lm_loss) for r in records),
+        tokens_per_s_series=tuple((r.iteration, r.tokens_per_s) for r in records), status=status, reason=reason,
+    )
+
+
+def compare_runs(root: Path, runs: list[str], warmup: int = DEFAULT_WARMUP_ITERATIONS,
+                 outcomes: Mapping[str, RunOutcome] | None = None) -> list[RunSummary]:
+    outcomes = outcomes or {}
+    out = []
+    for run in runs:
+        paths = RunPaths(root, run)
+        out.append(summarize(run, run_records(paths), read_resolved(paths.params_path), warmup, outcomes.get(run)))
+    return out
+
+
+# -- against the first run ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LossDifference:
+    max_abs: float
+    max_rel: float
+    at_iteration: int | None
+    """Where the largest absolute difference is."""
+    compared: int
+    """Iterations both runs recorded."""
+
+
+def base_run(rows: list[RunSummary]) -> RunSummary | None:
+    """The first run with records: ratios and loss differences are against it."""
+    return next((r for r in rows if r.has_records), None)
+
+
+def loss_difference(base: RunSummary, row: RunSummary) -> LossDifference | None:
+    """Largest loss difference at the iterations both runs recorded; None when there are none."""
+    ref = dict(base.losses)
+    pairs = [(it, loss, ref[it]) for it, loss in row.losses if it in ref]
+    if not pairs:
+        return None
+    it, loss, r = max(pairs, key=lambda p: abs(p[1] - p[2]))
+    return LossDifference(
+        max_abs=abs(loss - r), max_rel=max(abs(a - b) / abs(b) if b else abs(a - b) for _, a, b in pairs),
+        at_iteration=it, compared=len(pairs),
+    )
+
+
+def ratio(value: float | int | None, base: float | int | None) -> float | None:
+    return value / base if value and base else None
+
+
+# -- the table ------------------------------------------------------------------------------------
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _mb(value: int | None) -> str:
+    return "-" if value is None else f"{value / MB:,.1f}"
 
 
 def format_comparison(rows: list[RunSummary]) -> str:
-    base = rows[0]
-    header = (f"{'run':<24} {'stage':>5} {'world':>5} {'iters':>5} {'step ms':>9} {'tokens/s':>10} {'x base':>7} "
-              f"{'TFLOP/s/GPU':>11} {'memory MiB':>10} {'x base':>7} {'first loss':>10} {'last loss':>10}")
-    out = [header]
+    """One table: engine, stage, nodes x processes, iterations, medians after the warm-up,
+    TFLOP/s, MFU, memory per rank with the plan next to it, final loss, the largest loss
+    difference from the first run, ratios to it; reasons for failures below."""
+    base = base_run(rows)
+    warmup = rows[0].warmup_iterations if rows else DEFAULT_WARMUP_ITERATIONS
+    header = ["run", "engine", "stage", "nodes x procs", "iters", "step ms", "tokens/s", "x", "TFLOP/s/GPU", "MFU",
+              "states MB/rank", "plan", "peak MB/rank", "plan", "x", "final loss", "max |dloss|", "status"]
+    body, notes = [], []
     for r in rows:
-        mem = f"{r.memory_bytes / 2**20:.1f}" if r.memory_bytes else "-"
-        mem_ratio = f"{r.memory_bytes / base.memory_bytes:.2f}" if r.memory_bytes and base.memory_bytes else "-"
-        out.append(
-            f"{r.run:<24} {r.zero_stage:>5} {r.world_size:>5} {r.iterations:>5} {r.step_time_s * 1000:>9.1f} "
-            f"{r.tokens_per_s:>10,.0f} {r.tokens_per_s / base.tokens_per_s:>7.2f} {r.tflops_per_gpu:>11.4f} "
-            f"{mem:>10} {mem_ratio:>7} {r.first_loss:>10.4f} {r.last_loss:>10.4f}"
-        )
-    return "\n".join(out)
+        shape = f"{r.nnodes} x {r.nproc_per_node}" if r.nnodes else f"? x ? ({r.world_size})"
+        iters = f"{r.iterations}/{r.train_iters}" if r.train_iters else str(r.iterations)
+        diff = loss_difference(base, r) if base and r is not base and r.has_records else None
+        status = r.status
+        if r.reason:
+            notes.append(f"[{len(notes) + 1}] {r.run}: {r.reason}")
+            status = f"{r.status} [{len(notes)}]"
+        body.append([
+            r.run, r.engine, str(r.zero_stage), shape, iters, _num(r.step_time_s and r.step_time_s * 1000, ",.1f"),
+            _num(r.tokens_per_s, ",.0f"), _num(ratio(r.tokens_per_s, base and base.tokens_per_s), ".2f"),
+            _num(r.tflops_per_gpu, ".4f" if (r.tflops_per_gpu or 0) < 10 else ".1f"), _num(r.mfu and 100 * r.mfu, ".1f"),
+            _mb(r.model_state_bytes), _mb(r.planned_model_state_bytes), _mb(r.peak_memory_bytes), _mb(r.planned_peak_bytes),
+            _num(ratio(r.peak_memory_bytes, base and base.peak_memory_bytes), ".2f"), _num(r.last_loss, ".4f"),
+            "base" if r is base else (f"{diff.max_abs:.1e}" if diff else "-"), status,
+        ])
+    steady = f"iterations after the first {warmup} (warm-up)"
+    lines = [
+        f"{len(rows)} run(s); step time, tokens/s, TFLOP/s and MFU (%) are medians over {steady}; "
+        f"x = ratio to {base.run if base else '-'}; max |dloss| = largest loss difference from it at the same iteration",
+        "memory per rank in MB (1e6 bytes), the largest over ranks: states = model states between steps (CPU), "
+        "peak = peak model states (CPU) or peak CUDA allocation (GPU); plan = orchestration/planner.py "
+        "(GPU: states + activation estimate)",
+        "",
+        *format_rows(header, body),
+    ]
+    if notes:
+        lines += ["", *notes]
+    return "\n".join(lines)

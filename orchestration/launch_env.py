@@ -63,6 +63,10 @@ class LaunchEnv:
     dry_run: bool = False
     forwarded: dict[str, str] = field(default_factory=dict)
     """Variables every node gets, as set where the command was given."""
+    transport: str = "ssh"
+    """ssh (this machine, ssh, docker exec) or srun (inside a Slurm allocation)."""
+    slurm_job_id: str | None = None
+    """SLURM_JOB_ID: the allocation the srun transport runs in."""
 
     @property
     def zero_stage(self) -> int | None:
@@ -124,12 +128,26 @@ def forwarded_environment(env: Mapping[str, str]) -> dict[str, str]:
     }
 
 
-def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0) -> LaunchEnv:
+def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: tuple[str, ...] | None = None) -> LaunchEnv:
     """Parse and check the launcher variables; every problem is one UserError. ``visible_gpus``
-    (see :func:`visible_gpu_count`) is the NPROC_PER_NODE default."""
+    (see :func:`visible_gpu_count`) is the NPROC_PER_NODE default; ``slurm_hosts`` are the
+    allocation's nodes (``scontrol show hostnames $SLURM_JOB_NODELIST``) inside a Slurm allocation."""
     if env.get("HOSTS", "").strip() and env.get("HOSTFILE", "").strip():
         raise UserError("both HOSTS and HOSTFILE are set; set one of them")
-    if env.get("HOSTFILE", "").strip():
+    explicit_hosts = bool(env.get("HOSTS", "").strip() or env.get("HOSTFILE", "").strip())
+    transport = choose_transport(env, explicit_hosts)
+    if transport == "srun":
+        if not slurm_hosts:
+            raise UserError("the allocation lists no node (SLURM_JOB_NODELIST); run inside salloc or sbatch")
+        hosts = tuple(slurm_hosts)
+        nnodes = _int(env, "NNODES", len(hosts), 1)
+        if nnodes > len(hosts):
+            raise UserError(
+                f"NNODES={nnodes} but the Slurm allocation {env.get('SLURM_JOB_ID')} has {len(hosts)} node(s) "
+                f"({', '.join(hosts)}); ask for more nodes (salloc -N {nnodes}) or unset NNODES"
+            )
+        hosts = hosts[:nnodes]
+    elif env.get("HOSTFILE", "").strip():
         path = Path(env["HOSTFILE"]).expanduser()
         if not path.is_file():
             raise UserError(f"HOSTFILE={env['HOSTFILE']} does not exist; give a file with one host per line")
@@ -138,8 +156,8 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0) -> LaunchEnv:
         hosts = parse_hosts(env["HOSTS"], "HOSTS")
     else:
         hosts = ("localhost",)
-    nnodes = _int(env, "NNODES", len(hosts), 1)
-    explicit_hosts = bool(env.get("HOSTS", "").strip() or env.get("HOSTFILE", "").strip())
+    if transport != "srun":
+        nnodes = _int(env, "NNODES", len(hosts), 1)
     if explicit_hosts and nnodes != len(hosts):
         raise UserError(
             f"NNODES={nnodes} but {len(hosts)} hosts are listed ({', '.join(hosts)}); "
@@ -174,7 +192,30 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0) -> LaunchEnv:
         ssh_opts=tuple(shlex.split(env.get("SSH_OPTS", ""))),
         dry_run=env.get("DRY_RUN", "").strip() not in ("", "0", "false", "no"),
         forwarded=forwarded_environment(env),
+        transport=transport,
+        slurm_job_id=env.get("SLURM_JOB_ID", "").strip() or None,
     )
+
+
+TRANSPORTS = ("ssh", "srun")
+
+
+def choose_transport(env: Mapping[str, str], explicit_hosts: bool) -> str:
+    """``LAUNCHER_TRANSPORT`` (ssh or srun), else srun inside a Slurm allocation without HOSTS,
+    else ssh (which is also this machine alone, without HOSTS)."""
+    asked = env.get("LAUNCHER_TRANSPORT", "").strip()
+    in_allocation = bool(env.get("SLURM_JOB_ID", "").strip())
+    if asked and asked not in TRANSPORTS:
+        raise UserError(f"LAUNCHER_TRANSPORT={asked!r} is not a transport; use ssh or srun (default: srun inside a "
+                        "Slurm allocation without HOSTS, else ssh)")
+    if asked == "srun" and not in_allocation:
+        raise UserError("LAUNCHER_TRANSPORT=srun needs a Slurm allocation, and SLURM_JOB_ID is not set; run inside "
+                        "salloc or sbatch, submit with submit_training.sh, or give HOSTS for ssh")
+    if asked == "srun" and explicit_hosts:
+        raise UserError("LAUNCHER_TRANSPORT=srun takes the nodes from the allocation; unset HOSTS/HOSTFILE")
+    if asked:
+        return asked
+    return "srun" if in_allocation and not explicit_hosts else "ssh"
 
 
 def visible_gpu_count(env: Mapping[str, str], dev_dir: Path = Path("/dev")) -> int:

@@ -43,6 +43,8 @@ class PidRecord:
     started_at: float
     supervisor_pid: int | None = None
     """The node's supervisor (orchestration/supervisor.py), torchrun's parent in the same process group."""
+    slurm_step: str | None = None
+    """JOB.STEP when the node runs as a task of a Slurm step (the srun transport)."""
 
 
 def write_pid_file(path: Path, record: PidRecord) -> None:
@@ -115,11 +117,12 @@ def start_detached(argv: Sequence[str], env: dict[str, str], cwd: str, log_path:
 
 
 def new_record(run: str, run_id: str, node_rank: int, host: str, proc: subprocess.Popen, argv: Sequence[str],
-               log_path: Path, supervisor_pid: int | None = None) -> PidRecord:
+               log_path: Path, supervisor_pid: int | None = None, slurm_step: str | None = None) -> PidRecord:
     return PidRecord(
         run=run, run_id=run_id, node_rank=node_rank, host=host, hostname=socket.gethostname(),
         pid=proc.pid, pgid=os.getpgid(proc.pid), start_time=process_start_time(proc.pid) or 0,
         argv=list(argv), log_path=str(log_path), started_at=time.time(), supervisor_pid=supervisor_pid,
+        slurm_step=slurm_step,
     )
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from megatron_ext.spec.run_paths import RunPaths
 from orchestration import processes
-from orchestration.plan import NodePlan
+from orchestration.plan import RUN_ID_TAG, NodePlan
 
 POLL_S = 0.5
 HEARTBEAT_S = 2.0
@@ -149,10 +149,11 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         log = Path(self.plan.log_path)
         with open(log, "ab", buffering=0) as out:
-            proc = subprocess.Popen(list(self.plan.argv), cwd=self.plan.cwd, env=os.environ.copy(), stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(list(self.plan.argv), cwd=self.plan.cwd, env=self.plan.process_environment(os.environ),
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        step = f"{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}" if "SLURM_STEP_ID" in os.environ else None
         record = processes.new_record(self.plan.run, self.plan.run_id, self.plan.node_rank, self.plan.host, proc,
-                                      self.plan.argv, log, supervisor_pid=os.getpid())
+                                      self.plan.argv, log, supervisor_pid=os.getpid(), slurm_step=step)
         processes.write_pid_file(Path(self.plan.pid_path), record)
         last_beat = 0.0
         while True:
@@ -187,10 +188,16 @@ class Supervisor:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m orchestration node-supervise")
-    p.add_argument("--plan-file", type=Path, required=True)
+    p.add_argument("--plan-file", required=True, help="the node's plan; {node} is replaced by SLURM_NODEID (srun)")
     args = p.parse_args(argv)
-    plan = NodePlan.from_json(args.plan_file.read_text())
+    plan_file = Path(args.plan_file.replace("{node}", os.environ.get("SLURM_NODEID", "0")))
+    plan = NodePlan.from_json(plan_file.read_text())
+    if os.environ.get(RUN_ID_TAG) != plan.run_id:  # started by srun: take the plan's environment and tags first
+        os.execve(sys.executable, [sys.executable, "-m", "orchestration", "node-supervise", "--plan-file", args.plan_file],
+                  plan.process_environment(os.environ))
     paths = RunPaths(Path(plan.env["ARTIFACT_ROOT"]), plan.run)
+    if "SLURM_STEP_ID" in os.environ:  # a task of the start step: a process group of its own, so stop signals only the run
+        os.setpgid(0, 0)
     return Supervisor(plan, paths, int(plan.env["NNODES"])).run()
 
 

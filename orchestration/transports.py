@@ -1,5 +1,5 @@
-"""How the launcher reaches a node: this machine, ``ssh``, or ``docker exec`` (over ssh for
-remote nodes when CONTAINER_NAME is set).
+"""How the launcher reaches a node: this machine, ``ssh``, ``srun`` inside a Slurm allocation, or
+``docker exec`` (over ssh or srun for remote nodes when CONTAINER_NAME is set).
 
     HOSTS=node0,node1 SSH_OPTS="-F cluster.cfg" python -m orchestration status demo
 
@@ -36,9 +36,15 @@ def docker_exec_argv(container: str, argv: Sequence[str], env: dict[str, str], c
 
 
 def runs_here(launch: LaunchEnv, host: str) -> bool:
-    """Whether a command for ``host`` runs as a plain subprocess of the launcher (this machine,
-    no container): then the caller applies env and cwd itself."""
-    return launch.is_local(host) and not launch.container_name
+    """Whether the caller applies env and cwd to the command for ``host`` itself: a plain
+    subprocess on this machine, or ``srun`` (which exports the caller's environment)."""
+    return launch.transport == "srun" or (launch.is_local(host) and not launch.container_name)
+
+
+def srun_argv(launch: LaunchEnv, host: str, argv: Sequence[str], cwd: str) -> list[str]:
+    """One task on ``host`` inside the allocation, beside the steps already running there."""
+    return ["srun", f"--jobid={launch.slurm_job_id}", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={host}",
+            f"--chdir={cwd}", "--kill-on-bad-exit=1", "--quiet", *argv]
 
 
 def transport_argv(launch: LaunchEnv, host: str, argv: Sequence[str], env: dict[str, str], cwd: str) -> list[str]:
@@ -47,6 +53,9 @@ def transport_argv(launch: LaunchEnv, host: str, argv: Sequence[str], env: dict[
     local: the argv itself (env and cwd are applied by the caller); ssh: one quoted command
     line; CONTAINER_NAME: ``docker exec`` into the container, over ssh for remote hosts.
     """
+    if launch.transport == "srun":
+        inner = docker_exec_argv(launch.container_name, argv, env, cwd) if launch.container_name else list(argv)
+        return srun_argv(launch, host, inner, cwd)
     if launch.container_name:
         inner = docker_exec_argv(launch.container_name, argv, env, cwd)
         if launch.is_local(host):

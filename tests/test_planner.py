@@ -1,0 +1,150 @@
+"""The memory planner: exact parameter counts without torch, model states per stage, activations,
+data-parallel traffic, the stage that fits, and plan_memory.sh."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from fractions import Fraction
+
+import pytest
+
+from megatron_ext.spec.errors import UserError
+from megatron_ext.spec.params import list_models, load_model
+from orchestration.planner import (DEFAULT_BUS_BANDWIDTH_GBS, DEVICES, GB, count_model_parameters, dp_traffic_bytes,
+                                   estimate_activation_bytes, format_memory_plan, plan_memory, state_bytes_per_parameter)
+
+from conftest import REPO, clean_env, run_script
+
+QWEN3_1P7B = 1_720_574_976
+
+
+def stage_rows(text: str) -> dict[str, list[str]]:
+    """The plan table's rows by stage: stage, params, grads, optimizer, states, ..."""
+    return {line.split()[0]: line.split() for line in text.splitlines() if line[:2] in ("0 ", "1 ", "2 ", "3 ")}
+
+
+@pytest.mark.parametrize("model", list_models())
+def test_analytic_parameter_count_equals_the_megatron_core_model(model):
+    from megatron_ext.training.model import count_parameters
+
+    preset = load_model(model)
+    vocab = None if preset.vocab_size else 2048  # the smoke presets take the smoke tokenizer's 2,048
+    ours, theirs = count_model_parameters(preset, vocab), count_parameters(preset, vocab)
+    assert (ours.total, ours.embedding) == (theirs.total, theirs.embedding)
+
+
+def test_known_parameter_counts():
+    assert count_model_parameters(load_model("gpt2")).total == 124_475_904
+    qwen = count_model_parameters(load_model("qwen3_1p7b"))
+    assert (qwen.total, qwen.non_embedding, qwen.padded_vocab) == (QWEN3_1P7B, 1_409_410_048, 151_936)
+    untied = count_model_parameters(replace(load_model("qwen3_1p7b"), tie_embeddings=False))
+    assert untied.total == 2_031_739_904
+    with pytest.raises(UserError, match="give DATA or --vocab-size"):
+        count_model_parameters(load_model("gpt_smoke"))
+
+
+def test_qwen3_1p7b_on_32_gpus_model_states_exactly():
+    plan = plan_memory(load_model("qwen3_1p7b"), vocab_size=None, nnodes=4, nproc_per_node=8, seq_length=4096,
+                       micro_batch_size=1)
+    assert plan.parameters == QWEN3_1P7B and plan.num_gpus == 32
+    assert plan.stage(0).states_bytes == 18 * QWEN3_1P7B == 30_970_349_568
+    assert plan.stage(1).states_bytes == 6 * QWEN3_1P7B + 12 * QWEN3_1P7B // 32 == 10_968_665_472
+    assert plan.stage(2).states_bytes == 2 * QWEN3_1P7B + 14 * QWEN3_1P7B // 32
+    assert plan.stage(3).states_bytes == 16 * QWEN3_1P7B // 32
+    s0 = plan.stage(0)
+    assert (s0.params_bytes, s0.grads_bytes, s0.optimizer_bytes) == (2 * QWEN3_1P7B, 4 * QWEN3_1P7B, 12 * QWEN3_1P7B)
+    text = format_memory_plan(plan)
+    row = stage_rows(text)
+    assert row["0"][4] == "31.0" and row["1"][4] == "11.0", text
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_cpu_model_states_follow_the_formula_the_training_tests_measure(d):
+    """tests/test_training.py asserts these figures against what 2 and 4 CPU processes hold."""
+    from test_training import expected_model_state
+
+    psi = count_model_parameters(load_model("gpt_smoke"), 2048).total
+    plan = plan_memory(load_model("gpt_smoke"), vocab_size=2048, nnodes=1, nproc_per_node=d, seq_length=128,
+                       micro_batch_size=4, precision="fp32", device=DEVICES["cpu"])
+    for stage, (between, peak) in expected_model_state(psi, d).items():
+        assert plan.stage(stage).states_bytes == pytest.approx(between, abs=1)
+        assert plan.stage(stage).states_peak_bytes == pytest.approx(peak, abs=1)
+
+
+def test_bytes_per_parameter_tables():
+    d = 8
+    assert [state_bytes_per_parameter(s, d, "bf16").total for s in range(4)] == [
+        18, 6 + Fraction(12, d), 2 + Fraction(14, d), Fraction(16, d)]
+    assert [state_bytes_per_parameter(s, d, "fp32").total for s in range(4)] == [
+        16, 8 + Fraction(8, d), Fraction(16, d), Fraction(16, d)]
+    peak2 = state_bytes_per_parameter(2, d, "fp32")
+    assert peak2.total + peak2.peak_extra == 4 + Fraction(12, d)
+
+
+def test_activation_estimate_reproduces_korthikanti_for_the_gpt_layer():
+    """GPT-2's layer with dropout: 34 s*b*h bytes per layer in 16-bit (their eq. 1 without the
+    s x s attention-score term, which flash/SDPA attention does not store)."""
+    gpt = replace(load_model("gpt2"), hidden_dropout=0.1)
+    s, b, h = 1024, 4, gpt.hidden_size
+    acts = estimate_activation_bytes(gpt, s, b, 50_304, value_bytes=2)
+    assert acts.per_layer == 34 * s * b * h
+    assert acts.full == 12 * acts.per_layer + s * b * (2 * 2 * h + 50_304 * 6)
+    assert acts.recompute == 12 * 2 * s * b * h + acts.per_layer + s * b * (2 * 2 * h + 50_304 * 6)
+    qwen = load_model("qwen3_1p7b")  # GQA (k = h/2), QK-norm, SwiGLU: 35,840 values per token and layer
+    assert estimate_activation_bytes(qwen, 4096, 1, 151_936, 2).per_layer == 4096 * 35_840 * 2
+
+
+def test_data_parallel_traffic_and_its_time():
+    psi, d = QWEN3_1P7B, 32
+    ring = Fraction(d - 1, d)
+    assert dp_traffic_bytes(0, psi, d, 4, 2) == pytest.approx(float(2 * psi * 4 * ring), abs=1)
+    assert dp_traffic_bytes(1, psi, d, 4, 2) == pytest.approx(float(psi * (4 + 2) * ring), abs=1)
+    for stage in (0, 1, 2):  # bf16 reduction: the ZeRO paper's 2 x gradient bytes ...
+        assert dp_traffic_bytes(stage, psi, d, 2, 2) == pytest.approx(float(2 * psi * 2 * ring), abs=1)
+    assert dp_traffic_bytes(3, psi, d, 2, 2) == pytest.approx(float(3 * psi * 2 * ring), abs=1)  # ... and 3x
+    assert dp_traffic_bytes(0, psi, 1, 4, 2) == 0
+    plan = plan_memory(load_model("qwen3_1p7b"), vocab_size=None, nnodes=4, nproc_per_node=8, seq_length=4096,
+                       micro_batch_size=1, grad_reduce_in_bf16=True)
+    assert plan.stage(3).traffic_s == pytest.approx(plan.stage(3).traffic_bytes / (DEFAULT_BUS_BANDWIDTH_GBS * GB))
+
+
+def test_lowest_stage_that_fits():
+    qwen = load_model("qwen3_1p7b")
+    kwargs = dict(vocab_size=None, nnodes=4, nproc_per_node=8, seq_length=4096, micro_batch_size=1)
+    assert plan_memory(qwen, **kwargs).lowest_fitting_stage == 0  # H200: 43 GB of 126.9 GB usable
+    small = plan_memory(qwen, device_bytes=24 * GB, **kwargs)
+    assert [s.fits for s in small.stages] == [False, False, True, True] and small.lowest_fitting_stage == 2
+    assert "lowest stage that fits in 24.0 GB with 10% headroom: stage 2" in format_memory_plan(small)
+    tiny = plan_memory(qwen, device_bytes=12 * GB, **kwargs)
+    assert tiny.lowest_fitting_stage is None and tiny.lowest_fitting_stage_recompute == 2
+    assert "with full activation recomputation: stage 2" in format_memory_plan(tiny)
+    none = plan_memory(qwen, device_bytes=4 * GB, **kwargs)
+    assert "no stage fits" in format_memory_plan(none) and none.lowest_fitting_stage_recompute is None
+
+
+def test_plan_memory_script_for_32_gpus():
+    env = clean_env(NNODES="4", NPROC_PER_NODE="8")
+    proc = run_script("plan_memory.sh", "qwen3_1p7b", "qwen3_1p7b_smoke", "--device", "h100", env=env)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "1,720,574,976 parameters" in out and "32 GPUs (4 node(s) x 8)" in out and "H100 80 GB" in out
+    rows = stage_rows(out)
+    assert rows["0"][4] == "31.0" and rows["1"][4] == "11.0"
+    assert "lowest stage that fits in 80.0 GB with 10% headroom: stage 0" in out
+    assert "at 331 GB/s" in out and "Korthikanti et al. 2022" in out and "compute per step at 40% MFU" in out
+    as_json = run_script("plan_memory.sh", "qwen3_1p7b", "--gpus", "1024", "--json", env=clean_env(GPU_MEMORY_GB="80"))
+    plan = json.loads(as_json.stdout)
+    assert plan["num_gpus"] == 1024 and plan["device_bytes"] == 80 * GB
+    assert plan["stages"][1]["states_bytes"] == 6 * QWEN3_1P7B + 12 * QWEN3_1P7B // 1024
+    bad = run_script("plan_memory.sh", "qwen3_1p7b", env=clean_env(GPU_MEMORY_GB="lots"))
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: GPU_MEMORY_GB='lots' must be a number of GB, e.g. 80"
+
+
+def test_launcher_side_never_imports_torch():
+    code = ("import sys, orchestration.planner, orchestration.compare, orchestration.report, orchestration.sweep; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'matplotlib'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
