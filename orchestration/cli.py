@@ -245,6 +245,40 @@ def _wait_for_end(paths: RunPaths, ranks: Sequence[int], poll_s: float = 2.0) ->
         time.sleep(poll_s)
 
 
+def cmd_submit(args, launch: LaunchEnv) -> int:
+    """sbatch a batch script that runs the start inside the job (srun transport) and waits for it."""
+    from orchestration import slurm
+
+    nodes = args.nodes or launch.nnodes
+    nproc = args.gpus_per_node or launch.nproc_per_node
+    request = slurm.BatchRequest(nodes=nodes, nproc_per_node=nproc, gpus_per_node=args.gpus_per_node or 0,
+                                 time=args.time or launch.slurm_batch.get("time"),
+                                 partition=args.partition or launch.slurm_batch.get("partition"),
+                                 account=args.account or launch.slurm_batch.get("account"))
+    job_launch = dataclasses.replace(launch, nnodes=nodes, nproc_per_node=nproc,
+                                     hosts=tuple(f"slurm-node{i}" for i in range(nodes)), transport="srun")
+    plan_start(job_launch, args.model, args.data, args.run, list(enumerate(job_launch.hosts)), prepare=False)  # checks only
+    paths = RunPaths(launch.artifact_root, args.run)
+    if slurm.recorded_job(paths) and slurm.job_state(slurm.recorded_job(paths), os.environ) in ("PENDING", "RUNNING"):
+        raise UserError(f"run {args.run!r} is already submitted as slurm job {slurm.recorded_job(paths)}; stop it first "
+                        f"(stop_multinode_training.sh {args.run}) or choose another RUN name")
+    slurm.check_partition(request.partition, os.environ)
+    env = {**launch.forwarded, "ARTIFACT_ROOT": str(launch.artifact_root), "NPROC_PER_NODE": str(nproc),
+           "NNODES": str(nodes), **({"ZERO_STAGE": str(launch.zero_stage)} if launch.zero_stage is not None else {}),
+           **({"ENGINE": launch.overrides.engine} if launch.overrides.engine else {}),
+           **({"MASTER_PORT": str(launch.master_port)} if launch.master_port_explicit else {})}
+    script = paths.run_state_dir / f"{args.run}.sbatch"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    paths.logs_dir.mkdir(parents=True, exist_ok=True)
+    script.write_text(slurm.render_batch_script(args.model, args.data, args.run, request, sys.executable, os.getcwd(),
+                                                env, paths.logs_dir / f"{args.run}_sbatch.log"))
+    job = slurm.submit(script, os.environ)
+    slurm.record_job(paths, job, script)
+    print(f"submitted slurm job {job} for run {args.run}: {nodes} node(s) x {nproc} processes; batch script {script}; "
+          f"status: status_training.sh {args.run}; stop: stop_multinode_training.sh {args.run}", flush=True)
+    return EXIT_OK
+
+
 def cmd_preflight(args, launch: LaunchEnv) -> int:
     """The start's checks on every node, on their own: nothing is started."""
     nodes = _nodes(launch, args.this_node)
@@ -260,10 +294,33 @@ def cmd_preflight(args, launch: LaunchEnv) -> int:
     return EXIT_OK
 
 
+def _batch_job(launch: LaunchEnv, run: str, this_node: bool) -> str | None:
+    """The Slurm batch job ``submit`` recorded for ``run``, when this command is not inside it."""
+    from orchestration import slurm
+
+    job = None if this_node or launch.hosts_explicit else slurm.recorded_job(RunPaths(launch.artifact_root, run))
+    return job if job and job != launch.slurm_job_id else None
+
+
 def cmd_stop(args, launch: LaunchEnv) -> int:
+    from orchestration import slurm
+
+    job = _batch_job(launch, args.run, args.this_node)
+    if job:  # a batch job: Slurm ends every step of it (SIGTERM, then SIGKILL after KillWait)
+        state = slurm.cancel(job, os.environ)
+        print(f"slurm job {job} of run {args.run}: {state}", flush=True)
+        return EXIT_OK if state in (*slurm.TERMINAL_STATES, "UNKNOWN") else EXIT_NODE_FAILED
     results = _on_nodes(launch, _run_nodes(launch, args.run, args.this_node),
                         _node_args("node-stop", args.run, launch, "--grace-s", str(args.grace_s)),
                         timeout_s=args.grace_s + 60)
+    if launch.transport == "srun":  # a node srun could not reach: cancel its step instead
+        from orchestration import processes
+
+        paths = RunPaths(launch.artifact_root, args.run)
+        for r in results:
+            record = processes.read_pid_file(paths.node_pid_file(r.node_rank))
+            if not r.ok and record and record.slurm_step and slurm.cancel_step(record.slurm_step, os.environ):
+                print(f"[node{r.node_rank} {r.host}] srun could not reach it: cancelled step {record.slurm_step}", flush=True)
 
     def describe(r: NodeResult) -> str:
         p = r.payload
@@ -280,9 +337,21 @@ def cmd_stop(args, launch: LaunchEnv) -> int:
 
 
 def cmd_status(args, launch: LaunchEnv) -> int:
-    resolved = read_resolved(RunPaths(launch.artifact_root, args.run).params_path)
+    from orchestration import slurm
+
+    paths = RunPaths(launch.artifact_root, args.run)
+    resolved = read_resolved(paths.params_path)
     seq = ["--seq-length", str(resolved.params.training.seq_length)] if resolved else []
-    results = _on_nodes(launch, _run_nodes(launch, args.run, args.this_node), _node_args("node-status", args.run, launch, *seq))
+    job = _batch_job(launch, args.run, args.this_node)
+    if job:  # a batch job, seen from outside it: its state, and each node from the shared run_state files
+        state = slurm.job_state(job, os.environ)
+        print(f"slurm job {job}: {state}" if not args.json else json.dumps({"slurm_job": job, "state": state}), flush=True)
+        ranks = range(resolved.runtime.nnodes) if resolved and state != "PENDING" else range(0)
+        results = [NodeResult(rank, resolved.runtime.hosts[rank], [], 0, node.node_status(
+            paths, rank, resolved.runtime.hosts[rank], resolved.params.training.seq_length, by_heartbeat=True), "")
+            for rank in ranks]
+    else:
+        results = _on_nodes(launch, _run_nodes(launch, args.run, args.this_node), _node_args("node-status", args.run, launch, *seq))
     if args.json:
         for r in results:
             print(json.dumps(r.payload if r.ok else {"node_rank": r.node_rank, "host": r.host, "error": r.describe_failure()}))
@@ -363,6 +432,13 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="one JSON object per node")
     train = sub.add_parser("train", help="train in the foreground on this node (torchrun with a fixed node rank)")
     train.add_argument("model"), train.add_argument("data"), train.add_argument("run", nargs="?")
+    submit = sub.add_parser("submit", help="sbatch a job that runs MODEL DATA RUN on its nodes and waits for it")
+    submit.add_argument("model"), submit.add_argument("data"), submit.add_argument("run")
+    submit.add_argument("--nodes", type=int, help="nodes (default NNODES, 1)")
+    submit.add_argument("--gpus-per-node", type=int, help="GPUs (and processes) per node (default: CPUs, NPROC_PER_NODE)")
+    submit.add_argument("--time", help="time limit (default SBATCH_TIMELIMIT, else the partition's)")
+    submit.add_argument("--partition", help="partition (default SBATCH_PARTITION, else the cluster's default)")
+    submit.add_argument("--account", help="account (default SBATCH_ACCOUNT)")
     preflight = sub.add_parser("preflight", help="the start's checks on every node, nothing started")
     preflight.add_argument("model"), preflight.add_argument("data"), preflight.add_argument("run")
     preflight.add_argument("--this-node", action="store_true")
@@ -393,6 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "train": cmd_train, "preflight": cmd_preflight,
+            "submit": cmd_submit,
             **zero_sweep.COMMANDS}
 
 

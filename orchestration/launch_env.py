@@ -67,6 +67,8 @@ class LaunchEnv:
     """ssh (this machine, ssh, docker exec) or srun (inside a Slurm allocation)."""
     slurm_job_id: str | None = None
     """SLURM_JOB_ID: the allocation the srun transport runs in."""
+    slurm_batch: dict[str, str] = field(default_factory=dict)
+    """SBATCH_PARTITION, SBATCH_ACCOUNT, SBATCH_TIMELIMIT: defaults for ``submit``."""
 
     @property
     def zero_stage(self) -> int | None:
@@ -194,6 +196,8 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: 
         forwarded=forwarded_environment(env),
         transport=transport,
         slurm_job_id=env.get("SLURM_JOB_ID", "").strip() or None,
+        slurm_batch={key: env[name].strip() for key, name in (("partition", "SBATCH_PARTITION"), ("account", "SBATCH_ACCOUNT"),
+                                                               ("time", "SBATCH_TIMELIMIT")) if env.get(name, "").strip()},
     )
 
 

@@ -98,11 +98,18 @@ def tail(path: Path, lines: int, max_bytes: int = 65536) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | None) -> dict:
+def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | None, by_heartbeat: bool = False) -> dict:
     """Alive or not, and the last iteration line of the node's log (either engine's), read
-    with the one iteration-line parser; ``seq_length`` turns step time into tokens/s."""
+    with the one iteration-line parser; ``seq_length`` turns step time into tokens/s.
+    ``by_heartbeat``: from another machine, alive = the node's supervisor beat recently."""
+    from orchestration.supervisor import NODE_LOST_S
+
     record = processes.read_pid_file(paths.node_pid_file(node_rank))
-    alive = bool(record and processes.record_is_alive(record))
+    if by_heartbeat:
+        beat = paths.node_heartbeat_file(node_rank)
+        alive = beat.exists() and time.time() - beat.stat().st_mtime < NODE_LOST_S and not read_exit(paths.node_exit_file(node_rank))
+    else:
+        alive = bool(record and processes.record_is_alive(record))
     ended = read_exit(paths.node_exit_file(node_rank))
     state = "running" if alive else ended.state if ended else "stopped" if paths.node_log(node_rank).exists() else "not started"
     failure = paths.failure_file.read_text().splitlines()[0] if paths.failure_file.is_file() else None

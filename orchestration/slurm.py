@@ -84,7 +84,8 @@ def render_batch_script(model: str, data: str, run: str, request: BatchRequest, 
     for flag, value in (("--time", request.time), ("--partition", request.partition), ("--account", request.account)):
         if value:
             lines.append(f"#SBATCH {flag}={value}")
-    lines += ["set -euo pipefail", f"cd {shlex.quote(cwd)}"]
+    lines += ["set -euo pipefail", f"cd {shlex.quote(cwd)}",
+              "unset HOSTS HOSTFILE NODE_RANK MASTER_ADDR DRY_RUN LAUNCHER_TRANSPORT  # the nodes come from the job"]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
     lines.append("exec " + shlex.join([python, "-m", "orchestration", "start", model, data, run, "--wait"]))
     return "\n".join(lines) + "\n"

@@ -24,8 +24,9 @@ def free_port() -> int:
 def clean_env(**extra: str) -> dict[str, str]:
     """The test process's environment without launcher/torchrun variables, plus ``extra``."""
     drop = {"ZERO_STAGE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NNODES", "NODE_RANK", "NPROC_PER_NODE",
-            "MASTER_ADDR", "MASTER_PORT", "HOSTS", "HOSTFILE", "CONTAINER_NAME", "DRY_RUN", "LAUNCHER_RUN"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
+            "MASTER_ADDR", "MASTER_PORT", "HOSTS", "HOSTFILE", "CONTAINER_NAME", "DRY_RUN", "LAUNCHER_RUN", "ENGINE",
+            "MEGATRON_LM_DIR", "LAUNCHER_TRANSPORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "STAGES"}
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("SLURM_", "SBATCH_"))}
     env.update(extra)
     return env
 

@@ -1,0 +1,127 @@
+"""The launcher under a real Slurm (tests/slurm_cluster.py: munged, slurmctld and one slurmd on
+this machine; one node with one task of 2 training processes): a batch job through
+submit_training.sh runs to the end, a run started inside an allocation (salloc) stops on request,
+bad input is one message with nothing submitted. With CI=true a missing prerequisite is a failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from slurm_cluster import SlurmCluster, missing_prerequisites
+from conftest import REPO, clean_env, last_iteration, run_script, tagged_pids, wait_for, write_data_set
+
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    missing = missing_prerequisites()
+    if missing:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"Slurm tests must run in CI: {missing}")
+        pytest.skip(missing)
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm")).open()
+    yield c
+    c.close()
+
+
+@pytest.fixture()
+def slurm_env(cluster, artifact_root):
+    return clean_env(ARTIFACT_ROOT=str(artifact_root), NPROC_PER_NODE="2", **cluster.env)
+
+
+def job_state(job: str, env: dict) -> str:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True).stdout
+    return next((w.split("=", 1)[1] for w in out.split() if w.startswith("JobState=")), "UNKNOWN")
+
+
+def test_batch_job_runs_to_the_end(slurm_env, artifact_root, tmp_path):
+    data = write_data_set(tmp_path / "short.yaml", train_iters=6)
+    submit = run_script("submit_training.sh", "gpt_smoke", data, "sl_batch", env=slurm_env)
+    assert submit.returncode == 0, submit.stdout + submit.stderr
+    job = submit.stdout.split("submitted slurm job ")[1].split()[0]
+    script = (artifact_root / "run_state" / "sl_batch.sbatch").read_text()
+    assert "#SBATCH --nodes=1" in script and "orchestration start gpt_smoke" in script and "--wait" in script
+    wait_for(lambda: job_state(job, slurm_env) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 420, interval_s=2,
+             what=f"slurm job {job} to end")
+    sbatch_log = (artifact_root / "logs" / "sl_batch_sbatch.log").read_text()
+    assert job_state(job, slurm_env) == "COMPLETED", sbatch_log[-3000:]
+    log = artifact_root / "logs" / "sl_batch_node0.log"
+    assert last_iteration(log) == 6, log.read_text()[-2000:]
+    metrics = (artifact_root / "runs" / "sl_batch" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(l)["iteration"] for l in metrics] == list(range(1, 7))
+    assert "run sl_batch ended: node0 finished" in sbatch_log
+    status = run_script("status_training.sh", "sl_batch", env=slurm_env)
+    assert f"slurm job {job}: COMPLETED" in status.stdout and " finished " in status.stdout, status.stdout
+    assert tagged_pids("sl_batch") == []
+
+
+ALLOCATION_SCRIPT = """\
+set -u
+cd {repo}
+bash training_scripts/start_multinode_training.sh gpt_smoke {data} sl_alloc || exit 11
+python3 - <<'PY'
+import sys, time
+sys.path.insert(0, "tests")
+from conftest import last_iteration
+from pathlib import Path
+log = Path("{root}") / "logs" / "sl_alloc_node0.log"
+deadline = time.time() + 240
+while last_iteration(log) < 2 and time.time() < deadline:
+    time.sleep(0.5)
+PY
+bash training_scripts/status_training.sh sl_alloc --json
+bash training_scripts/stop_multinode_training.sh sl_alloc || exit 12
+"""
+
+
+def test_run_inside_an_allocation_stops_on_request(slurm_env, artifact_root, tmp_path):
+    data = write_data_set(tmp_path / "long.yaml", train_iters=5000)
+    script = tmp_path / "in_allocation.sh"
+    script.write_text(ALLOCATION_SCRIPT.format(repo=REPO, data=data, root=artifact_root))
+    try:
+        proc = subprocess.run(["salloc", "--nodes=1", "--cpus-per-task=2", "--quiet", "bash", str(script)], cwd=REPO,
+                              env=slurm_env, capture_output=True, text=True, timeout=420)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "[node0 " in proc.stdout and "started torchrun pid" in proc.stdout
+        node = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("{")))
+        assert node["alive"] and node["state"] == "running" and node["last_iteration"] >= 2
+        assert "stopped (SIGTERM to process group" in proc.stdout
+    finally:
+        assert tagged_pids("sl_alloc") == []
+
+
+def test_bad_input_is_one_message_and_nothing_is_submitted(slurm_env, tmp_path):
+    outside = run_script("start_multinode_training.sh", "gpt_smoke", "smoke", "sl_bad", env={**slurm_env, "LAUNCHER_TRANSPORT": "srun"})
+    assert outside.returncode == 2 and "LAUNCHER_TRANSPORT=srun needs a Slurm allocation" in outside.stderr
+    assert outside.stderr.count("error:") == 1
+    too_many = subprocess.run(["salloc", "--nodes=1", "--quiet", "env", "NNODES=2", "bash",
+                               str(REPO / "training_scripts" / "start_multinode_training.sh"), "gpt_smoke", "smoke", "sl_bad"],
+                              cwd=REPO, env=slurm_env, capture_output=True, text=True, timeout=120)
+    assert too_many.returncode == 2 and "NNODES=2 but the Slurm allocation" in too_many.stderr, too_many.stderr
+    assert "has 1 node(s)" in too_many.stderr
+    partition = run_script("submit_training.sh", "gpt_smoke", "smoke", "sl_bad", "--partition", "nosuch", env=slurm_env)
+    assert partition.returncode == 2 and "partition 'nosuch' does not exist on this cluster (partitions: debug)" in partition.stderr
+    queue = subprocess.run(["squeue", "-h", "-n", "sl_bad"], env=slurm_env, capture_output=True, text=True).stdout
+    assert queue.strip() == "" and tagged_pids("sl_bad") == []
+
+
+def test_stop_cancels_a_batch_job_and_leaves_nothing(slurm_env, artifact_root, tmp_path):
+    data = write_data_set(tmp_path / "long.yaml", train_iters=5000)
+    submit = run_script("submit_training.sh", "gpt_smoke", data, "sl_cancel", env=slurm_env)
+    assert submit.returncode == 0, submit.stderr
+    job = submit.stdout.split("submitted slurm job ")[1].split()[0]
+    try:
+        wait_for(lambda: last_iteration(artifact_root / "logs" / "sl_cancel_node0.log") >= 2, 300, what="the job to train")
+        running = run_script("status_training.sh", "sl_cancel", env=slurm_env)
+        assert f"slurm job {job}: RUNNING" in running.stdout and " running " in running.stdout, running.stdout
+        stop = run_script("stop_multinode_training.sh", "sl_cancel", env=slurm_env, timeout=180)
+        assert stop.returncode == 0 and f"slurm job {job} of run sl_cancel: CANCELLED" in stop.stdout, stop.stdout + stop.stderr
+        wait_for(lambda: not tagged_pids("sl_cancel"), 60, what="every process of the job to end")
+    finally:
+        subprocess.run(["scancel", job], env=slurm_env)
+    assert tagged_pids("sl_cancel") == []
