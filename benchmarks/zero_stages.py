@@ -3,8 +3,9 @@
     python benchmarks/zero_stages.py --nproc 2 --iters 20
 
 Prints tokens/s, TFLOP/s and model-state bytes per rank for stages 0-3, each as a ratio to
-stage 0, and the framework's stage-0 tokens/s against a bare DDP loop over the same megatron-core
-model and data (benchmarks/bare_loop.py), all measured in this one invocation. Medians over
+stage 0, the framework's stage-0 tokens/s against a bare DDP loop over the same megatron-core
+model and data (benchmarks/bare_loop.py), and that bare loop with the SDPA core attention against
+megatron-core's DotProductAttention, all measured in this one invocation. Medians over
 iterations after the first.
 """
 
@@ -42,6 +43,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=3, help="runs of each bare loop (medians), alternating")
     args = p.parse_args()
     root = Path(os.environ.get("ARTIFACT_ROOT") or tempfile.mkdtemp(prefix="bench_"))
     env = {**{k: v for k, v in os.environ.items() if k not in ("ZERO_STAGE", "CONTAINER_NAME")}, "ARTIFACT_ROOT": str(root),
@@ -60,7 +62,16 @@ def main() -> None:
             "peak": max(records[-1].model_state_peak_bytes_per_rank),
             "loss": records[-1].lm_loss,
         })
-    bare = json.loads(torchrun(args.nproc, ["benchmarks/bare_loop.py", "--iters", str(args.iters)], env).stdout.strip().splitlines()[-1])
+    def bare_loop(attention: str) -> float:
+        out = torchrun(args.nproc, ["benchmarks/bare_loop.py", "--iters", str(args.iters), "--attention", attention], env)
+        return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
+
+    runs = {"sdpa": [], "local": []}
+    for _ in range(args.repeats):  # alternating, so drift on a noisy machine hits both alike
+        for attention in runs:
+            runs[attention].append(bare_loop(attention))
+    bare = {"tokens_per_s": statistics.median(runs["sdpa"])}
+    local = {"tokens_per_s": statistics.median(runs["local"])}
     base = rows[0]
     print(f"gpt_smoke on the embedded corpus, {args.nproc} CPU processes (gloo), {args.iters} iterations, medians after the first")
     print(f"{'stage':>5} {'tokens/s':>10} {'x stage0':>8} {'TFLOP/s/rank':>12} {'state MiB/rank':>14} {'x stage0':>8} "
@@ -71,6 +82,8 @@ def main() -> None:
               f"{r['peak'] / base['peak']:>8.2f} {r['loss']:>10.5f}")
     print(f"bare PyTorch DDP loop: {bare['tokens_per_s']:,.0f} tokens/s; framework stage 0 / bare = "
           f"{base['tokens_per_s'] / bare['tokens_per_s']:.2f}")
+    print(f"bare loop with megatron-core's DotProductAttention: {local['tokens_per_s']:,.0f} tokens/s; SDPA attention / "
+          f"DotProductAttention = {bare['tokens_per_s'] / local['tokens_per_s']:.2f} (medians of {args.repeats} alternating runs each)")
 
 
 if __name__ == "__main__":

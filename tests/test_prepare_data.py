@@ -164,3 +164,27 @@ def test_blend_of_two_prepared_datasets_with_weights_and_split(tmp_path):
     drawn = [int(train.dataset_index[i]) for i in range(200)]
     assert 0.15 < drawn.count(0) / 200 < 0.35  # about a quarter from the first dataset
     assert Path(f"{prefix_b}.idx").is_file()
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_index_writer_matches_megatron_core_builder(tmp_path, dtype):
+    """The .bin/.idx this project writes without megatron-core equal megatron-core's own builder's."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron_ext.data.indexed_format import write_index
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 1000, size=n) for n in (5, 0, 17, 1, 0, 0, 300)]
+    builder = IndexedDatasetBuilder(str(tmp_path / "mc.bin"), dtype=dtype)
+    for ids in docs:
+        builder.add_document(torch.from_numpy(ids), [len(ids)] if len(ids) else [])
+    builder.finalize(str(tmp_path / "mc.idx"))
+    lengths = [len(ids) for ids in docs if len(ids)]
+    indices = [0]
+    for ids in docs:
+        indices.append(indices[-1] + (1 if len(ids) else 0))
+    (tmp_path / "ours.bin").write_bytes(b"".join(ids.astype(dtype).tobytes() for ids in docs))
+    write_index(tmp_path / "ours.idx", dtype, lengths, indices)
+    for suffix in ("bin", "idx"):
+        assert (tmp_path / f"ours.{suffix}").read_bytes() == (tmp_path / f"mc.{suffix}").read_bytes(), suffix

@@ -6,8 +6,7 @@
 
 Inputs: JSONL files with a ``text`` field (Megatron-LM ``preprocess_data.py``'s convention) or
 plain text files (one document per file); no input = the embedded corpus (standard-library
-docstrings). Output: ``<prefix>_text_document.bin/.idx`` written with megatron-core's
-``IndexedDatasetBuilder``, byte for byte what Megatron-LM's ``tools/preprocess_data.py
+docstrings). Output: ``<prefix>_text_document.bin/.idx`` in megatron-core's format, byte for byte what Megatron-LM's ``tools/preprocess_data.py
 --append-eod`` writes with the same tokenizer: one sequence per document, its tokens followed by
 the end-of-document token; a document with no tokens adds no sequence (only a document boundary);
 ``uint16`` below 65,500 tokens of vocabulary, else ``int32``. With ``--vocab-size`` and no model, a sentencepiece model is trained on
@@ -36,6 +35,7 @@ import numpy as np
 
 from megatron_ext.spec.errors import UserError
 from megatron_ext.spec.params import DataParams, TokenizerParams
+from megatron_ext.data.indexed_format import optimal_dtype, write_index
 from megatron_ext.data.tokenizers import load_tokenizer, train_sentencepiece
 
 logger = logging.getLogger(__name__)
@@ -139,10 +139,11 @@ def _encode_chunk(chunk: _Chunk) -> tuple[bytes, list[int]]:
     texts = chunk.items
     if chunk.jsonl:
         texts = [t for i, line in enumerate(chunk.items) if (t := _json_text(line, chunk.source, chunk.first_line + i)) is not None]
-    encoded = _worker_tokenizer.tokenize_batch(texts)
-    eod = _worker_tokenizer.eod
-    lengths = [len(ids) + 1 if ids else 0 for ids in encoded]
-    tokens = np.fromiter((t for ids in encoded if ids for t in (*ids, eod)), dtype=_worker_dtype, count=sum(lengths))
+    encoded = _worker_tokenizer.tokenize_arrays(texts)
+    eod = np.asarray([_worker_tokenizer.eod], dtype=_worker_dtype)
+    lengths = [len(ids) + 1 if len(ids) else 0 for ids in encoded]
+    pieces = [piece for ids in encoded if len(ids) for piece in (ids.astype(_worker_dtype, copy=False), eod)]
+    tokens = np.concatenate(pieces) if pieces else np.empty(0, dtype=_worker_dtype)
     return tokens.tobytes(), lengths
 
 
@@ -153,33 +154,28 @@ def write_indexed_dataset(
     workers: int = 2,
 ) -> Path:
     """Encode ``chunks`` (see :func:`chunks_from_files`, :func:`chunks_from_documents`) in
-    ``workers`` processes into ``<output_prefix>_text_document.bin/.idx`` with megatron-core's
-    ``IndexedDatasetBuilder``."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
+    ``workers`` processes into ``<output_prefix>_text_document.bin/.idx`` (megatron-core's format,
+    :mod:`megatron_ext.data.indexed_format`)."""
     tokenizer = load_tokenizer(tokenizer_params)
-    dtype = np.uint16 if tokenizer.vocab_size < 65500 else np.int32  # Megatron's DType.optimal_dtype
+    dtype = optimal_dtype(tokenizer.vocab_size)
     prefix = Path(f"{output_prefix}{DOCUMENT_SUFFIX}")
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
     initargs = (tokenizer_params.type, tokenizer_params.model_path, tokenizer_params.vocab_size, dtype)
     ctx = multiprocessing.get_context("spawn" if "torch" in sys.modules else "fork")
-    num_docs = num_tokens = 0
-    with ctx.Pool(max(1, workers), initializer=_init_worker, initargs=initargs) as pool:
+    sequence_lengths: list[int] = []
+    document_indices = [0]
+    with ctx.Pool(max(1, workers), initializer=_init_worker, initargs=initargs) as pool, open(f"{prefix}.bin", "wb") as out:
         for data, lengths in pool.imap(_encode_chunk, chunks):
-            # What builder.add_document does per document, for a whole chunk at once: an empty
-            # document adds no sequence, only a document boundary (as Megatron-LM's tool).
-            builder.data_file.write(data)
+            # As Megatron-LM's tool: an empty document adds no sequence, only a document boundary.
+            out.write(data)
             for n in lengths:
                 if n:
-                    builder.sequence_lengths.append(n)
-                builder.document_indices.append(len(builder.sequence_lengths))
-            num_docs += len(lengths)
-            num_tokens += sum(lengths)
+                    sequence_lengths.append(n)
+                document_indices.append(len(sequence_lengths))
+    num_docs, num_tokens = len(document_indices) - 1, sum(sequence_lengths)
     if num_tokens == 0:
-        builder.data_file.close()
         raise UserError("the input holds no tokens; give a non-empty JSONL or text file")
-    builder.finalize(f"{prefix}.idx")
+    write_index(Path(f"{prefix}.idx"), dtype, sequence_lengths, document_indices)
     logger.info("wrote %s.{bin,idx}: %d documents, %d tokens", prefix, num_docs, num_tokens)
     return prefix
 

@@ -15,6 +15,8 @@ import io
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
+
 from megatron_ext.spec.errors import UserError
 from megatron_ext.spec.params import TokenizerParams
 
@@ -44,6 +46,12 @@ class SentencePieceTokenizer(_Identified):
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         return self._sp.encode(texts)
+
+    def tokenize_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        """Token ids as arrays, straight from sentencepiece's C++ (no Python int per token)."""
+        if hasattr(self._sp, "encode_as_numpy"):  # sentencepiece >= 0.2
+            return self._sp.encode_as_numpy(texts)
+        return [np.asarray(ids, dtype=np.int32) for ids in self._sp.encode(texts)]
 
     def detokenize(self, ids: list[int]) -> str:
         return self._sp.decode(ids)
@@ -79,6 +87,9 @@ class HuggingFaceTokenizer(_Identified):
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
+    def tokenize_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(ids, dtype=np.int32) for ids in self.tokenize_batch(texts)]
+
     def detokenize(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 
@@ -98,6 +109,9 @@ class NullTokenizer(_Identified):
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.tokenize(t) for t in texts]
+
+    def tokenize_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(ids, dtype=np.int64) for ids in self.tokenize_batch(texts)]
 
     def detokenize(self, ids: list[int]) -> str:
         return " ".join(map(str, ids))
