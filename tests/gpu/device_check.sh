@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # device_check.sh: the GPU check as one command for a lent GPU machine (Python 3.12, torch, no
 # megatron-core and no transformer-engine there). When megatron-core does not import, it installs a
-# megatron-core 0.16.1 wheel for Python 3.12 from .whl/, shared/wheels/ or ../shared/wheels/ (or,
+# megatron-core 0.16.1 wheel for Python 3.12 from .whl/, shared/wheels/ or $WHEEL_DIR (or,
 # on the developer machine beforehand: `echo /.whl/ >> .git/info/exclude` and
 # `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
 #  --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1`, then carry `.whl`).
@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export PYTHONPATH="$PWD"
 if ! python3 -c "import megatron.core" 2>/dev/null; then
-  for dir in .whl shared/wheels ../shared/wheels; do
+  for dir in .whl shared/wheels ${WHEEL_DIR:+"$WHEEL_DIR"}; do
     wheel=$(compgen -G "$dir/megatron_core-0.16.1-cp312-*.whl" | head -1 || true)
     if [ -n "$wheel" ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$wheel"
