@@ -1,0 +1,95 @@
+"""A real Docker engine on this machine, for tests: ``dockerd`` (Debian's docker.io) as root with
+its own data root, exec root, socket and pid file, started with ``--iptables=false --bridge=none``
+so it leaves the firewall alone (its defaults drop the traffic between the namespace nodes), and
+one container that runs the machine's own Python: no image registry is reachable, so the image is
+imported from an empty root tarball and the container bind-mounts ``/usr``, ``/lib``, ``/lib64``,
+``/bin``, ``/etc``, the interpreter's tree, the project and ``/tmp``. Everything it starts is
+removed by :meth:`DockerEngine.close`. Needs root and ``apt-get install docker.io``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+DOCKERD = "dockerd"
+
+
+def missing_prerequisites() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (dockerd)"
+    if shutil.which(DOCKERD) is None or not Path("/usr/bin/docker").exists():
+        return "needs dockerd and docker (apt-get install docker.io)"
+    return None
+
+
+class DockerEngine:
+    def __init__(self, workdir: Path, repo: Path, container: str = "megatron-training"):
+        self.workdir, self.repo, self.container = workdir, repo, container
+        self.socket = workdir / "docker.sock"
+        self.pid_file = workdir / "dockerd.pid"
+        self.image = "mz-empty-root:latest"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a ``docker`` client needs to reach this daemon."""
+        return {"DOCKER_HOST": f"unix://{self.socket}"}
+
+    def docker(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(["/usr/bin/docker", *args], env={**os.environ, **self.env}, check=check,
+                              capture_output=True, text=True, timeout=120)
+
+    def open(self) -> "DockerEngine":
+        try:
+            self._daemon()
+            self._container()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _daemon(self) -> None:
+        log = open(self.workdir / "dockerd.log", "wb")
+        self._proc = subprocess.Popen(
+            [DOCKERD, "--iptables=false", "--bridge=none", "--data-root", str(self.workdir / "data"),
+             "--exec-root", str(self.workdir / "exec"), "-H", f"unix://{self.socket}", "--pidfile", str(self.pid_file)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while self.docker("info", check=False).returncode != 0:
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"dockerd did not come up: {(self.workdir / 'dockerd.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+
+    def _container(self) -> None:
+        root = self.workdir / "root"
+        for d in ("proc", "sys", "dev", "tmp", "etc", "work", "root"):
+            (root / d).mkdir(parents=True, exist_ok=True)
+        tarball = self.workdir / "root.tar"
+        with tarfile.open(tarball, "w") as tar:
+            tar.add(root, arcname=".")
+        self.docker("import", str(tarball), self.image)
+        interpreter_tree = Path(sys.prefix).resolve()
+        mounts = ["/usr", "/lib", "/lib64", "/bin", "/etc", str(interpreter_tree)]
+        args = ["run", "-d", "--name", self.container, "--network", "host"]
+        for path in mounts:
+            if Path(path).exists():
+                args += ["-v", f"{path}:{path}:ro"]
+        args += ["-v", f"{self.repo}:{self.repo}", "-v", "/tmp:/tmp", self.image, "/bin/sleep", "infinity"]
+        self.docker(*args)
+
+    def close(self) -> None:
+        self.docker("rm", "-f", self.container, check=False)
+        proc = getattr(self, "_proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
