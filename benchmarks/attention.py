@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -20,17 +19,14 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import free_port  # noqa: E402
 
 
 def bare_loop(model: str, attention: str, iters: int, nproc: int, env: dict) -> float:
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-                          "127.0.0.1", "--master-port", str(_port()), "benchmarks/bare_loop.py", "--iters", str(iters),
+                          "127.0.0.1", "--master-port", str(free_port()), "benchmarks/bare_loop.py", "--iters", str(iters),
                           "--model", model, "--attention", attention], cwd=REPO, env=env, capture_output=True, text=True,
                          check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]

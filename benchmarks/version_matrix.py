@@ -13,22 +13,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from conftest import free_port  # noqa: E402
 sys.path.insert(0, str(REPO))
 
 from megatron_ext.spec.iteration_log import read_metrics  # noqa: E402
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(python: str, mc_dir: str, model: str, stage: int, iters: int, root: Path) -> tuple[float | None, str]:
@@ -36,7 +32,7 @@ def run(python: str, mc_dir: str, model: str, stage: int, iters: int, root: Path
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [mc_dir, str(REPO)])), ARTIFACT_ROOT=str(root))
     run_name = f"matrix_{Path(python).name}_{Path(mc_dir).name or 'own'}_{model}_z{stage}"
     proc = subprocess.run([python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                           "--master-port", str(_port()), "-m", "megatron_ext.pretrain", "--model", model, "--data",
+                           "--master-port", str(free_port()), "-m", "megatron_ext.pretrain", "--model", model, "--data",
                            "smoke", "--run-name", run_name, "--zero-stage", str(stage), "--train-iters", str(iters)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode:

@@ -31,6 +31,14 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def require(missing: str | None, what: str) -> None:
+    """Skip a test module whose prerequisites are missing, except with CI=true, where that is a failure."""
+    if missing:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{what} must run in CI: {missing}")
+        pytest.skip(missing)
+
+
 @pytest.fixture(scope="session")
 def artifact_root(tmp_path_factory) -> Path:
     """One artifact root for the session, so the embedded corpus is prepared once."""

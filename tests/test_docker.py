@@ -12,18 +12,14 @@ import pytest
 from docker_engine import DockerEngine, missing_prerequisites
 from megatron_ext.spec.checkpoints import latest_iteration
 from orchestration.processes import process_environ
-from conftest import REPO, clean_env, free_port, last_iteration, run_script, tagged_pids, wait_for
+from conftest import require, REPO, clean_env, free_port, last_iteration, run_script, tagged_pids, wait_for
 
 pytestmark = pytest.mark.docker
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    missing = missing_prerequisites()
-    if missing:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"Docker tests must run in CI: {missing}")
-        pytest.skip(missing)
+    require(missing_prerequisites(), "Docker tests")
     e = DockerEngine(tmp_path_factory.mktemp("docker"), REPO).open()
     yield e
     e.close()

@@ -17,18 +17,14 @@ import pytest
 from orchestration.processes import process_environ
 
 from netns_cluster import NamespaceCluster, missing_prerequisites
-from conftest import clean_env, last_iteration, run_script, run_torchrun, tagged_pids, wait_for, write_data_set
+from conftest import require, clean_env, last_iteration, run_script, run_torchrun, tagged_pids, wait_for, write_data_set
 
 pytestmark = pytest.mark.multinode
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    missing = missing_prerequisites()
-    if missing:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"multi-node tests must run in CI: {missing}")
-        pytest.skip(missing)
+    require(missing_prerequisites(), "multi-node tests")
     c = NamespaceCluster(2, tmp_path_factory.mktemp("cluster")).open()
     yield c
     c.close()

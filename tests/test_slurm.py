@@ -6,24 +6,19 @@ bad input is one message with nothing submitted. With CI=true a missing prerequi
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 
 import pytest
 
 from slurm_cluster import SlurmCluster, missing_prerequisites
-from conftest import REPO, clean_env, last_iteration, run_script, tagged_pids, wait_for, write_data_set
+from conftest import require, REPO, clean_env, last_iteration, run_script, tagged_pids, wait_for, write_data_set
 
 pytestmark = pytest.mark.slurm
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    missing = missing_prerequisites()
-    if missing:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"Slurm tests must run in CI: {missing}")
-        pytest.skip(missing)
+    require(missing_prerequisites(), "Slurm tests")
     c = SlurmCluster(tmp_path_factory.mktemp("slurm")).open()
     yield c
     c.close()
