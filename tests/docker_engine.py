@@ -93,3 +93,8 @@ class DockerEngine:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        # dockerd leaves its network-namespace mount under the exec root: unmount what lies under ours.
+        for line in reversed(Path("/proc/self/mounts").read_text().splitlines()):
+            target = line.split()[1]
+            if target.startswith(str(self.workdir)):
+                subprocess.run(["umount", "-l", target], capture_output=True)

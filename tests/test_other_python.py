@@ -1,4 +1,4 @@
-"""The training tests again on Python 3.12 with megatron-core 0.19.2 (the newest release; it needs
+"""The training tests and the CUDA path's construction tests again on Python 3.12 with megatron-core 0.19.2 (the newest release; it needs
 Python >= 3.12), in the virtual environment ``.venv-py312`` that ``.ci/run`` builds:
 
     bash .ci/py312_env.sh && python3 -m pytest -q tests/test_other_python.py
@@ -29,7 +29,7 @@ def test_training_tests_on_python_312_with_megatron_core_019(tmp_path):
     assert python == "3.12" and release.startswith("0.19.2"), versions.stdout + versions.stderr  # 0.18+ appends a git sha
     env = clean_env(PYTHONPATH=str(REPO))
     env.pop("VIRTUAL_ENV", None)
-    proc = subprocess.run([str(VENV_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_training.py",
+    proc = subprocess.run([str(VENV_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_training.py", "tests/test_cuda_path.py",
                            "--basetemp", str(tmp_path / "py312")], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=1500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

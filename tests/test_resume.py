@@ -1,8 +1,9 @@
-"""Checkpoints and exact resume, through the start and stop scripts (one node, 2 CPU processes):
-a run stopped after a checkpoint and started again gives the same lm loss at every iteration as a
-run that was never stopped, under every ZeRO stage; a crash during a save leaves the previous
-checkpoint as the one resumed; another data-parallel size is resharded (stage 3) or refused with
-the reason (stage 1), before anything starts."""
+"""Checkpoints and exact resume, through the multi-node start and stop scripts on the namespace
+cluster (2 nodes x 1 CPU process, over ssh; tests/netns_cluster.py): a run stopped after a
+checkpoint and started again gives the same lm loss at every iteration as a run that was never
+stopped, under every ZeRO stage; a crash during a save leaves the previous checkpoint as the one
+resumed; another data-parallel size (2 nodes x 2) is resharded (stage 3) or refused with the reason
+(stage 1), before anything starts. MASTER_PORT is left unset: each start takes a free port."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ import pytest
 from megatron_ext.spec.checkpoints import latest_iteration
 from megatron_ext.spec.iteration_log import parse_log
 
-from conftest import clean_env, free_port, run_script, tagged_pids, wait_for
+from netns_cluster import NamespaceCluster, missing_prerequisites
+from conftest import clean_env, require, run_script, tagged_pids, wait_for
 
-ITERS = 30
+pytestmark = pytest.mark.multinode
+
+ITERS = 20
 SAVE_EVERY = 5
 
 
@@ -40,16 +44,25 @@ def losses_from_log(log) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def resume_env(artifact_root):
-    return clean_env(ARTIFACT_ROOT=str(artifact_root), NPROC_PER_NODE="2")
+def cluster(tmp_path_factory):
+    require(missing_prerequisites(), "multi-node tests")
+    c = NamespaceCluster(2, tmp_path_factory.mktemp("resume_cluster")).open()
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def resume_env(cluster, artifact_root):
+    return clean_env(ARTIFACT_ROOT=str(artifact_root), NPROC_PER_NODE="1", HOSTS="node0,node1", SSH_OPTS=cluster.ssh_opts,
+                     MASTER_ADDR=cluster.nodes[0].address, GLOO_SOCKET_IFNAME=cluster.interface)
 
 
 @pytest.fixture(scope="module")
 def reference(resume_env, artifact_root, tmp_path_factory):
     """The run never stopped (stage 0: every stage gives the same loss, tests/test_training.py)."""
     data = write_resume_data_set(tmp_path_factory.mktemp("resume") / "resume.yaml")
-    env = {**resume_env, "MASTER_PORT": str(free_port())}
-    assert run_script("start_training.sh", "gpt_smoke", data, "resume_ref", env=env).returncode == 0
+    env = resume_env
+    assert run_script("start_multinode_training.sh", "gpt_smoke", data, "resume_ref", env=env).returncode == 0
     wait_for(lambda: not tagged_pids("resume_ref"), 300, what="the reference run to finish")
     losses = losses_from_log(artifact_root / "logs" / "resume_ref_node0.log")
     assert sorted(losses) == list(range(1, ITERS + 1))
@@ -58,11 +71,11 @@ def reference(resume_env, artifact_root, tmp_path_factory):
 
 def stop_after_a_checkpoint(run: str, data: str, env: dict, root) -> int:
     """Start ``run``, stop it once a checkpoint exists (before the end); the checkpoint's iteration."""
-    start = run_script("start_training.sh", "gpt_smoke", data, run, env=env)
+    start = run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=env)
     assert start.returncode == 0, start.stdout + start.stderr
     checkpoints = root / "runs" / run / "checkpoints"
     wait_for(lambda: latest_iteration(checkpoints), 240, interval_s=0.2, what="a first checkpoint")
-    stop = run_script("stop_training.sh", run, env=env)
+    stop = run_script("stop_multinode_training.sh", run, env=env)
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert tagged_pids(run) == []
     saved = latest_iteration(checkpoints)
@@ -74,9 +87,9 @@ def stop_after_a_checkpoint(run: str, data: str, env: dict, root) -> int:
 def test_stop_and_start_again_resumes_exactly(stage, reference, resume_env, artifact_root):
     data, expected = reference
     run = f"resume_z{stage}"
-    env = {**resume_env, "MASTER_PORT": str(free_port()), "ZERO_STAGE": str(stage)}
+    env = {**resume_env, "ZERO_STAGE": str(stage)}
     saved = stop_after_a_checkpoint(run, data, env, artifact_root)
-    again = run_script("start_training.sh", "gpt_smoke", data, run, env=env)
+    again = run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=env)
     assert again.returncode == 0 and f"resuming from iteration {saved}" in again.stdout, again.stdout + again.stderr
     wait_for(lambda: not tagged_pids(run), 300, what="the resumed run to finish")
     log = artifact_root / "logs" / f"{run}_node0.log"
@@ -98,7 +111,7 @@ def test_a_crash_during_a_save_resumes_from_the_previous_checkpoint(reference, r
     resumes from the checkpoint ``latest`` names, and overwrites the broken one when it gets there."""
     data, expected = reference
     run = "resume_crash"
-    env = {**resume_env, "MASTER_PORT": str(free_port())}
+    env = resume_env
     saved = stop_after_a_checkpoint(run, data, env, artifact_root)
     checkpoints = artifact_root / "runs" / run / "checkpoints"
     broken = checkpoints / f"iter_{saved + SAVE_EVERY:07d}"
@@ -108,7 +121,7 @@ def test_a_crash_during_a_save_resumes_from_the_previous_checkpoint(reference, r
     next(broken.glob("*.distcp")).write_bytes(b"torn")
     (checkpoints / ".latest.tmp").write_text(broken.name[:6])
     assert latest_iteration(checkpoints) == saved
-    again = run_script("start_training.sh", "gpt_smoke", data, run, env=env)
+    again = run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=env)
     assert again.returncode == 0 and f"resuming from iteration {saved}" in again.stdout
     wait_for(lambda: not tagged_pids(run), 300, what="the resumed run to finish")
     losses = losses_from_log(artifact_root / "logs" / f"{run}_node0.log")
@@ -118,10 +131,10 @@ def test_a_crash_during_a_save_resumes_from_the_previous_checkpoint(reference, r
 def test_another_data_parallel_size_reshards_stage_3_and_refuses_stage_1(reference, resume_env, artifact_root):
     data, expected = reference
     for stage, run in ((3, "reshard_z3"), (1, "reshard_z1")):
-        env = {**resume_env, "MASTER_PORT": str(free_port()), "ZERO_STAGE": str(stage)}
+        env = {**resume_env, "ZERO_STAGE": str(stage)}
         saved = stop_after_a_checkpoint(run, data, env, artifact_root)
-        wider = {**env, "NPROC_PER_NODE": "4"}
-        again = run_script("start_training.sh", "gpt_smoke", data, run, env=wider)
+        wider = {**env, "NPROC_PER_NODE": "2"}
+        again = run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=wider)
         if stage == 1:
             assert again.returncode == 2 and tagged_pids(run) == []
             assert ("holds ZeroRedundancyOptimizer partitions of 2 ranks, which cannot be resharded to 4 ranks; "
