@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 import warnings
 from typing import Mapping
 
@@ -26,6 +27,10 @@ from megatron_ext.spec.errors import EXIT_OK, EXIT_USER_ERROR, UserError
 from megatron_ext.spec.params import load_run_params, read_overrides, with_batch_geometry
 from megatron_ext.spec.run_paths import RunPaths, artifact_root, check_run_name
 from megatron_ext.spec.zero import parse_zero_stage
+
+RANK_0_SPEAKS_S = 3.0
+"""How long the other ranks wait before exiting on a user error, so rank 0's message is printed
+before torchrun tears the group down."""
 
 
 def parse_args(argv):
@@ -87,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if env.get("RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr, flush=True)
+        else:  # torchrun ends every rank at the first exit: give rank 0 the time to say why
+            time.sleep(RANK_0_SPEAKS_S)
         return EXIT_USER_ERROR
     return EXIT_OK
 

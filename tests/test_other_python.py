@@ -29,7 +29,8 @@ def test_training_tests_on_python_312_with_megatron_core_019(tmp_path):
     assert python == "3.12" and release.startswith("0.19.2"), versions.stdout + versions.stderr  # 0.18+ appends a git sha
     env = clean_env(PYTHONPATH=str(REPO))
     env.pop("VIRTUAL_ENV", None)
-    proc = subprocess.run([str(VENV_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_training.py", "tests/test_cuda_path.py",
+    proc = subprocess.run([str(VENV_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/test_training.py", "tests/test_cuda_path.py",
                            "--basetemp", str(tmp_path / "py312")], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=1500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
