@@ -210,10 +210,7 @@ def _start_srun_step(launch: LaunchEnv, plan: StartPlan, paths: RunPaths) -> lis
     from orchestration.supervisor import read_exit
 
     for node_plan in plan.nodes:
-        for stale in (paths.node_exit_file(node_plan.node_rank), paths.node_heartbeat_file(node_plan.node_rank),
-                      paths.node_pid_file(node_plan.node_rank)):
-            stale.unlink(missing_ok=True)
-        paths.node_plan_file(node_plan.node_rank).write_text(node_plan.to_json())
+        node.write_plan_file(paths, node_plan)
     argv = slurm.srun_step_argv(launch.slurm_job_id, launch.nnodes, sys.executable, os.getcwd(), slurm.plan_file_pattern(paths))
     client = processes.start_detached(argv, dict(os.environ), os.getcwd(), paths.logs_dir / f"{plan.run}_srun.log")
     deadline = time.monotonic() + 120
@@ -259,8 +256,9 @@ def cmd_submit(args, launch: LaunchEnv) -> int:
                                      hosts=tuple(f"slurm-node{i}" for i in range(nodes)), transport="srun")
     plan_start(job_launch, args.model, args.data, args.run, list(enumerate(job_launch.hosts)), prepare=False)  # checks only
     paths = RunPaths(launch.artifact_root, args.run)
-    if slurm.recorded_job(paths) and slurm.job_state(slurm.recorded_job(paths), os.environ) in ("PENDING", "RUNNING"):
-        raise UserError(f"run {args.run!r} is already submitted as slurm job {slurm.recorded_job(paths)}; stop it first "
+    earlier = slurm.recorded_job(paths)
+    if earlier and slurm.job_state(earlier, os.environ) in ("PENDING", "RUNNING"):
+        raise UserError(f"run {args.run!r} is already submitted as slurm job {earlier}; stop it first "
                         f"(stop_multinode_training.sh {args.run}) or choose another RUN name")
     slurm.check_partition(request.partition, os.environ)
     env = {**launch.forwarded, "ARTIFACT_ROOT": str(launch.artifact_root), "NPROC_PER_NODE": str(nproc),

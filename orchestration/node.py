@@ -52,17 +52,24 @@ def node_check(paths: RunPaths, args, visible_gpus: int) -> dict:
     return report.to_json()
 
 
+def write_plan_file(paths: RunPaths, plan: NodePlan) -> Path:
+    """The node's plan for its supervisor, after removing what the node's last start left
+    (exit record, heartbeat, pid file); both the ssh and the srun start use it."""
+    for stale in (paths.node_exit_file(plan.node_rank), paths.node_heartbeat_file(plan.node_rank), Path(plan.pid_path)):
+        stale.unlink(missing_ok=True)
+    plan_file = paths.node_plan_file(plan.node_rank)
+    plan_file.parent.mkdir(parents=True, exist_ok=True)
+    plan_file.write_text(plan.to_json())
+    return plan_file
+
+
 def node_start(plan: NodePlan, node_env: Mapping[str, str], python: str) -> dict:
     """Start the node's supervisor detached, which starts the plan's torchrun exactly as planned and
     records it (see orchestration/supervisor.py); report once it runs."""
     paths = RunPaths(Path(plan.env["ARTIFACT_ROOT"]), plan.run)
     pid_path, log_path = Path(plan.pid_path), Path(plan.log_path)
     refuse_if_running(pid_path, plan.run, plan.node_rank)
-    for stale in (paths.node_exit_file(plan.node_rank), paths.node_heartbeat_file(plan.node_rank), pid_path):
-        stale.unlink(missing_ok=True)
-    plan_file = paths.node_plan_file(plan.node_rank)
-    plan_file.parent.mkdir(parents=True, exist_ok=True)
-    plan_file.write_text(plan.to_json())
+    plan_file = write_plan_file(paths, plan)
     supervisor = processes.start_detached([python, "-m", "orchestration", "node-supervise", "--plan-file", str(plan_file)],
                                           plan.process_environment(node_env), plan.cwd, log_path)
     deadline = time.monotonic() + START_SETTLE_S
