@@ -31,9 +31,9 @@ def main() -> None:
     from megatron.core import parallel_state
 
     from megatron_ext.data.prepare import ensure_prepared
-    from megatron_ext.spec.flops import padded_vocab_size
-    from megatron_ext.spec.params import load_run_params, with_batch_geometry
-    from megatron_ext.spec.run_paths import artifact_root
+    from megatron_ext.run_spec.flops import padded_vocab_size
+    from megatron_ext.run_spec.params import load_run_params, with_batch_geometry
+    from megatron_ext.run_spec.run_paths import artifact_root
     from megatron_ext.training.cpu_compat import install_cpu_compat
     from megatron_ext.training.datasets import build_datasets, global_batch_slice
     import dataclasses

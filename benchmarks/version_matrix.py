@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from conftest import free_port  # noqa: E402
 sys.path.insert(0, str(REPO))
 
-from megatron_ext.spec.iteration_log import read_metrics  # noqa: E402
+from megatron_ext.run_spec.iteration_log import read_metrics  # noqa: E402
 
 
 def run(python: str, mc_dir: str, model: str, stage: int, iters: int, root: Path) -> tuple[float | None, str]:

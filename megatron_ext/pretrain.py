@@ -23,10 +23,10 @@ import time
 import warnings
 from typing import Mapping
 
-from megatron_ext.spec.errors import EXIT_OK, EXIT_USER_ERROR, UserError
-from megatron_ext.spec.params import load_run_params, read_overrides, with_batch_geometry
-from megatron_ext.spec.run_paths import RunPaths, artifact_root, check_run_name
-from megatron_ext.spec.zero import parse_zero_stage
+from megatron_ext.run_spec.errors import EXIT_OK, EXIT_USER_ERROR, UserError
+from megatron_ext.run_spec.params import load_run_params, read_overrides, with_batch_geometry
+from megatron_ext.run_spec.run_paths import RunPaths, artifact_root, check_run_name
+from megatron_ext.run_spec.zero import parse_zero_stage
 
 RANK_0_SPEAKS_S = 3.0
 """How long the other ranks wait before exiting on a user error, so rank 0's message is printed

@@ -4,22 +4,28 @@
 
 Every default lives here: NNODES = number of hosts (1), NODE_RANK = 0, NPROC_PER_NODE = visible
 GPUs or 2, MASTER_ADDR = the first host (``localhost`` alone), MASTER_PORT = 6000,
-ZERO_STAGE and ENGINE = the data set's, ARTIFACT_ROOT = ``<repo>/artifacts``. This is the only
-place the launcher reads its environment; everything after it takes a :class:`LaunchEnv`. Pure:
-takes the environment mapping as an argument (:func:`visible_gpu_count` reads ``/dev``).
+ZERO_STAGE and ENGINE = the data set's, ARTIFACT_ROOT = ``<repo>/artifacts``; also what single
+commands read (STAGES for the sweep, GPU_MEMORY_GB for the memory plan, MEGATRON_DEVICE_ARCH for
+Megatron-LM's argument check, the SBATCH_* defaults, the Slurm allocation). This is the only
+place the launcher reads its environment (:func:`launch_env_from_process`, called once by the
+entry point); everything after it takes a :class:`LaunchEnv`. :func:`read_launch_env` is pure:
+it takes the environment mapping as an argument.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
-from megatron_ext.spec.errors import UserError
-from megatron_ext.spec.params import RunOverrides, read_overrides
-from megatron_ext.spec.run_paths import artifact_root
+from megatron_ext.run_spec.devices import visible_gpu_count
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.params import RunOverrides, read_overrides
+from megatron_ext.run_spec.run_paths import artifact_root
 
 DEFAULT_MASTER_PORT = 6000
 DEFAULT_NPROC_WITHOUT_GPUS = 2
@@ -69,6 +75,19 @@ class LaunchEnv:
     """SLURM_JOB_ID: the allocation the srun transport runs in."""
     slurm_batch: dict[str, str] = field(default_factory=dict)
     """SBATCH_PARTITION, SBATCH_ACCOUNT, SBATCH_TIMELIMIT: defaults for ``submit``."""
+    stages_text: str | None = None
+    """STAGES as given (the sweep checks it: a bad STAGES refuses the sweep, not a start)."""
+    gpu_memory_gb_text: str | None = None
+    """GPU_MEMORY_GB as given (``plan-memory`` checks it)."""
+    megatron_device_arch_text: str | None = None
+    """MEGATRON_DEVICE_ARCH as given: the compute capability Megatron-LM's argument check assumes
+    without a GPU (the Megatron-LM engine checks it)."""
+    environ: dict[str, str] = field(default_factory=dict)
+    """The whole environment where the command was given: what commands run on this machine inherit."""
+    python: str = sys.executable
+    """The interpreter every node runs (nodes share the code path, as DeepSpeed's launcher assumes)."""
+    cwd: str = "."
+    """The working directory every node runs in."""
 
     @property
     def zero_stage(self) -> int | None:
@@ -130,7 +149,8 @@ def forwarded_environment(env: Mapping[str, str]) -> dict[str, str]:
     }
 
 
-def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: tuple[str, ...] | None = None) -> LaunchEnv:
+def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: tuple[str, ...] | None = None,
+                    python: str = sys.executable, cwd: str = ".") -> LaunchEnv:
     """Parse and check the launcher variables; every problem is one UserError. ``visible_gpus``
     (see :func:`visible_gpu_count`) is the NPROC_PER_NODE default; ``slurm_hosts`` are the
     allocation's nodes (``scontrol show hostnames $SLURM_JOB_NODELIST``) inside a Slurm allocation."""
@@ -198,7 +218,33 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: 
         slurm_job_id=env.get("SLURM_JOB_ID", "").strip() or None,
         slurm_batch={key: env[name].strip() for key, name in (("partition", "SBATCH_PARTITION"), ("account", "SBATCH_ACCOUNT"),
                                                                ("time", "SBATCH_TIMELIMIT")) if env.get(name, "").strip()},
+        stages_text=_text(env, "STAGES"),
+        gpu_memory_gb_text=_text(env, "GPU_MEMORY_GB"),
+        megatron_device_arch_text=_text(env, "MEGATRON_DEVICE_ARCH"),
+        environ=dict(env),
+        python=python,
+        cwd=cwd,
     )
+
+
+def _text(env: Mapping[str, str], name: str) -> str | None:
+    return env.get(name, "").strip() or None
+
+
+def slurm_nodelist(env: Mapping[str, str]) -> str | None:
+    """The allocation's node list, inside a Slurm allocation (SLURM_JOB_ID set)."""
+    if not env.get("SLURM_JOB_ID", "").strip():
+        return None
+    return env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+
+
+def launch_env_from_process(expand_nodelist: Callable[[str], tuple[str, ...]]) -> LaunchEnv:
+    """The launcher's one read of its process environment. ``expand_nodelist`` turns a Slurm node
+    list into host names (``scontrol show hostnames``, orchestration/cluster/slurm.py)."""
+    env = dict(os.environ)
+    nodelist = slurm_nodelist(env)
+    return read_launch_env(env, visible_gpu_count(env), expand_nodelist(nodelist) if nodelist else None,
+                           sys.executable, os.getcwd())
 
 
 TRANSPORTS = ("ssh", "srun")
@@ -220,12 +266,3 @@ def choose_transport(env: Mapping[str, str], explicit_hosts: bool) -> str:
     if asked:
         return asked
     return "srun" if in_allocation and not explicit_hosts else "ssh"
-
-
-def visible_gpu_count(env: Mapping[str, str], dev_dir: Path = Path("/dev")) -> int:
-    """GPUs this node would use: CUDA_VISIBLE_DEVICES, else the NVIDIA device files (fast: no
-    CUDA initialisation on the launch path). Reads the file system."""
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    return len([p for p in dev_dir.glob("nvidia*") if p.name[len("nvidia"):].isdigit()])

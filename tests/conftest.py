@@ -68,7 +68,7 @@ def run_script(name: str, *args: str, env: dict[str, str], timeout: int = 180) -
 
 def tagged_pids(run: str) -> list[int]:
     """Every live process (any node: the test nodes share the process table) tagged with ``run``."""
-    from orchestration.processes import process_environ, process_start_time
+    from orchestration.node.processes import process_environ, process_start_time
 
     out = []
     for entry in Path("/proc").iterdir():
@@ -92,7 +92,7 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.5, what: str = "
 
 def last_iteration(log: Path) -> int:
     """The last iteration a node log shows, read with the project's one iteration-line parser."""
-    from megatron_ext.spec.iteration_log import parse_log
+    from megatron_ext.run_spec.iteration_log import parse_log
 
     if not log.exists():
         return 0

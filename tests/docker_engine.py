@@ -3,7 +3,8 @@ its own data root, exec root, socket and pid file, started with ``--iptables=fal
 so it leaves the firewall alone (its defaults drop the traffic between the namespace nodes), and
 one container that runs the machine's own Python: no image registry is reachable, so the image is
 imported from an empty root tarball and the container bind-mounts ``/usr``, ``/lib``, ``/lib64``,
-``/bin``, ``/etc``, the interpreter's tree, the project and ``/tmp``. Everything it starts is
+``/bin``, ``/etc``, the interpreter's trees (a venv's and the Python it was made from, each under
+the name given and its resolved name), the project and ``/tmp``. Everything it starts is
 removed by :meth:`DockerEngine.close`. Needs root and ``apt-get install docker.io``.
 """
 
@@ -27,6 +28,16 @@ def missing_prerequisites() -> str | None:
     if shutil.which(DOCKERD) is None or not Path("/usr/bin/docker").exists():
         return "needs dockerd and docker (apt-get install docker.io)"
     return None
+
+
+def interpreter_trees() -> list[str]:
+    """Where this interpreter and its packages live: the venv (``sys.prefix``) and the Python it
+    was made from (``sys.base_prefix``, e.g. pyenv's, outside /usr), each as given and resolved."""
+    trees = []
+    for prefix in (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
+                   str(Path(os.path.realpath(sys.executable)).parent.parent)):
+        trees += [prefix, str(Path(prefix).resolve())]
+    return list(dict.fromkeys(trees))
 
 
 class DockerEngine:
@@ -74,14 +85,21 @@ class DockerEngine:
         with tarfile.open(tarball, "w") as tar:
             tar.add(root, arcname=".")
         self.docker("import", str(tarball), self.image)
-        interpreter_tree = Path(sys.prefix).resolve()
-        mounts = ["/usr", "/lib", "/lib64", "/bin", "/etc", str(interpreter_tree)]
+        mounts = ["/usr", "/lib", "/lib64", "/bin", "/etc", *interpreter_trees()]
         args = ["run", "-d", "--name", self.container, "--network", "host"]
-        for path in mounts:
+        for path in dict.fromkeys(mounts):
             if Path(path).exists():
                 args += ["-v", f"{path}:{path}:ro"]
-        args += ["-v", f"{self.repo}:{self.repo}", "-v", "/tmp:/tmp", self.image, "/bin/sleep", "infinity"]
+        for path in dict.fromkeys([str(self.repo), str(Path(self.repo).resolve())]):
+            args += ["-v", f"{path}:{path}"]
+        args += ["-v", "/tmp:/tmp", self.image, "/bin/sleep", "infinity"]
         self.docker(*args)
+        check = self.docker("exec", self.container, sys.executable, "-c", "import torch, megatron.core", check=False)
+        if check.returncode:
+            raise RuntimeError(
+                f"the test container cannot run this interpreter ({sys.executable}): {check.stderr.strip()[-500:]}; "
+                f"it mounts {', '.join(dict.fromkeys(mounts))}: put the interpreter and its packages under one of "
+                "those, or run the tests from an interpreter whose files they hold")
 
     def close(self) -> None:
         self.docker("rm", "-f", self.container, check=False)

@@ -15,14 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.spec.iteration_log import read_metrics
-from megatron_ext.spec.params import RunOverrides, load_model, load_run_params, with_batch_geometry
-from megatron_ext.spec.resolved import ResolvedRun, RunRuntime, write_resolved
-from megatron_ext.spec.run_paths import RunPaths
-from orchestration.compare import DEFAULT_WARMUP_ITERATIONS
-from orchestration.planner import DEVICES, plan_memory
-from orchestration.processes import process_environ
-from orchestration.sweep import failure_reason, parse_stages
+from megatron_ext.run_spec.iteration_log import read_metrics
+from megatron_ext.run_spec.params import RunOverrides, load_model, load_run_params, with_batch_geometry
+from megatron_ext.run_spec.resolved import ResolvedRun, RunRuntime, write_resolved
+from megatron_ext.run_spec.run_paths import RunPaths
+from orchestration.analysis.compare import DEFAULT_WARMUP_ITERATIONS
+from orchestration.analysis.memory_plan import DEVICES, plan_memory
+from orchestration.node.processes import process_environ
+from megatron_ext.run_spec.zero import parse_stages
+from orchestration.node.failure import failure_reason
 
 from conftest import REPO, clean_env, free_port, run_script, tagged_pids, wait_for, write_data_set
 
@@ -32,6 +33,13 @@ PREFIX = "sweep_cmp"
 
 def sweep_env(root: Path, **extra: str) -> dict[str, str]:
     return clean_env(ARTIFACT_ROOT=str(root), MASTER_PORT=str(free_port()), NPROC_PER_NODE="2", **extra)
+
+
+def start_sweep(root: Path, data: str, prefix: str, stages: str) -> subprocess.Popen:
+    """compare_zero_stages.sh in the background, as a user starts it."""
+    return subprocess.Popen(["bash", str(REPO / "training_scripts" / "compare_zero_stages.sh"), "gpt_smoke", data, prefix],
+                            env=sweep_env(root, STAGES=stages), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +100,7 @@ def test_sweep_table_png_json_and_csv_agree(sweep):
         }
         for key, value in expected.items():
             assert j[key] == pytest.approx(value) and float(c[key]) == pytest.approx(value), (s, key)
-        assert j["zero_stage"] == int(c["zero_stage"]) == s and j["status"] == c["status"] == "done"
+        assert j["zero_stage"] == int(c["zero_stage"]) == s and j["status"] == c["status"] == "finished"
         assert j["engine"] == c["engine"] == "megatron-core" and (j["nnodes"], j["nproc_per_node"]) == (1, 2)
         assert j["losses"] == [[r.iteration, r.lm_loss] for r in records[s]]
         assert float(c["planned_model_state_bytes"]) == j["planned_model_state_bytes"] > 0
@@ -100,7 +108,7 @@ def test_sweep_table_png_json_and_csv_agree(sweep):
         if s:
             assert j["max_loss_diff_rel"] <= 1e-5 and float(c["max_loss_diff_abs"]) == pytest.approx(j["max_loss_diff_abs"])
         row = next(l for l in table.splitlines() if l.startswith(f"{PREFIX}_z{s} "))
-        assert f"{expected['last_loss']:.4f}" in row and f"{expected['tokens_per_s']:,.0f}" in row and row.endswith("done")
+        assert f"{expected['last_loss']:.4f}" in row and f"{expected['tokens_per_s']:,.0f}" in row and row.endswith("finished")
         assert f"{expected['model_state_bytes'] / 1e6:,.1f}" in row
     assert "medians over iterations after the first 2 (warm-up)" in proc.stdout
 
@@ -153,9 +161,7 @@ def test_a_failed_stage_is_reported_the_sweep_goes_on_and_stop_prefix_stops_it(a
     never starts."""
     data = write_data_set(tmp_path / "long.yaml", train_iters=200)
     prefix = "sweep_fail"
-    sweep = subprocess.Popen(["bash", str(REPO / "training_scripts" / "compare_zero_stages.sh"), "gpt_smoke", data, prefix],
-                             env=sweep_env(artifact_root, STAGES="0,1,3"), cwd=REPO, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    sweep = start_sweep(artifact_root, data, prefix, "0,1,3")
     try:
         victim = wait_for(lambda: _worker_of(f"{prefix}_z0"), 120, what="a worker of stage 0")
         os.kill(victim, signal.SIGKILL)  # a process this test's sweep started
@@ -180,12 +186,33 @@ def test_a_failed_stage_is_reported_the_sweep_goes_on_and_stop_prefix_stops_it(a
 
 
 @pytest.mark.slow
+def test_stop_prefix_reaches_a_sweep_at_any_moment(artifact_root, tmp_path):
+    """stop PREFIX as soon as the sweep exists (before, or while, its first stage starts): the
+    sweep's record carries the request, so the sweep stops there, every time, with nothing left."""
+    data = write_data_set(tmp_path / "long.yaml", train_iters=200)
+    prefix = "sweep_early"
+    sweep = start_sweep(artifact_root, data, prefix, "0,1")
+    try:
+        wait_for(lambda: (artifact_root / "run_state" / f"{prefix}.sweep.json").exists(), 120, interval_s=0.05,
+                 what="the sweep's record")
+        stop = run_script("stop_training.sh", prefix, env=clean_env(ARTIFACT_ROOT=str(artifact_root)))
+        assert stop.returncode == 0 and f"sweep {prefix}: asked to stop" in stop.stdout, stop.stdout + stop.stderr
+        out, err = sweep.communicate(timeout=180)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    assert sweep.returncode == 130, out + err
+    assert f"stage 0 ({prefix}_z0): stopped (stop {prefix} stopped stage 0 ({prefix}_z0) " in out, out
+    assert f"stage 1 ({prefix}_z1)" not in out and not RunPaths(artifact_root, f"{prefix}_z1").params_path.exists()
+    assert not tagged_pids(f"{prefix}_z0") and not tagged_pids(f"{prefix}_z1")
+    assert json.loads((artifact_root / "run_state" / f"{prefix}.sweep.json").read_text())["ended"]
+
+
+@pytest.mark.slow
 def test_ctrl_c_stops_the_current_stage_everywhere(artifact_root, tmp_path):
     data = write_data_set(tmp_path / "long.yaml", train_iters=200)
     prefix = "sweep_int"
-    sweep = subprocess.Popen(["bash", str(REPO / "training_scripts" / "compare_zero_stages.sh"), "gpt_smoke", data, prefix],
-                             env=sweep_env(artifact_root, STAGES="2"), cwd=REPO, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    sweep = start_sweep(artifact_root, data, prefix, "2")
     try:
         wait_for(lambda: _worker_of(f"{prefix}_z2"), 120, what="a worker of stage 2")
         sweep.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground sweep

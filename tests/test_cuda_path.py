@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-from megatron_ext.spec.flops import peak_tflops_for
-from megatron_ext.spec.params import RunOverrides, TrainingParams, list_models, load_model, load_run_params
+from megatron_ext.run_spec.flops import peak_tflops_for
+from megatron_ext.run_spec.params import RunOverrides, TrainingParams, list_models, load_model, load_run_params
 from megatron_ext.training.loop import learning_rate
 from megatron_ext.training.model import CPU_KERNELS, build_gpt_model, choose_kernels, ensure_model_parallel
 
@@ -147,7 +147,7 @@ def test_mfu_peak_by_exact_device_name(name, peak):
 
 @pytest.mark.parametrize("stage,value", [(0, "1"), (1, "1"), (2, None), (3, None)])
 def test_stage_environment_for_the_megatron_core_engine_too(stage, value, tmp_path):
-    from megatron_ext.spec.run_paths import RunPaths
+    from megatron_ext.run_spec.run_paths import RunPaths
     from orchestration.engines import plan_program
     from orchestration.launch_env import read_launch_env
 

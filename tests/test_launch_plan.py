@@ -9,13 +9,14 @@ import sys
 
 import pytest
 
-from megatron_ext.spec.run_paths import check_run_name
-from megatron_ext.spec.errors import UserError
-from megatron_ext.spec.params import load_run_params, with_batch_geometry
+from megatron_ext.run_spec.run_paths import check_run_name
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.params import load_run_params, with_batch_geometry
 from orchestration.engines import ProgramPlan
 from orchestration.launch_env import read_launch_env, visible_gpu_count
-from orchestration.plan import NodePlan, build_start_plan
-from orchestration.transports import docker_exec_argv, transport_argv
+from orchestration.node.node_plan import NodePlan
+from orchestration.runner.start_plan import build_start_plan
+from orchestration.cluster.transports import docker_exec_argv, transport_argv
 
 from conftest import REPO, clean_env
 

@@ -39,6 +39,13 @@ def test_start_status_stop_one_node_spares_other_run(env, artifact_root, tmp_pat
         node = json.loads(status.stdout.splitlines()[0])
         assert node["alive"] and node["pid"] == record["pid"] and node["last_iteration"] >= 2 and node["tokens_per_s"] > 0
 
+        workers = sorted(tagged_pids("single_a"))
+        dry = run_script("stop_training.sh", "single_a", env={**env, "DRY_RUN": "1"})
+        assert dry.returncode == 0, dry.stdout + dry.stderr
+        assert f"would SIGTERM process group {record['pgid']} (torchrun pid {record['pid']})" in dry.stdout, dry.stdout
+        assert f"{len(workers)} live process(es) carry the run's tags" in dry.stdout
+        assert sorted(tagged_pids("single_a")) == workers and pid_file.exists()  # nothing was signalled
+
         stop = run_script("stop_training.sh", "single_a", env=env)
         assert stop.returncode == 0, stop.stdout + stop.stderr
         assert "stopped" in stop.stdout

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.spec.resolved import ResolvedRun, RunRuntime, read_resolved, write_resolved
-from megatron_ext.spec.run_paths import RunPaths
+from megatron_ext.run_spec.resolved import ResolvedRun, RunRuntime, read_resolved, write_resolved
+from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.engines.megatron_lm_args import check_flags, render_pretrain_gpt, split_flags
 from orchestration.engines.megatron_lm_checkout import read_checkout
-from megatron_ext.spec.iteration_log import parse_log
-from megatron_ext.spec.errors import UserError
-from megatron_ext.spec.params import RunOverrides, list_models, load_run_params, with_batch_geometry
+from megatron_ext.run_spec.iteration_log import parse_log
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.params import RunOverrides, list_models, load_run_params, with_batch_geometry
 from megatron_ext.data.prepare import planned_prepared
 
 from conftest import REPO, TEST_DATA, clean_env
@@ -289,8 +289,8 @@ def test_log_parser_reads_iteration_lines_and_counts_malformed():
 
 
 def test_compare_and_status_read_megatron_lm_logs(tmp_path):
-    from orchestration.compare import compare_runs
-    from orchestration.node import node_status
+    from orchestration.analysis.compare import compare_runs
+    from orchestration.node.commands import node_status
 
     root = tmp_path
     (root / "logs").mkdir()
@@ -304,7 +304,7 @@ def test_compare_and_status_read_megatron_lm_logs(tmp_path):
     assert summary.iterations == 5 and summary.zero_stage == 1 and summary.world_size == 32
     assert summary.last_loss == pytest.approx(9.5)
     status = node_status(RunPaths(root, "lm"), 1, "n1", 4096)
-    assert status["last_iteration"] == 5 and status["tokens_per_s"] == pytest.approx(32 * 4096 / 1.01)
+    assert status.last_iteration == 5 and status.tokens_per_s == pytest.approx(32 * 4096 / 1.01)
 
 
 STANDIN_PRETRAIN_GPT = '''\
@@ -431,7 +431,7 @@ def test_every_preset_and_data_set_fits_every_shape_for_both_engines(world):
     """Every model x every shipped data set x every stage is accepted at 1, 2, 8, 16 and 32 ranks by
     the project's validation (global = micro x data-parallel x accumulation), and its Megatron-LM
     render uses only flags (and choices) of every release's parser."""
-    from megatron_ext.spec.params import list_data_sets
+    from megatron_ext.run_spec.params import list_data_sets
 
     lists = [reference_flags(p) for p in FLAG_LISTS]
     paths = RunPaths(Path("/tmp/artifacts"), "grid")

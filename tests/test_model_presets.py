@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.spec.flops import flops_per_token, padded_vocab_size
-from megatron_ext.spec.iteration_log import IterationRecord, format_iteration_line, parse_iteration_line
+from megatron_ext.run_spec.flops import flops_per_token, padded_vocab_size
+from megatron_ext.run_spec.iteration_log import IterationRecord, format_iteration_line, parse_iteration_line
 from megatron_ext.training.model import count_parameters
 
 from conftest import TEST_DATA
-from megatron_ext.spec.params import load_model
+from megatron_ext.run_spec.params import load_model
 
 
 def test_qwen3_1p7b_exact():

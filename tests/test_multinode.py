@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestration.processes import process_environ
+from orchestration.node.processes import process_environ
 
 from netns_cluster import NamespaceCluster, missing_prerequisites
 from conftest import require, clean_env, last_iteration, run_script, run_torchrun, tagged_pids, wait_for, write_data_set
@@ -119,7 +119,7 @@ def test_ssh_disconnect_does_not_stop_and_stop_spares_the_other_run(cluster, clu
 def test_a_worker_killed_on_node_1_stops_both_nodes(cluster_env, artifact_root, tmp_path):
     """SIGKILL one worker on node 1 of a 2 x 2 run: torchrun on node 1 tears its workers down and
     exits non-zero, node 1's supervisor writes the failure file, node 0's supervisor stops node 0."""
-    from orchestration.processes import process_environ
+    from orchestration.node.processes import process_environ
 
     data = write_data_set(tmp_path / "long.yaml", train_iters=5000)
     run = "mn_fail"

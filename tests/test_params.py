@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.spec.errors import UserError
-from megatron_ext.spec.params import (
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.params import (
     RunOverrides, TrainingParams, batch_geometry, list_data_sets, list_models, load_run_params, read_overrides,
 )
 from megatron_ext.training.loop import learning_rate
-from megatron_ext.spec.zero import ZeroStage, parse_zero_stage
+from megatron_ext.run_spec.zero import ZeroStage, parse_zero_stage
 
 
 @pytest.mark.parametrize("model", list_models())

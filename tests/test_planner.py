@@ -11,10 +11,12 @@ from fractions import Fraction
 
 import pytest
 
-from megatron_ext.spec.errors import UserError
-from megatron_ext.spec.params import list_models, load_model
-from orchestration.planner import (DEFAULT_BUS_BANDWIDTH_GBS, DEVICES, GB, count_model_parameters, dp_traffic_bytes,
-                                   estimate_activation_bytes, format_memory_plan, plan_memory, state_bytes_per_parameter)
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.params import list_models, load_model
+from orchestration.analysis.memory_plan import (DEFAULT_BUS_BANDWIDTH_GBS, DEVICES, GB, count_model_parameters,
+                                                dp_traffic_bytes, estimate_activation_bytes, plan_memory,
+                                                state_bytes_per_parameter)
+from orchestration.analysis.tables import format_memory_plan
 
 from conftest import REPO, clean_env, run_script
 
@@ -144,7 +146,8 @@ def test_plan_memory_script_for_32_gpus():
 
 
 def test_launcher_side_never_imports_torch():
-    code = ("import sys, orchestration.planner, orchestration.compare, orchestration.report, orchestration.sweep; "
+    code = ("import sys, orchestration.cli, orchestration.analysis.memory_plan, orchestration.analysis.report, "
+            "orchestration.runner.sweep; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'matplotlib'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

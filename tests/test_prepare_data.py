@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from megatron_ext.data.corpus import embedded_documents
-from megatron_ext.spec.errors import UserError
-from megatron_ext.spec.params import DataParams, TokenizerParams
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.params import DataParams, TokenizerParams
 from megatron_ext.data.prepare import ensure_prepared
 from megatron_ext.data.tokenizers import SentencePieceTokenizer
 

@@ -12,8 +12,8 @@ import shutil
 
 import pytest
 
-from megatron_ext.spec.checkpoints import latest_iteration
-from megatron_ext.spec.iteration_log import parse_log
+from megatron_ext.run_spec.checkpoints import latest_iteration
+from megatron_ext.run_spec.iteration_log import parse_log
 
 from netns_cluster import NamespaceCluster, missing_prerequisites
 from conftest import clean_env, require, run_script, tagged_pids, wait_for

@@ -105,6 +105,18 @@ def test_bad_input_is_one_message_and_nothing_is_submitted(slurm_env, tmp_path):
     assert queue.strip() == "" and tagged_pids("sl_bad") == []
 
 
+def test_dry_run_submit_prints_the_batch_script_and_submits_nothing(slurm_env, artifact_root):
+    dry = run_script("submit_training.sh", "gpt_smoke", "smoke", "sl_dry", "--time", "0:10:00",
+                     env={**slurm_env, "DRY_RUN": "1"})
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.startswith("#!/usr/bin/env bash\n#SBATCH --job-name=sl_dry\n") and "#SBATCH --time=0:10:00" in dry.stdout
+    assert "orchestration start gpt_smoke smoke sl_dry --wait" in dry.stdout
+    assert "DRY_RUN=1: nothing submitted" in dry.stderr
+    queue = subprocess.run(["squeue", "-h", "-n", "sl_dry"], env=slurm_env, capture_output=True, text=True).stdout
+    assert queue.strip() == "" and not (artifact_root / "run_state" / "sl_dry.sbatch").exists()
+    assert not (artifact_root / "run_state" / "sl_dry.slurm_job.json").exists()
+
+
 def test_stop_cancels_a_batch_job_and_leaves_nothing(slurm_env, artifact_root, tmp_path):
     data = write_data_set(tmp_path / "long.yaml", train_iters=5000)
     submit = run_script("submit_training.sh", "gpt_smoke", data, "sl_cancel", env=slurm_env)
@@ -114,6 +126,9 @@ def test_stop_cancels_a_batch_job_and_leaves_nothing(slurm_env, artifact_root, t
         wait_for(lambda: last_iteration(artifact_root / "logs" / "sl_cancel_node0.log") >= 2, 300, what="the job to train")
         running = run_script("status_training.sh", "sl_cancel", env=slurm_env)
         assert f"slurm job {job}: RUNNING" in running.stdout and " running " in running.stdout, running.stdout
+        dry = run_script("stop_multinode_training.sh", "sl_cancel", env={**slurm_env, "DRY_RUN": "1"})
+        assert dry.returncode == 0 and f"would scancel slurm job {job} of run sl_cancel" in dry.stdout, dry.stdout + dry.stderr
+        assert job_state(job, slurm_env) == "RUNNING"
         stop = run_script("stop_multinode_training.sh", "sl_cancel", env=slurm_env, timeout=180)
         assert stop.returncode == 0 and f"slurm job {job} of run sl_cancel: CANCELLED" in stop.stdout, stop.stdout + stop.stderr
         wait_for(lambda: not tagged_pids("sl_cancel"), 60, what="every process of the job to end")

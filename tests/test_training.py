@@ -9,7 +9,7 @@ import time
 import pytest
 
 from megatron_ext.training.model import count_parameters
-from megatron_ext.spec.params import load_model
+from megatron_ext.run_spec.params import load_model
 
 from conftest import REPO, clean_env, run_torchrun
 

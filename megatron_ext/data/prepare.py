@@ -33,8 +33,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from megatron_ext.spec.errors import UserError
-from megatron_ext.spec.params import DataParams, TokenizerParams
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.params import DataParams, TokenizerParams
 from megatron_ext.data.indexed_format import optimal_dtype, write_index
 from megatron_ext.data.tokenizers import load_tokenizer, train_sentencepiece
 

@@ -17,8 +17,8 @@ from typing import Iterable
 
 import numpy as np
 
-from megatron_ext.spec.errors import UserError
-from megatron_ext.spec.params import TokenizerParams
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.params import TokenizerParams
 
 
 class _Identified:

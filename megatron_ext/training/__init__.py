@@ -2,5 +2,5 @@
 megatron-core, data-parallel trainers for each ZeRO stage (CPU and CUDA behind one interface),
 datasets, CPU compatibility, the training loop.
 
-Depends on :mod:`megatron_ext.spec` and :mod:`megatron_ext.data`; the launcher never imports it.
+Depends on :mod:`megatron_ext.run_spec` and :mod:`megatron_ext.data`; the launcher never imports it.
 """

@@ -14,7 +14,7 @@ A crash during a save leaves ``latest`` naming the previous complete checkpoint.
 replicated), FSDP2 DTensor shards (stages 2-3: torch.distributed.checkpoint reshards them for
 another data-parallel size), or each rank's ZeroRedundancyOptimizer partition (stage 1: only the
 same data-parallel size can load it). On CUDA, megatron-core's optimizer state is saved per rank
-(same world size only). :func:`megatron_ext.spec.checkpoints.check_resumable` refuses what cannot
+(same world size only). :func:`megatron_ext.run_spec.checkpoints.check_resumable` refuses what cannot
 be resumed exactly, saying why (the launcher before anything starts, and every rank).
 Side effects: the checkpoint files; collectives (all ranks call save and load).
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_ext.spec.checkpoints import LATEST, CheckpointMeta, iteration_dir_name, read_meta
+from megatron_ext.run_spec.checkpoints import LATEST, CheckpointMeta, iteration_dir_name, read_meta
 
 
 def rng_state() -> dict:

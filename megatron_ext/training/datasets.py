@@ -13,7 +13,7 @@ import torch
 
 from megatron_ext.data.prepare import PreparedData
 from megatron_ext.data.tokenizers import NullTokenizer, load_tokenizer
-from megatron_ext.spec.params import DataParams, TokenizerParams
+from megatron_ext.run_spec.params import DataParams, TokenizerParams
 
 
 def build_datasets(

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_ext.spec.flops import flops_per_token, padded_vocab_size, peak_tflops_for, tflops_per_gpu
-from megatron_ext.spec.iteration_log import (
+from megatron_ext.run_spec.flops import flops_per_token, padded_vocab_size, peak_tflops_for, tflops_per_gpu
+from megatron_ext.run_spec.iteration_log import (
     IterationRecord, MetricsWriter, format_iteration_line, format_progress_line,
 )
-from megatron_ext.spec.checkpoints import CheckpointMeta, check_resumable, latest_iteration, read_meta
-from megatron_ext.spec.params import COLLECTIVE_TIMEOUT_S, BatchGeometry, RunParams, TrainingParams
-from megatron_ext.spec.run_paths import RunPaths
+from megatron_ext.run_spec.checkpoints import CheckpointMeta, check_resumable, latest_iteration, read_meta
+from megatron_ext.run_spec.params import COLLECTIVE_TIMEOUT_S, BatchGeometry, RunParams, TrainingParams
+from megatron_ext.run_spec.run_paths import RunPaths
 
 
 @dataclass(frozen=True)

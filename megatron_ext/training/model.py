@@ -1,6 +1,6 @@
 """Model presets -> megatron-core ``GPTModel``; exact parameter counts on the meta device.
 
-    python -c "from megatron_ext.training.model import count_parameters; from megatron_ext.spec.params import load_model; print(count_parameters(load_model('qwen3_1p7b')))"
+    python -c "from megatron_ext.training.model import count_parameters; from megatron_ext.run_spec.params import load_model; print(count_parameters(load_model('qwen3_1p7b')))"
 
 Needs megatron's parallel state for TP=1/PP=1: :func:`ensure_model_parallel` creates it on the
 world group (or, with no process group yet, a one-process gloo group on an in-memory store).
@@ -13,9 +13,9 @@ import warnings
 
 import torch
 
-from megatron_ext.spec.errors import UserError
-from megatron_ext.spec.flops import padded_vocab_size
-from megatron_ext.spec.params import ModelPreset
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.flops import padded_vocab_size
+from megatron_ext.run_spec.params import ModelPreset
 
 
 def model_vocab_size(preset: ModelPreset, tokenizer_vocab: int | None) -> int:

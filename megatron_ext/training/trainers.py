@@ -1,6 +1,6 @@
 """Data-parallel trainers: a megatron-core GPTModel wrapped for one ZeRO stage, on CPU or CUDA.
 
-The mapping itself lives in :mod:`megatron_ext.spec.zero`; this module builds it. Both trainers
+The mapping itself lives in :mod:`megatron_ext.run_spec.zero`; this module builds it. Both trainers
 have one interface (:class:`Trainer`), so the training loop never asks which device it runs on:
 gradient sync only on the last micro-step, clip + optimizer step (returning the global grad
 norm), and the memory columns of the metrics.
@@ -24,8 +24,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from megatron_ext.spec.params import TrainingParams
-from megatron_ext.spec.zero import ZeroStage, strategy_for
+from megatron_ext.run_spec.params import TrainingParams
+from megatron_ext.run_spec.zero import ZeroStage, strategy_for
 
 
 def _unique_storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:

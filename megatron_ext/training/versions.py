@@ -13,7 +13,7 @@ says so; nothing else checks versions.
 
 from __future__ import annotations
 
-from megatron_ext.spec.errors import UserError
+from megatron_ext.run_spec.errors import UserError
 
 TESTED_MEGATRON_CORE: dict[tuple[int, int], str] = {
     (0, 14): "0.14.0",

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_ext.spec.errors import UserError
-from megatron_ext.spec.params import RunParams
-from megatron_ext.spec.run_paths import RunPaths
-from megatron_ext.spec.zero import stage_environment
+from megatron_ext.data.prepare import ensure_prepared, planned_prepared
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.params import RunParams
+from megatron_ext.run_spec.run_paths import RunPaths
+from megatron_ext.run_spec.zero import stage_environment
+from orchestration.engines.megatron_lm_args import check_flags, render_pretrain_gpt
+from orchestration.engines.megatron_lm_checkout import read_checkout
+from orchestration.engines.megatron_lm_validate import DEFAULT_DEVICE_ARCH, validate_with_megatron
 from orchestration.launch_env import LaunchEnv
 
 
@@ -35,6 +39,17 @@ class ProgramPlan:
     """What the user should know about how the program was checked (printed to stderr)."""
 
 
+def device_arch(launch: LaunchEnv) -> int:
+    """The compute capability Megatron-LM's argument check assumes without a GPU (MEGATRON_DEVICE_ARCH)."""
+    text = launch.megatron_device_arch_text
+    if text is None:
+        return DEFAULT_DEVICE_ARCH
+    if not text.isdigit():
+        raise UserError(f"MEGATRON_DEVICE_ARCH={text!r} must be a compute capability's major number, e.g. 9 (Hopper) "
+                        f"or 10 (Blackwell); unset it for {DEFAULT_DEVICE_ARCH}")
+    return int(text)
+
+
 def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, launch: LaunchEnv,
                  prepare: bool = False) -> ProgramPlan:
     t = params.training
@@ -43,11 +58,6 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
             "-m", "megatron_ext.pretrain", "--model", model, "--data", data, "--run-name", paths.run,
             "--zero-stage", str(t.zero_stage), "--train-iters", str(t.train_iters),
         ), stage_environment(t.zero_stage))
-    from megatron_ext.data.prepare import ensure_prepared, planned_prepared
-    from orchestration.engines.megatron_lm_args import check_flags, render_pretrain_gpt
-    from orchestration.engines.megatron_lm_checkout import read_checkout
-    from orchestration.engines.megatron_lm_validate import validate_with_megatron
-
     if not launch.megatron_lm_dir:
         raise UserError("ENGINE=megatron-lm needs MEGATRON_LM_DIR, the Megatron-LM checkout holding pretrain_gpt.py")
     checkout = read_checkout(launch.megatron_lm_dir)
@@ -55,7 +65,8 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
     render = render_pretrain_gpt(params, prepared, paths, checkout.version[:2])
     rank_env = {k: v for k, v in launch.forwarded.items() if k not in render.env}
     rank_env.update({k: v for k, v in render.env.items() if v is not None})
-    verdict = validate_with_megatron(checkout.root, render.args, launch.world_size, rank_env)
+    verdict = validate_with_megatron(checkout.root, render.args, launch.world_size, rank_env, device_arch(launch),
+                                     python=launch.python)
     if verdict.status == "refused":
         raise UserError(
             f"Megatron-LM {checkout.version_text} ({checkout.root}) refuses the rendered arguments at world size "

@@ -12,11 +12,11 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
-from megatron_ext.spec.run_paths import RunPaths
-from megatron_ext.spec.errors import UserError
-from megatron_ext.spec.params import RunParams
+from megatron_ext.run_spec.run_paths import RunPaths
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.params import RunParams
 from megatron_ext.data.prepare import PreparedData
-from megatron_ext.spec.zero import megatron_lm_flags_for_stage, stage_environment
+from megatron_ext.run_spec.zero import megatron_lm_flags_for_stage, stage_environment
 
 TOKENIZER_TYPES = {"sentencepiece": "SentencePieceTokenizer", "huggingface": "HuggingFaceTokenizer", "null": "NullTokenizer"}
 

@@ -12,12 +12,14 @@ defaulting to True -> ``--no-foo-bar`` and ``--disable-foo-bar``; ``Literal[...]
 from __future__ import annotations
 
 import ast
+import enum
+import importlib
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_ext.spec.errors import UserError
+from megatron_ext.run_spec.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -210,9 +212,6 @@ def _enum_choices(node: ast.AST, index: _ClassIndex | None) -> tuple[str, ...] |
         members = index.enum_members(node.id)
         return tuple(members) if members is not None else None
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in sys.stdlib_module_names:
-        import enum
-        import importlib
-
         cls = getattr(importlib.import_module(node.value.id), node.attr, None)
         if isinstance(cls, type) and issubclass(cls, enum.Enum):
             return tuple(m.name for m in cls)

@@ -1,6 +1,6 @@
 """Megatron-LM's own ``parse_args`` + ``validate_args`` on a rendered ``pretrain_gpt.py`` argv, before launch.
 
-    python -m orchestration.engines.megatron_lm_validate /opt/Megatron-LM 32 -- --num-layers 28 ...
+    python -m orchestration.engines.megatron_lm_validate /opt/Megatron-LM 32 9 -- --num-layers 28 ...
 
 :func:`validate_with_megatron` runs this module in a subprocess with the launcher's interpreter
 (node 0's: wherever ``pretrain_gpt.py`` will run, it imports), the checkout first on
@@ -11,16 +11,21 @@ back to the source reader (:mod:`orchestration.engines.megatron_lm_checkout`) an
 
 Without a GPU, ``validate_args`` cannot ask the device for its compute capability (it does for
 Megatron-FSDP and tensor/context parallelism); the child then answers for a Hopper GPU
-(capability 9, the H100/H200 this launcher targets; ``MEGATRON_DEVICE_ARCH`` overrides) and says
-so. Side effects: one subprocess.
+(capability 9, the H100/H200 this launcher targets; ``MEGATRON_DEVICE_ARCH``, read by the launcher,
+overrides) and says so. The child imports Megatron-LM (and torch) inside :func:`_check` only, after
+putting the checkout first on ``sys.path``: what it imports is the checkout's. Side effects: one
+subprocess.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -39,10 +44,13 @@ class Validation:
 
 
 def validate_with_megatron(checkout: Path, argv: Sequence[str], world_size: int, env: Mapping[str, str],
-                           python: str = sys.executable, timeout_s: float = VALIDATION_TIMEOUT_S) -> Validation:
-    """Run Megatron-LM's parse_args + validate_args on ``argv`` in a child process with ``env``."""
+                           device_arch: int = DEFAULT_DEVICE_ARCH, python: str = sys.executable,
+                           timeout_s: float = VALIDATION_TIMEOUT_S) -> Validation:
+    """Run Megatron-LM's parse_args + validate_args on ``argv`` in a child process with ``env``
+    (``device_arch``: the compute capability assumed when the child sees no GPU)."""
     child_env = {**env, "WORLD_SIZE": str(world_size), "RANK": "0", "LOCAL_RANK": "0"}
-    cmd = [python, "-m", "orchestration.engines.megatron_lm_validate", str(checkout), str(world_size), "--", *argv]
+    cmd = [python, "-m", "orchestration.engines.megatron_lm_validate", str(checkout), str(world_size), str(device_arch),
+           "--", *argv]
     try:
         proc = subprocess.run(cmd, env=child_env, cwd=str(Path(__file__).resolve().parents[2]), capture_output=True,
                               text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
@@ -66,11 +74,7 @@ def _answer(status: str, message: str) -> int:
     return 0
 
 
-def _check(checkout: str, world_size: int, argv: list[str]) -> int:
-    import argparse
-    import contextlib
-    import warnings
-
+def _check(checkout: str, world_size: int, device_arch: int, argv: list[str]) -> int:
     def parser_error(self, message):  # argparse would print usage and exit; keep its message
         raise ValueError(f"{self.prog}: error: {message}")
 
@@ -97,9 +101,8 @@ def _check(checkout: str, world_size: int, argv: list[str]) -> int:
         except Exception:
             has_gpu = False
         if not has_gpu and hasattr(arguments, "get_device_arch_version"):
-            arch = int(os.environ.get("MEGATRON_DEVICE_ARCH") or DEFAULT_DEVICE_ARCH)
-            arguments.get_device_arch_version = lambda: arch
-            notes.append(f"no GPU here: checked as for compute capability {arch}")
+            arguments.get_device_arch_version = lambda: device_arch
+            notes.append(f"no GPU here: checked as for compute capability {device_arch}")
         sys.argv = ["pretrain_gpt.py", *argv]
         try:
             args = arguments.parse_args()
@@ -118,10 +121,10 @@ def _check(checkout: str, world_size: int, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) < 3 or argv[2] != "--":
+    if len(argv) < 4 or argv[3] != "--":
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
-    return _check(argv[0], int(argv[1]), argv[3:])
+    return _check(argv[0], int(argv[1]), int(argv[2]), argv[4:])
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from megatron_ext.spec.iteration_log import read_metrics  # noqa: E402
+from megatron_ext.run_spec.iteration_log import read_metrics  # noqa: E402
 NUM_LAYERS = 8
 ITERS = 10
 STAGE_TIMEOUT_S = 110

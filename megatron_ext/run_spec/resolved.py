@@ -1,6 +1,6 @@
 """The resolved parameters of a run: written once by the launcher at start, read back typed.
 
-    python -c "from megatron_ext.spec.resolved import read_resolved; print(read_resolved('artifacts/logs/demo_params.yaml'))"
+    python -c "from megatron_ext.run_spec.resolved import read_resolved; print(read_resolved('artifacts/logs/demo_params.yaml'))"
 
 ``$ARTIFACT_ROOT/logs/<run>_params.yaml`` holds the :class:`RunParams` with every override and
 the global batch applied, plus :class:`RunRuntime` (world size, hosts, the program each rank
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from megatron_ext.spec.errors import UserError
-from megatron_ext.spec.params import RunParams, build_dataclass, params_as_dict, params_from_dict
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.params import RunParams, build_dataclass, params_as_dict, params_from_dict
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,12 @@ a start is one ``srun`` step with one task per node (``--kill-on-bad-exit``): ea
 node's supervisor for the plan of node ``SLURM_NODEID`` (same logs, pid files, run tag and dry
 run as over ssh). ``submit`` writes a batch script that runs that start in the foreground inside
 the job, submits it and records the job id, which ``status`` and ``stop`` use. Side effects:
-Slurm's commands, the batch script and job-id files under the artifact root.
+Slurm's commands (with this process's environment: SLURM_CONF and the like reach them as they
+reach any child), and the job-id file under the artifact root.
 """
 
 from __future__ import annotations
 
-import json
 import shlex
 import subprocess
 import time
@@ -22,27 +22,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from megatron_ext.spec.errors import UserError
-from megatron_ext.spec.run_paths import RunPaths
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.run_paths import RunPaths
+from orchestration.node.node_plan import supervise_argv
+from orchestration.node.run_state import read_json, write_json_atomic
 
 TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
                    "DEADLINE")
 
 
-def _run(argv: Sequence[str], env: Mapping[str, str] | None = None, timeout_s: float = 30) -> subprocess.CompletedProcess:
+def run_slurm(argv: Sequence[str], timeout_s: float = 30) -> subprocess.CompletedProcess:
+    """One Slurm command; a missing Slurm is a UserError."""
     try:
-        return subprocess.run(list(argv), env=dict(env) if env is not None else None, capture_output=True, text=True,
-                              timeout=timeout_s, stdin=subprocess.DEVNULL)
+        return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
     except FileNotFoundError:
         raise UserError(f"{argv[0]} is not installed here; run this on a Slurm login or compute node") from None
 
 
-def allocation_hosts(env: Mapping[str, str]) -> tuple[str, ...]:
-    """The allocation's nodes, in Slurm's order (node 0 first)."""
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
-    if not nodelist:
-        return ()
-    proc = _run(["scontrol", "show", "hostnames", nodelist], env)
+def expand_nodelist(nodelist: str) -> tuple[str, ...]:
+    """``scontrol show hostnames NODELIST``: the allocation's nodes, in Slurm's order (node 0 first)."""
+    proc = run_slurm(["scontrol", "show", "hostnames", nodelist])
     if proc.returncode:
         raise UserError(f"scontrol show hostnames {nodelist} failed: {proc.stderr.strip()}")
     return tuple(proc.stdout.split())
@@ -56,8 +55,7 @@ def plan_file_pattern(paths: RunPaths) -> str:
 def srun_step_argv(job_id: str, nnodes: int, python: str, cwd: str, pattern: str) -> list[str]:
     """The start: one task per node, each the node's supervisor; a task that fails ends the step."""
     return ["srun", f"--jobid={job_id}", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1",
-            "--kill-on-bad-exit=1", f"--chdir={cwd}", "--quiet", "--job-name=torchrun",
-            python, "-m", "orchestration", "node-supervise", "--plan-file", pattern]
+            "--kill-on-bad-exit=1", f"--chdir={cwd}", "--quiet", "--job-name=torchrun", *supervise_argv(python, pattern)]
 
 
 # -- batch jobs ---------------------------------------------------------------------------------
@@ -91,19 +89,19 @@ def render_batch_script(model: str, data: str, run: str, request: BatchRequest, 
     return "\n".join(lines) + "\n"
 
 
-def check_partition(partition: str | None, env: Mapping[str, str]) -> None:
+def check_partition(partition: str | None) -> None:
     if not partition:
         return
-    proc = _run(["scontrol", "show", "partition", partition], env)
+    proc = run_slurm(["scontrol", "show", "partition", partition])
     if proc.returncode:
-        names = _run(["sinfo", "-h", "-o", "%R"], env).stdout.split()
+        names = run_slurm(["sinfo", "-h", "-o", "%R"]).stdout.split()
         raise UserError(f"partition {partition!r} does not exist on this cluster (partitions: {', '.join(sorted(set(names))) or 'none'}); "
                         "choose one with --partition or SBATCH_PARTITION")
 
 
-def submit(script: Path, env: Mapping[str, str]) -> str:
+def submit(script: Path) -> str:
     """sbatch the script; the job id, or a UserError with sbatch's own message."""
-    proc = _run(["sbatch", "--parsable", str(script)], env)
+    proc = run_slurm(["sbatch", "--parsable", str(script)])
     if proc.returncode:
         raise UserError(f"sbatch refused the job: {proc.stderr.strip()}; nothing was submitted")
     return proc.stdout.strip().split(";")[0]
@@ -114,35 +112,33 @@ def job_file(paths: RunPaths) -> Path:
 
 
 def record_job(paths: RunPaths, job_id: str, script: Path) -> None:
-    job_file(paths).write_text(json.dumps({"job_id": job_id, "script": str(script), "submitted_at": time.time()}))
+    write_json_atomic(job_file(paths), {"job_id": job_id, "script": str(script), "submitted_at": time.time()})
 
 
 def recorded_job(paths: RunPaths) -> str | None:
-    try:
-        return json.loads(job_file(paths).read_text())["job_id"]
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):
-        return None
+    raw = read_json(job_file(paths))
+    return raw.get("job_id") if isinstance(raw, dict) else None
 
 
-def job_state(job_id: str, env: Mapping[str, str]) -> str:
+def job_state(job_id: str) -> str:
     """PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ... or UNKNOWN (Slurm forgot the job)."""
-    proc = _run(["scontrol", "show", "job", "-o", job_id], env)
+    proc = run_slurm(["scontrol", "show", "job", "-o", job_id])
     for word in proc.stdout.split():
         if word.startswith("JobState="):
             return word.split("=", 1)[1]
     return "UNKNOWN"
 
 
-def cancel(job_id: str, env: Mapping[str, str], timeout_s: float = 90) -> str:
+def cancel(job_id: str, timeout_s: float = 90) -> str:
     """scancel the job and wait until Slurm says it ended; its final state."""
-    _run(["scancel", job_id], env)
+    run_slurm(["scancel", job_id])
     deadline = time.monotonic() + timeout_s
-    state = job_state(job_id, env)
+    state = job_state(job_id)
     while state not in (*TERMINAL_STATES, "UNKNOWN") and time.monotonic() < deadline:
         time.sleep(1)
-        state = job_state(job_id, env)
+        state = job_state(job_id)
     return state
 
 
-def cancel_step(step: str, env: Mapping[str, str]) -> bool:
-    return _run(["scancel", step], env).returncode == 0
+def cancel_step(step: str) -> bool:
+    return run_slurm(["scancel", step]).returncode == 0

@@ -27,10 +27,11 @@ bus bandwidth. The figures, with the sources they follow:
   ``training.grad_reduce_in_bf16``), parameters in bf16; each collective carries the ring factor
   (d - 1)/d, so dividing by the NCCL *bus* bandwidth gives its time.
 
-Pure: takes presets and numbers, returns a :class:`MemoryPlan` and text. Parameter counts are
-computed from the preset's shapes (no torch on the launcher side); tests check them against the
-megatron-core model built on the meta device. :func:`cmd_plan_memory` is the command's edge
-(reads the model and data YAML and ``GPU_MEMORY_GB``, prints).
+Pure: takes presets and numbers, returns a :class:`MemoryPlan` (its text is
+:func:`orchestration.analysis.tables.format_memory_plan`). Parameter counts are computed from the
+preset's shapes (no torch on the launcher side); tests check them against the megatron-core model
+built on the meta device. :func:`plan_memory_request` turns the command's options (and
+``GPU_MEMORY_GB``, as the launcher read it) into a plan, reading the model and data YAML.
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import Literal, Mapping
+from typing import Literal
 
-from megatron_ext.spec.errors import EXIT_OK, UserError
-from megatron_ext.spec.flops import flops_per_token, padded_vocab_size
-from megatron_ext.spec.params import ModelPreset, RunParams
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.flops import flops_per_token, padded_vocab_size
+from megatron_ext.run_spec.params import ModelPreset, RunOverrides, RunParams, batch_geometry, load_model, load_run_params
 
 Precision = Literal["bf16", "fp32"]
 """bf16: GPUs (Megatron's mixed precision); fp32: the CPU path (torch, gloo)."""
@@ -325,106 +326,25 @@ def plan_for_run(params: RunParams, nnodes: int, nproc_per_node: int, precision:
                        global_batch_size=t.global_batch_size, data_set=params.data_set)
 
 
-# -- text ---------------------------------------------------------------------------------------
+# -- the command's request ------------------------------------------------------------------------
 
-def _gb(n: float, unit: float = GB) -> str:
-    return f"{n / unit:.1f}" if n >= 0.05 * unit else f"{n / unit:.3f}"
+@dataclass(frozen=True)
+class MemoryRequest:
+    """``plan-memory MODEL [DATA]``'s options (None = the default named in the CLI's help)."""
 
-
-def _fit(flag: bool | None) -> str:
-    return "-" if flag is None else ("yes" if flag else "no")
-
-
-def format_memory_plan(plan: MemoryPlan) -> str:
-    p = plan
-    unit, unit_name = (GB, "GB (1e9 bytes)") if max(s.total_bytes for s in p.stages) >= GB else (1e6, "MB (1e6 bytes)")
-    gb = lambda n: _gb(n, unit)  # noqa: E731
-    rank, ranks = ("GPU", "GPUs") if p.precision == "bf16" else ("CPU process", "CPU processes")
-    what = ("bf16 params, fp32 grads and main params (Megatron)" if p.precision == "bf16"
-            else "fp32 params, grads and AdamW state (CPU path)")
-    reduce = "bf16" if p.grad_reduce_in_bf16 and p.precision == "bf16" else "fp32"
-    lines = [
-        f"{p.model}: {p.parameters:,} parameters (vocabulary padded to {p.padded_vocab:,}), "
-        f"{p.num_gpus} {ranks} ({p.nnodes} node(s) x {p.nproc_per_node}) data-parallel, {what}; "
-        f"activations for sequence {p.seq_length} x micro batch {p.micro_batch_size}"
-        + (f" ({p.data_set})" if p.data_set else ""),
-        f"per {rank}, {unit_name}; device: {p.device}"
-        + (f", usable with {p.headroom:.0%} headroom: {_gb(p.usable_bytes)} GB" if p.usable_bytes else ""),
-        "",
-    ]
-    header = ["stage", "params", "grads", "optimizer", "states", "activations", "total", "fits",
-              "act. recompute", "total recompute", "fits", "DP traffic/step", f"at {p.bus_bandwidth_gbs:g} GB/s"]
-    rows = []
-    for s in p.stages:
-        peak = f" (peak {gb(s.states_peak_bytes)})" if s.states_peak_bytes != s.states_bytes else ""
-        rows.append([str(s.stage), gb(s.params_bytes), gb(s.grads_bytes), gb(s.optimizer_bytes),
-                     gb(s.states_bytes) + peak, gb(s.activation_bytes), gb(s.total_bytes), _fit(s.fits),
-                     gb(s.activation_recompute_bytes), gb(s.total_recompute_bytes), _fit(s.fits_recompute),
-                     f"{gb(s.traffic_bytes)} {unit_name.split()[0]}", f"{s.traffic_s * 1000:.3g} ms"])
-    lines += format_rows(header, rows)
-    lines.append("")
-    if p.usable_bytes:
-        if p.lowest_fitting_stage is not None:
-            s = p.stage(p.lowest_fitting_stage)
-            lines.append(f"lowest stage that fits in {_gb(p.device_bytes)} GB with {p.headroom:.0%} headroom: "
-                         f"stage {s.stage} ({_gb(s.total_bytes)} GB of {_gb(p.usable_bytes)} GB usable)")
-        elif p.lowest_fitting_stage_recompute is not None:
-            s = p.stage(p.lowest_fitting_stage_recompute)
-            lines.append(f"no stage fits without recomputation; with full activation recomputation: stage {s.stage} "
-                         f"({_gb(s.total_recompute_bytes)} GB of {_gb(p.usable_bytes)} GB usable)")
-        else:
-            lines.append(f"no stage fits in {_gb(p.usable_bytes)} GB usable, even with full recomputation; "
-                         "use more GPUs, a smaller micro batch or sequence, or tensor/pipeline parallelism")
-    if p.compute_s:
-        lines.append(f"compute per step at {p.assumed_mfu:.0%} MFU: {p.compute_s * 1000:,.0f} ms "
-                     f"(global batch {p.global_batch_size} x {p.seq_length} tokens); data-parallel traffic is "
-                     + ", ".join(f"stage {s.stage} {s.traffic_s / p.compute_s:.1%}" for s in p.stages)
-                     + " of it before any overlap")
-    lines += [
-        "model states: stages 0-1 Megatron's bytes per parameter (18, 6 + 12/d with bf16 params, fp32 grads and "
-        "main params), stages 2-3 the ZeRO paper's (2 + 14/d, 16/d)" if p.precision == "bf16" else
-        "model states: fp32 AdamW (16, 8 + 8/d, 16/d with peak 4 + 12/d, 16/d bytes per parameter)",
-        "activations: an estimate after Korthikanti et al. 2022 (\"Reducing Activation Recomputation in Large "
-        "Transformer Models\"), re-derived for this layer (GQA, SwiGLU, QK-norm) with flash/SDPA attention; "
-        "recompute = full recomputation (each layer keeps its input)",
-        f"traffic: ZeRO paper volumes (2 Psi stages 0-2, 3 Psi stage 3), gradients reduced in {reduce}, "
-        f"parameters gathered in {'bf16' if p.precision == 'bf16' else 'fp32'}, ring factor (d-1)/d; "
-        f"time = bytes / bus bandwidth ({p.bus_bandwidth_gbs:g} GB/s"
-        + (": 4x8 H100 NCCL all-reduce, measured)" if p.bus_bandwidth_gbs == DEFAULT_BUS_BANDWIDTH_GBS else ")"),
-    ]
-    return "\n".join(lines)
-
-
-def format_rows(header: list[str], rows: list[list[str]]) -> list[str]:
-    """Columns as wide as their widest cell; the first left-aligned, the rest right-aligned."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    out = []
-    for r in [header, *rows]:
-        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
-        out.append("  ".join(cells).rstrip())
-    return out
-
-
-# -- the command ------------------------------------------------------------------------------
-
-def add_plan_memory_parser(sub) -> None:
-    p = sub.add_parser("plan-memory", help="memory and data-parallel traffic per GPU for each ZeRO stage, on paper")
-    p.add_argument("model", help="model preset under params/models (or a YAML path)")
-    p.add_argument("data", nargs="?", help="data set (sequence, micro batch, vocabulary, global batch); optional")
-    p.add_argument("--gpus", type=int, help="data-parallel GPUs in all (default NNODES x NPROC_PER_NODE)")
-    p.add_argument("--nnodes", type=int, help="default NNODES")
-    p.add_argument("--nproc-per-node", type=int, help="default NPROC_PER_NODE")
-    p.add_argument("--device", choices=sorted(DEVICES), help=f"device kind (default {DEFAULT_DEVICE}; cpu = fp32 CPU path)")
-    p.add_argument("--gpu-memory-gb", type=float, help="memory per GPU in GB (default $GPU_MEMORY_GB, else the device's)")
-    p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="fraction of memory kept free (default 0.1)")
-    p.add_argument("--bus-bandwidth-gbs", type=float, default=DEFAULT_BUS_BANDWIDTH_GBS,
-                   help=f"data-parallel bus bandwidth, GB/s (default {DEFAULT_BUS_BANDWIDTH_GBS:g}: 4x8 H100 all-reduce)")
-    p.add_argument("--seq-length", type=int, help="tokens per sequence (default the data set's, else 4096)")
-    p.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (default the data set's, else 1)")
-    p.add_argument("--vocab-size", type=int, help="unpadded vocabulary (default the preset's, else the data set's)")
-    p.add_argument("--grad-reduce-in-bf16", action="store_true", default=None,
-                   help="reduce gradients in bf16 (default the data set's training.grad_reduce_in_bf16)")
-    p.add_argument("--json", action="store_true", help="the plan as one JSON object")
+    model: str
+    data: str | None = None
+    gpus: int | None = None
+    nnodes: int | None = None
+    nproc_per_node: int | None = None
+    device: str | None = None
+    gpu_memory_gb: float | None = None
+    headroom: float = DEFAULT_HEADROOM
+    bus_bandwidth_gbs: float = DEFAULT_BUS_BANDWIDTH_GBS
+    seq_length: int | None = None
+    micro_batch_size: int | None = None
+    vocab_size: int | None = None
+    grad_reduce_in_bf16: bool | None = None
 
 
 def _positive(name: str, value: int | float | None) -> None:
@@ -432,44 +352,43 @@ def _positive(name: str, value: int | float | None) -> None:
         raise UserError(f"{name}={value} must be > 0")
 
 
-def cmd_plan_memory(args, launch, env: Mapping[str, str] | None = None) -> int:
-    """``plan-memory MODEL [DATA]``: the plan for NNODES x NPROC_PER_NODE GPUs (or the options)."""
-    import os
+def parse_gpu_memory_gb(text: str | None) -> float | None:
+    """``GPU_MEMORY_GB`` as the launcher read it."""
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise UserError(f"GPU_MEMORY_GB={text!r} must be a number of GB, e.g. 80") from None
+    _positive("GPU_MEMORY_GB", value)
+    return value
 
-    from megatron_ext.spec.params import RunOverrides, batch_geometry, load_model, load_run_params
 
-    env = os.environ if env is None else env
+def plan_memory_request(r: MemoryRequest, nnodes: int, nproc_per_node: int, gpu_memory_gb_text: str | None) -> MemoryPlan:
+    """The plan for ``nnodes x nproc_per_node`` GPUs (NNODES x NPROC_PER_NODE) unless the request says otherwise."""
     for name in ("gpus", "nnodes", "nproc_per_node", "gpu_memory_gb", "bus_bandwidth_gbs", "seq_length",
                  "micro_batch_size", "vocab_size"):
-        _positive(f"--{name.replace('_', '-')}", getattr(args, name))
-    nnodes = args.nnodes or launch.nnodes
-    nproc = args.nproc_per_node or launch.nproc_per_node
-    if args.gpus:  # as nodes of NPROC_PER_NODE where it divides, else one node
-        nnodes, nproc = (args.gpus // nproc, nproc) if args.gpus % nproc == 0 else (1, args.gpus)
-    memory_gb = args.gpu_memory_gb
-    if memory_gb is None and env.get("GPU_MEMORY_GB", "").strip():
-        try:
-            memory_gb = float(env["GPU_MEMORY_GB"])
-        except ValueError:
-            raise UserError(f"GPU_MEMORY_GB={env['GPU_MEMORY_GB']!r} must be a number of GB, e.g. 80") from None
-        _positive("GPU_MEMORY_GB", memory_gb)
-    device = DEVICES[args.device or DEFAULT_DEVICE]
-    precision: Precision = "fp32" if args.device == "cpu" else "bf16"
-    preset = load_model(args.model)
-    vocab, seq, micro, gbs, accumulation, bf16_reduce = args.vocab_size, args.seq_length, args.micro_batch_size, None, None, False
-    if args.data:
-        params = load_run_params(args.model, args.data, RunOverrides())
+        _positive(f"--{name.replace('_', '-')}", getattr(r, name))
+    nnodes = r.nnodes or nnodes
+    nproc = r.nproc_per_node or nproc_per_node
+    if r.gpus:  # as nodes of NPROC_PER_NODE where it divides, else one node
+        nnodes, nproc = (r.gpus // nproc, nproc) if r.gpus % nproc == 0 else (1, r.gpus)
+    memory_gb = r.gpu_memory_gb if r.gpu_memory_gb is not None else parse_gpu_memory_gb(gpu_memory_gb_text)
+    device = DEVICES[r.device or DEFAULT_DEVICE]
+    precision: Precision = "fp32" if r.device == "cpu" else "bf16"
+    preset = load_model(r.model)
+    vocab, seq, micro, gbs, accumulation, bf16_reduce = r.vocab_size, r.seq_length, r.micro_batch_size, None, None, False
+    if r.data:
+        params = load_run_params(r.model, r.data, RunOverrides())
         t = params.training
         geometry = batch_geometry(t, nnodes * nproc)
         vocab = vocab or run_vocab(params)
         seq, micro = seq or t.seq_length, micro or t.micro_batch_size
         gbs, accumulation, bf16_reduce = geometry.global_batch_size, geometry.accumulation_steps, t.grad_reduce_in_bf16
     seq = min(seq or 4096, preset.max_position_embeddings)
-    plan = plan_memory(preset, vocab_size=vocab, nnodes=nnodes, nproc_per_node=nproc, seq_length=seq,
+    return plan_memory(preset, vocab_size=vocab, nnodes=nnodes, nproc_per_node=nproc, seq_length=seq,
                        micro_batch_size=micro or 1, precision=precision, device=device,
-                       device_bytes=memory_gb * GB if memory_gb else None, headroom=args.headroom,
-                       grad_reduce_in_bf16=bf16_reduce if args.grad_reduce_in_bf16 is None else args.grad_reduce_in_bf16,
-                       bus_bandwidth_gbs=args.bus_bandwidth_gbs, global_batch_size=gbs,
-                       gradient_accumulation_steps=accumulation, data_set=args.data)
-    print(plan.to_json() if args.json else format_memory_plan(plan), flush=True)
-    return EXIT_OK
+                       device_bytes=memory_gb * GB if memory_gb else None, headroom=r.headroom,
+                       grad_reduce_in_bf16=bf16_reduce if r.grad_reduce_in_bf16 is None else r.grad_reduce_in_bf16,
+                       bus_bandwidth_gbs=r.bus_bandwidth_gbs, global_batch_size=gbs,
+                       gradient_accumulation_steps=accumulation, data_set=r.data)

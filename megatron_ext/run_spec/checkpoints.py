@@ -1,6 +1,6 @@
 """Which checkpoint a run would resume from: the ``latest`` markers of both engines.
 
-    python -c "from megatron_ext.spec.checkpoints import latest_iteration; print(latest_iteration('artifacts/runs/demo/checkpoints'))"
+    python -c "from megatron_ext.run_spec.checkpoints import latest_iteration; print(latest_iteration('artifacts/runs/demo/checkpoints'))"
 
 This project's program writes ``<checkpoints>/iter_NNNNNNN/`` (one shard per rank plus
 ``meta.json``) and then, last and atomically, ``<checkpoints>/latest`` naming that directory, so a
@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ext.spec.errors import UserError
+from megatron_ext.run_spec.errors import UserError
 
 LATEST = "latest"
 MEGATRON_LM_LATEST = "latest_checkpointed_iteration.txt"

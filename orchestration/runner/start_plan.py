@@ -2,64 +2,32 @@
 
     DRY_RUN=1 HOSTS=node0,node1 python -m orchestration start gpt_smoke smoke demo
 
-Plan, then execute (torchx / NeMo-Run): :func:`build_start_plan` returns a :class:`StartPlan`
+Plan, then execute (torchx / NeMo-Run): :func:`plan_start` checks the parameters for the whole
+cluster, decides the program every rank runs and whether it resumes, and
+:func:`build_start_plan` returns a :class:`StartPlan`
 (the run id, and per node the host, the torchrun argv, the full environment the launcher sets
 for the node's processes including the run tags, the variables it removes, the working
 directory, the log and pid-file paths). ``DRY_RUN=1`` prints each :class:`NodePlan` as one JSON
-line; ``start`` sends each node its own plan, and the node side only checks, starts it detached
-and writes the pid file; ``train`` execs its node's plan in the foreground. Pure.
+line; ``start`` (orchestration/runner/start.py) sends each node its own plan, and the node side
+only checks, starts it detached and writes the pid file; ``train`` execs its node's plan in the
+foreground. Pure apart from reading the params, the checkpoints' markers and (ENGINE=megatron-lm)
+the checkout.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from dataclasses import asdict, dataclass, field
+import uuid
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from megatron_ext.spec.params import BatchGeometry, RunParams
-from megatron_ext.spec.resolved import ResolvedRun, RunRuntime
-from megatron_ext.spec.run_paths import RunPaths
-from orchestration.engines import ProgramPlan
+from megatron_ext.run_spec.checkpoints import check_resumable, latest_iteration, read_meta
+from megatron_ext.run_spec.params import BatchGeometry, RunOverrides, RunParams, load_run_params, with_batch_geometry
+from megatron_ext.run_spec.resolved import ResolvedRun, RunRuntime
+from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
+from orchestration.engines import ProgramPlan, plan_program
 from orchestration.launch_env import LaunchEnv
-
-RUN_TAG = "LAUNCHER_RUN"
-RUN_ID_TAG = "LAUNCHER_RUN_ID"
-NODE_TAG = "LAUNCHER_NODE_RANK"
-
-
-@dataclass(frozen=True)
-class NodePlan:
-    """One node's part of a start: everything the node side needs, nothing it works out again."""
-
-    run: str
-    run_id: str
-    node_rank: int
-    host: str
-    argv: tuple[str, ...]
-    """The torchrun command this node runs."""
-    env: dict[str, str]
-    """Variables set for every process of the run on this node, on top of the node's own
-    environment (launcher variables, forwarded variables, the program's, the run tags)."""
-    unset: tuple[str, ...]
-    """Variables removed from the node's own environment (e.g. CUDA_DEVICE_MAX_CONNECTIONS for
-    Megatron-FSDP)."""
-    cwd: str
-    log_path: str
-    pid_path: str
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> "NodePlan":
-        raw = json.loads(text)
-        raw["argv"], raw["unset"] = tuple(raw["argv"]), tuple(raw["unset"])
-        return cls(**raw)
-
-    def process_environment(self, node_env: Mapping[str, str]) -> dict[str, str]:
-        """The environment of torchrun on the node: the node's own, less ``unset``, plus ``env``."""
-        return {**{k: v for k, v in node_env.items() if k not in self.unset}, **self.env}
+from orchestration.node.node_plan import NODE_TAG, RUN_ID_TAG, RUN_TAG, NodePlan
 
 
 @dataclass(frozen=True)
@@ -75,6 +43,8 @@ class StartPlan:
     program: ProgramPlan | None = None
     python: str = ""
     cwd: str = ""
+    notes: tuple[str, ...] = ()
+    """What the user should know about this start (how the program was checked, a reshard)."""
 
 
 def render_torchrun_argv(launch: LaunchEnv, node_rank: int, python: str, program: Sequence[str]) -> list[str]:
@@ -140,9 +110,26 @@ def rebuild_start_plan(launch: LaunchEnv, plan: StartPlan, node_env: Mapping[int
     nodes = [(p.node_rank, p.host) for p in plan.nodes]
     rebuilt = build_start_plan(launch, plan.resolved.params, plan.geometry, plan.program, plan.run, plan.run_id, nodes,
                                plan.python, plan.cwd, node_env)
-    return dataclasses.replace(rebuilt, resume_from=plan.resume_from)
+    return dataclasses.replace(rebuilt, resume_from=plan.resume_from, notes=plan.notes)
 
 
-def orchestration_argv(python: str, command: str, *args: str) -> list[str]:
-    """A node-side orchestration command (``node-start``, ``node-stop``, ...)."""
-    return [python, "-m", "orchestration", command, *args]
+def plan_start(launch: LaunchEnv, model: str, data: str, run: str, nodes: Sequence[tuple[int, str]],
+               prepare: bool) -> StartPlan:
+    """Checked params for the whole cluster (world = NNODES x NPROC_PER_NODE), the program every
+    rank runs (data prepared first when ``prepare``), whether it resumes, and the plan of every
+    node in ``nodes``; a UserError before anything starts."""
+    check_run_name(run)
+    params = load_run_params(model, data, RunOverrides(launch.zero_stage, launch.overrides.engine))
+    params, geometry = with_batch_geometry(params, launch.world_size)
+    paths = RunPaths(launch.artifact_root, run)
+    resume_from = latest_iteration(paths.checkpoints_dir)
+    notes = []
+    if resume_from is not None and params.training.engine == "megatron-core":
+        t = params.training
+        note = check_resumable(read_meta(paths.checkpoints_dir, resume_from), launch.world_size, t.zero_stage,
+                               t.global_batch_size, launch.device, paths.checkpoints_dir)
+        notes += [note] if note else []
+    program = plan_program(params, model, data, paths, launch, prepare=prepare)
+    run_id = f"{run}-{uuid.uuid4().hex[:10]}"
+    plan = build_start_plan(launch, params, geometry, program, run, run_id, nodes, launch.python, launch.cwd)
+    return dataclasses.replace(plan, resume_from=resume_from, notes=(*program.notes, *notes))

@@ -1,6 +1,6 @@
 """The iteration record and Megatron-LM's iteration line: one format, one parser, both engines.
 
-    python -m megatron_ext.spec.iteration_log artifacts/logs/run_node0.log --seq-length 4096
+    python -m megatron_ext.run_spec.iteration_log artifacts/logs/run_node0.log --seq-length 4096
 
 This project's program prints Megatron-LM's ``training_log`` line (so existing log readers keep
 working) and writes the same :class:`IterationRecord` as JSON lines; Megatron-LM's own runs are

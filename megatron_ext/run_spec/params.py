@@ -1,6 +1,6 @@
 """Typed, frozen parameter sets loaded from ``params/``.
 
-    python -c "from megatron_ext.spec.params import load_run_params; print(load_run_params('gpt_smoke', 'smoke'))"
+    python -c "from megatron_ext.run_spec.params import load_run_params; print(load_run_params('gpt_smoke', 'smoke'))"
 
 ``params/models/<name>.yaml`` holds a model preset, ``params/data/<name>.yaml`` a data set with
 its training schedule (``data:`` and ``training:`` sections). Every key maps onto a field of the
@@ -21,8 +21,8 @@ from typing import Any, Literal
 
 import yaml
 
-from megatron_ext.spec.errors import UserError
-from megatron_ext.spec.zero import parse_zero_stage
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.zero import parse_zero_stage
 
 PARAMS_DIR = Path(__file__).resolve().parents[2] / "params"
 

@@ -35,6 +35,12 @@ def docker_exec_argv(container: str, argv: Sequence[str], env: dict[str, str], c
     return ["docker", "exec", *flags, container, *argv]
 
 
+def is_this_machine(launch: LaunchEnv, host: str) -> bool:
+    """Whether a node command for ``host`` can run in this very process: this machine, no
+    container, no srun task (whose node may be another machine sharing the files)."""
+    return launch.transport != "srun" and launch.is_local(host) and not launch.container_name
+
+
 def runs_here(launch: LaunchEnv, host: str) -> bool:
     """Whether the caller applies env and cwd to the command for ``host`` itself: a plain
     subprocess on this machine, or ``srun`` (which exports the caller's environment)."""

@@ -6,7 +6,7 @@ Reads each run's ``metrics.jsonl`` (this project's program) or, for Megatron-LM 
 iteration lines of its node logs, and its resolved parameters (``<run>_params.yaml``: engine,
 nodes, processes, the model for the memory plan). Speed is the median over the iterations after
 the warm-up ones; ratios and loss differences are against the first run named that has records,
-measured in the same table; "plan" columns come from :mod:`orchestration.planner` (fp32 AdamW
+measured in the same table; "plan" columns come from :mod:`orchestration.analysis.memory_plan` (fp32 AdamW
 for CPU runs, Megatron's bf16 figures for GPU runs). Pure apart from reading those files; the
 files a comparison writes (PNG, JSON, CSV) are :mod:`orchestration.report`'s.
 """
@@ -18,23 +18,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from megatron_ext.spec.errors import UserError
-from megatron_ext.spec.iteration_log import IterationRecord, parse_log, read_metrics
-from megatron_ext.spec.resolved import ResolvedRun, read_resolved
-from megatron_ext.spec.run_paths import RunPaths
-from orchestration.planner import format_rows, plan_for_run
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.iteration_log import IterationRecord, parse_log, read_metrics
+from megatron_ext.run_spec.resolved import ResolvedRun, read_resolved
+from megatron_ext.run_spec.run_paths import RunPaths
+from orchestration.analysis.memory_plan import plan_for_run
+from orchestration.node.run_state import RunState
 
 DEFAULT_WARMUP_ITERATIONS = 2
 """Iterations left out of the medians (allocator warm-up, lazy communicator set-up, first gathers)."""
 MB = 1e6
+PARTIAL = "partial"
+"""A comparison row whose records stop short of the planned iterations."""
 
 
 @dataclass(frozen=True)
 class RunOutcome:
     """What a sweep knows about a run beyond its files."""
 
-    status: str
-    """done, failed or stopped."""
+    status: RunState
+    """finished, failed or stopped."""
     reason: str | None = None
     """Why it failed or stopped (the node log's last meaningful line)."""
     zero_stage: int | None = None
@@ -84,8 +87,9 @@ class RunSummary:
     losses: tuple[tuple[int, float], ...] = ()
     """(iteration, lm loss) of every record."""
     tokens_per_s_series: tuple[tuple[int, float], ...] = ()
-    status: str = "done"
-    """done, partial (fewer iterations than planned: running, or ended early), failed, stopped."""
+    status: str = RunState.FINISHED.value
+    """A :class:`RunState` (finished, failed, stopped), or ``partial``: the records stop short of
+    the planned iterations (still running, or ended early)."""
     reason: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -125,7 +129,7 @@ def summarize(run: str, records: list[IterationRecord], resolved: ResolvedRun | 
               warmup: int = DEFAULT_WARMUP_ITERATIONS, outcome: RunOutcome | None = None) -> RunSummary:
     """One run's row. Without records only a failed or stopped ``outcome`` is a row; else it is
     a UserError saying the run has no metrics."""
-    if not records and (outcome is None or outcome.status == "done"):
+    if not records and (outcome is None or outcome.status == RunState.FINISHED):
         raise UserError(f"run {run!r} has no metrics yet (no metrics.jsonl and no iteration lines in its node logs); "
                         "start it and wait for its first iteration, or check ARTIFACT_ROOT")
     runtime = resolved.runtime if resolved else None
@@ -157,12 +161,12 @@ def summarize(run: str, records: list[IterationRecord], resolved: ResolvedRun | 
             planned_states = s.states_bytes
             planned_peak = s.states_peak_bytes if device == "cpu" else s.total_bytes
     train_iters = training.train_iters if training else (last.train_iters if last else None)
-    if outcome and outcome.status != "done":
-        status, reason = outcome.status, outcome.reason
+    if outcome and outcome.status != RunState.FINISHED:
+        status, reason = outcome.status.value, outcome.reason
     elif last and train_iters and last.iteration < train_iters:
-        status, reason = "partial", f"{last.iteration} of {train_iters} iterations recorded (still running, or ended early)"
+        status, reason = PARTIAL, f"{last.iteration} of {train_iters} iterations recorded (still running, or ended early)"
     else:
-        status, reason = "done", None
+        status, reason = RunState.FINISHED.value, None
     mfus = [r.mfu for r in steady if r.mfu is not None]
     return RunSummary(
         run=run, zero_stage=stage, world_size=world, iterations=last.iteration if last else 0,
@@ -223,53 +227,3 @@ def loss_difference(base: RunSummary, row: RunSummary) -> LossDifference | None:
 
 def ratio(value: float | int | None, base: float | int | None) -> float | None:
     return value / base if value and base else None
-
-
-# -- the table ------------------------------------------------------------------------------------
-
-def _num(value: float | None, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
-def _mb(value: int | None) -> str:
-    return "-" if value is None else f"{value / MB:,.1f}"
-
-
-def format_comparison(rows: list[RunSummary]) -> str:
-    """One table: engine, stage, nodes x processes, iterations, medians after the warm-up,
-    TFLOP/s, MFU, memory per rank with the plan next to it, final loss, the largest loss
-    difference from the first run, ratios to it; reasons for failures below."""
-    base = base_run(rows)
-    warmup = rows[0].warmup_iterations if rows else DEFAULT_WARMUP_ITERATIONS
-    header = ["run", "engine", "stage", "nodes x procs", "iters", "step ms", "tokens/s", "x", "TFLOP/s/GPU", "MFU",
-              "states MB/rank", "plan", "peak MB/rank", "plan", "x", "final loss", "max |dloss|", "status"]
-    body, notes = [], []
-    for r in rows:
-        shape = f"{r.nnodes} x {r.nproc_per_node}" if r.nnodes else f"? x ? ({r.world_size})"
-        iters = f"{r.iterations}/{r.train_iters}" if r.train_iters else str(r.iterations)
-        diff = loss_difference(base, r) if base and r is not base and r.has_records else None
-        status = r.status
-        if r.reason:
-            notes.append(f"[{len(notes) + 1}] {r.run}: {r.reason}")
-            status = f"{r.status} [{len(notes)}]"
-        body.append([
-            r.run, r.engine, str(r.zero_stage), shape, iters, _num(r.step_time_s and r.step_time_s * 1000, ",.1f"),
-            _num(r.tokens_per_s, ",.0f"), _num(ratio(r.tokens_per_s, base and base.tokens_per_s), ".2f"),
-            _num(r.tflops_per_gpu, ".4f" if (r.tflops_per_gpu or 0) < 10 else ".1f"), _num(r.mfu and 100 * r.mfu, ".1f"),
-            _mb(r.model_state_bytes), _mb(r.planned_model_state_bytes), _mb(r.peak_memory_bytes), _mb(r.planned_peak_bytes),
-            _num(ratio(r.peak_memory_bytes, base and base.peak_memory_bytes), ".2f"), _num(r.last_loss, ".4f"),
-            "base" if r is base else (f"{diff.max_abs:.1e}" if diff else "-"), status,
-        ])
-    steady = f"iterations after the first {warmup} (warm-up)"
-    lines = [
-        f"{len(rows)} run(s); step time, tokens/s, TFLOP/s and MFU (%) are medians over {steady}; "
-        f"x = ratio to {base.run if base else '-'}; max |dloss| = largest loss difference from it at the same iteration",
-        "memory per rank in MB (1e6 bytes), the largest over ranks: states = model states between steps (CPU), "
-        "peak = peak model states (CPU) or peak CUDA allocation (GPU); plan = orchestration/planner.py "
-        "(GPU: states + activation estimate)",
-        "",
-        *format_rows(header, body),
-    ]
-    if notes:
-        lines += ["", *notes]
-    return "\n".join(lines)

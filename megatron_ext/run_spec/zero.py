@@ -1,6 +1,6 @@
 """ZERO_STAGE -> data-parallel strategy: the one table every engine and device reads.
 
-    python -c "from megatron_ext.spec.zero import describe_stages; print(describe_stages())"
+    python -c "from megatron_ext.run_spec.zero import describe_stages; print(describe_stages())"
 
 ZeRO stages (Rajbhandari et al.) name *what* is sharded over data-parallel ranks; this module
 says *how*, per device kind and engine. The obvious mapping is wrong for stage 2: Megatron-LM's
@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from megatron_ext.spec.errors import UserError
+from megatron_ext.run_spec.errors import UserError
 
 
 class ZeroStage(enum.IntEnum):
@@ -138,3 +138,23 @@ def stage_environment(stage: int) -> dict[str, str | None]:
     Megatron-FSDP (stages 2-3) needs ``CUDA_DEVICE_MAX_CONNECTIONS`` unset or > 1; the DDP stages
     keep Megatron-LM's usual 1 (required once TP > 1 with the distributed optimizer)."""
     return {"CUDA_DEVICE_MAX_CONNECTIONS": None if stage >= ZeroStage.GRADIENTS else "1"}
+
+
+ALL_STAGES = (0, 1, 2, 3)
+
+
+def parse_stages(text: str | None, source: str = "STAGES") -> tuple[int, ...]:
+    """A list of stages, as the sweep takes it: ``0,1,3`` -> (0, 1, 3), in that order; empty =
+    all four; no repeats."""
+    if not text or not text.strip():
+        return ALL_STAGES
+    stages: list[int] = []
+    for part in text.replace(" ", "").split(","):
+        if part not in ("0", "1", "2", "3"):
+            raise UserError(f"{source}={text!r}: {part!r} is not a ZeRO stage; list stages 0-3 separated by commas, "
+                            f"e.g. {source}=0,1,2,3")
+        stage = int(parse_zero_stage(part))
+        if stage in stages:
+            raise UserError(f"{source}={text!r} lists stage {stage} twice; list each stage once, e.g. {source}=0,1,2,3")
+        stages.append(stage)
+    return tuple(stages)

@@ -1,6 +1,6 @@
 """Model FLOPs per token and MFU (Megatron's >= 0.12 formula, the one Megatron-Bridge reports).
 
-    python -c "from megatron_ext.spec.flops import flops_per_token; help(flops_per_token)"
+    python -c "from megatron_ext.run_spec.flops import flops_per_token; help(flops_per_token)"
 
 Per token, forward + backward, causal attention halved:
 ``6*L*h*(3F or 2F) + 6*L*(h*(q+2k) + q*h) + 6*L*q*s + 6*h*V``. Pure.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from megatron_ext.spec.params import ModelPreset
+from megatron_ext.run_spec.params import ModelPreset
 
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
     # (torch.cuda.get_device_name() pattern, dense BF16 TFLOP/s from NVIDIA's datasheets)

@@ -1,27 +1,25 @@
 """This node's processes: start a run detached, record it, find it again, stop it.
 
-Side effects (this module and :mod:`orchestration.fanout` are the only ones that touch
-processes): spawns torchrun in a new session, writes/removes pid files, reads ``/proc``, sends
+Side effects (this module, the supervisor and :mod:`orchestration.cluster.fanout` are the ones
+that touch processes): spawns torchrun in a new session, writes/removes pid files, reads ``/proc``, sends
 signals. Never by name or pattern: a process is ours when the pid file's pid still has the
 recorded start time and run id, or when its environment carries this run's tags.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from orchestration.plan import NODE_TAG, RUN_ID_TAG, RUN_TAG
+from orchestration.node.node_plan import DEFAULT_STOP_GRACE_S, NODE_TAG, RUN_ID_TAG, RUN_TAG
+from orchestration.node.run_state import read_json, write_json_atomic
 
-DEFAULT_STOP_GRACE_S = 40.0
-"""torchrun forwards SIGTERM to its workers and waits 30 s before SIGKILL; allow for that."""
 SWEEP_KILL_AFTER_S = 5.0
 
 
@@ -42,22 +40,20 @@ class PidRecord:
     log_path: str
     started_at: float
     supervisor_pid: int | None = None
-    """The node's supervisor (orchestration/supervisor.py), torchrun's parent in the same process group."""
+    """The node's supervisor (orchestration/node/supervisor.py), torchrun's parent in the same process group."""
     slurm_step: str | None = None
     """JOB.STEP when the node runs as a task of a Slurm step (the srun transport)."""
 
 
 def write_pid_file(path: Path, record: PidRecord) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(asdict(record), indent=1))
-    os.replace(tmp, path)
+    write_json_atomic(path, asdict(record))
 
 
 def read_pid_file(path: Path) -> PidRecord | None:
+    raw = read_json(path)
     try:
-        return PidRecord(**json.loads(path.read_text()))
-    except (FileNotFoundError, json.JSONDecodeError, TypeError):
+        return PidRecord(**raw) if isinstance(raw, dict) else None
+    except TypeError:
         return None
 
 
@@ -84,6 +80,11 @@ def process_environ(pid: int) -> dict[str, str]:
         if sep:
             env[key.decode(errors="replace")] = value.decode(errors="replace")
     return env
+
+
+def pid_is_alive(pid: int, start_time: int) -> bool:
+    """``pid`` still runs and is the process that had ``start_time``."""
+    return process_start_time(pid) == start_time
 
 
 def record_is_alive(record: PidRecord) -> bool:
@@ -143,19 +144,50 @@ def _wait_until_gone(run: str, node_rank: int, timeout_s: float) -> list[int]:
         time.sleep(0.2)
 
 
-@dataclass
+@dataclass(frozen=True)
 class StopResult:
+    """What a stop did on one node (``node-stop``'s answer)."""
+
     node_rank: int
     host: str
     was_running: bool
+    """The recorded process was alive and ours."""
     signalled_group: int | None
-    swept: list[int]
-    killed: list[int]
-    left: list[int]
+    """The process group SIGTERMed (None: only torchrun, or nothing)."""
+    swept: list[int] = field(default_factory=list)
+    """Leftover tagged processes SIGTERMed after the grace."""
+    killed: list[int] = field(default_factory=list)
+    """Those SIGKILLed after SWEEP_KILL_AFTER_S more."""
+    left: list[int] = field(default_factory=list)
+    """Still alive after all that."""
 
     @property
     def ok(self) -> bool:
         return not self.left
+
+
+@dataclass(frozen=True)
+class StopPreview:
+    """What a stop would signal on one node (``node-stop --dry-run``'s answer); signals nothing."""
+
+    node_rank: int
+    host: str
+    recorded_pid: int | None
+    """torchrun's pid from the pid file (None: no pid file)."""
+    recorded_alive: bool
+    """That process still runs and is the one started (start time and run id)."""
+    group: int | None
+    """The process group a stop would SIGTERM (only when the recorded process is alive)."""
+    tagged: list[int] = field(default_factory=list)
+    """Every live process carrying the run's and node's tags: what the sweep after the grace would reach."""
+    grace_s: float = DEFAULT_STOP_GRACE_S
+
+
+def preview_stop(run: str, node_rank: int, host: str, pid_path: Path, grace_s: float = DEFAULT_STOP_GRACE_S) -> StopPreview:
+    record = read_pid_file(pid_path)
+    alive = record is not None and record_is_alive(record)
+    return StopPreview(node_rank, host, record.pid if record else None, alive, record.pgid if alive else None,
+                       sorted(tagged_processes(run, node_rank)), grace_s)
 
 
 def stop_run(run: str, node_rank: int, host: str, pid_path: Path, grace_s: float = DEFAULT_STOP_GRACE_S,

@@ -1,4 +1,4 @@
-"""What a comparison writes: the table on stdout, and a PNG, JSON and CSV with the same numbers.
+"""What a comparison writes besides its table: a PNG, JSON and CSV with the same numbers.
 
     python -m orchestration compare demo_z0 demo_z1 demo_z3 --name demo
     # -> $ARTIFACT_ROOT/compare/demo.png, demo.json, demo.csv
@@ -6,7 +6,9 @@
 The PNG (matplotlib, Agg backend: no display needed) has four panels: loss against iteration for
 every run, the loss difference from the first run, tokens/s per run, and memory per rank per run
 (bars, with the plan marked). JSON holds every field of every run (loss series included), CSV one
-row per run with the table's columns at full precision. Side effects: those three files.
+row per run with the table's columns at full precision. matplotlib is imported inside
+:func:`write_png` only: it is optional (no PNG without it) and slow to import. Side effects:
+those three files.
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from megatron_ext.spec.errors import EXIT_OK, UserError
-from megatron_ext.spec.run_paths import RUN_NAME_RE, check_run_name
-from orchestration.compare import (DEFAULT_WARMUP_ITERATIONS, MB, RunOutcome, RunSummary, base_run, compare_runs,
-                                   format_comparison, loss_difference, ratio)
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.run_paths import RUN_NAME_RE, check_run_name
+from orchestration.analysis.compare import DEFAULT_WARMUP_ITERATIONS, MB, RunSummary, base_run, loss_difference, ratio
+from orchestration.node.run_state import RunState
 
 CSV_COLUMNS = (
     "run", "engine", "model", "data_set", "zero_stage", "nnodes", "nproc_per_node", "world_size", "device", "iterations",
@@ -83,7 +85,7 @@ def write_csv(path: Path, rows: Sequence[RunSummary]) -> None:
 def _label(r: RunSummary) -> str:
     shape = f", {r.nnodes}x{r.nproc_per_node}" if r.nnodes else ""
     engine = ", Megatron-LM" if r.engine == "megatron-lm" else ""
-    failed = f" ({r.status})" if r.status in ("failed", "stopped") else ""
+    failed = f" ({r.status})" if r.status in (RunState.FAILED, RunState.STOPPED) else ""
     return f"{r.run} (stage {r.zero_stage}{shape}{engine}){failed}"
 
 
@@ -171,7 +173,7 @@ def write_png(path: Path, name: str, rows: Sequence[RunSummary]) -> bool:
             ax_mem.annotate(f"{max(values) / MB:,.1f}", (i, max(values) / MB), ha="center", va="bottom", fontsize=9,
                             xytext=(0, 6), textcoords="offset points")
         else:
-            ax_mem.annotate(r.status if r.status != "done" else "not measured", (i, 0), ha="center", va="bottom", fontsize=9)
+            ax_mem.annotate(r.status if r.status != RunState.FINISHED else "not measured", (i, 0), ha="center", va="bottom", fontsize=9)
         if r.planned_peak_bytes:
             ax_mem.hlines(r.planned_peak_bytes / MB, i - width / 2, i + width / 2, colors="red", linestyles="--",
                           linewidth=2, label=None if "plan" in labelled else "plan (orchestration/planner.py)")
@@ -218,33 +220,10 @@ def default_name(runs: Sequence[str]) -> str:
     return name if RUN_NAME_RE.match(name) else f"{runs[0]}_and_{len(runs) - 1}_more"
 
 
-def compare_and_report(root: Path, runs: Sequence[str], name: str, warmup: int = DEFAULT_WARMUP_ITERATIONS,
-                       outcomes: dict[str, RunOutcome] | None = None) -> tuple[str, ComparisonFiles]:
-    rows = compare_runs(root, list(runs), warmup, outcomes)
-    return format_comparison(rows), write_comparison(root, name, rows)
-
-
-def add_compare_options(compare_parser) -> None:
-    """Options added to the ``compare`` command."""
-    compare_parser.add_argument("--name", help="files under $ARTIFACT_ROOT/compare/NAME.{png,json,csv} "
-                                               "(default the runs joined by _vs_)")
-    compare_parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP_ITERATIONS,
-                                help=f"iterations left out of the medians (default {DEFAULT_WARMUP_ITERATIONS})")
-
-
-def cmd_compare(args, launch) -> int:
-    """``compare RUN... [--name N] [--warmup K]``: the table, and the PNG, JSON and CSV."""
-    for run in args.runs:
-        check_run_name(run)
-    name = getattr(args, "name", None) or default_name(args.runs)
+def comparison_name(runs: Sequence[str], name: str | None) -> str:
+    """The files' name: ``--name``, else the runs joined by ``_vs_``; checked as a file name."""
+    name = name or default_name(runs)
     try:
-        check_run_name(name)
+        return check_run_name(name)
     except UserError:
         raise UserError(f"--name {name!r} is not a usable file name: use letters, digits, '.', '_' and '-'") from None
-    warmup = getattr(args, "warmup", DEFAULT_WARMUP_ITERATIONS)
-    if warmup < 0:
-        raise UserError(f"--warmup {warmup} must be >= 0")
-    table, files = compare_and_report(launch.artifact_root, args.runs, name, warmup)
-    print(table)
-    print(describe_files(files), flush=True)
-    return EXIT_OK

@@ -1,17 +1,18 @@
-"""Preflight: every problem on every node, found before anything starts, reported in one table.
+"""Preflight, the node side: every problem this node has, found before anything starts.
 
     python -m orchestration preflight gpt_smoke smoke demo       # the checks start runs, on their own
 
-Node side (:func:`inspect_node`, run by ``node-check`` on every node in parallel): the run is not
+:func:`inspect_node` (run by ``node-check`` on every node in parallel): the run is not
 live there; the software (Python, torch, megatron-core, transformer-engine, the project's revision)
 and whether the program accepts that megatron-core; the data paths and tokenizer the run reads;
 the artifact root writable and the same one node 0 sees (a token the launcher wrote); MASTER_ADDR
 resolves and node 0 answers on MASTER_PORT (a refused connection proves the path; a timeout means
 a firewall drops the traffic, e.g. Docker's FORWARD DROP with bridge netfilter); MASTER_PORT free on
 node 0, or the first free port from 6000 when MASTER_PORT is not set; the network interface that
-routes to MASTER_ADDR; NPROC_PER_NODE within the visible GPUs. Launcher side
-(:func:`cluster_problems`): the nodes agree on the software. Side effects of the node side:
-reads files, sockets, ``ip``, package metadata; writes and removes one probe file.
+routes to MASTER_ADDR; NPROC_PER_NODE within the visible GPUs. The launcher side
+(:mod:`orchestration.runner.preflight`) puts every node's report in one table and checks that the
+nodes agree on the software. Side effects: reads files, sockets, ``ip``, package metadata; writes
+and removes one probe file.
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ import importlib.metadata
 import socket
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.training.versions import check_megatron_core
+from orchestration.node.processes import port_is_free
 
 DEFAULT_PORT_SEARCH = range(6000, 6100)
 CONNECT_TIMEOUT_S = 5.0
@@ -39,9 +44,6 @@ class NodeReport:
     """The interface that routes to MASTER_ADDR here."""
     free_port: int | None = None
     """Node 0 with MASTER_PORT unset: the first free port from 6000."""
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 def installed_software(project_dir: Path) -> dict[str, str | None]:
@@ -100,8 +102,6 @@ def probe_master(address: str, port: int) -> str | None:
 
 
 def first_free_port(ports=DEFAULT_PORT_SEARCH) -> int | None:
-    from orchestration.processes import port_is_free
-
     return next((p for p in ports if port_is_free(p)), None)
 
 
@@ -109,10 +109,6 @@ def inspect_node(node_rank: int, host: str, master_addr: str, master_port: int |
                  required_paths: list[str], shared_token: Path | None, run_state_dir: Path, visible_gpus: int,
                  project_dir: Path) -> NodeReport:
     """Every check for this node; ``master_port`` None = MASTER_PORT not set (node 0 picks one)."""
-    from megatron_ext.spec.errors import UserError
-    from megatron_ext.training.versions import check_megatron_core
-    from orchestration.processes import port_is_free
-
     report = NodeReport(node_rank, host, software=installed_software(project_dir))
     problems = report.problems
     mcore = report.software.get("megatron-core")
@@ -159,22 +155,3 @@ def inspect_node(node_rank: int, host: str, master_addr: str, master_port: int |
         problems.append(f"NPROC_PER_NODE={nproc_per_node} but this node shows {visible_gpus} GPU(s); use at most "
                         f"{visible_gpus} (or check CUDA_VISIBLE_DEVICES)")
     return report
-
-
-def cluster_problems(reports: list[NodeReport]) -> list[tuple[int, str, str]]:
-    """(node rank, host, problem) for every node: its own problems, and software that differs from node 0's."""
-    out = [(r.node_rank, r.host, p) for r in reports for p in r.problems]
-    if reports:
-        base = reports[0]
-        for r in reports[1:]:
-            for name, version in r.software.items():
-                if version != base.software.get(name):
-                    out.append((r.node_rank, r.host, f"{name} {version or 'absent'} here but {base.software.get(name) or 'absent'} "
-                                                     f"on node 0; every node needs the same {name}"))
-    return sorted(out)
-
-
-def format_problems(problems: list[tuple[int, str, str]]) -> str:
-    lines = [f"{'node':<5} {'host':<16} problem"]
-    lines += [f"{rank:<5} {host:<16} {problem}" for rank, host, problem in problems]
-    return "\n".join(lines)

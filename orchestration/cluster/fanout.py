@@ -1,0 +1,103 @@
+"""Run one node command on every node in parallel, with a timeout each, and collect typed results.
+
+Side effects: subprocesses (the local command, ``ssh``, ``docker exec`` or ``srun``). Each node
+command prints one JSON line (orchestration/node/node_plan.py): its answer, read back as the
+payload dataclass the caller names, or ``{"error": ...}``. A node that fails yields a
+:class:`NodeResult` with its exit code and the tail of what it printed, and every failure is
+reported together.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Generic, Sequence, TypeVar
+
+from orchestration.cluster.transports import runs_here, transport_argv
+from orchestration.launch_env import LaunchEnv
+from orchestration.node.node_plan import NodeCall, decode_payload, node_label
+
+DEFAULT_NODE_TIMEOUT_S = 120.0
+SSH_UNREACHABLE = 255
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class NodeResult(Generic[T]):
+    node_rank: int
+    host: str
+    argv: list[str]
+    returncode: int
+    value: T | None
+    """The node command's answer, typed, when it printed one."""
+    error: str | None
+    """What the node said went wrong (its ``{"error": ...}`` line)."""
+    output: str
+    """stderr + stdout tail, for failures."""
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.value is not None
+
+    @property
+    def label(self) -> str:
+        return node_label(self.node_rank, self.host)
+
+    def describe_failure(self) -> str:
+        """Node, what went wrong, exit code, and the command (shortened) that was run."""
+        command = shlex.join(self.argv)
+        command = f"\n    command: {command[:300]}{' ...' if len(command) > 300 else ''}"
+        if self.returncode == SSH_UNREACHABLE and self.argv and self.argv[0] == "ssh":
+            return (f"{self.label} unreachable over ssh (exit 255): {self.output.strip()}; "
+                    f"check HOSTS/HOSTFILE, SSH_OPTS and ~/.ssh/config{command}")
+        if self.returncode == 124:
+            return f"{self.label} timed out: {self.output.strip()}{command}"
+        if self.argv and self.argv[0] == "docker" and self.error is None and self.value is None:
+            return (f"{self.label} docker exec into CONTAINER_NAME failed (exit {self.returncode}): {self.output.strip()}; "
+                    f"start the container on that node, or unset CONTAINER_NAME to run without docker{command}")
+        if self.error is not None:  # the node said what is wrong: no command needed
+            return f"{self.label} exit {self.returncode}: {self.error}"
+        return f"{self.label} exit {self.returncode}: {self.output.strip()}{command}"
+
+
+def _last_json_line(stdout: str) -> dict | None:
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
+def _run_one(launch: LaunchEnv, rank: int, host: str, argv: Sequence[str], decode: type[T] | None,
+             timeout_s: float) -> NodeResult[T]:
+    full = transport_argv(launch, host, argv, launch.forwarded, launch.cwd)
+    local = runs_here(launch, host)  # else ssh/docker carry env and cwd
+    try:
+        proc = subprocess.run(
+            full, cwd=launch.cwd if local else None, env={**launch.environ, **launch.forwarded} if local else None,
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return NodeResult(rank, host, full, 124, None, None, f"no answer within {timeout_s:.0f}s")
+    except FileNotFoundError as exc:
+        return NodeResult(rank, host, full, 127, None, None, f"{exc.filename}: command not found")
+    raw = _last_json_line(proc.stdout)
+    error = raw.get("error") if raw and set(raw) == {"error"} else None
+    value = decode_payload(decode, raw) if raw is not None and error is None and decode is not None else None
+    output = "\n".join((proc.stderr + proc.stdout).strip().splitlines()[-15:])
+    return NodeResult(rank, host, full, proc.returncode, value, error, output)
+
+
+def call_nodes(launch: LaunchEnv, nodes: Sequence[tuple[int, str]], call_for: Callable[[int, str], NodeCall],
+               decode: type[T], timeout_s: float = DEFAULT_NODE_TIMEOUT_S) -> list[NodeResult[T]]:
+    """The node command ``call_for(rank, host)`` on every node at once, each answer read as
+    ``decode``; results in node-rank order."""
+    with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
+        futures = [pool.submit(_run_one, launch, rank, host, call_for(rank, host).argv(launch.python), decode, timeout_s)
+                   for rank, host in nodes]
+        return [f.result() for f in futures]

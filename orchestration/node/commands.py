@@ -1,0 +1,210 @@
+"""What runs on one node: check, start, supervise, stop and report a run there; the node side's edge.
+
+    python -m orchestration node-status my_run --node-rank 0 --host localhost --artifact-root /shared/runs
+
+Called locally, over ssh, through ``docker exec`` or as an srun task by the launcher, with
+everything it needs as arguments (the artifact root, or a node's whole
+:class:`~orchestration.node.node_plan.NodePlan`): it reads no launcher variable. :func:`main` is
+the one dispatcher of every node command and the node side's only reader of its environment
+(:class:`NodeEnv`: the variables handed on to torchrun, Slurm's task variables, the GPUs it
+shows). Each command prints one JSON line: its payload dataclass, or ``{"error": ...}`` (exit 2
+for bad input, 1 for a node failure). Imports nothing of the launcher side.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from megatron_ext.run_spec.devices import visible_gpu_count
+from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
+from megatron_ext.run_spec.iteration_log import parse_log
+from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
+from orchestration.node import processes
+from orchestration.node.node_plan import (RUN_ID_TAG, NodePlan, build_node_parser, encode_error, encode_payload,
+                                          stop_command, supervise_argv)
+from orchestration.node.preflight import inspect_node
+from orchestration.node.run_state import (NODE_LOST_S, RunState, heartbeat_age_s, read_exit, read_failure, tail,
+                                          write_plan_file)
+from orchestration.node.supervisor import Supervisor
+
+START_SETTLE_S = 1.5
+"""How long node-start watches torchrun before reporting it started (catches instant failures)."""
+
+
+class NodeError(RuntimeError):
+    """A node-side failure that is not the user's input (process died, file problem)."""
+
+
+@dataclass(frozen=True)
+class NodeEnv:
+    """The node side's environment, read once by :func:`main`."""
+
+    environ: dict[str, str] = field(default_factory=dict)
+    """Everything, handed on to torchrun under the plan's variables."""
+    visible_gpus: int = 0
+    slurm_nodeid: str | None = None
+    """SLURM_NODEID: which node's plan a task of the srun start step runs."""
+    slurm_step: str | None = None
+    """JOB.STEP when this is a task of a Slurm step."""
+
+    @property
+    def run_id(self) -> str | None:
+        return self.environ.get(RUN_ID_TAG)
+
+
+def read_node_env(env: Mapping[str, str]) -> NodeEnv:
+    step = f"{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}" if "SLURM_STEP_ID" in env and "SLURM_JOB_ID" in env else None
+    return NodeEnv(dict(env), visible_gpu_count(env), env.get("SLURM_NODEID"), step)
+
+
+# -- payloads -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NodeStarted:
+    """``node-start``'s answer: the node's torchrun runs."""
+
+    node_rank: int
+    host: str
+    pid: int
+    pgid: int
+    supervisor_pid: int
+    log: str
+    run_id: str
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """``node-status``'s answer."""
+
+    node_rank: int
+    host: str
+    alive: bool
+    state: RunState
+    exit: str | None
+    """How the node's run ended, as its supervisor recorded it."""
+    run_failure: str | None
+    """The run's failure file's first line (any node's)."""
+    pid: int | None
+    last_iteration: int | None
+    train_iters: int | None
+    tokens_per_s: float | None
+    last_line: str
+    log: str
+
+
+# -- the commands ---------------------------------------------------------------------------------
+
+def refuse_if_running(pid_path: Path, run: str, node_rank: int) -> None:
+    record = processes.read_pid_file(pid_path)
+    if record and processes.record_is_alive(record):
+        raise UserError(
+            f"run {run!r} is already running on node {node_rank} (pid {record.pid}, started "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(record.started_at))}); stop it first "
+            f"({stop_command(run, False)} on that node, or {stop_command(run, True)}) or choose another RUN name"
+        )
+
+
+def node_check(paths: RunPaths, args, visible_gpus: int):
+    """Preflight on this node (orchestration/node/preflight.py): the run is not live here, and
+    every other check; the report lists every problem found."""
+    refuse_if_running(paths.node_pid_file(args.node_rank), paths.run, args.node_rank)
+    return inspect_node(args.node_rank, args.host, args.master_addr, args.master_port, args.nproc_per_node,
+                        args.require_path, args.shared_token, paths.run_state_dir, visible_gpus, Path.cwd())
+
+
+def node_start(plan: NodePlan, node: NodeEnv, python: str) -> NodeStarted:
+    """Start the node's supervisor detached, which starts the plan's torchrun exactly as planned and
+    records it (see orchestration/node/supervisor.py); report once it runs."""
+    paths = RunPaths(plan.artifact_root, plan.run)
+    pid_path, log_path = Path(plan.pid_path), Path(plan.log_path)
+    refuse_if_running(pid_path, plan.run, plan.node_rank)
+    plan_file = write_plan_file(paths, plan.node_rank, plan.to_json(), pid_path)
+    supervisor = processes.start_detached(supervise_argv(python, str(plan_file)), plan.process_environment(node.environ),
+                                          plan.cwd, log_path)
+    deadline = time.monotonic() + START_SETTLE_S
+    record = None
+    while time.monotonic() < deadline or record is None:
+        record = record or processes.read_pid_file(pid_path)
+        ended = read_exit(paths, plan.node_rank)
+        if supervisor.poll() is not None or (ended and ended.state == RunState.FAILED):
+            processes.stop_run(plan.run, plan.node_rank, plan.host, pid_path, grace_s=1.0)
+            why = ended.reason if ended else f"its supervisor exited with code {supervisor.returncode}"
+            raise NodeError(f"the run ended at start ({why}); last log lines:\n{tail(log_path, 15)}")
+        if record is None and time.monotonic() > deadline + 30:
+            raise NodeError(f"torchrun did not start within {START_SETTLE_S + 30:.0f}s; see {log_path}")
+        time.sleep(0.1)
+    return NodeStarted(plan.node_rank, plan.host, record.pid, record.pgid, supervisor.pid, str(log_path), plan.run_id)
+
+
+def node_supervise(plan_file: str, node: NodeEnv) -> int:
+    """The node's supervisor for its plan (``{node}`` in the path = SLURM_NODEID: one srun step
+    runs a task per node, each picks its own node's plan)."""
+    plan = NodePlan.from_json(Path(plan_file.replace("{node}", node.slurm_nodeid or "0")).read_text())
+    if node.run_id != plan.run_id:  # started by srun: take the plan's environment and tags first
+        argv = supervise_argv(sys.executable, plan_file)
+        os.execve(argv[0], argv, plan.process_environment(node.environ))
+    if node.slurm_step:  # a task of the start step: a process group of its own, so stop signals only the run
+        os.setpgid(0, 0)
+    return Supervisor(plan, node.environ, node.slurm_step).run()
+
+
+def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | None, by_heartbeat: bool = False) -> NodeStatus:
+    """Alive or not, and the last iteration line of the node's log (either engine's), read
+    with the one iteration-line parser; ``seq_length`` turns step time into tokens/s.
+    ``by_heartbeat``: from another machine, alive = the node's supervisor beat recently."""
+    record = processes.read_pid_file(paths.node_pid_file(node_rank))
+    ended = read_exit(paths, node_rank)
+    if by_heartbeat:
+        age = heartbeat_age_s(paths, node_rank)
+        alive = age is not None and age < NODE_LOST_S and not ended
+    else:
+        alive = bool(record and processes.record_is_alive(record))
+    state = (RunState.RUNNING if alive else ended.state if ended
+             else RunState.STOPPED if paths.node_log(node_rank).exists() else RunState.NOT_STARTED)
+    text = tail(paths.node_log(node_rank), 200)
+    records, _ = parse_log(text, seq_length)
+    last = records[-1] if records else None
+    lines = [line for line in text.splitlines() if line.strip()]
+    return NodeStatus(
+        node_rank=node_rank, host=host, alive=alive, state=state, exit=ended.reason if ended else None,
+        run_failure=read_failure(paths), pid=record.pid if record else None,
+        last_iteration=last.iteration if last else None, train_iters=last.train_iters if last else None,
+        tokens_per_s=last.tokens_per_s if last and last.tokens_per_s else None,
+        last_line=lines[-1][-160:] if lines else "", log=str(paths.node_log(node_rank)),
+    )
+
+
+def _answer(command: str, args, node: NodeEnv):
+    if command == "node-start":
+        return node_start(NodePlan.from_json(args.plan), node, sys.executable)
+    paths = RunPaths(args.artifact_root, check_run_name(args.run))
+    if command == "node-check":
+        return node_check(paths, args, node.visible_gpus)
+    if command == "node-stop":
+        stop = processes.preview_stop if args.dry_run else processes.stop_run
+        return stop(paths.run, args.node_rank, args.host, paths.node_pid_file(args.node_rank), args.grace_s)
+    return node_status(paths, args.node_rank, args.host, args.seq_length)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Every node command: one JSON line out (the supervisor runs until its torchrun ends)."""
+    args = build_node_parser().parse_args(argv)
+    node = read_node_env(os.environ)
+    if args.command == "node-supervise":
+        return node_supervise(args.plan_file, node)
+    try:
+        payload = _answer(args.command, args, node)
+    except UserError as exc:
+        print(encode_error(str(exc)), flush=True)
+        return EXIT_USER_ERROR
+    except NodeError as exc:
+        print(encode_error(str(exc)), flush=True)
+        return EXIT_NODE_FAILED
+    print(encode_payload(payload), flush=True)
+    return EXIT_OK
+

@@ -1,0 +1,198 @@
+"""The wire format between the launcher and a node: the node's plan, the node commands' argv and
+options, their typed answers, and the names both sides print.
+
+    python -m orchestration node-status demo --node-rank 1 --host node1 --artifact-root /shared/runs
+
+A :class:`NodePlan` is everything one node runs for a start (``DRY_RUN=1`` prints it, the node's
+supervisor executes it). A :class:`NodeCall` is one node command as the launcher sends it;
+:func:`build_node_parser` is the node side's reading of the same options, next to the functions
+that write them. Every node command prints one JSON line: a payload dataclass
+(:func:`encode_payload`, read back typed with :func:`decode_payload`) or ``{"error": ...}``.
+Pure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import json
+import types
+import typing
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence, TypeVar
+
+RUN_TAG = "LAUNCHER_RUN"
+RUN_ID_TAG = "LAUNCHER_RUN_ID"
+NODE_TAG = "LAUNCHER_NODE_RANK"
+DEFAULT_STOP_GRACE_S = 40.0
+"""torchrun forwards SIGTERM to its workers and waits 30 s before SIGKILL; allow for that."""
+NODE_COMMANDS = ("node-start", "node-supervise", "node-stop", "node-status", "node-check")
+
+
+def node_label(node_rank: int, host: str) -> str:
+    """How every line about a node starts: ``[node1 g0034]``."""
+    return f"[node{node_rank} {host}]"
+
+
+def stop_command(run: str, multinode: bool) -> str:
+    """The stop script that fits a run started on one node (``--this-node``) or on every node."""
+    return f"{'stop_multinode_training.sh' if multinode else 'stop_training.sh'} {run}"
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """One node's part of a start: everything the node side needs, nothing it works out again."""
+
+    run: str
+    run_id: str
+    node_rank: int
+    host: str
+    argv: tuple[str, ...]
+    """The torchrun command this node runs."""
+    env: dict[str, str]
+    """Variables set for every process of the run on this node, on top of the node's own
+    environment (launcher variables, forwarded variables, the program's, the run tags)."""
+    unset: tuple[str, ...]
+    """Variables removed from the node's own environment (e.g. CUDA_DEVICE_MAX_CONNECTIONS for
+    Megatron-FSDP)."""
+    cwd: str
+    log_path: str
+    pid_path: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "NodePlan":
+        raw = json.loads(text)
+        raw["argv"], raw["unset"] = tuple(raw["argv"]), tuple(raw["unset"])
+        return cls(**raw)
+
+    @property
+    def pid_file(self) -> Path:
+        return Path(self.pid_path)
+
+    @property
+    def artifact_root(self) -> Path:
+        return Path(self.env["ARTIFACT_ROOT"])
+
+    @property
+    def nnodes(self) -> int:
+        return int(self.env["NNODES"])
+
+    def process_environment(self, node_env: Mapping[str, str]) -> dict[str, str]:
+        """The environment of torchrun on the node: the node's own, less ``unset``, plus ``env``."""
+        return {**{k: v for k, v in node_env.items() if k not in self.unset}, **self.env}
+
+
+# -- node commands, as the launcher sends them -------------------------------------------------
+
+@dataclass(frozen=True)
+class NodeCall:
+    """``python -m orchestration <command> <args>`` on one node."""
+
+    command: str
+    args: tuple[str, ...]
+
+    def argv(self, python: str) -> list[str]:
+        return [python, "-m", "orchestration", self.command, *self.args]
+
+
+def _run_args(run: str, node_rank: int, host: str, artifact_root: Path | str) -> tuple[str, ...]:
+    return (run, "--node-rank", str(node_rank), "--host", host, "--artifact-root", str(artifact_root))
+
+
+def start_call(plan: NodePlan) -> NodeCall:
+    return NodeCall("node-start", ("--plan", plan.to_json()))
+
+
+def stop_call(run: str, node_rank: int, host: str, artifact_root: Path, grace_s: float = DEFAULT_STOP_GRACE_S,
+              dry_run: bool = False) -> NodeCall:
+    return NodeCall("node-stop", (*_run_args(run, node_rank, host, artifact_root), "--grace-s", str(grace_s),
+                                  *(["--dry-run"] if dry_run else [])))
+
+
+def status_call(run: str, node_rank: int, host: str, artifact_root: Path, seq_length: int | None = None) -> NodeCall:
+    return NodeCall("node-status", (*_run_args(run, node_rank, host, artifact_root),
+                                    *(["--seq-length", str(seq_length)] if seq_length else [])))
+
+
+def check_call(run: str, node_rank: int, host: str, artifact_root: Path, *, master_addr: str,
+               master_port: int | None, nproc_per_node: int, shared_token: Path,
+               required_paths: Sequence[str]) -> NodeCall:
+    """``master_port`` None: node 0 picks the first free port (MASTER_PORT unset)."""
+    args = [*_run_args(run, node_rank, host, artifact_root), "--master-addr", master_addr,
+            "--nproc-per-node", str(nproc_per_node), "--shared-token", str(shared_token)]
+    if master_port is not None:
+        args += ["--master-port", str(master_port)]
+    args += [a for p in required_paths for a in ("--require-path", p)]
+    return NodeCall("node-check", tuple(args))
+
+
+def supervise_argv(python: str, plan_file: str) -> list[str]:
+    """The node's supervisor for the plan in ``plan_file`` (``{node}`` = SLURM_NODEID under srun)."""
+    return [python, "-m", "orchestration", "node-supervise", "--plan-file", plan_file]
+
+
+def build_node_parser() -> argparse.ArgumentParser:
+    """The node side's parser of what the functions above write."""
+    parser = argparse.ArgumentParser(prog="python -m orchestration", description="node commands (sent by the launcher)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("node-start").add_argument("--plan", required=True, help="this node's NodePlan as JSON")
+    sub.add_parser("node-supervise").add_argument("--plan-file", required=True)
+    for name in ("node-check", "node-stop", "node-status"):
+        p = sub.add_parser(name)
+        p.add_argument("run")
+        p.add_argument("--node-rank", type=int, required=True)
+        p.add_argument("--host", required=True)
+        p.add_argument("--artifact-root", type=Path, required=True)
+        if name == "node-check":
+            p.add_argument("--master-addr", required=True)
+            p.add_argument("--master-port", type=int, help="node 0: must be free; others: node 0 must answer there")
+            p.add_argument("--nproc-per-node", type=int, required=True)
+            p.add_argument("--shared-token", type=Path, help="a file node 0 wrote: the artifact root is shared")
+            p.add_argument("--require-path", action="append", default=[], help="a data or tokenizer path the run reads")
+        if name == "node-stop":
+            p.add_argument("--grace-s", type=float, default=DEFAULT_STOP_GRACE_S)
+            p.add_argument("--dry-run", action="store_true", help="say what would be signalled, signal nothing")
+        if name == "node-status":
+            p.add_argument("--seq-length", type=int, help="tokens per sequence, for tokens/s")
+    return parser
+
+
+# -- typed answers ------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def encode_payload(payload: Any) -> str:
+    """One JSON line of a payload dataclass (enums as their values)."""
+    return json.dumps(asdict(payload), default=lambda v: v.value if isinstance(v, enum.Enum) else str(v))
+
+
+def encode_error(message: str) -> str:
+    """The JSON line of a node command that could not do its work."""
+    return json.dumps({"error": message})
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    if value is None:
+        return None
+    origin = typing.get_origin(hint)
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        return _coerce(value, args[0])
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return hint(value)
+    if origin is tuple and isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def decode_payload(cls: type[T], raw: Mapping[str, Any]) -> T:
+    """A payload dataclass from its JSON object (unknown keys dropped, enums and tuples restored)."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: _coerce(v, hints[k]) for k, v in raw.items() if k in names})

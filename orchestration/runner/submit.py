@@ -1,0 +1,70 @@
+"""A Slurm batch job that runs a start inside the job and ends with the run: plan, then submit.
+
+    bash training_scripts/submit_training.sh qwen3_1p7b qwen3_1p7b_smoke q32 --nodes 4 --gpus-per-node 8 --time 2:00:00
+    DRY_RUN=1 bash training_scripts/submit_training.sh gpt_smoke smoke demo   # prints the batch script, submits nothing
+
+:func:`plan_submit` checks everything a start would (parameters at the job's world size, the run
+not already submitted, the partition) and renders the batch script (a :class:`BatchPlan`);
+:func:`submit_batch` writes it under the artifact root, sbatches it and records the job id that
+``status`` and ``stop`` use. Side effects: ``submit_batch`` only (and Slurm's read-only queries).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.run_paths import RunPaths
+from orchestration.cluster import slurm
+from orchestration.launch_env import LaunchEnv
+from orchestration.node.node_plan import stop_command
+from orchestration.runner.start_plan import plan_start
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    run: str
+    request: slurm.BatchRequest
+    script_path: Path
+    script: str
+    """The batch script's text, as it will be submitted."""
+
+
+def plan_submit(launch: LaunchEnv, model: str, data: str, run: str, nodes: int | None = None,
+                gpus_per_node: int | None = None, time: str | None = None, partition: str | None = None,
+                account: str | None = None) -> BatchPlan:
+    nodes = nodes or launch.nnodes
+    nproc = gpus_per_node or launch.nproc_per_node
+    request = slurm.BatchRequest(nodes=nodes, nproc_per_node=nproc, gpus_per_node=gpus_per_node or 0,
+                                 time=time or launch.slurm_batch.get("time"),
+                                 partition=partition or launch.slurm_batch.get("partition"),
+                                 account=account or launch.slurm_batch.get("account"))
+    job_launch = dataclasses.replace(launch, nnodes=nodes, nproc_per_node=nproc,
+                                     hosts=tuple(f"slurm-node{i}" for i in range(nodes)), transport="srun")
+    plan_start(job_launch, model, data, run, list(enumerate(job_launch.hosts)), prepare=False)  # checks only
+    paths = RunPaths(launch.artifact_root, run)
+    earlier = slurm.recorded_job(paths)
+    if earlier and slurm.job_state(earlier) in ("PENDING", "RUNNING"):
+        raise UserError(f"run {run!r} is already submitted as slurm job {earlier}; stop it first "
+                        f"({stop_command(run, True)}) or choose another RUN name")
+    slurm.check_partition(request.partition)
+    env = {**launch.forwarded, "ARTIFACT_ROOT": str(launch.artifact_root), "NPROC_PER_NODE": str(nproc),
+           "NNODES": str(nodes), **({"ZERO_STAGE": str(launch.zero_stage)} if launch.zero_stage is not None else {}),
+           **({"ENGINE": launch.overrides.engine} if launch.overrides.engine else {}),
+           **({"MASTER_PORT": str(launch.master_port)} if launch.master_port_explicit else {})}
+    script = slurm.render_batch_script(model, data, run, request, launch.python, launch.cwd, env,
+                                       paths.logs_dir / f"{run}_sbatch.log")
+    return BatchPlan(run, request, paths.run_state_dir / f"{run}.sbatch", script)
+
+
+def submit_batch(launch: LaunchEnv, plan: BatchPlan) -> str:
+    """Write the script, sbatch it, record the job: the job id."""
+    paths = RunPaths(launch.artifact_root, plan.run)
+    plan.script_path.parent.mkdir(parents=True, exist_ok=True)
+    paths.logs_dir.mkdir(parents=True, exist_ok=True)
+    plan.script_path.write_text(plan.script)
+    job = slurm.submit(plan.script_path)
+    slurm.record_job(paths, job, plan.script_path)
+    return job

@@ -1,0 +1,328 @@
+"""The ZeRO sweep: one model and data set under each stage, one after another, then the comparison.
+
+    bash training_scripts/compare_zero_stages.sh gpt_smoke smoke cmp                 # runs cmp_z0 ... cmp_z3
+    STAGES=0,3 HOSTS=node0,node1,node2,node3 bash training_scripts/compare_zero_stages.sh qwen3_1p7b qwen3_1p7b_smoke q32
+    bash training_scripts/stop_multinode_training.sh q32                             # or Ctrl-C: stops the current stage everywhere
+
+Each stage is an ordinary run, ``PREFIX_z<stage>``, planned and started by the start's own
+functions (:func:`~orchestration.runner.start_plan.plan_start`,
+:func:`~orchestration.runner.start.start_run`: preflight, every node, rollback) with only
+``ZERO_STAGE`` changed, so the seed, data and iterations are the data set's for every stage. The
+sweep waits until every node's supervisor has recorded how the stage ended (finished, failed,
+stopped), then compares the stages (:mod:`orchestration.analysis`, planned memory next to
+measured). A stage that fails is reported with the most telling line of its failed node's log
+(:func:`~orchestration.node.failure.failure_reason`) and the sweep goes on; so does a stage stopped
+on its own (``stop PREFIX_z1``).
+
+Stopping: Ctrl-C (or SIGTERM/SIGHUP to the sweep) stops the current stage on every node. The
+sweep's record (``run_state/PREFIX.sweep.json``, written when it starts and before each stage)
+lets ``stop PREFIX`` reach it at any moment: the stop asks the sweep to stop and stops the stage
+the record names; the sweep checks for the request before each stage, after each start and at
+every poll. Progress goes to the ``report`` callback (the CLI prints it); the result is a
+:class:`SweepResult`. Side effects: processes through the start, stop and status functions, the
+sweep's record, the comparison files, signal handlers while it runs, the clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.params import RunOverrides, load_run_params, with_batch_geometry
+from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
+from orchestration.analysis.compare import DEFAULT_WARMUP_ITERATIONS, RunOutcome, RunSummary, compare_runs, run_records
+from orchestration.analysis.report import ComparisonFiles, write_comparison
+from orchestration.cluster.fanout import NodeResult
+from orchestration.cluster.transports import is_this_machine
+from orchestration.launch_env import LaunchEnv
+from orchestration.node.commands import NodeStatus
+from orchestration.node.failure import failure_reason
+from orchestration.node.node_plan import stop_command
+from orchestration.node.processes import process_start_time, pid_is_alive
+from orchestration.node.run_state import (RunState, SweepRecord, clear_sweep_stop, read_sweep_record, sweep_stop_request,
+                                          tail, write_sweep_record)
+from orchestration.runner.control import node_statuses, stop_run
+from orchestration.runner.start import start_run
+from orchestration.runner.start_plan import StartPlan, plan_start
+
+POLL_S = 3.0
+"""Seconds between status polls of a running stage (each asks every node over its transport)."""
+LOCAL_POLL_S = 1.0
+"""The same when every node is this machine (read in this process: a few milliseconds)."""
+EXIT_RECORD_WAIT_S = 10.0
+"""After torchrun is gone on every node, how long to wait for the supervisors' records of how it ended."""
+UNREACHABLE_S = 300.0
+"""A node that answers no status for this long: stop the stage and report it."""
+
+Report = Callable[[str, bool], None]
+"""Progress: (text, final). Final lines are one per stage; the others update a live line."""
+
+
+def stage_run_name(prefix: str, stage: int) -> str:
+    return f"{prefix}_z{stage}"
+
+
+class SweepStopped(Exception):
+    """Ctrl-C, SIGTERM or SIGHUP reached the sweep, or ``stop PREFIX`` asked it to stop."""
+
+
+@dataclass(frozen=True)
+class StageResult:
+    stage: int
+    run: str
+    outcome: RunOutcome
+    elapsed_s: float
+    last_iteration: int | None = None
+    train_iters: int | None = None
+    final_loss: float | None = None
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    """What a sweep would run: every stage's start plan (``DRY_RUN=1`` prints them)."""
+
+    prefix: str
+    stages: tuple[tuple[int, str, StartPlan], ...]
+    """(stage, run, plan)."""
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    prefix: str
+    stages: tuple[StageResult, ...]
+    rows: tuple[RunSummary, ...]
+    files: ComparisonFiles
+    stopped: str | None = None
+    """Why the sweep was stopped (None: it ran every stage)."""
+
+    @property
+    def all_finished(self) -> bool:
+        return all(r.outcome.status == RunState.FINISHED for r in self.stages)
+
+
+def _stage_launch(launch: LaunchEnv, stage: int) -> LaunchEnv:
+    return dataclasses.replace(launch, overrides=dataclasses.replace(launch.overrides, zero_stage=stage))
+
+
+def check_sweep(launch: LaunchEnv, model: str, data: str, prefix: str, stages: Sequence[int]) -> int:
+    """Everything a sweep can refuse before it starts anything: names, every stage's parameters
+    and batch at this world size, stage runs that would resume from old checkpoints, a sweep
+    PREFIX already running, a live run called PREFIX. The iterations of each stage."""
+    check_run_name(prefix)
+    iterations = 0
+    for stage in stages:
+        run = check_run_name(stage_run_name(prefix, stage))
+        params, _ = with_batch_geometry(load_run_params(model, data, RunOverrides(stage, launch.overrides.engine)),
+                                        launch.world_size)
+        iterations = params.training.train_iters
+        checkpoints = RunPaths(launch.artifact_root, run).checkpoints_dir
+        if checkpoints.is_dir() and any(checkpoints.iterdir()):
+            raise UserError(f"run {run} has checkpoints in {checkpoints}: its start would resume from them, and a "
+                            f"sweep compares fresh runs; choose another PREFIX or remove {checkpoints}")
+    record = read_sweep_record(launch.artifact_root, prefix)
+    if record and not record.ended and record.hostname == socket.gethostname() and pid_is_alive(record.pid, record.start_time):
+        raise UserError(f"a sweep {prefix!r} is running (pid {record.pid}, stage {record.current_run or '-'}); stop it "
+                        f"first ({stop_command(prefix, launch.nnodes > 1)}) or choose another PREFIX")
+    live = [r for r in node_statuses(launch, prefix, list(enumerate(launch.hosts)), None) if r.ok and r.value.alive]
+    if live:
+        raise UserError(f"{prefix!r} is a live run of its own on node(s) {', '.join(str(r.node_rank) for r in live)}; "
+                        f"choose another PREFIX for the sweep")
+    return iterations
+
+
+def plan_sweep(launch: LaunchEnv, model: str, data: str, prefix: str, stages: Sequence[int]) -> SweepPlan:
+    """Every stage's start plan, nothing prepared or started (the dry run)."""
+    check_sweep(launch, model, data, prefix, stages)
+    nodes = list(enumerate(launch.hosts))
+    return SweepPlan(prefix, tuple((s, stage_run_name(prefix, s), plan_start(_stage_launch(launch, s), model, data,
+                                                                             stage_run_name(prefix, s), nodes, prepare=False))
+                                   for s in stages))
+
+
+def _raise_stopped(signum, frame):
+    raise SweepStopped(f"signal {signal.Signals(signum).name}")
+
+
+class Sweep:
+    """One sweep: its nodes, its record, and the start, wait and stop of each stage."""
+
+    def __init__(self, launch: LaunchEnv, model: str, data: str, prefix: str, stages: Sequence[int], report: Report):
+        self.launch, self.model, self.data, self.prefix, self.report = launch, model, data, prefix, report
+        self.nodes = list(enumerate(launch.hosts))
+        self.engine = launch.overrides.engine
+        self.poll_s = LOCAL_POLL_S if all(is_this_machine(launch, h) for _, h in self.nodes) else POLL_S
+        pid = os.getpid()
+        self.record = SweepRecord(prefix, pid, process_start_time(pid) or 0, socket.gethostname(), tuple(stages))
+
+    # the record ---------------------------------------------------------------------------
+
+    def _write_record(self, **changes) -> None:
+        self.record = dataclasses.replace(self.record, **changes)
+        write_sweep_record(self.launch.artifact_root, self.record)
+
+    def _check_stop_request(self, stage: int, run: str, when: str) -> None:
+        why = sweep_stop_request(self.launch.artifact_root, self.prefix)
+        if why:
+            raise SweepStopped(f"{why} stopped stage {stage} ({run}) {when}")
+
+    # one stage ----------------------------------------------------------------------------
+
+    def statuses(self, run: str, seq_length: int | None) -> dict[int, NodeStatus | None]:
+        """Every node's status (None = no answer)."""
+        results: list[NodeResult[NodeStatus]] = node_statuses(self.launch, run, self.nodes, seq_length)
+        return {r.node_rank: r.value if r.ok else None for r in results}
+
+    def wait(self, stage: int, run: str, seq_length: int, train_iters: int, started: float) -> dict[int, NodeStatus | None]:
+        """Until the run has ended on every node: torchrun gone and its supervisor's record of how
+        (finished, failed, stopped) written, or EXIT_RECORD_WAIT_S after torchrun went. Each node's
+        supervisor stops its node when another fails or goes silent; a node that answers no status
+        for UNREACHABLE_S gets the stage stopped from here."""
+        gone_since = unknown_since = None
+        while True:
+            statuses = self.statuses(run, seq_length)
+            known = [s for s in statuses.values() if s is not None]
+            last = max((s.last_iteration or 0 for s in known), default=0)
+            self._check_stop_request(stage, run, f"at iteration {last}/{train_iters}")
+            now = time.monotonic()
+            gone = len(known) == len(statuses) and not any(s.alive for s in known)
+            gone_since = (gone_since or now) if gone else None
+            if gone and (all(s.exit for s in known) or now - gone_since > EXIT_RECORD_WAIT_S):
+                return statuses
+            tps = next((s.tokens_per_s for s in known if s.tokens_per_s), None)
+            progress = f"iteration {last}/{train_iters}" if last else "waiting for the first iteration"
+            self.report(f"stage {stage} ({run}): {progress}" + (f", {tps:,.0f} tokens/s" if tps else "")
+                        + f", {now - started:.0f} s", False)
+            unknown_since = (unknown_since or now) if len(known) < len(statuses) else None
+            if unknown_since and now - unknown_since > UNREACHABLE_S:
+                stop_run(self.launch, run)
+                return {**self.statuses(run, seq_length), **{r: None for r, st in statuses.items() if st is None}}
+            time.sleep(self.poll_s)
+
+    def reason(self, run: str, statuses: dict[int, NodeStatus | None]) -> str:
+        """The most telling reason over the failed nodes' logs (all nodes' when none says failed):
+        this machine's copy of the log, else what the node's supervisor recorded."""
+        failed = [r for r, s in statuses.items() if s and s.state == RunState.FAILED] or sorted(statuses)
+        best = (-1, "")
+        for rank in failed:
+            log = RunPaths(self.launch.artifact_root, run).node_log(rank)
+            s = statuses[rank]
+            if log.is_file():
+                score, text = failure_reason(tail(log, 400, max_bytes=262144))
+            else:
+                score, text = 0, (s and (s.exit or s.run_failure or s.last_line)) or f"node {rank} gave no status"
+            if score > best[0]:
+                best = (score, f"node {rank}: {text}" if len(statuses) > 1 else text)
+        return best[1]
+
+    def outcome(self, state: RunState, stage: int, reason: str | None = None) -> RunOutcome:
+        return RunOutcome(state, reason, zero_stage=stage, engine=self.engine,
+                          nnodes=self.launch.nnodes, nproc_per_node=self.launch.nproc_per_node)
+
+    def stop_everywhere(self, run: str) -> None:
+        """The stop of the stage on every node; Ctrl-C and SIGTERM wait meanwhile."""
+        old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        try:
+            self.report(f"stopping {run} on every node ...", False)
+            stop_run(self.launch, run)
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+    def run_stage(self, stage: int) -> StageResult:
+        run = stage_run_name(self.prefix, stage)
+        self._check_stop_request(stage, run, "before it started")
+        stage_launch = _stage_launch(self.launch, stage)
+        params, _ = with_batch_geometry(load_run_params(self.model, self.data, RunOverrides(stage, self.launch.overrides.engine)),
+                                        self.launch.world_size)
+        t = params.training
+        self.engine = t.engine
+        started = time.monotonic()
+        self.report(f"stage {stage} ({run}): starting on {len(self.nodes)} node(s) x {self.launch.nproc_per_node} processes",
+                    False)
+        self._write_record(current_run=run)
+        try:
+            try:
+                plan = plan_start(stage_launch, self.model, self.data, run, self.nodes, prepare=True)
+                result = start_run(stage_launch, plan, self.nodes)
+            except UserError as exc:
+                self._check_stop_request(stage, run, "while it started")
+                return StageResult(stage, run, self.outcome(RunState.FAILED, stage, f"did not start: error: {exc}"),
+                                   time.monotonic() - started)
+            self._check_stop_request(stage, run, "while it started")
+            if not result.started:
+                return StageResult(stage, run, self.outcome(RunState.FAILED, stage, f"did not start: {result.failure()[:400]}"),
+                                   time.monotonic() - started)
+            statuses = self.wait(stage, run, t.seq_length, t.train_iters, started)
+        except (KeyboardInterrupt, SweepStopped) as exc:
+            self.stop_everywhere(run)
+            why = f"Ctrl-C; stage {stage} ({run}) stopped on every node" if isinstance(exc, KeyboardInterrupt) else str(exc)
+            raise SweepStopped(why) from None
+        elapsed = time.monotonic() - started
+        records = run_records(RunPaths(self.launch.artifact_root, run))
+        last = records[-1].iteration if records else max((s.last_iteration or 0 for s in statuses.values() if s), default=0)
+        final_loss = records[-1].lm_loss if records else None
+        states = [s.state if s else None for s in statuses.values()]
+        if last >= t.train_iters and RunState.FAILED not in states:
+            return StageResult(stage, run, self.outcome(RunState.FINISHED, stage), elapsed, last, t.train_iters, final_loss)
+        if RunState.FAILED not in states and RunState.STOPPED in states and None not in states:
+            self.stop_everywhere(run)  # someone stopped this stage's run itself
+            return StageResult(stage, run, self.outcome(RunState.STOPPED, stage, f"stopped on request at iteration {last}/"
+                                                        f"{t.train_iters} (stop {run}); the sweep goes on"),
+                               elapsed, last, t.train_iters, final_loss)
+        reason = self.reason(run, statuses)
+        self.stop_everywhere(run)
+        return StageResult(stage, run, self.outcome(RunState.FAILED, stage, reason), elapsed, last, t.train_iters, final_loss)
+
+    # the whole sweep -------------------------------------------------------------------------
+
+    def run(self, stages: Sequence[int]) -> tuple[list[StageResult], str | None]:
+        results: list[StageResult] = []
+        clear_sweep_stop(self.launch.artifact_root, self.prefix)
+        self._write_record()
+        handlers = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGHUP)}
+        try:
+            for stage in stages:
+                try:
+                    result = self.run_stage(stage)
+                except (SweepStopped, KeyboardInterrupt) as exc:
+                    stopped = str(exc) or "Ctrl-C"
+                    results.append(StageResult(stage, stage_run_name(self.prefix, stage),
+                                               self.outcome(RunState.STOPPED, stage, stopped), 0.0))
+                    return results, stopped
+                results.append(result)
+                self.report(describe_stage(self.launch, result), True)
+            return results, None
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            self._write_record(current_run=None, ended=True)
+            clear_sweep_stop(self.launch.artifact_root, self.prefix)
+
+
+def describe_stage(launch: LaunchEnv, r: StageResult) -> str:
+    head = f"stage {r.stage} ({r.run}): "
+    if r.outcome.status == RunState.FINISHED:
+        loss = f", final loss {r.final_loss:.4f}" if r.final_loss is not None else ""
+        return head + f"done in {r.elapsed_s:.0f} s, {r.last_iteration}/{r.train_iters} iterations{loss}"
+    if r.outcome.status == RunState.STOPPED and not r.elapsed_s:
+        return head + f"stopped ({r.outcome.reason})"
+    log = RunPaths(launch.artifact_root, r.run).node_log(0)
+    return head + f"FAILED after {r.elapsed_s:.0f} s: {r.outcome.reason} (log: {log})"
+
+
+def run_sweep(launch: LaunchEnv, model: str, data: str, prefix: str, stages: Sequence[int], report: Report,
+              warmup: int = DEFAULT_WARMUP_ITERATIONS) -> SweepResult:
+    """Every stage in turn, then the comparison and its files (after :func:`check_sweep`)."""
+    sweep = Sweep(launch, model, data, prefix, stages, report)
+    results, stopped = sweep.run(stages)
+    if stopped:
+        report(describe_stage(launch, results[-1]), True)
+    outcomes = {r.run: r.outcome for r in results}
+    rows = compare_runs(launch.artifact_root, [r.run for r in results], warmup, outcomes)
+    return SweepResult(prefix, tuple(results), tuple(rows), write_comparison(launch.artifact_root, prefix, rows), stopped)

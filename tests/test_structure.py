@@ -1,0 +1,150 @@
+"""The shape of the code, checked: imports run one way with no circle, the node side imports
+nothing of the launcher side and a node command loads none of it, the environment is read only
+at the three edges, and imports inside functions are the few that must be there."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO, clean_env
+
+PACKAGES = ("orchestration", "megatron_ext")
+ENVIRONMENT_EDGES = {
+    "orchestration/launch_env.py": "the launcher's edge",
+    "orchestration/node/commands.py": "the node side's entry",
+    "megatron_ext/pretrain.py": "the training program's edge",
+}
+LAZY_IMPORTS = {
+    ("orchestration/engines/megatron_lm_validate.py", "megatron"): "the child imports the checkout's megatron",
+    ("orchestration/engines/megatron_lm_validate.py", "megatron.training"): "the same, after sys.path holds the checkout",
+    ("orchestration/engines/megatron_lm_validate.py", "torch"): "whatever torch the checkout's environment has",
+    ("orchestration/analysis/report.py", "matplotlib"): "optional, and slow to import",
+    ("orchestration/analysis/report.py", "matplotlib.pyplot"): "the same",
+    ("orchestration/__main__.py", "orchestration.node.commands"): "node commands load nothing of the launcher",
+    ("orchestration/__main__.py", "orchestration.cli"): "the launcher's commands",
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _sources() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in PACKAGES for p in sorted((REPO / pkg).rglob("*.py"))}
+
+
+def _imports(path: Path, modules: set[str]) -> list[tuple[str, bool]]:
+    """(imported project module, inside a function) for every import in ``path``."""
+    tree = ast.parse(path.read_text())
+    inside = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for n in ast.walk(f) if n is not f}
+    out = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names]
+        out += [(n, id(node) in inside) for n in names]
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    sources = _sources()
+    modules = set(sources)
+    return {m: {n for n, _ in _imports(p, modules) if n in modules and n != m} for m, p in sources.items()}
+
+
+def test_no_import_circle_anywhere():
+    graph = _graph()
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v), on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    sys.setrecursionlimit(10_000)
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert circles == [], circles
+
+
+def test_the_node_side_imports_nothing_of_the_launcher():
+    graph = _graph()
+    for module, imported in graph.items():
+        if module.startswith("orchestration.node"):
+            foreign = {m for m in imported if m.startswith("orchestration") and not m.startswith("orchestration.node")}
+            assert not foreign, (module, foreign)
+        if module.startswith("megatron_ext"):
+            assert not {m for m in imported if m.startswith("orchestration")}, module
+
+
+def test_a_node_command_loads_no_launcher_module(tmp_path):
+    """``python -m orchestration node-status`` as a node runs it: no runner, cluster, analysis, cli,
+    engines or launch_env module, no torch, no matplotlib."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "orchestration", "node-status", "r", "--node-rank", "0",
+                           "--host", "localhost", "--artifact-root", str(tmp_path)], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and '"state": "not started"' in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    loaded = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    launcher = sorted(m for m in loaded if m.startswith(("orchestration.runner", "orchestration.cluster", "orchestration.analysis",
+                                                         "orchestration.engines", "orchestration.cli",
+                                                         "orchestration.launch_env", "torch", "matplotlib")))
+    assert "orchestration.node.commands" in loaded and launcher == [], launcher
+
+
+def test_the_environment_is_read_only_at_the_edges():
+    readers = []
+    for module, path in _sources().items():
+        rel = str(path.relative_to(REPO))
+        for node in ast.walk(ast.parse(path.read_text())):
+            reads = ((isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os"
+                      and node.attr in ("environ", "getenv", "environb"))
+                     or (isinstance(node, ast.ImportFrom) and node.module == "os"
+                         and any(a.name in ("environ", "getenv") for a in node.names)))
+            if reads and rel not in ENVIRONMENT_EDGES:
+                readers.append(f"{rel}:{node.lineno}")
+    assert readers == [], readers
+
+
+def test_imports_inside_functions_are_the_few_that_must_be():
+    sources = _sources()
+    modules = set(sources)
+    lazy = []
+    for module, path in sources.items():
+        if not module.startswith("orchestration"):
+            continue
+        tree = ast.parse(path.read_text())
+        functions = [f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.If))]
+        for f in functions:
+            if isinstance(f, ast.If) and module != "orchestration.__main__":
+                continue
+            for node in ast.walk(f):
+                if isinstance(node, ast.Import):
+                    lazy += [(str(path.relative_to(REPO)), a.name) for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    lazy.append((str(path.relative_to(REPO)), node.module))
+    unexplained = sorted(set(lazy) - set(LAZY_IMPORTS))
+    assert unexplained == [], unexplained
+    assert modules  # the walk found the sources
