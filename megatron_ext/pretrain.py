@@ -5,7 +5,7 @@
 
 The edge of the program: reads the rank's environment once (RANK, LOCAL_RANK, WORLD_SIZE,
 LOCAL_WORLD_SIZE as torchrun sets them; ZERO_STAGE and ENGINE when no ``--zero-stage`` is given;
-ARTIFACT_ROOT; MEGATRON_EXT_ALLOW_UNTESTED), checks parameters, batch geometry, megatron-core and the data paths before any
+ARTIFACT_ROOT; MEGATRON_EXT_ALLOW_UNTESTED; the supervisor's LAUNCHER_PROGRESS_DIR and LAUNCHER_ATTEMPT), checks parameters, batch geometry, megatron-core and the data paths before any
 process group exists, and hands over to :class:`megatron_ext.training.loop.Pretrain`. With CUDA:
 NCCL, one GPU per LOCAL_RANK, bf16, transformer-engine layers when they import. Without: gloo,
 fp32, megatron-core's local layers (see training/cpu_compat.py). A user error is one message
@@ -21,10 +21,12 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Mapping
 
 from megatron_ext.run_spec.errors import EXIT_OK, EXIT_USER_ERROR, UserError
 from megatron_ext.run_spec.params import load_run_params, read_overrides, with_batch_geometry
+from megatron_ext.run_spec.resilience import ATTEMPT_ENV, PROGRESS_DIR_ENV
 from megatron_ext.run_spec.run_paths import RunPaths, artifact_root, check_run_name
 from megatron_ext.run_spec.zero import parse_zero_stage
 
@@ -44,13 +46,17 @@ def parse_args(argv):
 
 
 def read_rank_env(env: Mapping[str, str]):
+    """torchrun's variables, and the supervisor's (LAUNCHER_PROGRESS_DIR: where this rank reports
+    its progress; LAUNCHER_ATTEMPT: which attempt of the run this is)."""
     from megatron_ext.training.loop import RankEnv
 
     try:
         world = int(env.get("WORLD_SIZE", 1))
-        return RankEnv(int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), world, int(env.get("LOCAL_WORLD_SIZE", world)))
+        progress = env.get(PROGRESS_DIR_ENV, "").strip()
+        return RankEnv(int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), world, int(env.get("LOCAL_WORLD_SIZE", world)),
+                       progress_dir=Path(progress) if progress else None, attempt=int(env.get(ATTEMPT_ENV, "1") or 1))
     except ValueError as exc:
-        raise UserError(f"RANK/LOCAL_RANK/WORLD_SIZE must be integers ({exc}); run under torchrun") from None
+        raise UserError(f"RANK/LOCAL_RANK/WORLD_SIZE/{ATTEMPT_ENV} must be integers ({exc}); run under torchrun") from None
 
 
 def resolve(args, env: Mapping[str, str]):

@@ -24,9 +24,11 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Sequence
 
-from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
+from megatron_ext.run_spec.errors import (EXIT_GAVE_UP, EXIT_NODE_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USER_ERROR,
+                                          UserError)
 from megatron_ext.run_spec.params import COLLECTIVE_TIMEOUT_S
 from megatron_ext.run_spec.resolved import write_resolved
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
@@ -50,6 +52,8 @@ from orchestration.runner.sweep import SweepResult, check_sweep, plan_sweep, run
 
 EXIT_STOPPED = 130
 """The sweep was stopped (Ctrl-C, SIGTERM, or stop PREFIX)."""
+SAVE_TIMEOUT_S = 900.0
+"""``stop --save``: a step, a checkpoint save and the end, with room."""
 
 
 def note(text: str) -> None:
@@ -98,15 +102,28 @@ def cmd_start(args, launch: LaunchEnv) -> int:
     print(
         f"run {args.run} started: {len(nodes)} node(s) x {launch.nproc_per_node} processes, world size "
         f"{launch.world_size}, ZERO_STAGE={t.zero_stage}, engine {t.engine}, {plan.geometry.describe()}, "
-        f"{resume}, MASTER_PORT {launch.master_port}, collective timeout {COLLECTIVE_TIMEOUT_S[launch.device]} s; "
+        f"{resume}, MASTER_PORT {launch.master_port}, collective timeout {COLLECTIVE_TIMEOUT_S[launch.device]} s, "
+        f"{t.resilience.describe()}{' (Megatron-LM: from its iteration lines)' if t.engine == 'megatron-lm' else ''}; "
         f"status: status_training.sh {args.run}; stop: {stop_command(args.run, not args.this_node)}",
         flush=True,
     )
     if not args.wait:
         return EXIT_OK
-    ended = control.wait_for_end(paths, [rank for rank, _ in nodes])
+    save_signal = control.SaveSignal(paths, args.signal_file)
+    save_signal.install()
+    ended = control.wait_for_end(paths, [rank for rank, _ in nodes], poll_s=1.0, on_poll=save_signal.poll)
     print(f"run {args.run} ended: {', '.join(f'node{e.node_rank} {e.state}' for e in ended)}", flush=True)
-    return EXIT_OK if {e.state for e in ended} == {RunState.FINISHED} else EXIT_NODE_FAILED
+    states = {e.state for e in ended}
+    if states == {RunState.FINISHED}:
+        return EXIT_OK
+    if states == {RunState.PREEMPTED}:
+        if args.requeue and save_signal.received and launch.slurm_job_id:
+            refused = slurm.requeue(launch.slurm_job_id)
+            print(f"run {args.run}: checkpoint saved; " + (f"slurm job {launch.slurm_job_id} requeued: it starts again "
+                  "and resumes there" if refused is None else f"scontrol requeue {launch.slurm_job_id} failed: {refused}"),
+                  flush=True)
+        return EXIT_PREEMPTED
+    return EXIT_GAVE_UP if RunState.GAVE_UP in states else EXIT_NODE_FAILED
 
 
 def cmd_train(args, launch: LaunchEnv) -> int:
@@ -186,6 +203,11 @@ def print_stop(outcome: control.StopOutcome) -> None:
 
 
 def cmd_stop(args, launch: LaunchEnv) -> int:
+    if args.save and not launch.dry_run:
+        ended = control.save_and_wait(launch, args.run, args.this_node, args.save_timeout_s)
+        print(f"run {args.run}: " + (", ".join(f"node{e.node_rank} {e.state}" for e in ended) if ended else
+                                     f"no end within {args.save_timeout_s:.0f} s of the save request: stopping it"),
+              flush=True)
     outcome = control.stop_run(launch, args.run, args.this_node, args.grace_s, dry_run=launch.dry_run)
     print_stop(outcome)
     return EXIT_OK if outcome.ok else EXIT_NODE_FAILED
@@ -210,9 +232,25 @@ def cmd_status(args, launch: LaunchEnv) -> int:
         it = f"{p.last_iteration}/{p.train_iters}" if p.last_iteration is not None else "-"
         tps = f"{p.tokens_per_s:,.0f}" if p.tokens_per_s is not None else "-"
         print(f"{p.node_rank:<5} {p.host:<16} {p.state.value:<11} {p.pid or '-':>8} {it:>11} {tps:>10}  {p.last_line}")
+    for line in describe_attempts(report):
+        print(line)
     if report.failure:
         print(f"run failed: {report.failure} (details: {RunPaths(launch.artifact_root, args.run).failure_file})")
     return EXIT_OK if report.ok else EXIT_NODE_FAILED
+
+
+def describe_attempts(report: control.StatusReport) -> list[str]:
+    """``attempt 3 of 4``, and why each earlier attempt ended."""
+    if not report.attempts or (len(report.attempts) == 1 and (report.max_attempts or 1) == 1):
+        return []
+    current = report.attempts[-1]
+    of = f" of {report.max_attempts}" if report.max_attempts else ""
+    lines = [f"attempt {current.attempt}{of}" + (f": {current.state}" if current.state else ": running")]
+    for r in report.attempts[:-1]:
+        checkpoints = f" (checkpoint {r.checkpoint_at_start if r.checkpoint_at_start is not None else '-'} -> " \
+                      f"{r.checkpoint_at_end if r.checkpoint_at_end is not None else '-'})"
+        lines.append(f"  attempt {r.attempt} {r.state or 'ended'}{checkpoints}: {r.reason}")
+    return lines
 
 
 def json_line(value) -> str:
@@ -224,7 +262,7 @@ def json_line(value) -> str:
 def cmd_submit(args, launch: LaunchEnv) -> int:
     """sbatch a batch script that runs the start inside the job (srun transport) and waits for it."""
     plan = plan_submit(launch, args.model, args.data, args.run, args.nodes, args.gpus_per_node, args.time,
-                       args.partition, args.account)
+                       args.partition, args.account, args.signal_ahead_s)
     if launch.dry_run:
         print(plan.script, end="", flush=True)
         note(f"DRY_RUN=1: nothing submitted; the batch script above would be written to {plan.script_path} and sbatched")
@@ -315,11 +353,21 @@ def build_parser() -> argparse.ArgumentParser:
     start = sub.add_parser("start", help="start a run on every node (or --this-node), detached")
     start.add_argument("model"), start.add_argument("data"), start.add_argument("run")
     start.add_argument("--this-node", action="store_true", help="only this machine, as node NODE_RANK")
-    start.add_argument("--wait", action="store_true", help="stay until the run ends; exit 0 if every node finished")
+    start.add_argument("--wait", action="store_true", help="stay until the run ends; exit 0 if every node finished, "
+                       "3 if it saved and ended on request, 93 if the restart breaker gave up; SIGUSR1 meanwhile asks "
+                       "every node to save and end")
+    start.add_argument("--requeue", action="store_true", help="with --wait inside a Slurm batch job: after SIGUSR1 "
+                       "and the save, requeue the job (submit_training.sh's batch script passes it)")
+    start.add_argument("--signal-file", type=Path, help="with --wait: a file whose appearance means SIGUSR1 (the "
+                       "batch shell's trap writes it)")
     stop = sub.add_parser("stop", help="stop a run on every node (or --this-node); DRY_RUN=1: what it would signal")
     stop.add_argument("run")
     stop.add_argument("--this-node", action="store_true")
     stop.add_argument("--grace-s", type=float, default=DEFAULT_STOP_GRACE_S, help="wait after SIGTERM before the sweep")
+    stop.add_argument("--save", action="store_true", help="first save a checkpoint at the next step on every rank "
+                      "(the run ends preempted; a start resumes there), then stop what is left")
+    stop.add_argument("--save-timeout-s", type=float, default=SAVE_TIMEOUT_S,
+                      help=f"how long to wait for the save before stopping anyway (default {SAVE_TIMEOUT_S:g})")
     status = sub.add_parser("status", help="per node: alive, pid, last iteration, tokens/s, last log line")
     status.add_argument("run")
     status.add_argument("--this-node", action="store_true")
@@ -334,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--time", help="time limit (default SBATCH_TIMELIMIT, else the partition's)")
     submit.add_argument("--partition", help="partition (default SBATCH_PARTITION, else the cluster's default)")
     submit.add_argument("--account", help="account (default SBATCH_ACCOUNT)")
+    submit.add_argument("--signal-ahead-s", type=int, default=slurm.DEFAULT_SIGNAL_AHEAD_S,
+                        help=f"save this long before the time limit and requeue (default {slurm.DEFAULT_SIGNAL_AHEAD_S}; "
+                             "0: no save, no requeue)")
     preflight = sub.add_parser("preflight", help="the start's checks on every node, nothing started")
     preflight.add_argument("model"), preflight.add_argument("data"), preflight.add_argument("run")
     preflight.add_argument("--this-node", action="store_true")

@@ -75,6 +75,8 @@ class LaunchEnv:
     """SLURM_JOB_ID: the allocation the srun transport runs in."""
     slurm_batch: dict[str, str] = field(default_factory=dict)
     """SBATCH_PARTITION, SBATCH_ACCOUNT, SBATCH_TIMELIMIT: defaults for ``submit``."""
+    slurm_restart_count: int = 0
+    """SLURM_RESTART_COUNT: how often this batch job was requeued (unset on its first run)."""
     stages_text: str | None = None
     """STAGES as given (the sweep checks it: a bad STAGES refuses the sweep, not a start)."""
     gpu_memory_gb_text: str | None = None
@@ -218,6 +220,7 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: 
         slurm_job_id=env.get("SLURM_JOB_ID", "").strip() or None,
         slurm_batch={key: env[name].strip() for key, name in (("partition", "SBATCH_PARTITION"), ("account", "SBATCH_ACCOUNT"),
                                                                ("time", "SBATCH_TIMELIMIT")) if env.get(name, "").strip()},
+        slurm_restart_count=_int(env, "SLURM_RESTART_COUNT", 0, 0),
         stages_text=_text(env, "STAGES"),
         gpu_memory_gb_text=_text(env, "GPU_MEMORY_GB"),
         megatron_device_arch_text=_text(env, "MEGATRON_DEVICE_ARCH"),

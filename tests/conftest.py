@@ -100,12 +100,35 @@ def last_iteration(log: Path) -> int:
     return records[-1].iteration if records else 0
 
 
-def write_data_set(path: Path, train_iters: int, global_batch: int = 16) -> str:
+def write_data_set(path: Path, train_iters: int, global_batch: int = 16, save_interval: int = 0) -> str:
     """The smoke data set with another length (a YAML path works wherever a data set name does)."""
     path.write_text(
         "data:\n  source: embedded\n  split: \"95,5,0\"\n  tokenizer: {type: sentencepiece, vocab_size: 2048}\n"
         f"training:\n  seq_length: 128\n  micro_batch_size: 4\n  global_batch_size: {global_batch}\n"
         f"  train_iters: {train_iters}\n  lr: 3.0e-3\n  min_lr: 3.0e-4\n  lr_warmup_iters: 3\n  weight_decay: 0.01\n"
-        "  eval_iters: 1\n"
+        "  eval_iters: 1\n" + (f"  save_interval: {save_interval}\n" if save_interval else "")
     )
     return str(path)
+
+
+UNATTENDED_ITERS = 500
+
+
+@pytest.fixture(scope="session")
+def unattended(artifact_root, tmp_path_factory) -> tuple[str, dict[int, float]]:
+    """A data set of 500 iterations with a checkpoint every 50, and the lm loss at every iteration
+    of one uninterrupted run of it (2 processes): what a run that was killed, hung, preempted and
+    restarted must reproduce. Computed once per session (the one-node restart and the Slurm tests)."""
+    data = write_data_set(tmp_path_factory.mktemp("unattended") / "unattended.yaml", UNATTENDED_ITERS, save_interval=50)
+    proc, records = run_torchrun(artifact_root, "unattended_reference", data=data, timeout=900)
+    assert proc.returncode == 0 and len(records) == UNATTENDED_ITERS, proc.stderr[-3000:]
+    return data, {r["iteration"]: r["lm_loss"] for r in records}
+
+
+def assert_same_losses(metrics_path: Path, reference: dict[int, float], rel: float = 1e-6) -> None:
+    """Every iteration recorded once, each with the reference's lm loss (relative ``rel``)."""
+    records = [json.loads(l) for l in metrics_path.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == sorted(reference), [r["iteration"] for r in records][:20]
+    for r in records:
+        ref = reference[r["iteration"]]
+        assert abs(r["lm_loss"] - ref) <= rel * abs(ref), (r["iteration"], r["lm_loss"], ref)

@@ -81,7 +81,9 @@ class SlurmCluster:
             f"SlurmctldHost={self.hostname}(127.0.0.1)",
             f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
             "SlurmUser=root", "SlurmdUser=root",
-            "AuthType=auth/munge", f"AuthInfo=socket={self.munge_socket}", "CryptoType=crypto/munge",
+            # cred_expire: a requeued job waits this long (+1 s) before it may start again (22.05 holds it
+            # for the credential window, 120 s by default); 10 s keeps the time-limit test short.
+            "AuthType=auth/munge", f"AuthInfo=socket={self.munge_socket},cred_expire=10", "CryptoType=crypto/munge",
             f"StateSaveLocation={w / 'state'}", f"SlurmdSpoolDir={w / 'spool'}/%n",
             f"SlurmctldPidFile={self.pid_files['slurmctld']}", f"SlurmdPidFile={self.pid_files['slurmd']}",
             f"SlurmctldLogFile={w / 'slurmctld.log'}", f"SlurmdLogFile={w / 'slurmd.log'}",

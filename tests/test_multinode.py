@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -245,3 +246,95 @@ def test_unset_master_port_and_interfaces_are_chosen_by_preflight(cluster, clust
         listener.kill()
         listener.wait()
         run_script("stop_multinode_training.sh", "pre_auto", env=env)
+
+
+def _workers_on(run: str, node: int) -> dict[int, int]:
+    """Global rank -> pid of the training processes of ``run`` on node ``node``."""
+    out = {}
+    for pid in tagged_pids(run):
+        env = process_environ(pid)
+        if env.get("LAUNCHER_NODE_RANK") == str(node) and env.get("RANK", "").isdigit():
+            out[int(env["RANK"])] = pid
+    return out
+
+
+def _states(run: str, env: dict) -> list[str]:
+    status = run_script("status_training.sh", run, "--json", env=env)
+    return [json.loads(l)["state"] for l in status.stdout.splitlines()]
+
+
+def test_a_stopped_worker_on_node_1_is_a_hang_found_explained_and_stopped(cluster_env, artifact_root, tmp_path):
+    """SIGSTOP of one worker on node 1 (step floor 10 s): the watchdog finds it, every rank's stack
+    is dumped (the stopped one's too, by py-spy --nonblocking), the failure file says hang and names
+    node 1 and rank 3, and both nodes are stopped within a minute with nothing left."""
+    data = write_data_set(tmp_path / "long.yaml", train_iters=5000)
+    run = "mn_hang"
+    env = {**cluster_env, "MASTER_PORT": "29654", "HANG_STEP_FLOOR_S": "10"}
+    try:
+        assert run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=env).returncode == 0
+        wait_for(lambda: last_iteration(artifact_root / "logs" / f"{run}_node1.log") >= 5, 240, what="node 1 to train")
+        stopped_at = time.monotonic()
+        os.kill(_workers_on(run, 1)[3], signal.SIGSTOP)
+        wait_for(lambda: not tagged_pids(run), 90, interval_s=0.5, what="every process of the hung run to end")
+        assert time.monotonic() - stopped_at <= 60
+        failure = (artifact_root / "run_state" / f"{run}_failure.txt").read_text()
+        assert failure.startswith("node 1 hung: rank 3 (node 1) stopped (process state T"), failure
+        dumps = artifact_root / "runs" / run / "hangs" / "1"
+        assert str(dumps) in failure.splitlines()[0]
+        assert sorted(p.name for p in dumps.glob("node*_rank*.txt")) == [f"node{r // 2}_rank{r}.txt" for r in range(4)]
+        stuck = (dumps / "node1_rank3.txt").read_text()
+        assert "process state T" in stuck and '"MainThread"' in stuck and "(megatron_ext/training/" in stuck, stuck
+        assert "in a collective" in failure  # its peers wait for it
+        assert _states(run, env) == ["hung", "hung"]
+        assert "run failed: node 1 hung: rank 3" in run_script("status_training.sh", run, env=env).stdout
+    finally:
+        run_script("stop_multinode_training.sh", run, env=env)
+    assert tagged_pids(run) == []
+
+
+def test_with_restarts_a_hang_on_node_1_heals_and_the_run_finishes(cluster_env, artifact_root, tmp_path):
+    data = write_data_set(tmp_path / "heal.yaml", train_iters=60, save_interval=10)
+    run = "mn_heal"
+    env = {**cluster_env, "MASTER_PORT": "29655", "HANG_STEP_FLOOR_S": "10", "MAX_RESTARTS": "2"}
+    try:
+        assert run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=env).returncode == 0
+        wait_for(lambda: last_iteration(artifact_root / "logs" / f"{run}_node1.log") >= 15, 240, what="a checkpoint")
+        os.kill(_workers_on(run, 1)[2], signal.SIGSTOP)
+        wait_for(lambda: not tagged_pids(run), 300, what="the run to finish by itself")
+        assert _states(run, env) == ["finished", "finished"]
+        status = run_script("status_training.sh", run, env=env).stdout
+        assert "attempt 2 of 3: finished" in status and "attempt 1 hung" in status, status
+        assert last_iteration(artifact_root / "logs" / f"{run}_node0.log") == 60
+    finally:
+        run_script("stop_multinode_training.sh", run, env=env)
+    assert tagged_pids(run) == []
+
+
+def test_a_run_that_always_crashes_stops_at_the_breaker(cluster_env, artifact_root, tmp_path):
+    """Its data (a .bin/.idx pair that exists, so preflight passes, but holds garbage) fails every
+    attempt at start-up: with MAX_RESTARTS=5 the second attempt without a new checkpoint ends the
+    run as "gave up", on both nodes, with that reason."""
+    prefix = tmp_path / "corrupt"
+    Path(f"{prefix}.bin").write_bytes(os.urandom(4096))
+    Path(f"{prefix}.idx").write_bytes(os.urandom(512))
+    tokenizer = Path(__file__).parent / "data" / "prepare" / "sp512.model"
+    data = tmp_path / "corrupt.yaml"
+    data.write_text(f"data:\n  source: files\n  paths: [{prefix}]\n  split: \"95,5,0\"\n"
+                    f"  tokenizer: {{type: sentencepiece, model_path: {tokenizer}}}\n"
+                    "training:\n  seq_length: 64\n  micro_batch_size: 2\n  global_batch_size: 8\n  train_iters: 20\n"
+                    "  save_interval: 5\n")
+    run = "mn_breaker"
+    env = {**cluster_env, "MASTER_PORT": "29656", "MAX_RESTARTS": "5"}
+    try:
+        start = run_script("start_multinode_training.sh", "gpt_smoke", str(data), run, env=env)
+        assert start.returncode == 0, start.stdout + start.stderr
+        wait_for(lambda: not tagged_pids(run), 240, what="the breaker to end the run")
+        assert _states(run, env) == ["gave up", "gave up"]
+        status = run_script("status_training.sh", run, env=env).stdout
+        assert "attempt 2 of 6: gave up" in status and "attempt 1 failed" in status, status
+        exits = [json.loads((artifact_root / "run_state" / f"{run}_node{n}.exit.json").read_text()) for n in (0, 1)]
+        assert all(e["state"] == "gave up" and e["reason"].startswith("2 attempts in a row made no progress (no new "
+                                                                      "checkpoint)") for e in exits), exits
+    finally:
+        run_script("stop_multinode_training.sh", run, env=env)
+    assert tagged_pids(run) == []

@@ -11,7 +11,8 @@ import subprocess
 import pytest
 
 from slurm_cluster import SlurmCluster, missing_prerequisites
-from conftest import require, REPO, clean_env, last_iteration, run_script, tagged_pids, wait_for, write_data_set
+from conftest import (require, REPO, assert_same_losses, clean_env, last_iteration, run_script, tagged_pids, wait_for,
+                      write_data_set)
 
 pytestmark = pytest.mark.slurm
 
@@ -135,3 +136,29 @@ def test_stop_cancels_a_batch_job_and_leaves_nothing(slurm_env, artifact_root, t
     finally:
         subprocess.run(["scancel", job], env=slurm_env)
     assert tagged_pids("sl_cancel") == []
+
+
+def test_a_time_limit_saves_requeues_and_finishes_with_the_same_losses(slurm_env, artifact_root, unattended):
+    """A job of two minutes, signalled 60 s ahead (``--signal=B:USR1@60``; Slurm sends it at its
+    first 30-second check within 90 s of the limit): the batch shell's trap marks it, the waiting
+    start asks every rank to save at the next step, the run ends preempted, the job requeues itself,
+    resumes from that checkpoint and, maybe after another such round, finishes; its loss at every
+    iteration equals an uninterrupted run's."""
+    data, reference = unattended
+    submit = run_script("submit_training.sh", "gpt_smoke", data, "sl_time", "--time", "2", "--signal-ahead-s", "60",
+                        env=slurm_env)
+    assert submit.returncode == 0, submit.stdout + submit.stderr
+    job = submit.stdout.split("submitted slurm job ")[1].split()[0]
+    script = (artifact_root / "run_state" / "sl_time.sbatch").read_text()
+    assert "#SBATCH --signal=B:USR1@60" in script and "#SBATCH --requeue" in script and "--wait --requeue" in script
+    try:
+        wait_for(lambda: job_state(job, slurm_env) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 900, interval_s=2,
+                 what=f"slurm job {job} to end")
+        sbatch_log = (artifact_root / "logs" / "sl_time_sbatch.log").read_text()
+        assert job_state(job, slurm_env) == "COMPLETED", sbatch_log[-3000:]
+    finally:
+        subprocess.run(["scancel", job], env=slurm_env)
+    assert "run sl_time ended: node0 preempted" in sbatch_log and f"slurm job {job} requeued" in sbatch_log, sbatch_log
+    assert "resuming from iteration" in sbatch_log and "run sl_time ended: node0 finished" in sbatch_log
+    assert_same_losses(artifact_root / "runs" / "sl_time" / "metrics.jsonl", reference)
+    assert tagged_pids("sl_time") == []

@@ -13,6 +13,12 @@ EXIT_NODE_FAILED = 1
 """A node (or process) failed after the input was accepted."""
 EXIT_USER_ERROR = 2
 """Bad input: nothing was started."""
+EXIT_PREEMPTED = 3
+"""The run saved a checkpoint on request and ended (a preemption, a time limit, stop --save): start
+it again to resume."""
+EXIT_GAVE_UP = 93
+"""The restart breaker ended the run: attempts in a row made no progress. Requeueing it would loop
+(NVIDIA's fault-tolerance launcher uses the same code for "do not requeue")."""
 
 
 class UserError(ValueError):

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.resilience import ResilienceParams, check_resilience, read_resilience_overrides, with_overrides
 from megatron_ext.run_spec.zero import parse_zero_stage
 
 PARAMS_DIR = Path(__file__).resolve().parents[2] / "params"
@@ -176,6 +177,8 @@ class TrainingParams:
     engine: Engine = "megatron-core"
     """megatron-core: this project's program; megatron-lm: a checkout's pretrain_gpt.py
     (MEGATRON_LM_DIR). ENGINE in the environment overrides it."""
+    resilience: ResilienceParams = field(default_factory=ResilienceParams)
+    """Hang watchdog, restarts and their limits (megatron_ext/run_spec/resilience.py)."""
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,8 @@ class RunOverrides:
     """ENGINE; None = the data set's."""
     train_iters: int | None = None
     """--train-iters; None = the data set's."""
+    resilience: dict[str, Any] = field(default_factory=dict)
+    """MAX_RESTARTS, HANG_*: changes to training.resilience."""
 
 
 @dataclass(frozen=True)
@@ -343,12 +348,14 @@ def load_data_set(name: str, params_dir: Path = PARAMS_DIR) -> tuple[DataParams,
 
 
 def read_overrides(env: typing.Mapping[str, str]) -> RunOverrides:
-    """ZERO_STAGE and ENGINE from an environment mapping (each program's edge calls this once)."""
+    """ZERO_STAGE, ENGINE, MAX_RESTARTS and HANG_* from an environment mapping (each program's edge
+    calls this once)."""
     stage = env.get("ZERO_STAGE", "").strip()
     engine = env.get("ENGINE", "").strip()
     return RunOverrides(
         zero_stage=int(parse_zero_stage(stage, source="ZERO_STAGE")) if stage else None,
         engine=check_engine(engine, "ENGINE") if engine else None,
+        resilience=read_resilience_overrides(env),
     )
 
 
@@ -376,6 +383,7 @@ def load_run_params(
     training = dataclasses.replace(
         training, zero_stage=int(stage), seq_length=min(training.seq_length, preset.max_position_embeddings),
         engine=engine, train_iters=overrides.train_iters or training.train_iters,
+        resilience=with_overrides(training.resilience, overrides.resilience),
     )
     params = RunParams(model=preset, data=data, training=training, data_set=data_set)
     validate_run_params(params)
@@ -416,6 +424,7 @@ def validate_run_params(p: RunParams) -> None:
             f"training sets both global_batch_size={t.global_batch_size} and gradient_accumulation_steps="
             f"{t.gradient_accumulation_steps}; give one of them (global = micro x data-parallel x accumulation)"
         )
+    check_resilience(t.resilience, f"{_where('data', p.data_set)}:training.resilience")
     if t.global_batch_size is not None and t.global_batch_size % t.micro_batch_size:
         raise UserError(
             f"global_batch_size={t.global_batch_size} is not divisible by micro_batch_size="

@@ -8,7 +8,11 @@ Layout (``RunPaths``)::
     $ARTIFACT_ROOT/logs/<run>_params.yaml       resolved parameters of the run
     $ARTIFACT_ROOT/run_state/<run>_node<N>.pid  what stop needs (JSON)
     $ARTIFACT_ROOT/run_state/<run>_node<N>.{plan.json,exit.json,heartbeat}  the node's supervisor
-    $ARTIFACT_ROOT/run_state/<run>_failure.txt  the run's first failure
+    $ARTIFACT_ROOT/run_state/<run>_failure.txt  the current attempt's first failure
+    $ARTIFACT_ROOT/run_state/<run>_attempts.json the attempts so far and why each ended (node 0's ledger)
+    $ARTIFACT_ROOT/run_state/<run>_a<K>.*       attempt K: each node's end, the decision, readiness, a hang claim
+    $ARTIFACT_ROOT/run_state/<run>.save_request a save-and-stop request (preemption, time limit, stop --save)
+    $ARTIFACT_ROOT/runs/<run>/hangs/<K>/        attempt K's hang: every rank's stack and each node's report
     $ARTIFACT_ROOT/runs/<run>/metrics.jsonl     one record per iteration
     $ARTIFACT_ROOT/runs/<run>/checkpoints/      torch.distributed.checkpoint directories
     $ARTIFACT_ROOT/data_cache/                  prepared corpora and dataset index caches
@@ -102,5 +106,24 @@ class RunPaths:
 
     @property
     def failure_file(self) -> Path:
-        """The first failure of the run: node, rank, exit code or signal, the node log's last lines."""
+        """The first failure of the current attempt: node, rank, exit code or signal (or the hang and
+        its suspects), the node log's last lines."""
         return self.run_state_dir / f"{self.run}_failure.txt"
+
+    @property
+    def attempts_file(self) -> Path:
+        """The ledger of attempts (node 0's supervisor writes it)."""
+        return self.run_state_dir / f"{self.run}_attempts.json"
+
+    def attempt_file(self, attempt: int, what: str) -> Path:
+        """Attempt ``attempt``'s file ``what`` (``node1.end.json``, ``decision.json``, ``node1.ready``, ``hang.json``)."""
+        return self.run_state_dir / f"{self.run}_a{attempt}.{what}"
+
+    @property
+    def save_request_file(self) -> Path:
+        """Asks every node to save a checkpoint at the next step and end (preempted)."""
+        return self.run_state_dir / f"{self.run}.save_request"
+
+    def hangs_dir(self, attempt: int) -> Path:
+        """Attempt ``attempt``'s hang: ``node<N>_rank<R>.txt`` stacks and ``node<N>.json`` reports."""
+        return self.run_dir / "hangs" / str(attempt)

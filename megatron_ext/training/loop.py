@@ -20,6 +20,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,16 +32,20 @@ from megatron_ext.run_spec.iteration_log import (
 from megatron_ext.run_spec.checkpoints import CheckpointMeta, check_resumable, latest_iteration, read_meta
 from megatron_ext.run_spec.params import COLLECTIVE_TIMEOUT_S, BatchGeometry, RunParams, TrainingParams
 from megatron_ext.run_spec.run_paths import RunPaths
+from megatron_ext.training.progress import ProgressReporter, SaveRequest
 
 
 @dataclass(frozen=True)
 class RankEnv:
-    """What torchrun tells a rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE)."""
+    """What torchrun tells a rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE), and the node
+    supervisor's progress directory and attempt (None / 1 under plain torchrun)."""
 
     rank: int
     local_rank: int
     world_size: int
     local_world_size: int
+    progress_dir: Path | None = None
+    attempt: int = 1
 
 
 @dataclass(frozen=True)
@@ -69,13 +74,15 @@ def learning_rate(t: TrainingParams, steps_done: int) -> float:
     return t.min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (t.lr - t.min_lr)
 
 
-def open_tensorboard(directory):
-    """A TensorBoard event writer where ``tensorboard`` imports (``pip install tensorboard``), else None."""
+def open_tensorboard(directory, resume_after: int = 0):
+    """A TensorBoard event writer where ``tensorboard`` imports (``pip install tensorboard``), else None.
+    A resumed run purges the events after its checkpoint's iteration (an attempt that failed after
+    the checkpoint wrote them), so every step's scalars appear once."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         return None
-    return SummaryWriter(log_dir=str(directory))
+    return SummaryWriter(log_dir=str(directory), purge_step=resume_after + 1 if resume_after else None)
 
 
 TENSORBOARD_SCALARS = {
@@ -115,6 +122,8 @@ class Pretrain:
         self.t = self.params.training
         self.on_cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", self.ranks.local_rank) if self.on_cuda else torch.device("cpu")
+        self.progress = ProgressReporter(self.ranks.progress_dir, self.ranks.rank, self.ranks.local_rank, self.ranks.attempt)
+        self.save_request = SaveRequest(self.progress.enabled)
 
     # -- set up ---------------------------------------------------------------------------------
     def set_up(self) -> None:
@@ -129,6 +138,7 @@ class Pretrain:
             dist.init_process_group("gloo", timeout=timeout)
         # On CPU the world group is gloo already: no second set of gloo groups.
         parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=self.on_cuda)
+        self.save_request.open_group(self.on_cuda)
         if self.on_cuda:
             from megatron.core import tensor_parallel
 
@@ -149,7 +159,9 @@ class Pretrain:
         from megatron_ext.training.trainers import build_trainer
 
         m, t = self.params.model, self.t
+        self.progress.phase("prepare")  # as long as a corpus takes: no limit
         self.prepared = ensure_prepared(self.params.data, self.paths.data_cache_dir)
+        self.progress.phase("setup")
         self.vocab = padded_vocab_size(model_vocab_size(m, self.prepared.vocab_size), m.make_vocab_size_divisible_by)
         self.kernels = choose_kernels(self.on_cuda, transformer_engine_available(), t.zero_stage)
         module = build_gpt_model(m, self.vocab, t.seq_length, params_dtype=torch.bfloat16 if self.on_cuda else torch.float32,
@@ -167,7 +179,7 @@ class Pretrain:
         self.peak_tflops = peak_tflops_for(torch.cuda.get_device_name(self.device)) if self.on_cuda else None
         self.start_iteration = self.resume()
         self.writer = MetricsWriter(self.paths.metrics_path, self.start_iteration) if self.ranks.rank == 0 else None
-        self.tensorboard = open_tensorboard(self.paths.tensorboard_dir) if self.ranks.rank == 0 else None
+        self.tensorboard = open_tensorboard(self.paths.tensorboard_dir, self.start_iteration) if self.ranks.rank == 0 else None
         if self.ranks.rank == 0:
             print(
                 f"run {self.paths.run}: model {m.name} data {self.params.data_set} | world size {self.ranks.world_size} "
@@ -304,18 +316,24 @@ class Pretrain:
     def run(self) -> None:
         from megatron.core import parallel_state
 
+        self.progress.phase("setup")
         self.set_up()
         self.build()
         t = self.t
         start = time.time()
         interval = _Interval()
+        saved_at = None
+        preempted = False
         for iteration in range(self.start_iteration + 1, t.train_iters + 1):
             logs = self._logs_at(iteration)
+            self.progress.phase("step", iteration)
             step_start = time.time()
             loss, grad_norm, skipped = self.train_step(iteration, sample_memory=logs)
             if self.on_cuda:
                 torch.cuda.synchronize()
-            interval.step_s += time.time() - step_start
+            step_s = time.time() - step_start
+            self.progress.step_done(step_s)
+            interval.step_s += step_s
             if skipped:
                 interval.skipped += 1
                 interval.nan += int(not math.isfinite(float(loss.item())))
@@ -324,16 +342,33 @@ class Pretrain:
             last = iteration == t.train_iters
             valid_loss = None
             if t.eval_iters and ((t.eval_interval and iteration % t.eval_interval == 0) or last):
+                self.progress.phase("eval", iteration)
                 valid_loss = self.evaluate()
                 if self.ranks.local_rank == 0:
                     print(f" validation loss at iteration {iteration} | lm loss value: {valid_loss:.6E} |", flush=True)
             if t.save_interval and (iteration % t.save_interval == 0 or last):
+                self.progress.phase("checkpoint", iteration)
                 self.save_checkpoint(iteration)
+                saved_at = iteration
             if logs:
                 self.log(iteration, interval, grad_norm, valid_loss, time.time() - start)
                 interval = _Interval()
+            if not last and self.save_request.agreed():  # every rank, the same step: save here and end
+                if saved_at != iteration:
+                    self.progress.phase("checkpoint", iteration)
+                    self.save_checkpoint(iteration)
+                if interval.iterations:
+                    self.log(iteration, interval, grad_norm, valid_loss, time.time() - start)
+                preempted = True
+                break
+        self.progress.phase("preempted" if preempted else "done")
         if self.ranks.local_rank == 0:
-            print(f"done: {t.train_iters} iterations in {time.time() - start:.1f}s; metrics {self.paths.metrics_path}", flush=True)
+            if preempted:
+                print(f"preempted: saved a checkpoint at iteration {self.progress.iteration} of {t.train_iters} and ended "
+                      f"(a start of this run resumes there); metrics {self.paths.metrics_path}", flush=True)
+            else:
+                print(f"done: {t.train_iters} iterations in {time.time() - start:.1f}s; metrics {self.paths.metrics_path}",
+                      flush=True)
         if self.writer:
             self.writer.close()
         if self.tensorboard:

@@ -60,6 +60,11 @@ def srun_step_argv(job_id: str, nnodes: int, python: str, cwd: str, pattern: str
 
 # -- batch jobs ---------------------------------------------------------------------------------
 
+DEFAULT_SIGNAL_AHEAD_S = 300
+"""How long before the time limit Slurm signals the batch job to save (it may come up to a minute
+earlier still: Slurm checks its timers about once a minute)."""
+
+
 @dataclass(frozen=True)
 class BatchRequest:
     nodes: int
@@ -68,25 +73,52 @@ class BatchRequest:
     time: str | None
     partition: str | None
     account: str | None
+    signal_ahead_s: int = DEFAULT_SIGNAL_AHEAD_S
+    """SIGUSR1 to the batch shell this long before the time limit (0: none): every rank saves a
+    checkpoint at the next step, the run ends preempted and the job requeues itself."""
 
 
 def render_batch_script(model: str, data: str, run: str, request: BatchRequest, python: str, cwd: str,
-                        env: Mapping[str, str], log: Path) -> str:
-    """A batch script that runs the start in the foreground inside the job (the job ends with the run)."""
-    lines = ["#!/usr/bin/env bash", f"#SBATCH --job-name={run}", f"#SBATCH --nodes={request.nodes}",
-             "#SBATCH --ntasks-per-node=1", f"#SBATCH --output={log}", "#SBATCH --open-mode=append"]
+                        env: Mapping[str, str], log: Path, signal_mark: Path) -> str:
+    """A batch script that runs the start in the foreground inside the job (the job ends with the run).
+
+    With ``signal_ahead_s``: ``--signal=B:USR1@...`` reaches only this shell (B:), at any moment,
+    even before the start's Python has a handler (Slurm sends it at once when the time limit is
+    within the warning time plus its 30 s check period), so the shell's first act is a trap that
+    writes ``signal_mark`` (``.<job>.<restart count>`` appended); the start, run in the background
+    and waited for, asks every node to save when the mark appears, waits for the save, and
+    requeues the job (``--requeue`` alone does not cover a time-out)."""
+    head = ["#!/usr/bin/env bash", f"#SBATCH --job-name={run}", f"#SBATCH --nodes={request.nodes}",
+            "#SBATCH --ntasks-per-node=1", f"#SBATCH --output={log}", "#SBATCH --open-mode=append"]
     if request.gpus_per_node:
-        lines.append(f"#SBATCH --gpus-per-node={request.gpus_per_node}")
+        head.append(f"#SBATCH --gpus-per-node={request.gpus_per_node}")
     else:
-        lines.append(f"#SBATCH --cpus-per-task={request.nproc_per_node}")
+        head.append(f"#SBATCH --cpus-per-task={request.nproc_per_node}")
     for flag, value in (("--time", request.time), ("--partition", request.partition), ("--account", request.account)):
         if value:
-            lines.append(f"#SBATCH {flag}={value}")
-    lines += ["set -euo pipefail", f"cd {shlex.quote(cwd)}",
-              "unset HOSTS HOSTFILE NODE_RANK MASTER_ADDR DRY_RUN LAUNCHER_TRANSPORT  # the nodes come from the job"]
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
-    lines.append("exec " + shlex.join([python, "-m", "orchestration", "start", model, data, run, "--wait"]))
-    return "\n".join(lines) + "\n"
+            head.append(f"#SBATCH {flag}={value}")
+    start = [python, "-m", "orchestration", "start", model, data, run, "--wait"]
+    if not request.signal_ahead_s:
+        body = [*_job_environment(cwd, env), "exec " + shlex.join(start)]
+        return "\n".join(head + body) + "\n"
+    mark = f'{shlex.quote(str(signal_mark))}."$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}"'
+    head += [f"#SBATCH --signal=B:USR1@{request.signal_ahead_s}", "#SBATCH --requeue",
+             f"mark={mark}", "trap 'date +%s > \"$mark\"' USR1  # first: Slurm may signal this shell at any moment"]
+    body = [*_job_environment(cwd, env),
+            shlex.join([*start, "--requeue", "--signal-file"]) + ' "$mark" &',
+            "child=$!",
+            "while :; do  # a trapped USR1 interrupts wait: wait again until the start itself has ended",
+            '  status=0; wait "$child" || status=$?',
+            '  kill -0 "$child" 2>/dev/null || break',
+            "done",
+            'exit "$status"']
+    return "\n".join(head + body) + "\n"
+
+
+def _job_environment(cwd: str, env: Mapping[str, str]) -> list[str]:
+    return ["set -euo pipefail", f"cd {shlex.quote(cwd)}",
+            "unset HOSTS HOSTFILE NODE_RANK MASTER_ADDR DRY_RUN LAUNCHER_TRANSPORT  # the nodes come from the job",
+            *(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()))]
 
 
 def check_partition(partition: str | None) -> None:
@@ -138,6 +170,13 @@ def cancel(job_id: str, timeout_s: float = 90) -> str:
         time.sleep(1)
         state = job_state(job_id)
     return state
+
+
+def requeue(job_id: str) -> str | None:
+    """``scontrol requeue``: the job goes back to the queue and runs its batch script again (its
+    start resumes from the latest checkpoint). None when Slurm took it, else Slurm's message."""
+    proc = run_slurm(["scontrol", "requeue", job_id])
+    return None if proc.returncode == 0 else (proc.stderr or proc.stdout).strip()
 
 
 def cancel_step(step: str) -> bool:

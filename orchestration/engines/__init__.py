@@ -37,6 +37,9 @@ class ProgramPlan:
     """Environment changes for every rank (None = unset)."""
     notes: tuple[str, ...] = field(default=())
     """What the user should know about how the program was checked (printed to stderr)."""
+    save_signal: str = "SIGUSR1"
+    """The signal that makes every rank save at the next step and end (the supervisor sends it to
+    each rank on a preemption, a time limit or ``stop --save``)."""
 
 
 def device_arch(launch: LaunchEnv) -> int:
@@ -62,7 +65,7 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
         raise UserError("ENGINE=megatron-lm needs MEGATRON_LM_DIR, the Megatron-LM checkout holding pretrain_gpt.py")
     checkout = read_checkout(launch.megatron_lm_dir)
     prepared = (ensure_prepared if prepare else planned_prepared)(params.data, paths.data_cache_dir)
-    render = render_pretrain_gpt(params, prepared, paths, checkout.version[:2])
+    render = render_pretrain_gpt(params, prepared, paths, checkout.version[:2], known=checkout.flags)
     rank_env = {k: v for k, v in launch.forwarded.items() if k not in render.env}
     rank_env.update({k: v for k, v in render.env.items() if v is not None})
     verdict = validate_with_megatron(checkout.root, render.args, launch.world_size, rank_env, device_arch(launch),
@@ -83,4 +86,10 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
         except UserError as exc:
             raise UserError(f"{exc}\nnote: {fallback}") from None
         notes = (fallback,)
-    return ProgramPlan("megatron-lm", (str(checkout.root / "pretrain_gpt.py"), *render.args), render.env, notes)
+    signal_note = (f"a save request (preemption, time limit, stop --save) reaches Megatron-LM's "
+                   f"--exit-signal-handler as {render.save_signal}, sent to each rank directly"
+                   + ("" if "--exit-signal" in checkout.flags else " (this checkout has no --exit-signal: SIGTERM, its default)")
+                   if "--exit-signal-handler" in render.args else
+                   "this checkout has no --exit-signal-handler: a save request ends the run without a save")
+    return ProgramPlan("megatron-lm", (str(checkout.root / "pretrain_gpt.py"), *render.args), render.env,
+                       (*notes, signal_note), save_signal=render.save_signal)

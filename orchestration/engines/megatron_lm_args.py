@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
+from typing import Collection
 
 from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.run_spec.errors import UserError
@@ -26,6 +27,8 @@ class MegatronLMRender:
     args: list[str]
     env: dict[str, str | None]
     """Environment changes for every rank; None = unset the variable."""
+    save_signal: str = "SIGTERM"
+    """What makes Megatron-LM's ranks save and end (its --exit-signal-handler listens for it)."""
 
 
 def model_flags(p: RunParams, prepared: PreparedData) -> list[str]:
@@ -132,9 +135,23 @@ def overlap_flags(stage: int) -> list[str]:
     return ["--overlap-grad-reduce", *(["--overlap-param-gather"] if stage >= 1 else [])]
 
 
+def exit_signal_flags(known: Collection[str]) -> tuple[list[str], str]:
+    """Megatron-LM's DistributedSignalHandler (the ranks agree on a signal every iteration, save,
+    and exit 0): ``--exit-signal SIGUSR1`` where the checkout has it (core_v0.16 and later), else
+    the handler's default, SIGTERM, which the supervisor then sends the ranks directly."""
+    if "--exit-signal-handler" not in known:
+        return [], "SIGTERM"
+    if "--exit-signal" in known:
+        return ["--exit-signal-handler", "--exit-signal", "SIGUSR1"], "SIGUSR1"
+    return ["--exit-signal-handler"], "SIGTERM"
+
+
 def render_pretrain_gpt(p: RunParams, prepared: PreparedData, paths: RunPaths, version: tuple[int, int],
-                        bf16: bool = True) -> MegatronLMRender:
+                        bf16: bool = True, known: Collection[str] = ()) -> MegatronLMRender:
+    """``pretrain_gpt.py``'s arguments; ``known`` (the checkout's flags) adds the exit-signal handler
+    the checkout has."""
     stage = p.training.zero_stage
+    signal_flags, save_signal = exit_signal_flags(known)
     args = (
         model_flags(p, prepared)
         + data_flags(p, prepared)
@@ -142,8 +159,9 @@ def render_pretrain_gpt(p: RunParams, prepared: PreparedData, paths: RunPaths, v
         + logging_and_checkpoint_flags(p, paths)
         + megatron_lm_flags_for_stage(stage, version)
         + overlap_flags(stage)
+        + signal_flags
     )
-    return MegatronLMRender(args, stage_environment(stage))
+    return MegatronLMRender(args, stage_environment(stage), save_signal)
 
 
 def split_flags(args: list[str]) -> list[tuple[str, list[str]]]:

@@ -28,8 +28,8 @@ from orchestration.node import processes
 from orchestration.node.node_plan import (RUN_ID_TAG, NodePlan, build_node_parser, encode_error, encode_payload,
                                           stop_command, supervise_argv)
 from orchestration.node.preflight import inspect_node
-from orchestration.node.run_state import (NODE_LOST_S, RunState, heartbeat_age_s, read_exit, read_failure, tail,
-                                          write_plan_file)
+from orchestration.node.run_state import (NODE_LOST_S, RunState, heartbeat_age_s, read_exit, read_failure, read_heartbeat,
+                                          tail, write_plan_file)
 from orchestration.node.supervisor import Supervisor
 
 START_SETTLE_S = 1.5
@@ -95,6 +95,8 @@ class NodeStatus:
     tokens_per_s: float | None
     last_line: str
     log: str
+    attempt: int | None = None
+    """The supervisor's current (or last) attempt."""
 
 
 # -- the commands ---------------------------------------------------------------------------------
@@ -131,7 +133,7 @@ def node_start(plan: NodePlan, node: NodeEnv, python: str) -> NodeStarted:
     while time.monotonic() < deadline or record is None:
         record = record or processes.read_pid_file(pid_path)
         ended = read_exit(paths, plan.node_rank)
-        if supervisor.poll() is not None or (ended and ended.state == RunState.FAILED):
+        if supervisor.poll() is not None or (ended and ended.state.failed):
             processes.stop_run(plan.run, plan.node_rank, plan.host, pid_path, grace_s=1.0)
             why = ended.reason if ended else f"its supervisor exited with code {supervisor.returncode}"
             raise NodeError(f"the run ended at start ({why}); last log lines:\n{tail(log_path, 15)}")
@@ -159,13 +161,18 @@ def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | No
     ``by_heartbeat``: from another machine, alive = the node's supervisor beat recently."""
     record = processes.read_pid_file(paths.node_pid_file(node_rank))
     ended = read_exit(paths, node_rank)
+    beat = read_heartbeat(paths, node_rank)
     if by_heartbeat:
         age = heartbeat_age_s(paths, node_rank)
         alive = age is not None and age < NODE_LOST_S and not ended
+        training = alive and beat is not None and beat.state == RunState.RUNNING
     else:
-        alive = bool(record and processes.record_is_alive(record))
-    state = (RunState.RUNNING if alive else ended.state if ended
-             else RunState.STOPPED if paths.node_log(node_rank).exists() else RunState.NOT_STARTED)
+        training = bool(record and processes.record_is_alive(record))
+        alive = training or bool(record and not ended and processes.supervisor_is_alive(record))
+    if alive:
+        state = RunState.RUNNING if training else RunState.RESTARTING
+    else:
+        state = ended.state if ended else RunState.STOPPED if paths.node_log(node_rank).exists() else RunState.NOT_STARTED
     text = tail(paths.node_log(node_rank), 200)
     records, _ = parse_log(text, seq_length)
     last = records[-1] if records else None
@@ -176,6 +183,7 @@ def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | No
         last_iteration=last.iteration if last else None, train_iters=last.train_iters if last else None,
         tokens_per_s=last.tokens_per_s if last and last.tokens_per_s else None,
         last_line=lines[-1][-160:] if lines else "", log=str(paths.node_log(node_rank)),
+        attempt=beat.attempt if beat else None,
     )
 
 

@@ -19,7 +19,7 @@ import enum
 import json
 import types
 import typing
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TypeVar
 
@@ -60,6 +60,15 @@ class NodePlan:
     cwd: str
     log_path: str
     pid_path: str
+    engine: str = "megatron-core"
+    """Which program the ranks run: this project's (progress files) or Megatron-LM's (log lines)."""
+    resilience: dict = field(default_factory=dict)
+    """The run's :class:`~megatron_ext.run_spec.resilience.ResilienceParams`: the watchdog's limits, restarts."""
+    first_attempt: int = 1
+    """The attempt this start begins with (a requeued Slurm job continues the count)."""
+    save_signal: str = "SIGUSR1"
+    """What the supervisor sends each rank to save and end: SIGUSR1, or SIGTERM for a Megatron-LM
+    checkout without ``--exit-signal``."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

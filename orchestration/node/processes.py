@@ -43,6 +43,8 @@ class PidRecord:
     """The node's supervisor (orchestration/node/supervisor.py), torchrun's parent in the same process group."""
     slurm_step: str | None = None
     """JOB.STEP when the node runs as a task of a Slurm step (the srun transport)."""
+    supervisor_start_time: int | None = None
+    """The supervisor's start time (clock ticks since boot): it outlives torchrun between attempts."""
 
 
 def write_pid_file(path: Path, record: PidRecord) -> None:
@@ -94,6 +96,13 @@ def record_is_alive(record: PidRecord) -> bool:
     return process_environ(record.pid).get(RUN_ID_TAG) == record.run_id
 
 
+def supervisor_is_alive(record: PidRecord) -> bool:
+    """The node's supervisor still runs (it may be between two attempts, with no torchrun)."""
+    return bool(record.supervisor_pid and record.supervisor_start_time
+                and pid_is_alive(record.supervisor_pid, record.supervisor_start_time)
+                and process_environ(record.supervisor_pid).get(RUN_ID_TAG) == record.run_id)
+
+
 def tagged_processes(run: str, node_rank: int) -> Iterator[int]:
     """Pids of every live process whose environment carries this run and node rank."""
     me = os.getpid()
@@ -123,7 +132,7 @@ def new_record(run: str, run_id: str, node_rank: int, host: str, proc: subproces
         run=run, run_id=run_id, node_rank=node_rank, host=host, hostname=socket.gethostname(),
         pid=proc.pid, pgid=os.getpgid(proc.pid), start_time=process_start_time(proc.pid) or 0,
         argv=list(argv), log_path=str(log_path), started_at=time.time(), supervisor_pid=supervisor_pid,
-        slurm_step=slurm_step,
+        slurm_step=slurm_step, supervisor_start_time=process_start_time(supervisor_pid) if supervisor_pid else None,
     )
 
 
@@ -185,17 +194,21 @@ class StopPreview:
 
 def preview_stop(run: str, node_rank: int, host: str, pid_path: Path, grace_s: float = DEFAULT_STOP_GRACE_S) -> StopPreview:
     record = read_pid_file(pid_path)
-    alive = record is not None and record_is_alive(record)
+    alive = record is not None and (record_is_alive(record) or supervisor_is_alive(record))
     return StopPreview(node_rank, host, record.pid if record else None, alive, record.pgid if alive else None,
                        sorted(tagged_processes(run, node_rank)), grace_s)
 
 
 def stop_run(run: str, node_rank: int, host: str, pid_path: Path, grace_s: float = DEFAULT_STOP_GRACE_S,
              signal_group: bool = True) -> StopResult:
-    """SIGTERM the recorded group (or, from the node's own supervisor, torchrun alone), wait, then
-    SIGTERM/SIGKILL every process still tagged (never the caller)."""
+    """SIGTERM the recorded group (torchrun and the node's supervisor; or, from the supervisor
+    itself, torchrun alone, keeping the pid file for its next attempt), wait, then SIGTERM/SIGKILL
+    every process still tagged (never the caller)."""
     record = read_pid_file(pid_path)
-    alive = record is not None and record_is_alive(record)
+    if signal_group:
+        alive = record is not None and (record_is_alive(record) or supervisor_is_alive(record))
+    else:
+        alive = record is not None and record_is_alive(record)
     group = None
     if alive:
         try:
@@ -211,7 +224,7 @@ def stop_run(run: str, node_rank: int, host: str, pid_path: Path, grace_s: float
     left = _wait_until_gone(run, node_rank, SWEEP_KILL_AFTER_S if swept else 0.0)
     killed = [pid for pid in left if _signal(pid, signal.SIGKILL)]
     left = _wait_until_gone(run, node_rank, 2.0 if killed else 0.0)
-    if not left:
+    if not left and signal_group:
         pid_path.unlink(missing_ok=True)
     return StopResult(node_rank, host, alive, group, swept, killed, left)
 

@@ -2,9 +2,11 @@
 
     $ARTIFACT_ROOT/run_state/<run>_node<N>.plan.json   the node's plan, for its supervisor
     $ARTIFACT_ROOT/run_state/<run>_node<N>.exit.json   how the node's run ended (NodeExit)
-    $ARTIFACT_ROOT/run_state/<run>_node<N>.heartbeat   touched by the node's supervisor while it lives
-    $ARTIFACT_ROOT/run_state/<run>_failure.txt         the run's first failure (first writer wins)
-    $ARTIFACT_ROOT/run_state/<prefix>.sweep.json       a ZeRO sweep in progress (SweepRecord)
+    $ARTIFACT_ROOT/run_state/<run>_node<N>.heartbeat   rewritten by the node's supervisor while it lives (attempt, state)
+    $ARTIFACT_ROOT/run_state/<run>_failure.txt         the current attempt's first failure (first writer wins)
+    $ARTIFACT_ROOT/run_state/<run>.save_request        save a checkpoint at the next step and end (preempted)
+    $ARTIFACT_ROOT/run_state/<prefix>.sweep.json       a ZeRO sweep in progress (SweepRecord); <prefix>.sweep.stop
+    (the attempts' files: orchestration/node/attempts.py)
 
 This module owns them: every write is atomic (a reader never sees half a file), every state a
 status, a sweep, a comparison or a supervisor names is a :class:`RunState`. Side effects: those
@@ -34,9 +36,17 @@ class RunState(str, enum.Enum):
 
     NOT_STARTED = "not started"
     RUNNING = "running"
+    RESTARTING = "restarting"
+    """Between two attempts: torchrun ended, the next one starts after the backoff."""
     FINISHED = "finished"
     """torchrun exited 0: every iteration done."""
     FAILED = "failed"
+    HUNG = "hung"
+    """A rank made no progress within its phase's limit; every rank's stack was dumped."""
+    PREEMPTED = "preempted"
+    """Saved a checkpoint on request (SIGUSR1: a preemption or a time limit, or stop --save) and ended."""
+    GAVE_UP = "gave up"
+    """The restart breaker: attempts in a row that made no progress (no new checkpoint)."""
     STOPPED = "stopped"
     """Stopped on request, or because another node failed."""
 
@@ -45,7 +55,12 @@ class RunState(str, enum.Enum):
 
     @property
     def ended(self) -> bool:
-        return self in (RunState.FINISHED, RunState.FAILED, RunState.STOPPED)
+        return self not in (RunState.NOT_STARTED, RunState.RUNNING, RunState.RESTARTING)
+
+    @property
+    def failed(self) -> bool:
+        """Ended without finishing, and not because someone asked (failed, hung, gave up)."""
+        return self in (RunState.FAILED, RunState.HUNG, RunState.GAVE_UP)
 
 
 def write_json_atomic(path: Path, raw: Any) -> None:
@@ -105,8 +120,25 @@ def read_exit(paths: RunPaths, node_rank: int) -> NodeExit | None:
 
 # -- the supervisor's heartbeat, the run's failure, the node's plan ------------------------------
 
-def touch_heartbeat(paths: RunPaths, node_rank: int) -> None:
-    paths.node_heartbeat_file(node_rank).touch()
+@dataclass(frozen=True)
+class Heartbeat:
+    """``<run>_node<N>.heartbeat``: the supervisor's attempt and what it is doing."""
+
+    attempt: int
+    state: RunState
+    at: float
+
+
+def write_heartbeat(paths: RunPaths, node_rank: int, attempt: int, state: RunState) -> None:
+    write_json_atomic(paths.node_heartbeat_file(node_rank), {"attempt": attempt, "state": state.value, "at": time.time()})
+
+
+def read_heartbeat(paths: RunPaths, node_rank: int) -> Heartbeat | None:
+    raw = read_json(paths.node_heartbeat_file(node_rank))
+    try:
+        return Heartbeat(int(raw["attempt"]), RunState(raw["state"]), float(raw["at"])) if isinstance(raw, dict) else None
+    except (KeyError, ValueError, TypeError):
+        return None
 
 
 def heartbeat_age_s(paths: RunPaths, node_rank: int, now: float | None = None) -> float | None:
@@ -139,8 +171,18 @@ def read_failure(paths: RunPaths) -> str | None:
 
 
 def clear_failure(paths: RunPaths) -> None:
-    """A new start begins without the last one's failure."""
+    """A new attempt begins without the last one's failure."""
     paths.failure_file.unlink(missing_ok=True)
+
+
+def request_save(paths: RunPaths, why: str) -> None:
+    """Ask every node of the run to save a checkpoint at the next step and end as preempted."""
+    write_json_atomic(paths.save_request_file, {"why": why, "at": time.time()})
+
+
+def read_save_request(paths: RunPaths) -> str | None:
+    raw = read_json(paths.save_request_file)
+    return str(raw.get("why") or "save requested") if isinstance(raw, dict) else None
 
 
 def write_plan_file(paths: RunPaths, node_rank: int, plan_json: str, pid_path: Path) -> Path:

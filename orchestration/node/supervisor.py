@@ -1,46 +1,71 @@
-"""The per-node supervisor: torchrun's parent, so that a run fails together and says how it ended.
+"""The per-node supervisor: torchrun's parent, so that a run fails together, says how it ended,
+finds its hangs, restarts by itself and saves on preemption.
 
     python -m orchestration node-supervise --plan-file $ARTIFACT_ROOT/run_state/demo_node1.plan.json
 
 ``node-start`` starts one per node, detached (under Slurm, one task of the start's srun step per
-node); it starts the node's torchrun exactly as the plan says (same process group, so ``stop``
-signals both), writes the pid file, and then, every :data:`POLL_S` seconds:
+node). For each attempt it starts the node's torchrun exactly as the plan says (same process
+group, so ``stop`` signals both; the ranks get a node-local progress directory and the attempt
+number), writes the pid file, and then every :data:`POLL_S` seconds:
 
-- touches the node's heartbeat file;
-- when torchrun exits: 0 -> the node ``finished``; non-zero (a worker died, an exception, a
-  collective timeout) -> the node ``failed``, and the first failing node writes
-  ``run_state/<run>_failure.txt`` (node, rank if torchrun named one, exit code or signal, the last
-  lines of the node's log);
-- when another node's failure file appears, or another node's heartbeat is older than
-  :data:`~orchestration.node.run_state.NODE_LOST_S` (its machine or supervisor is gone), it stops
-  its own torchrun (SIGTERM, which torchrun forwards to its workers, then the sweep by run tag)
-  and records ``stopped``;
-- on SIGTERM (``stop``) it lets torchrun stop and records ``stopped``.
+- rewrites the node's heartbeat (attempt, state);
+- torchrun exits 0: the node ``finished`` (or ``preempted``, when it had asked its ranks to save);
+  non-zero: the first failing node writes ``run_state/<run>_failure.txt`` (node, rank, exit code or
+  signal, the log's end);
+- the failure file appears, or a peer's heartbeat is older than
+  :data:`~orchestration.node.run_state.NODE_LOST_S`: it stops its torchrun;
+- the watchdog (orchestration/node/watchdog.py) finds a rank past its phase's limit: it claims a
+  hang; every node then dumps each of its ranks' stacks into ``runs/<run>/hangs/<attempt>/``, node 0
+  names the suspects and writes the failure file ("node 1 (...) hung: rank 3 stopped ...");
+- a save request (``run_state/<run>.save_request``: SIGUSR1 to the waiting batch start or to a
+  supervisor, or ``stop --save``): it sends each of its ranks the engine's save signal directly
+  (not through torchrun, whose handler would tear them down);
+- SIGTERM (``stop``): it lets torchrun stop and records ``stopped``.
 
-torchrun's elastic agent already restarts nothing (``--max-restarts`` 0), watches its own
-workers, tears them all down when one dies and exits non-zero; the supervisor adds what torchrun
-does not do across nodes. The files live under the artifact root, which every node must see
-(preflight checks it). Side effects: processes, the run_state files, the node log.
+After an attempt that failed or hung every node writes how it ended; node 0 decides (restart after
+a backoff from the latest complete checkpoint, or end: failed, hung, gave up), every node follows
+(orchestration/node/attempts.py). The node's final state goes to ``<run>_node<N>.exit.json``.
+Side effects: processes, the run_state files, the node log, the node-local progress directory.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
+from megatron_ext.run_spec.checkpoints import latest_iteration
+from megatron_ext.run_spec.iteration_log import parse_log
+from megatron_ext.run_spec.resilience import ATTEMPT_ENV, PROGRESS_DIR_ENV, ResilienceParams, read_progress
 from megatron_ext.run_spec.run_paths import RunPaths
-from orchestration.node import processes
+from orchestration.node import attempts, processes
+from orchestration.node.attempts import JOIN_S, AttemptEnd, Decision
 from orchestration.node.failure import describe_returncode, failure_summary
-from orchestration.node.node_plan import NodePlan
-from orchestration.node.run_state import (HEARTBEAT_S, NODE_LOST_S, NodeExit, RunState, claim_failure, heartbeat_age_s,
-                                          read_exit, read_failure, tail, touch_heartbeat, write_exit)
+from orchestration.node.node_plan import NodePlan, decode_payload
+from orchestration.node.run_state import (HEARTBEAT_S, NODE_LOST_S, NodeExit, RunState, claim_failure, clear_failure,
+                                          heartbeat_age_s, read_exit, read_failure, read_save_request, request_save, tail,
+                                          write_exit, write_heartbeat)
+from orchestration.node.watchdog import Watchdog, dump_node, find_suspects, read_node_report, worker_pids
 
 POLL_S = 0.5
 LOG_TAIL_LINES = 25
+HANG_REPORT_WAIT_S = 30.0
+"""How long node 0 waits for every node's hang report before naming the suspects from those it has."""
+HUNG_STOP_GRACE_S = 10.0
+"""A hung attempt's stop: its ranks are sent SIGCONT, then torchrun SIGTERM; this long before SIGKILL."""
+PREEMPTED_LINE = "exiting program after receiving"
+"""Megatron-LM's line after a signal-triggered save (its exit code is 0, as for a finished run)."""
+
+
+def node_local_dir() -> Path:
+    """Where the ranks' progress files go: tmpfs when the machine has one (no disk, no network)."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
 class Supervisor:
@@ -49,73 +74,284 @@ class Supervisor:
         """``node_env``: the node's own environment (the plan's goes on top); ``slurm_step``:
         JOB.STEP when this supervisor is a task of the start's srun step."""
         self.paths = RunPaths(plan.artifact_root, plan.run)
-        self.nnodes = plan.nnodes
+        self.nnodes, self.rank = plan.nnodes, plan.node_rank
+        self.policy: ResilienceParams = decode_payload(ResilienceParams, plan.resilience)
+        self.nproc = int(plan.env.get("NPROC_PER_NODE", "1"))
+        self.leader = self.rank == 0
         self.stopping = False
         self.started = time.time()
+        self.attempt = plan.first_attempt
+        self.restarts = 0
+        self.progress_dir = node_local_dir() / f"megatron_ext_{plan.run_id}_node{self.rank}"
+
+    # -- small steps --------------------------------------------------------------------------
 
     def _on_sigterm(self, signum, frame) -> None:
         self.stopping = True  # torchrun, in the same process group, got the signal too
 
+    def _on_sigusr1(self, signum, frame) -> None:
+        request_save(self.paths, f"SIGUSR1 to node {self.rank}'s supervisor")
+
     def say(self, text: str) -> None:
-        print(f"[supervisor node{self.plan.node_rank}] {text}", flush=True)
+        print(f"[supervisor node{self.rank}] {text}", flush=True)
+
+    def beat(self, state: RunState) -> None:
+        write_heartbeat(self.paths, self.rank, self.attempt, state)
 
     def _lost_peer(self) -> int | None:
         """A peer whose heartbeat went stale while it had not ended."""
         now = time.time()
         for rank in range(self.nnodes):
-            if rank == self.plan.node_rank or read_exit(self.paths, rank):
+            if rank == self.rank or read_exit(self.paths, rank):
                 continue
             age = heartbeat_age_s(self.paths, rank, now)
             if (now - self.started if age is None else age) > NODE_LOST_S:  # never beat: NODE_LOST_S from our start
                 return rank
         return None
 
-    def _record(self, state: RunState, code: int | None, reason: str) -> None:
-        exit_code, sig = describe_returncode(code) if code is not None else (None, None)
-        write_exit(self.paths, NodeExit(self.plan.node_rank, state, exit_code, sig, reason, time.time()))
-        self.say(f"{state}: {reason}")
+    def _wait(self, seconds: float, done: Callable[[], object], state: RunState) -> object:
+        """Poll ``done`` until it gives something or ``seconds`` pass, beating meanwhile; None on
+        timeout or when a stop arrives."""
+        deadline, last_beat = time.monotonic() + seconds, 0.0
+        while True:
+            value = done()
+            if value or self.stopping or time.monotonic() >= deadline:
+                return value
+            if time.monotonic() - last_beat >= HEARTBEAT_S:
+                self.beat(state)
+                last_beat = time.monotonic()
+            time.sleep(POLL_S)
 
-    def _stop_torchrun(self, proc: subprocess.Popen, reason: str) -> None:
-        self.say(f"stopping: {reason}")
-        processes.stop_run(self.plan.run, self.plan.node_rank, self.plan.host, Path(self.plan.pid_path),
-                           signal_group=False)
+    # -- one attempt --------------------------------------------------------------------------
+
+    def _start_torchrun(self) -> subprocess.Popen:
+        shutil.rmtree(self.progress_dir, ignore_errors=True)
+        self.progress_dir.mkdir(parents=True)
+        env = {**self.plan.process_environment(self.node_env), PROGRESS_DIR_ENV: str(self.progress_dir),
+               ATTEMPT_ENV: str(self.attempt)}
+        with open(self.plan.log_path, "ab", buffering=0) as out:
+            proc = subprocess.Popen(list(self.plan.argv), cwd=self.plan.cwd, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=subprocess.STDOUT)
+        record = processes.new_record(self.plan.run, self.plan.run_id, self.rank, self.plan.host, proc, self.plan.argv,
+                                      Path(self.plan.log_path), supervisor_pid=os.getpid(), slurm_step=self.slurm_step)
+        processes.write_pid_file(self.plan.pid_file, record)
+        return proc
+
+    def _stop_torchrun(self, proc: subprocess.Popen, reason: str, hung: bool = False) -> None:
+        self.say(f"stopping torchrun: {reason}")
+        if hung:  # a stopped rank cannot act on SIGTERM until it continues
+            for pid in worker_pids(self.plan.run, self.rank).values():
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        processes.stop_run(self.plan.run, self.rank, self.plan.host, self.plan.pid_file,
+                           grace_s=HUNG_STOP_GRACE_S if hung else processes.DEFAULT_STOP_GRACE_S, signal_group=False)
         proc.poll()
-        self._record(RunState.STOPPED, proc.returncode, reason)
 
-    def run(self) -> int:
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        log = Path(self.plan.log_path)
-        with open(log, "ab", buffering=0) as out:
-            proc = subprocess.Popen(list(self.plan.argv), cwd=self.plan.cwd, env=self.plan.process_environment(self.node_env),
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
-        record = processes.new_record(self.plan.run, self.plan.run_id, self.plan.node_rank, self.plan.host, proc,
-                                      self.plan.argv, log, supervisor_pid=os.getpid(), slurm_step=self.slurm_step)
-        processes.write_pid_file(Path(self.plan.pid_path), record)
-        last_beat = 0.0
+    def _forward_save(self, signalled: set[int]) -> set[int]:
+        """Send the engine's save signal to every rank ready for it and not yet signalled: a rank
+        that has not installed its handler would die of SIGUSR1 (this program: once it reported
+        progress; Megatron-LM: once the log shows an iteration line)."""
+        pids = worker_pids(self.plan.run, self.rank)
+        if self.plan.engine == "megatron-lm":
+            ready = set(pids.values()) if parse_log(tail(Path(self.plan.log_path), 400))[0] else set()
+        else:
+            reported = read_progress(self.progress_dir)
+            ready = {pid for rank, pid in pids.items() if rank in reported and reported[rank].pid == pid}
+        sig = signal.Signals[self.plan.save_signal]
+        for pid in sorted(ready - signalled):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if ready - signalled:
+            self.say(f"asked {len(ready | signalled)} of {len(pids)} rank(s) to save a checkpoint at the next step and "
+                     f"end ({sig.name})")
+        return signalled | ready
+
+    def _preempted(self) -> bool:
+        """The ranks ended after saving on request (this program's progress, or Megatron-LM's line)."""
+        if any(p.phase == "preempted" for p in read_progress(self.progress_dir).values()):
+            return True
+        return PREEMPTED_LINE in tail(Path(self.plan.log_path), 40)
+
+    def _end(self, proc: subprocess.Popen, code: int, saving: bool) -> AttemptEnd:
+        exit_code, sig = describe_returncode(code)
+        if code == 0:
+            if saving and self._preempted():
+                return AttemptEnd(self.rank, self.attempt, RunState.PREEMPTED, "saved a checkpoint on request and ended")
+            return AttemptEnd(self.rank, self.attempt, RunState.FINISHED, "torchrun exited with code 0")
+        if self.stopping:
+            return AttemptEnd(self.rank, self.attempt, RunState.STOPPED, "stopped on request", requested=True)
+        text = failure_summary(self.rank, self.plan.host, code, tail(Path(self.plan.log_path), LOG_TAIL_LINES))
+        claim_failure(self.paths, text)
+        return AttemptEnd(self.rank, self.attempt, RunState.FAILED, text.splitlines()[0])
+
+    def _hang(self, watchdog: Watchdog, reported: bool) -> bool:
+        """The hang protocol, one poll: claim a hang found here; dump this node's ranks once a hang
+        is claimed; node 0 names the suspects once every node reported. Whether this node reported."""
+        claim = attempts.read_hang_claim(self.paths, self.attempt)
+        if claim is None:
+            found = watchdog.check(time.time())
+            if found is not None and attempts.claim_hang(self.paths, self.attempt, found):
+                self.say(f"hang: {found.detail}; dumping every rank's stack")
+            return reported
+        if not reported:
+            dump_node(self.plan.run, self.rank, self.plan.host, self.nproc, self.progress_dir, self.policy,
+                      self.paths.hangs_dir(self.attempt), self.attempt, claim.detail)
+            reported = True
+        if self.leader and read_failure(self.paths) is None:
+            reports = {n: read_node_report(self.paths.hangs_dir(self.attempt), n) for n in range(self.nnodes)}
+            if all(r is not None for r in reports.values()) or time.time() - claim.claimed_at > HANG_REPORT_WAIT_S:
+                claim_failure(self.paths, hang_summary(self.paths, self.attempt, claim, reports, self.plan))
+        return reported
+
+    def run_attempt(self) -> AttemptEnd:
+        checkpoint = latest_iteration(self.paths.checkpoints_dir)
+        if self.leader:
+            attempts.begin_attempt(self.paths, self.attempt, self.plan.run_id, checkpoint)
+        total = self.plan.first_attempt + self.policy.max_restarts
+        self.say(f"attempt {self.attempt} of {total}: starting torchrun"
+                 + (f" (the ranks resume from the checkpoint at iteration {checkpoint})" if checkpoint is not None else ""))
+        proc = self._start_torchrun()
+        watchdog = Watchdog(self.policy, self.rank, self.nnodes, self.nproc, self.progress_dir, self.plan.engine,
+                            Path(self.plan.log_path), time.time())
+        saving, signalled, reported, last_beat = None, set(), False, 0.0
         while True:
             code = proc.poll()
             if code is not None:
-                if code == 0:
-                    self._record(RunState.FINISHED, 0, "torchrun exited with code 0")
-                elif self.stopping:
-                    self._record(RunState.STOPPED, code, "stopped on request")
-                else:
-                    text = failure_summary(self.plan.node_rank, self.plan.host, code, tail(log, LOG_TAIL_LINES))
-                    claim_failure(self.paths, text)
-                    self._record(RunState.FAILED, code, text.splitlines()[0])
-                return 0
+                return self._end(proc, code, saving is not None)
             if not self.stopping:
+                why = saving or read_save_request(self.paths)
+                if why:
+                    if saving is None:
+                        self.say(f"save requested ({why})")
+                    saving = why
+                    signalled = self._forward_save(signalled)
                 failure = read_failure(self.paths)
                 if failure is not None:
-                    self._stop_torchrun(proc, f"another node failed: {failure}")
-                    return 0
+                    hung = " hung: " in failure
+                    why = f"{'the run hung' if hung else 'another node failed'}: {failure}"
+                    self._stop_torchrun(proc, why, hung)
+                    return AttemptEnd(self.rank, self.attempt, RunState.HUNG if hung else RunState.STOPPED, why)
                 lost = self._lost_peer()
                 if lost is not None:
                     claim_failure(self.paths, f"node {lost} lost: no heartbeat for {NODE_LOST_S:.0f} s (its machine or "
-                                              f"its supervisor is gone); noticed by node {self.plan.node_rank}\n")
-                    self._stop_torchrun(proc, f"node {lost} lost (no heartbeat for {NODE_LOST_S:.0f} s)")
-                    return 0
+                                              f"its supervisor is gone); noticed by node {self.rank}\n")
+                    continue
+                if saving is None:
+                    reported = self._hang(watchdog, reported)
             if time.time() - last_beat >= HEARTBEAT_S:
-                touch_heartbeat(self.paths, self.plan.node_rank)
+                self.beat(RunState.RUNNING)
                 last_beat = time.time()
             time.sleep(POLL_S)
+
+    # -- between attempts ---------------------------------------------------------------------
+
+    def decide(self, end: AttemptEnd) -> Decision:
+        """Node 0: every node's end of this attempt, then the decision (restart or end); the others
+        read it."""
+        if not self.leader:
+            decision = self._wait(2 * JOIN_S + HANG_REPORT_WAIT_S, lambda: attempts.read_decision(self.paths, self.attempt),
+                                  RunState.RESTARTING)
+            if decision is None:
+                state = RunState.STOPPED if self.stopping else RunState.FAILED
+                why = "stopped on request" if self.stopping else f"node 0 made no decision after attempt {self.attempt}"
+                return Decision(self.attempt, False, state, why)
+            return decision
+        everyone = lambda: all(attempts.read_end(self.paths, self.attempt, n) for n in range(self.nnodes))  # noqa: E731
+        self._wait(JOIN_S, everyone, RunState.RESTARTING)
+        ends = {n: attempts.read_end(self.paths, self.attempt, n) for n in range(self.nnodes)}
+        failure = read_failure(self.paths) or end.reason
+        cause = RunState.HUNG if " hung: " in failure else RunState.FAILED
+        self._close_ledger(end)
+        ledger = attempts.read_ledger(self.paths)
+        if self.stopping:
+            ends[self.rank] = AttemptEnd(self.rank, self.attempt, RunState.STOPPED, "stopped on request", requested=True)
+        decision = attempts.decide(self.attempt, ends, ledger, self.policy, self.restarts, cause, failure)
+        if not decision.restart:  # the ledger's last word is how the run ended
+            attempts.end_attempt(self.paths, self.attempt, decision.state, decision.reason,
+                                 latest_iteration(self.paths.checkpoints_dir))
+        if decision.restart:  # the next attempt starts without this one's failure (kept beside the ledger)
+            if self.paths.failure_file.exists():
+                os.replace(self.paths.failure_file, self.paths.attempt_file(self.attempt, "failure.txt"))
+            clear_failure(self.paths)
+        attempts.write_decision(self.paths, decision)
+        return decision
+
+    def join(self) -> bool:
+        """Before a restart: say this node is ready and wait for every other node."""
+        attempts.mark_ready(self.paths, self.attempt, self.rank)
+        ready = self._wait(JOIN_S, lambda: len(attempts.ready_nodes(self.paths, self.attempt, self.nnodes)) == self.nnodes,
+                           RunState.RESTARTING)
+        if not ready and not self.stopping:
+            missing = sorted(set(range(self.nnodes)) - set(attempts.ready_nodes(self.paths, self.attempt, self.nnodes)))
+            claim_failure(self.paths, f"node(s) {', '.join(map(str, missing))} did not join attempt {self.attempt} within "
+                                      f"{JOIN_S:.0f} s; noticed by node {self.rank}\n")
+        return bool(ready)
+
+    def finish(self, state: RunState, reason: str, code: int | None = None) -> int:
+        exit_code, sig = describe_returncode(code) if code is not None else (None, None)
+        write_exit(self.paths, NodeExit(self.rank, state, exit_code, sig, reason, time.time()))
+        self.say(f"{state}: {reason}")
+        shutil.rmtree(self.progress_dir, ignore_errors=True)
+        return 0
+
+    def _close_ledger(self, end: AttemptEnd) -> None:
+        """Node 0: this attempt's entry in the ledger (what ended it, the checkpoint it reached)."""
+        if not self.leader:
+            return
+        failure = read_failure(self.paths) if end.state not in (RunState.FINISHED, RunState.PREEMPTED) else None
+        state = end.state if failure is None else RunState.HUNG if " hung: " in failure else RunState.FAILED
+        attempts.end_attempt(self.paths, self.attempt, state, failure or end.reason,
+                             latest_iteration(self.paths.checkpoints_dir))
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        signal.signal(signal.SIGUSR1, self._on_sigusr1)
+        while True:
+            if self.attempt > self.plan.first_attempt and not self.join():
+                return self.finish(RunState.STOPPED if self.stopping else RunState.FAILED,
+                                   "stopped on request" if self.stopping else read_failure(self.paths) or "a node did not join")
+            end = self.run_attempt()
+            final = end.state in (RunState.FINISHED, RunState.PREEMPTED) or end.requested
+            if final or self.restarts >= self.policy.max_restarts:  # no restart can follow: end as this node ended
+                self._close_ledger(end)
+                return self.finish(end.state, end.reason)
+            attempts.write_end(self.paths, end)
+            decision = self.decide(end)
+            if not decision.restart:
+                return self.finish(decision.state, decision.reason)
+            self.say(decision.reason)
+            self.beat(RunState.RESTARTING)
+            if self._wait(decision.backoff_s, lambda: read_save_request(self.paths), RunState.RESTARTING):
+                return self.finish(RunState.PREEMPTED, "a save was requested between attempts: the latest checkpoint stands")
+            if self.stopping:
+                return self.finish(RunState.STOPPED, "stopped on request")
+            self.attempt += 1
+            self.restarts += 1
+
+
+def hang_summary(paths: RunPaths, attempt: int, claim: attempts.HangClaim, reports: dict, plan: NodePlan) -> str:
+    """The failure file of a hung attempt: who (the suspects), where, for how long, and the dumps."""
+    everyone = [r for rs in reports.values() if rs for r in rs]
+    suspects = find_suspects(everyone)
+    missing = sorted(n for n, rs in reports.items() if rs is None)
+    first = suspects.ranks[0] if suspects.ranks else None
+    nodes = sorted({r.node_rank for r in suspects.ranks}) or [claim.node_rank]
+    hosts = ", ".join(f"node {n}" for n in nodes)
+    where = (f" in {first.phase} of iteration {first.iteration} for {first.phase_elapsed_s:.0f} s"
+             + (f" (limit {first.limit_s:.0f} s)" if first.limit_s else "") if first and first.phase else "")
+    ranks = ", ".join(f"rank {r.rank} (node {r.node_rank})" for r in suspects.ranks) or "no rank"
+    head = (f"{hosts} hung: {ranks} {suspects.why}{where}"
+            + (f"; {suspects.others}" if suspects.others else "") + f"; every rank's stack: {paths.hangs_dir(attempt)}")
+    lines = [head, f"--- attempt {attempt}, detected by node {claim.node_rank}: {claim.detail} ---"]
+    for r in sorted(everyone, key=lambda r: r.rank):
+        progress = (f"{r.phase} of iteration {r.iteration} for {r.phase_elapsed_s:.0f} s" if r.phase else "no progress report")
+        stack = "in a collective" if r.in_collective else "outside any collective" if r.in_collective is False else "stack not read"
+        lines.append(f"rank {r.rank} (node {r.node_rank}, {r.host}, pid {r.pid}, state {r.process_state}): {progress}; "
+                     f"{stack}; {r.dump}")
+    if missing:
+        lines.append(f"no report from node(s) {', '.join(map(str, missing))} within {HANG_REPORT_WAIT_S:.0f} s")
+    return "\n".join(lines) + "\n"

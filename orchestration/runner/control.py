@@ -12,9 +12,11 @@ commands, Slurm's commands, the sweep's stop file.
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from pathlib import Path
+from typing import Callable, Sequence
 
 from megatron_ext.run_spec.resolved import read_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
@@ -23,10 +25,12 @@ from orchestration.cluster.fanout import NodeResult, call_nodes
 from orchestration.cluster.transports import is_this_machine
 from orchestration.launch_env import LaunchEnv
 from orchestration.node import processes
+from orchestration.node.attempts import AttemptRecord, read_ledger
 from orchestration.node.commands import NodeStatus, node_status
 from orchestration.node.node_plan import DEFAULT_STOP_GRACE_S, status_call, stop_call
 from orchestration.node.processes import StopPreview, StopResult
-from orchestration.node.run_state import NodeExit, SweepRecord, read_exit, read_sweep_record, request_sweep_stop
+from orchestration.node.run_state import (NodeExit, SweepRecord, read_exit, read_sweep_record, request_save,
+                                          request_sweep_stop)
 
 STATUS_TIMEOUT_S = 60.0
 
@@ -114,6 +118,10 @@ class StatusReport:
     nodes: tuple[NodeResult[NodeStatus], ...]
     job: str | None = None
     job_state: str | None = None
+    attempts: tuple[AttemptRecord, ...] = ()
+    """The ledger: every attempt of this run and how it ended."""
+    max_attempts: int | None = None
+    """1 + MAX_RESTARTS (from the first attempt of this start)."""
 
     @property
     def ok(self) -> bool:
@@ -145,22 +153,63 @@ def collect_status(launch: LaunchEnv, run: str, only_this_node: bool = False) ->
     paths = RunPaths(launch.artifact_root, run)
     resolved = read_resolved(paths.params_path)
     seq = resolved.params.training.seq_length if resolved else None
+    ledger = tuple(read_ledger(paths))
+    this_start = [r for r in ledger if resolved and r.run_id == resolved.runtime.run_id]
+    max_attempts = (this_start[0].attempt + resolved.params.training.resilience.max_restarts) if this_start else None
     job = batch_job_of(launch, run, only_this_node)
     if job:  # a batch job, seen from outside it: its state, and each node from the shared run_state files
         state = slurm.job_state(job)
         hosts = resolved.runtime.hosts if resolved and state != "PENDING" else ()
         nodes = tuple(_local_result(rank, host, node_status(paths, rank, host, seq, by_heartbeat=True))
                       for rank, host in enumerate(hosts))
-        return StatusReport(run, nodes, job, state)
-    return StatusReport(run, tuple(node_statuses(launch, run, run_nodes(launch, run, only_this_node), seq)))
+        return StatusReport(run, nodes, job, state, ledger, max_attempts)
+    return StatusReport(run, tuple(node_statuses(launch, run, run_nodes(launch, run, only_this_node), seq)),
+                        attempts=ledger, max_attempts=max_attempts)
 
 
 # -- the end --------------------------------------------------------------------------------------
 
-def wait_for_end(paths: RunPaths, ranks: Sequence[int], poll_s: float = 2.0) -> list[NodeExit]:
-    """Block until every node recorded how it ended (``start --wait``, batch jobs)."""
+@dataclass
+class SaveSignal:
+    """While a start waits: SIGUSR1 to it, or the batch shell's mark file (``sbatch
+    --signal=B:USR1@...`` before the time limit, or a preemption), asks every node to save and end;
+    a batch job is then requeued."""
+
+    paths: RunPaths
+    mark: Path | None = None
+    """The file the batch shell's trap writes on SIGUSR1."""
+    received: bool = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGUSR1, lambda signum, frame: self._request("SIGUSR1 to the waiting start"))
+
+    def poll(self) -> None:
+        if not self.received and self.mark is not None and self.mark.exists():
+            self._request("SIGUSR1 to the batch job (its time limit or a preemption is near)")
+
+    def _request(self, why: str) -> None:
+        self.received = True
+        request_save(self.paths, why)
+
+
+def wait_for_end(paths: RunPaths, ranks: Sequence[int], poll_s: float = 2.0, timeout_s: float | None = None,
+                 on_poll: Callable[[], None] | None = None) -> list[NodeExit] | None:
+    """Block until every node recorded how it ended (``start --wait``, batch jobs, ``stop --save``);
+    None after ``timeout_s``. ``on_poll`` runs at every poll."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
+        if on_poll is not None:
+            on_poll()
         ended = [read_exit(paths, rank) for rank in ranks]
         if all(ended):
             return ended
+        if deadline is not None and time.monotonic() > deadline:
+            return None
         time.sleep(poll_s)
+
+
+def save_and_wait(launch: LaunchEnv, run: str, only_this_node: bool, timeout_s: float) -> list[NodeExit] | None:
+    """``stop --save``: ask every node to save at the next step and end; wait for their ends."""
+    paths = RunPaths(launch.artifact_root, run)
+    request_save(paths, "stop --save")
+    return wait_for_end(paths, [rank for rank, _ in run_nodes(launch, run, only_this_node)], 1.0, timeout_s)

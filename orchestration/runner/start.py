@@ -21,10 +21,11 @@ from orchestration.cluster import slurm
 from orchestration.cluster.fanout import NodeResult, call_nodes
 from orchestration.launch_env import LaunchEnv
 from orchestration.node import processes
+from orchestration.node.attempts import reset_attempts
 from orchestration.node.commands import NodeStarted
 from orchestration.node.node_plan import start_call, stop_call
 from orchestration.node.processes import StopResult
-from orchestration.node.run_state import RunState, clear_failure, read_exit, write_plan_file
+from orchestration.node.run_state import clear_failure, read_exit, write_plan_file
 from orchestration.runner.preflight import Preflight, run_preflight, settle_after_preflight
 from orchestration.runner.start_plan import StartPlan
 
@@ -69,7 +70,8 @@ def start_run(launch: LaunchEnv, plan: StartPlan, nodes: Sequence[tuple[int, str
     launch, plan, notes = settle_after_preflight(launch, plan, preflight.reports)
     paths = RunPaths(launch.artifact_root, plan.run)
     write_resolved(paths.params_path, plan.resolved)
-    clear_failure(paths)
+    clear_failure(paths)  # a new start begins without the last one's failure and attempts
+    reset_attempts(paths, keep_ledger=plan.continues_attempts)
     if launch.transport == "srun":
         results = start_srun_step(launch, plan, paths)
     else:
@@ -100,7 +102,7 @@ def start_srun_step(launch: LaunchEnv, plan: StartPlan, paths: RunPaths) -> list
         while not pid_path.exists() and client.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         record, ended = processes.read_pid_file(pid_path), read_exit(paths, rank)
-        if record and not (ended and ended.state == RunState.FAILED):
+        if record and not (ended and ended.state.failed):
             started = NodeStarted(rank, node_plan.host, record.pid, record.pgid, record.supervisor_pid or 0,
                                   node_plan.log_path, plan.run_id)
             results.append(NodeResult(rank, node_plan.host, argv, 0, started, None, ""))

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from megatron_ext.run_spec.checkpoints import check_resumable, latest_iteration, read_meta
-from megatron_ext.run_spec.params import BatchGeometry, RunOverrides, RunParams, load_run_params, with_batch_geometry
+from megatron_ext.run_spec.params import BatchGeometry, RunParams, load_run_params, with_batch_geometry
 from megatron_ext.run_spec.resolved import ResolvedRun, RunRuntime
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
 from orchestration.engines import ProgramPlan, plan_program
 from orchestration.launch_env import LaunchEnv
+from orchestration.node.attempts import first_attempt
 from orchestration.node.node_plan import NODE_TAG, RUN_ID_TAG, RUN_TAG, NodePlan
 
 
@@ -45,6 +46,12 @@ class StartPlan:
     cwd: str = ""
     notes: tuple[str, ...] = ()
     """What the user should know about this start (how the program was checked, a reshard)."""
+    first_attempt: int = 1
+    """1, or the next attempt of a requeued Slurm job (its ledger continues)."""
+
+    @property
+    def continues_attempts(self) -> bool:
+        return self.first_attempt > 1
 
 
 def render_torchrun_argv(launch: LaunchEnv, node_rank: int, python: str, program: Sequence[str]) -> list[str]:
@@ -82,10 +89,10 @@ def node_environment(launch: LaunchEnv, node_rank: int, run: str, run_id: str,
 
 def build_start_plan(launch: LaunchEnv, params: RunParams, geometry: BatchGeometry, program: ProgramPlan,
                      run: str, run_id: str, nodes: Sequence[tuple[int, str]], python: str, cwd: str,
-                     node_env: Mapping[int, Mapping[str, str]] | None = None) -> StartPlan:
+                     node_env: Mapping[int, Mapping[str, str]] | None = None, first_attempt: int = 1) -> StartPlan:
     """The plan for ``nodes`` ((node rank, host) pairs) of a run of ``params`` (global batch
     already applied) running ``program``; ``node_env`` adds variables per node (e.g. the socket
-    interface preflight found)."""
+    interface preflight found); ``first_attempt`` > 1 continues a requeued job's attempts."""
     paths = RunPaths(launch.artifact_root, run)
     node_plans = []
     for rank, host in nodes:
@@ -94,7 +101,9 @@ def build_start_plan(launch: LaunchEnv, params: RunParams, geometry: BatchGeomet
         node_plans.append(NodePlan(
             run=run, run_id=run_id, node_rank=rank, host=host,
             argv=tuple(render_torchrun_argv(launch, rank, python, program.argv)), env=env, unset=unset, cwd=cwd,
-            log_path=str(paths.node_log(rank)), pid_path=str(paths.node_pid_file(rank)),
+            log_path=str(paths.node_log(rank)), pid_path=str(paths.node_pid_file(rank)), engine=program.engine,
+            resilience=dataclasses.asdict(params.training.resilience), first_attempt=first_attempt,
+            save_signal=program.save_signal,
         ))
     runtime = RunRuntime(
         run=run, run_id=run_id, engine=program.engine, nnodes=launch.nnodes, nproc_per_node=launch.nproc_per_node,
@@ -102,14 +111,14 @@ def build_start_plan(launch: LaunchEnv, params: RunParams, geometry: BatchGeomet
         program_argv=tuple(program.argv), program_env=dict(program.env),
     )
     return StartPlan(run, run_id, ResolvedRun(params, runtime), geometry, tuple(node_plans), program=program,
-                     python=python, cwd=cwd)
+                     python=python, cwd=cwd, first_attempt=first_attempt)
 
 
 def rebuild_start_plan(launch: LaunchEnv, plan: StartPlan, node_env: Mapping[int, Mapping[str, str]]) -> StartPlan:
     """``plan`` for another launch (e.g. the port preflight picked) with per-node variables; same run id."""
     nodes = [(p.node_rank, p.host) for p in plan.nodes]
     rebuilt = build_start_plan(launch, plan.resolved.params, plan.geometry, plan.program, plan.run, plan.run_id, nodes,
-                               plan.python, plan.cwd, node_env)
+                               plan.python, plan.cwd, node_env, plan.first_attempt)
     return dataclasses.replace(rebuilt, resume_from=plan.resume_from, notes=plan.notes)
 
 
@@ -119,7 +128,7 @@ def plan_start(launch: LaunchEnv, model: str, data: str, run: str, nodes: Sequen
     rank runs (data prepared first when ``prepare``), whether it resumes, and the plan of every
     node in ``nodes``; a UserError before anything starts."""
     check_run_name(run)
-    params = load_run_params(model, data, RunOverrides(launch.zero_stage, launch.overrides.engine))
+    params = load_run_params(model, data, launch.overrides)
     params, geometry = with_batch_geometry(params, launch.world_size)
     paths = RunPaths(launch.artifact_root, run)
     resume_from = latest_iteration(paths.checkpoints_dir)
@@ -131,5 +140,12 @@ def plan_start(launch: LaunchEnv, model: str, data: str, run: str, nodes: Sequen
         notes += [note] if note else []
     program = plan_program(params, model, data, paths, launch, prepare=prepare)
     run_id = f"{run}-{uuid.uuid4().hex[:10]}"
-    plan = build_start_plan(launch, params, geometry, program, run, run_id, nodes, launch.python, launch.cwd)
+    first = first_attempt(paths, continue_ledger=launch.slurm_restart_count > 0)
+    r = params.training.resilience
+    if r.max_restarts and not params.training.save_interval:
+        notes.append(f"MAX_RESTARTS={r.max_restarts} without checkpoints (training.save_interval is 0): a restart "
+                     f"starts again from iteration 0, and the breaker ends the run after {r.attempts_without_progress} "
+                     "attempts without a new checkpoint; set save_interval")
+    plan = build_start_plan(launch, params, geometry, program, run, run_id, nodes, launch.python, launch.cwd,
+                            first_attempt=first)
     return dataclasses.replace(plan, resume_from=resume_from, notes=(*program.notes, *notes))

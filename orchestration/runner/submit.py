@@ -34,13 +34,15 @@ class BatchPlan:
 
 def plan_submit(launch: LaunchEnv, model: str, data: str, run: str, nodes: int | None = None,
                 gpus_per_node: int | None = None, time: str | None = None, partition: str | None = None,
-                account: str | None = None) -> BatchPlan:
+                account: str | None = None, signal_ahead_s: int = slurm.DEFAULT_SIGNAL_AHEAD_S) -> BatchPlan:
     nodes = nodes or launch.nnodes
     nproc = gpus_per_node or launch.nproc_per_node
     request = slurm.BatchRequest(nodes=nodes, nproc_per_node=nproc, gpus_per_node=gpus_per_node or 0,
                                  time=time or launch.slurm_batch.get("time"),
                                  partition=partition or launch.slurm_batch.get("partition"),
-                                 account=account or launch.slurm_batch.get("account"))
+                                 account=account or launch.slurm_batch.get("account"), signal_ahead_s=signal_ahead_s)
+    if signal_ahead_s < 0:
+        raise UserError(f"--signal-ahead-s {signal_ahead_s} must be >= 0 (0: no save before the time limit)")
     job_launch = dataclasses.replace(launch, nnodes=nodes, nproc_per_node=nproc,
                                      hosts=tuple(f"slurm-node{i}" for i in range(nodes)), transport="srun")
     plan_start(job_launch, model, data, run, list(enumerate(job_launch.hosts)), prepare=False)  # checks only
@@ -55,7 +57,7 @@ def plan_submit(launch: LaunchEnv, model: str, data: str, run: str, nodes: int |
            **({"ENGINE": launch.overrides.engine} if launch.overrides.engine else {}),
            **({"MASTER_PORT": str(launch.master_port)} if launch.master_port_explicit else {})}
     script = slurm.render_batch_script(model, data, run, request, launch.python, launch.cwd, env,
-                                       paths.logs_dir / f"{run}_sbatch.log")
+                                       paths.logs_dir / f"{run}_sbatch.log", paths.run_state_dir / f"{run}.batch_signal")
     return BatchPlan(run, request, paths.run_state_dir / f"{run}.sbatch", script)
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from megatron_ext.run_spec.errors import UserError
-from megatron_ext.run_spec.params import RunOverrides, load_run_params, with_batch_geometry
+from megatron_ext.run_spec.params import load_run_params, with_batch_geometry
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
 from orchestration.analysis.compare import DEFAULT_WARMUP_ITERATIONS, RunOutcome, RunSummary, compare_runs, run_records
 from orchestration.analysis.report import ComparisonFiles, write_comparison
@@ -118,7 +118,7 @@ def check_sweep(launch: LaunchEnv, model: str, data: str, prefix: str, stages: S
     iterations = 0
     for stage in stages:
         run = check_run_name(stage_run_name(prefix, stage))
-        params, _ = with_batch_geometry(load_run_params(model, data, RunOverrides(stage, launch.overrides.engine)),
+        params, _ = with_batch_geometry(load_run_params(model, data, _stage_launch(launch, stage).overrides),
                                         launch.world_size)
         iterations = params.training.train_iters
         checkpoints = RunPaths(launch.artifact_root, run).checkpoints_dir
@@ -207,7 +207,7 @@ class Sweep:
     def reason(self, run: str, statuses: dict[int, NodeStatus | None]) -> str:
         """The most telling reason over the failed nodes' logs (all nodes' when none says failed):
         this machine's copy of the log, else what the node's supervisor recorded."""
-        failed = [r for r, s in statuses.items() if s and s.state == RunState.FAILED] or sorted(statuses)
+        failed = [r for r, s in statuses.items() if s and s.state.failed] or sorted(statuses)
         best = (-1, "")
         for rank in failed:
             log = RunPaths(self.launch.artifact_root, run).node_log(rank)
@@ -238,7 +238,7 @@ class Sweep:
         run = stage_run_name(self.prefix, stage)
         self._check_stop_request(stage, run, "before it started")
         stage_launch = _stage_launch(self.launch, stage)
-        params, _ = with_batch_geometry(load_run_params(self.model, self.data, RunOverrides(stage, self.launch.overrides.engine)),
+        params, _ = with_batch_geometry(load_run_params(self.model, self.data, stage_launch.overrides),
                                         self.launch.world_size)
         t = params.training
         self.engine = t.engine
@@ -268,9 +268,10 @@ class Sweep:
         last = records[-1].iteration if records else max((s.last_iteration or 0 for s in statuses.values() if s), default=0)
         final_loss = records[-1].lm_loss if records else None
         states = [s.state if s else None for s in statuses.values()]
-        if last >= t.train_iters and RunState.FAILED not in states:
+        failed = any(state is not None and state.failed for state in states)
+        if last >= t.train_iters and not failed:
             return StageResult(stage, run, self.outcome(RunState.FINISHED, stage), elapsed, last, t.train_iters, final_loss)
-        if RunState.FAILED not in states and RunState.STOPPED in states and None not in states:
+        if not failed and RunState.STOPPED in states and None not in states:
             self.stop_everywhere(run)  # someone stopped this stage's run itself
             return StageResult(stage, run, self.outcome(RunState.STOPPED, stage, f"stopped on request at iteration {last}/"
                                                         f"{t.train_iters} (stop {run}); the sweep goes on"),

@@ -1,0 +1,180 @@
+"""Runs that finish unattended: the watchdog's limits, the restart policy, and the progress every
+rank reports — the one place both programs read them from.
+
+    MAX_RESTARTS=3 HANG_STEP_FLOOR_S=60 bash training_scripts/start_multinode_training.sh qwen3_1p7b qwen3_1p7b_smoke q32
+
+A data set sets them under ``training.resilience`` (every field below); the environment overrides
+``max_restarts`` (MAX_RESTARTS), ``hang_step_floor_s`` (HANG_STEP_FLOOR_S), ``hang_setup_s``
+(HANG_SETUP_S), ``hang_checkpoint_s`` (HANG_CHECKPOINT_S) and ``hang_watchdog`` (HANG_WATCHDOG=0
+turns it off). Each rank of this project's program writes a :class:`RankProgress` (rank, host,
+pid, iteration, phase, when the phase began, the slowest recent step) into a node-local directory
+at every phase change; the node's supervisor reads them and applies :func:`phase_limit_s`. Pure
+apart from :func:`write_progress` / :func:`read_progress` (that directory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Mapping
+
+from megatron_ext.run_spec.errors import UserError
+
+PHASES = ("prepare", "setup", "step", "eval", "checkpoint", "done", "preempted")
+"""What a rank is doing: preparing data (no limit: a large corpus takes as long as it takes), setting
+up (process group, model, datasets, resume), an optimizer step, a validation pass, a save, ended."""
+RECENT_STEPS = 20
+"""How many recent steps the learned step limit looks at."""
+PROGRESS_DIR_ENV = "LAUNCHER_PROGRESS_DIR"
+"""Set by the node's supervisor for its torchrun: the node-local directory the ranks report into."""
+ATTEMPT_ENV = "LAUNCHER_ATTEMPT"
+"""Set by the node's supervisor: the attempt of the run (1, then 2 after the first restart, ...)."""
+
+
+@dataclass(frozen=True)
+class ResilienceParams:
+    """Hangs, restarts and their limits (``training.resilience`` in a data set)."""
+
+    hang_watchdog: bool = True
+    """Watch every rank's progress and end a run whose rank is stuck (HANG_WATCHDOG=0: off)."""
+    hang_step_floor_s: float = 30.0
+    """A step may always take this long (seconds) before it counts as hung (HANG_STEP_FLOOR_S)."""
+    hang_step_factor: float = 5.0
+    """... or this many times the slowest of the recent steps, whichever is longer."""
+    hang_warmup_steps: int = 3
+    """The first steps of each attempt are timed against hang_setup_s, not learned (lazy set-up,
+    first collectives, allocator warm-up)."""
+    hang_setup_s: float = 600.0
+    """Start of a rank to its first step (process group, model, datasets, resume), seconds
+    (HANG_SETUP_S)."""
+    hang_checkpoint_s: float = 600.0
+    """One checkpoint save, seconds (HANG_CHECKPOINT_S)."""
+    hang_eval_s: float = 600.0
+    """One validation pass, seconds."""
+    max_restarts: int = 0
+    """Restarts after a failure or a hang, every node at once, from the latest complete checkpoint
+    (MAX_RESTARTS; 0 like torchrun: a failure ends the run)."""
+    restart_backoff_s: float = 5.0
+    """Pause before each restart, seconds."""
+    attempts_without_progress: int = 2
+    """The breaker: after this many attempts in a row whose latest checkpoint did not advance, the
+    run ends as "gave up" instead of restarting (a run that crashes at iteration 1 every time
+    must not loop)."""
+
+    def describe(self) -> str:
+        """The start line's words for it."""
+        watchdog = (f"hang watchdog: step {self.hang_step_factor:g} x slowest recent, at least {self.hang_step_floor_s:g} s "
+                    f"(after {self.hang_warmup_steps} steps), setup {self.hang_setup_s:g} s, checkpoint "
+                    f"{self.hang_checkpoint_s:g} s" if self.hang_watchdog else "hang watchdog off")
+        restarts = (f"restarts: up to {self.max_restarts} (backoff {self.restart_backoff_s:g} s; gives up after "
+                    f"{self.attempts_without_progress} attempts without a new checkpoint)" if self.max_restarts
+                    else "restarts: none (MAX_RESTARTS=0)")
+        return f"{watchdog}; {restarts}"
+
+
+ENVIRONMENT_OVERRIDES = {
+    "MAX_RESTARTS": "max_restarts", "HANG_STEP_FLOOR_S": "hang_step_floor_s", "HANG_SETUP_S": "hang_setup_s",
+    "HANG_CHECKPOINT_S": "hang_checkpoint_s", "HANG_WATCHDOG": "hang_watchdog",
+}
+
+
+def read_resilience_overrides(env: Mapping[str, str]) -> dict[str, object]:
+    """The environment's changes to :class:`ResilienceParams` (each program's edge calls this)."""
+    types = {f.name: f.type for f in fields(ResilienceParams)}
+    out: dict[str, object] = {}
+    for name, key in ENVIRONMENT_OVERRIDES.items():
+        text = env.get(name, "").strip()
+        if not text:
+            continue
+        kind = types[key]
+        try:
+            if kind == "bool":
+                if text.lower() not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+                    raise ValueError(text)
+                out[key] = text.lower() in ("1", "true", "yes", "on")
+            else:
+                value = int(text) if kind == "int" else float(text)
+                if value < 0:
+                    raise ValueError(text)
+                out[key] = value
+        except ValueError:
+            rule = {"bool": "0 or 1", "int": "a whole number >= 0, e.g. 3"}.get(kind, "a number of seconds >= 0, e.g. 60")
+            raise UserError(f"{name}={text!r} must be {rule}") from None
+    return out
+
+
+def with_overrides(params: ResilienceParams, overrides: Mapping[str, object]) -> ResilienceParams:
+    return replace(params, **overrides) if overrides else params
+
+
+def check_resilience(p: ResilienceParams, where: str) -> None:
+    for key in ("hang_step_floor_s", "hang_step_factor", "hang_setup_s", "hang_checkpoint_s", "hang_eval_s"):
+        if getattr(p, key) <= 0:
+            raise UserError(f"{where}.{key}={getattr(p, key)} must be > 0 (turn the watchdog off with hang_watchdog: false)")
+    for key in ("hang_warmup_steps", "max_restarts", "restart_backoff_s"):
+        if getattr(p, key) < 0:
+            raise UserError(f"{where}.{key}={getattr(p, key)} must be >= 0")
+    if p.attempts_without_progress < 1:
+        raise UserError(f"{where}.attempts_without_progress={p.attempts_without_progress} must be >= 1")
+
+
+# -- what each rank reports ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RankProgress:
+    """``<progress dir>/rank<R>.json``, rewritten at every phase change (atomically)."""
+
+    rank: int
+    local_rank: int
+    host: str
+    pid: int
+    attempt: int
+    """The supervisor's attempt this process belongs to (1 = the first)."""
+    iteration: int
+    """The optimizer step being worked on (in ``step``), or the last one done."""
+    phase: str
+    """One of :data:`PHASES`."""
+    phase_started_at: float
+    """time.time() when the phase began."""
+    steps_done: int = 0
+    """Steps this process finished (this attempt)."""
+    slowest_recent_step_s: float | None = None
+    """The longest of the last :data:`RECENT_STEPS` steps, seconds."""
+
+
+def progress_path(directory: Path, rank: int) -> Path:
+    return directory / f"rank{rank}.json"
+
+
+def write_progress(directory: Path, p: RankProgress) -> None:
+    path = progress_path(directory, p.rank)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(asdict(p)))
+    os.replace(tmp, path)
+
+
+def read_progress(directory: Path) -> dict[int, RankProgress]:
+    """Every rank's last report in ``directory`` (a report being replaced is read whole or not at all)."""
+    out = {}
+    for path in directory.glob("rank*.json"):
+        try:
+            p = RankProgress(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue
+        out[p.rank] = p
+    return out
+
+
+def phase_limit_s(p: RankProgress, r: ResilienceParams) -> float | None:
+    """How long ``p``'s current phase may last before the rank counts as hung; None = no limit."""
+    if p.phase in ("prepare", "done", "preempted"):
+        return None
+    if p.phase == "setup" or (p.phase == "step" and p.steps_done < r.hang_warmup_steps):
+        return r.hang_setup_s
+    if p.phase == "checkpoint":
+        return r.hang_checkpoint_s
+    if p.phase == "eval":
+        return r.hang_eval_s
+    return max(r.hang_step_floor_s, r.hang_step_factor * (p.slowest_recent_step_s or 0.0))

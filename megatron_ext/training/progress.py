@@ -1,0 +1,93 @@
+"""What a rank tells its node's supervisor, and how the ranks agree to save and stop.
+
+    LAUNCHER_PROGRESS_DIR=/dev/shm/... torchrun ... -m megatron_ext.pretrain ...   # set by the supervisor
+
+:class:`ProgressReporter` rewrites ``<dir>/rank<R>.json`` (:class:`~megatron_ext.run_spec.resilience.RankProgress`)
+at every phase change: no collective, one small atomic write in a node-local directory (tmpfs)
+per step; SIGUSR2 makes faulthandler write every thread's stack beside it. :class:`SaveRequest` is Megatron-LM's DistributedSignalHandler in this program: SIGUSR1
+(sent by the supervisor to each rank when a preemption or a time limit comes, or a ``stop --save``)
+sets a flag, and at every step boundary the ranks agree on it with one all-reduce of one integer on
+a gloo group (host memory: no CUDA synchronisation), so all of them save the same iteration and
+end together. Without a progress directory (plain torchrun) both are off. Side effects: that file,
+a signal handler, the collective.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import socket
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.run_spec.resilience import RECENT_STEPS, RankProgress, write_progress
+
+
+class ProgressReporter:
+    def __init__(self, directory: Path | None, rank: int, local_rank: int, attempt: int):
+        self.directory = directory
+        self.rank, self.local_rank, self.attempt = rank, local_rank, attempt
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.steps_done = 0
+        self.recent: deque[float] = deque(maxlen=RECENT_STEPS)
+        self.iteration = 0
+        self._stack_file = None
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            # SIGUSR2 -> every thread's stack into <dir>/rank<R>.stack, written by faulthandler from C,
+            # so it works inside a collective too: the supervisor's dump when py-spy cannot read the rank.
+            self._stack_file = open(directory / f"rank{rank}.stack", "a")
+            faulthandler.register(signal.SIGUSR2, file=self._stack_file, all_threads=True)
+
+    @property
+    def enabled(self) -> bool:
+        return self.directory is not None
+
+    def phase(self, name: str, iteration: int | None = None) -> None:
+        if iteration is not None:
+            self.iteration = iteration
+        if self.directory is None:
+            return
+        write_progress(self.directory, RankProgress(
+            rank=self.rank, local_rank=self.local_rank, host=self.host, pid=self.pid, attempt=self.attempt,
+            iteration=self.iteration, phase=name, phase_started_at=time.time(), steps_done=self.steps_done,
+            slowest_recent_step_s=max(self.recent) if self.recent else None))
+
+    def step_done(self, seconds: float) -> None:
+        self.steps_done += 1
+        self.recent.append(seconds)
+
+
+class SaveRequest:
+    """SIGUSR1 -> save at the next step boundary on every rank, then end ("preempted")."""
+
+    SIGNAL = signal.SIGUSR1
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.received = False
+        self.group = None
+        if enabled:
+            signal.signal(self.SIGNAL, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = True
+
+    def open_group(self, on_cuda: bool) -> None:
+        """The group the flag is agreed on: the world's own on CPU (gloo already), one gloo group
+        beside NCCL on GPUs (a host tensor: the check never waits for the GPU)."""
+        if self.enabled and on_cuda:
+            self.group = dist.new_group(backend="gloo")
+
+    def agreed(self) -> bool:
+        """Whether any rank got the signal (a collective: every rank calls it at the same step)."""
+        if not self.enabled:
+            return False
+        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())

@@ -1,0 +1,238 @@
+"""Attempts of a run: how the nodes' supervisors agree to restart together, and when not to.
+
+    $ARTIFACT_ROOT/run_state/<run>_a<K>.node<N>.end.json   how attempt K ended on node N
+    $ARTIFACT_ROOT/run_state/<run>_a<K>.decision.json      node 0's decision: attempt K+1, or the run's end
+    $ARTIFACT_ROOT/run_state/<run>_a<K>.node<N>.ready      node N is ready to start attempt K
+    $ARTIFACT_ROOT/run_state/<run>_a<K>.hang.json          a hang claimed in attempt K (first claim wins)
+    $ARTIFACT_ROOT/run_state/<run>_attempts.json           the ledger: every attempt, why it ended, its checkpoints
+
+After a failure or a hang every node stops its torchrun and writes its end; node 0 (the leader:
+the rendezvous runs there anyway) waits for every node's end, then decides with
+:func:`decide` — restart from the latest complete checkpoint after a backoff, or end the run
+(failed, hung, or "gave up" when attempts in a row made no progress: the latest checkpoint did
+not advance) — and writes the decision; every node reads it and acts on it; before attempt K
+starts each node says it is ready and waits for the others. The ledger keeps every attempt for
+``status``. A requeued Slurm job continues the ledger (and the breaker's count); any other start
+begins it anew. Side effects: these files (through :mod:`orchestration.node.run_state`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Sequence
+
+from megatron_ext.run_spec.resilience import ResilienceParams
+from megatron_ext.run_spec.run_paths import RunPaths
+from orchestration.node.run_state import RunState, read_json, write_json_atomic
+
+JOIN_S = 120.0
+"""How long node 0 waits for every node's end of an attempt, and each node for the others to be
+ready for the next one; a node later than that ends the run."""
+
+
+@dataclass(frozen=True)
+class AttemptEnd:
+    """How one attempt ended on one node."""
+
+    node_rank: int
+    attempt: int
+    state: RunState
+    """finished, failed (this node's torchrun), hung (this node's watchdog), stopped (a peer's failure,
+    or a stop request), preempted."""
+    reason: str
+    requested: bool = False
+    """Stopped because someone asked (stop, Ctrl-C): no restart."""
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Node 0's decision after attempt ``attempt``."""
+
+    attempt: int
+    restart: bool
+    state: RunState
+    """restarting, or how the run ends (failed, hung, gave up, stopped)."""
+    reason: str
+    backoff_s: float = 0.0
+
+    @property
+    def next_attempt(self) -> int | None:
+        return self.attempt + 1 if self.restart else None
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One attempt in the ledger."""
+
+    attempt: int
+    run_id: str
+    """The start it belongs to (a requeued batch job is another start of the same run)."""
+    started_at: float
+    checkpoint_at_start: int | None
+    ended_at: float | None = None
+    state: RunState | None = None
+    reason: str | None = None
+    checkpoint_at_end: int | None = None
+
+    @property
+    def made_progress(self) -> bool:
+        return self.checkpoint_at_end is not None and (self.checkpoint_at_start is None
+                                                       or self.checkpoint_at_end > self.checkpoint_at_start)
+
+
+# -- the files --------------------------------------------------------------------------------------
+
+def _state_dict(obj) -> dict:
+    raw = asdict(obj)
+    return {k: (v.value if isinstance(v, RunState) else v) for k, v in raw.items()}
+
+
+def write_end(paths: RunPaths, end: AttemptEnd) -> None:
+    write_json_atomic(paths.attempt_file(end.attempt, f"node{end.node_rank}.end.json"), _state_dict(end))
+
+
+def read_end(paths: RunPaths, attempt: int, node_rank: int) -> AttemptEnd | None:
+    raw = read_json(paths.attempt_file(attempt, f"node{node_rank}.end.json"))
+    try:
+        return AttemptEnd(**{**raw, "state": RunState(raw["state"])}) if isinstance(raw, dict) else None
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def write_decision(paths: RunPaths, decision: Decision) -> None:
+    write_json_atomic(paths.attempt_file(decision.attempt, "decision.json"), _state_dict(decision))
+
+
+def read_decision(paths: RunPaths, attempt: int) -> Decision | None:
+    raw = read_json(paths.attempt_file(attempt, "decision.json"))
+    try:
+        return Decision(**{**raw, "state": RunState(raw["state"])}) if isinstance(raw, dict) else None
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class HangClaim:
+    """``<run>_a<K>.hang.json``: the first node whose watchdog found a rank past its limit."""
+
+    node_rank: int
+    rank: int | None
+    phase: str
+    iteration: int
+    elapsed_s: float
+    limit_s: float
+    detail: str
+    claimed_at: float
+
+
+def claim_hang(paths: RunPaths, attempt: int, hang) -> bool:
+    """Claim attempt ``attempt``'s hang (a :class:`~orchestration.node.watchdog.Hang`) unless a node already did."""
+    path = paths.attempt_file(attempt, "hang.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as fh:
+        fh.write(json.dumps({**asdict(hang), "claimed_at": time.time()}))
+    return True
+
+
+def read_hang_claim(paths: RunPaths, attempt: int) -> HangClaim | None:
+    raw = read_json(paths.attempt_file(attempt, "hang.json"))
+    try:
+        return HangClaim(**raw) if isinstance(raw, dict) else None
+    except TypeError:
+        return None
+
+
+def mark_ready(paths: RunPaths, attempt: int, node_rank: int) -> None:
+    path = paths.attempt_file(attempt, f"node{node_rank}.ready")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+
+
+def ready_nodes(paths: RunPaths, attempt: int, nnodes: int) -> list[int]:
+    return [rank for rank in range(nnodes) if paths.attempt_file(attempt, f"node{rank}.ready").exists()]
+
+
+def read_ledger(paths: RunPaths) -> list[AttemptRecord]:
+    raw = read_json(paths.attempts_file)
+    out = []
+    for item in raw if isinstance(raw, list) else []:
+        try:
+            out.append(AttemptRecord(**{**item, "state": RunState(item["state"]) if item.get("state") else None}))
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def write_ledger(paths: RunPaths, records: Sequence[AttemptRecord]) -> None:
+    write_json_atomic(paths.attempts_file, [_state_dict(r) for r in records])
+
+
+def begin_attempt(paths: RunPaths, attempt: int, run_id: str, checkpoint: int | None) -> None:
+    """Node 0: attempt ``attempt`` starts now, with ``checkpoint`` the latest complete one."""
+    records = [r for r in read_ledger(paths) if r.attempt != attempt]
+    write_ledger(paths, [*records, AttemptRecord(attempt, run_id, time.time(), checkpoint)])
+
+
+def end_attempt(paths: RunPaths, attempt: int, state: RunState, reason: str, checkpoint: int | None) -> list[AttemptRecord]:
+    """Node 0: attempt ``attempt`` ended so; the ledger as it now stands."""
+    records = [replace(r, ended_at=time.time(), state=state, reason=reason, checkpoint_at_end=checkpoint)
+               if r.attempt == attempt else r for r in read_ledger(paths)]
+    write_ledger(paths, records)
+    return records
+
+
+def first_attempt(paths: RunPaths, continue_ledger: bool) -> int:
+    """The attempt a start begins with: 1, or after the ledger's last (a requeued batch job)."""
+    records = read_ledger(paths) if continue_ledger else []
+    return max((r.attempt for r in records), default=0) + 1
+
+
+def reset_attempts(paths: RunPaths, keep_ledger: bool) -> None:
+    """A new start: no attempt files of an earlier one (the ledger kept only for a requeued job)."""
+    for path in paths.run_state_dir.glob(f"{paths.run}_a*.*"):
+        if path.name[len(paths.run) + 2:].split(".", 1)[0].isdigit():
+            path.unlink(missing_ok=True)
+    paths.save_request_file.unlink(missing_ok=True)
+    if not keep_ledger:
+        paths.attempts_file.unlink(missing_ok=True)
+        for mark in paths.run_state_dir.glob(f"{paths.run}.batch_signal.*"):
+            mark.unlink(missing_ok=True)
+
+
+# -- the decision (pure) ----------------------------------------------------------------------------
+
+def decide(attempt: int, ends: dict[int, AttemptEnd | None], ledger: Sequence[AttemptRecord], policy: ResilienceParams,
+           restarts_so_far: int, cause: RunState, cause_reason: str) -> Decision:
+    """Restart or end after ``attempt``: ``ends`` per node (None = no end within JOIN_S),
+    ``ledger`` with this attempt's record already closed, ``restarts_so_far`` in this start,
+    ``cause``/``cause_reason`` what ended the attempt (the failure file's first line)."""
+    missing = sorted(rank for rank, end in ends.items() if end is None)
+    if missing:
+        return Decision(attempt, False, RunState.FAILED,
+                        f"node(s) {', '.join(map(str, missing))} did not end attempt {attempt} within {JOIN_S:.0f} s "
+                        f"(machine or supervisor gone); the run ends ({cause_reason})")
+    if any(end.requested for end in ends.values()):
+        return Decision(attempt, False, RunState.STOPPED, "stopped on request")
+    streak = 0
+    for record in reversed(ledger):
+        if record.made_progress:
+            break
+        streak += 1
+    if streak >= policy.attempts_without_progress:
+        return Decision(attempt, False, RunState.GAVE_UP,
+                        f"{streak} attempts in a row made no progress (no new checkpoint); the last ended: {cause_reason}")
+    if restarts_so_far >= policy.max_restarts:
+        limit = f"after {restarts_so_far} restart(s) (MAX_RESTARTS={policy.max_restarts})" if policy.max_restarts else \
+            "(MAX_RESTARTS=0: no restarts)"
+        return Decision(attempt, False, cause, f"{cause_reason} {limit}".strip())
+    return Decision(attempt, True, RunState.RESTARTING,
+                    f"restarting as attempt {attempt + 1} in {policy.restart_backoff_s:g} s: {cause_reason}",
+                    policy.restart_backoff_s)

@@ -1,0 +1,320 @@
+"""The hang watchdog of one node: its ranks' progress against their phases' limits, every rank's
+stack when the run hangs, and who the suspects are.
+
+    py-spy dump --pid PID [--nonblocking]        # what :func:`dump_stack` runs for each rank
+
+:class:`Watchdog` reads the node-local progress files of this node's ranks
+(:mod:`megatron_ext.run_spec.resilience`); ENGINE=megatron-lm writes none, so there it watches the
+iteration lines of the node's log instead (Megatron-LM prints them on the last rank only: the
+other nodes rely on that one). :func:`dump_node` writes every local rank's Python stack (py-spy,
+under a timeout; ``--nonblocking`` for a stopped process, which py-spy's default mode cannot
+suspend) with the process state and its progress into ``runs/<run>/hangs/<attempt>/``, and a
+report per node; :func:`find_suspects` names who hung from all nodes' reports. Side effects: reads
+/proc and files, runs py-spy, signals ranks (SIGUSR2: the rank's own faulthandler dump when py-spy
+cannot read it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from megatron_ext.run_spec.iteration_log import parse_log
+from megatron_ext.run_spec.resilience import RankProgress, ResilienceParams, phase_limit_s, read_progress
+from orchestration.node.processes import process_environ, process_start_time, tagged_processes
+from orchestration.node.run_state import tail
+
+DUMP_TIMEOUT_S = 20.0
+LOG_CHECK_S = 2.0
+"""How often the Megatron-LM log watch reads the log's tail."""
+FAULTHANDLER_WAIT_S = 2.0
+COLLECTIVE_MARKERS = ("torch/distributed/", "distributed_c10d", "all_reduce", "all_gather", "reduce_scatter", "broadcast",
+                      "barrier", "run_backward", "_engine_run_backward", "backward (torch/", "zero_redundancy_optimizer")
+"""Frames of a stack that mean the rank waits in (or for) a collective: torch.distributed calls,
+and autograd's backward, where DDP and FSDP reduce gradients."""
+
+
+@dataclass(frozen=True)
+class Hang:
+    """What a node's watchdog found: one rank past its phase's limit."""
+
+    node_rank: int
+    rank: int | None
+    """The global rank (None: a local rank that never reported)."""
+    phase: str
+    iteration: int
+    elapsed_s: float
+    limit_s: float
+    detail: str
+
+
+def local_ranks(node_rank: int, nproc_per_node: int) -> range:
+    """The global ranks torchrun gives this node (static rendezvous: node rank x processes + local rank)."""
+    return range(node_rank * nproc_per_node, (node_rank + 1) * nproc_per_node)
+
+
+class Watchdog:
+    def __init__(self, params: ResilienceParams, node_rank: int, nnodes: int, nproc_per_node: int, progress_dir: Path,
+                 engine: str, log_path: Path, started_at: float):
+        self.params, self.node_rank, self.nproc = params, node_rank, nproc_per_node
+        self.progress_dir, self.engine, self.log_path, self.started_at = progress_dir, engine, log_path, started_at
+        self.prints_iterations = node_rank == nnodes - 1
+        """Megatron-LM prints its iteration lines on the last rank, which is on the last node."""
+        self._log_iteration, self._log_seen_at = 0, started_at
+        self._log_checked = 0.0
+
+    def check(self, now: float) -> Hang | None:
+        if not self.params.hang_watchdog:
+            return None
+        return self._check_log(now) if self.engine == "megatron-lm" else self._check_progress(now)
+
+    def _check_progress(self, now: float) -> Hang | None:
+        reports = read_progress(self.progress_dir)
+        for rank in local_ranks(self.node_rank, self.nproc):
+            p = reports.get(rank)
+            if p is None:
+                if now - self.started_at > self.params.hang_setup_s:
+                    return Hang(self.node_rank, rank, "setup", 0, now - self.started_at, self.params.hang_setup_s,
+                                f"rank {rank} never reported since torchrun started")
+                continue
+            limit = phase_limit_s(p, self.params)
+            if limit is not None and now - p.phase_started_at > limit:
+                return Hang(self.node_rank, rank, p.phase, p.iteration, now - p.phase_started_at, limit,
+                            f"rank {rank} has been in {p.phase} of iteration {p.iteration} for "
+                            f"{now - p.phase_started_at:.0f} s (limit {limit:.0f} s)")
+        return None
+
+    def _check_log(self, now: float) -> Hang | None:
+        """Megatron-LM: the time since the last iteration line, against the step rule applied to the
+        lines' own step times (times the iterations between two lines: the log interval); setup's
+        limit before the first lines, the checkpoint's while it saves. Only the node of the last
+        rank has the lines; the others rely on it."""
+        if not self.prints_iterations or now - self._log_checked < LOG_CHECK_S:
+            return None
+        self._log_checked = now
+        text = tail(self.log_path, 400)
+        records, _ = parse_log(text)
+        if not records:
+            if now - self.started_at > self.params.hang_setup_s:
+                return Hang(self.node_rank, None, "setup", 0, now - self.started_at, self.params.hang_setup_s,
+                            f"no iteration line {now - self.started_at:.0f} s after torchrun started "
+                            f"(limit {self.params.hang_setup_s:.0f} s)")
+            return None
+        last = records[-1].iteration
+        if last != self._log_iteration:
+            self._log_iteration, self._log_seen_at = last, now
+            return None
+        between = [r.step_time_s * (r.iteration - q.iteration) for q, r in zip(records, records[1:])][-20:]
+        saving = "saving checkpoint" in text.rsplit("iteration", 1)[-1]
+        if saving:
+            limit = self.params.hang_checkpoint_s
+        elif len(records) > self.params.hang_warmup_steps and between:
+            limit = max(self.params.hang_step_floor_s, self.params.hang_step_factor * max(between))
+        else:
+            limit = self.params.hang_setup_s
+        if now - self._log_seen_at > limit:
+            return Hang(self.node_rank, None, "checkpoint" if saving else "step", last, now - self._log_seen_at, limit,
+                        f"no iteration line after iteration {last} for {now - self._log_seen_at:.0f} s (limit {limit:.0f} s)")
+        return None
+
+
+# -- dumps ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank at the moment of the hang (``hangs/<attempt>/node<N>.json``)."""
+
+    rank: int
+    node_rank: int
+    host: str
+    pid: int | None
+    process_state: str
+    """From /proc: R running, S sleeping, D disk, T stopped (SIGSTOP / a debugger), Z zombie, gone."""
+    phase: str | None
+    iteration: int | None
+    phase_elapsed_s: float | None
+    limit_s: float | None
+    last_report_at: float | None
+    stack_read: bool
+    in_collective: bool | None
+    dump: str
+    """The dump file."""
+
+
+def process_state(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return "gone"
+    return stat[stat.rindex(")") + 2:].split()[0]
+
+
+def worker_pids(run: str, node_rank: int) -> dict[int, int]:
+    """Global rank -> pid of this node's training processes (tagged with the run, RANK set)."""
+    out = {}
+    for pid in tagged_processes(run, node_rank):
+        rank = process_environ(pid).get("RANK")
+        if rank is not None and rank.isdigit():
+            out[int(rank)] = pid
+    return out
+
+
+def py_spy() -> str | None:
+    """py-spy next to this interpreter (a venv's bin), else on PATH."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+def dump_stack(pid: int, state: str, faulthandler_file: Path | None) -> tuple[bool, str]:
+    """(read, text): the Python stack of ``pid`` by py-spy, else the rank's own faulthandler dump,
+    else why neither could read it."""
+    binary = py_spy()
+    notes = []
+    if binary is None:
+        notes.append("py-spy is not installed here (pip install py-spy), so no stack was read from outside")
+    else:
+        modes = [["--nonblocking"]] if state == "T" else [[], ["--nonblocking"]]
+        for mode in modes:
+            try:
+                proc = subprocess.run([binary, "dump", "--pid", str(pid), *mode], capture_output=True, text=True,
+                                      timeout=DUMP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                notes.append(f"py-spy dump {' '.join(mode)} gave no answer within {DUMP_TIMEOUT_S:.0f} s")
+                continue
+            if proc.returncode == 0 and proc.stdout.strip():
+                return True, proc.stdout
+            error = (proc.stderr or proc.stdout).strip().splitlines()
+            notes.append(f"py-spy dump {' '.join(mode)} failed: {' / '.join(error[:3])}")
+            if any("Permission" in line or "permission" in line for line in error):
+                notes.append("py-spy needs ptrace rights: root, or CAP_SYS_PTRACE, which Docker drops unless the container "
+                             "was started with --cap-add SYS_PTRACE (Kubernetes: securityContext.capabilities.add: "
+                             "[SYS_PTRACE])")
+                break
+    if faulthandler_file is not None and state not in ("T", "gone", "Z"):
+        try:
+            before = faulthandler_file.stat().st_size if faulthandler_file.exists() else 0
+            os.kill(pid, signal.SIGUSR2)  # the rank's faulthandler writes every thread's stack, even inside C code
+            time.sleep(FAULTHANDLER_WAIT_S)
+            text = faulthandler_file.read_text(errors="replace")[before:]
+            if text.strip():
+                return True, "\n".join(notes + ["the rank's own faulthandler dump (SIGUSR2):", text])
+        except OSError as exc:
+            notes.append(f"the rank's faulthandler dump failed: {exc}")
+    elif state == "T":
+        notes.append("the process is stopped (state T), so it cannot dump its own stack")
+    return False, "\n".join(notes)
+
+
+def main_thread(stack: str) -> str:
+    """The main thread's part of a dump: py-spy's ``Thread N (...): "MainThread"``, or faulthandler's
+    ``Current thread`` (the thread that took the signal: the main one); else the whole text."""
+    blocks, current = [], []
+    for line in stack.splitlines():
+        if line.startswith(("Thread ", "Current thread ")) and current:
+            blocks.append("\n".join(current))
+            current = []
+        current.append(line)
+    blocks.append("\n".join(current))
+    return next((b for b in blocks if '"MainThread"' in b.splitlines()[0] or b.startswith("Current thread")), stack)
+
+
+def in_collective(stack: str) -> bool:
+    """Whether the main thread's stack waits in a collective (see COLLECTIVE_MARKERS)."""
+    return any(marker in main_thread(stack) for marker in COLLECTIVE_MARKERS)
+
+
+def dump_node(run: str, node_rank: int, host: str, nproc_per_node: int, progress_dir: Path, params: ResilienceParams,
+              out_dir: Path, attempt: int, why: str) -> list[RankReport]:
+    """Every local rank's stack and state into ``out_dir``; this node's report written last."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    progress = read_progress(progress_dir)
+    pids = worker_pids(run, node_rank)
+    reports = []
+    for rank in local_ranks(node_rank, nproc_per_node):
+        p: RankProgress | None = progress.get(rank)
+        pid = pids.get(rank) or (p.pid if p and process_start_time(p.pid) is not None else None)
+        state = process_state(pid) if pid else "gone"
+        read, stack = dump_stack(pid, state, progress_dir / f"rank{rank}.stack") if pid and state != "gone" else \
+            (False, "the process is gone")
+        limit = phase_limit_s(p, params) if p else None
+        elapsed = now - p.phase_started_at if p else None
+        dump = out_dir / f"node{node_rank}_rank{rank}.txt"
+        header = [f"rank {rank} (node {node_rank}, {host}), pid {pid}, attempt {attempt}, process state {state}",
+                  f"progress: {p.phase} of iteration {p.iteration} for {elapsed:.1f} s" +
+                  (f" (limit {limit:.0f} s)" if limit else "") if p else "progress: never reported",
+                  f"hang: {why}", ""]
+        dump.write_text("\n".join(header) + stack + "\n")
+        reports.append(RankReport(rank, node_rank, host, pid, state, p.phase if p else None, p.iteration if p else None,
+                                  elapsed, limit, p.phase_started_at if p else None, read,
+                                  in_collective(stack) if read else None, str(dump)))
+    report_path = out_dir / f"node{node_rank}.json"
+    tmp = report_path.with_name(f".{report_path.name}.tmp")
+    tmp.write_text(json.dumps([asdict(r) for r in reports], indent=1))
+    os.replace(tmp, report_path)
+    return reports
+
+
+def read_node_report(out_dir: Path, node_rank: int) -> list[RankReport] | None:
+    try:
+        return [RankReport(**r) for r in json.loads((out_dir / f"node{node_rank}.json").read_text())]
+    except (FileNotFoundError, ValueError, TypeError):
+        return None
+
+
+# -- who hung (pure) --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Suspects:
+    ranks: tuple[RankReport, ...]
+    why: str
+    others: str = ""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def find_suspects(reports: list[RankReport]) -> Suspects:
+    """The rank(s) that hung, in order of evidence: stopped processes (state T); else ranks whose
+    stack is outside any collective while others wait in one; else ranks behind the others'
+    iteration; else the rank(s) that went silent first."""
+    if not reports:
+        return Suspects((), "no rank reported")
+    stopped = [r for r in reports if r.process_state == "T"]
+    if stopped:
+        return Suspects(tuple(stopped), "stopped (process state T: SIGSTOP, a job-control stop or a debugger)",
+                        _others(reports, stopped))
+    gone = [r for r in reports if r.process_state in ("gone", "Z")]
+    if gone:
+        return Suspects(tuple(gone), "gone (the process ended while its peers waited)", _others(reports, gone))
+    read = [r for r in reports if r.stack_read]
+    outside = [r for r in read if r.in_collective is False]
+    if outside and len(outside) < len(reports):
+        return Suspects(tuple(outside), "not inside a collective while the others wait in one", _others(reports, outside))
+    iterations = [r.iteration for r in reports if r.iteration is not None]
+    if iterations and min(iterations) < max(iterations):
+        behind = [r for r in reports if r.iteration == min(iterations)]
+        return Suspects(tuple(behind), f"behind the others (iteration {min(iterations)}, the others at {max(iterations)})",
+                        _others(reports, behind))
+    reported = [r for r in reports if r.last_report_at is not None]
+    never = [r for r in reports if r.last_report_at is None]
+    if never and reported:
+        return Suspects(tuple(never), "never reported progress", _others(reports, never))
+    if reported:
+        first = min(r.last_report_at for r in reported)
+        silent = [r for r in reported if r.last_report_at - first < 1.0]
+        if len(silent) < len(reports):
+            return Suspects(tuple(silent), "silent first (their last progress report is the oldest)", _others(reports, silent))
+    return Suspects(tuple(reports), "every rank waits alike: no single suspect (a collective that never completes, e.g. a "
+                                    "network fault)")
+
+
+def _others(reports: list[RankReport], suspects: list[RankReport]) -> str:
+    rest = [r for r in reports if r not in suspects]
+    waiting = [r for r in rest if r.in_collective]
+    return (f"{len(waiting)} of the other {len(rest)} rank(s) wait in a collective" if rest else "")

@@ -1,0 +1,216 @@
+"""Runs that finish unattended, on one node: the restart decision and the suspects (pure), then real
+runs through the scripts — a worker SIGKILLed and later another SIGSTOPped with MAX_RESTARTS=3
+finishes by itself with an uninterrupted run's loss at every iteration; ``stop --save`` saves and
+the next start resumes there; ENGINE=megatron-lm's log watch finds a stopped last rank. The
+2-node hang, restart and breaker tests are in test_multinode.py, the Slurm time limit in
+test_slurm.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.run_spec.checkpoints import latest_iteration
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.resilience import RankProgress, ResilienceParams, phase_limit_s, read_resilience_overrides
+from orchestration.node.attempts import AttemptEnd, AttemptRecord, decide
+from orchestration.node.processes import process_environ
+from orchestration.node.run_state import RunState
+from orchestration.node.watchdog import RankReport, find_suspects, in_collective
+
+from conftest import (REPO, assert_same_losses, clean_env, free_port, last_iteration, run_script, tagged_pids, wait_for,
+                      write_data_set)
+
+POLICY = ResilienceParams(max_restarts=3, attempts_without_progress=2)
+
+
+# -- pure parts ---------------------------------------------------------------------------------------
+
+def _end(rank, state=RunState.FAILED, requested=False):
+    return AttemptEnd(rank, 1, state, "x", requested)
+
+
+def _record(attempt, start, end):
+    return AttemptRecord(attempt, "r-1", 0.0, start, 1.0, RunState.FAILED, "x", end)
+
+
+def test_decide_restarts_gives_up_and_ends():
+    ends = {0: _end(0, RunState.STOPPED), 1: _end(1)}
+    progressed = [_record(1, None, 50)]
+    d = decide(1, ends, progressed, POLICY, 0, RunState.FAILED, "node 1 failed")
+    assert d.restart and d.next_attempt == 2 and d.backoff_s == POLICY.restart_backoff_s
+    assert d.reason == "restarting as attempt 2 in 5 s: node 1 failed"
+    stuck = [_record(1, None, 50), _record(2, 50, 50), _record(3, 50, 50)]
+    gave_up = decide(3, ends, stuck, POLICY, 2, RunState.HUNG, "node 1 hung: ...")
+    assert not gave_up.restart and gave_up.state == RunState.GAVE_UP
+    assert gave_up.reason.startswith("2 attempts in a row made no progress (no new checkpoint); the last ended: node 1 hung")
+    assert decide(1, {0: _end(0), 1: None}, progressed, POLICY, 0, RunState.FAILED, "x").reason.startswith(
+        "node(s) 1 did not end attempt 1 within 120 s")
+    assert decide(1, {0: _end(0, RunState.STOPPED, requested=True), 1: _end(1)}, progressed, POLICY, 0,
+                  RunState.FAILED, "x").state == RunState.STOPPED
+    spent = decide(4, ends, [_record(4, 50, 60)], POLICY, 3, RunState.FAILED, "node 1 failed")
+    assert not spent.restart and spent.state == RunState.FAILED and "after 3 restart(s) (MAX_RESTARTS=3)" in spent.reason
+
+
+def _report(rank, state="S", iteration=10, collective=True, last=100.0, read=True):
+    return RankReport(rank, rank // 2, f"node{rank // 2}", 1000 + rank, state, "step", iteration, 31.0, 30.0, last, read,
+                      collective if read else None, f"node{rank // 2}_rank{rank}.txt")
+
+
+def test_suspects_in_order_of_evidence():
+    assert [r.rank for r in find_suspects([_report(0), _report(1), _report(2), _report(3, "T")]).ranks] == [3]
+    outside = find_suspects([_report(0), _report(1, collective=False), _report(2), _report(3)])
+    assert [r.rank for r in outside.ranks] == [1] and outside.why.startswith("not inside a collective")
+    behind = find_suspects([_report(0, iteration=11), _report(1, iteration=10), _report(2, iteration=11)])
+    assert [r.rank for r in behind.ranks] == [1] and behind.why == "behind the others (iteration 10, the others at 11)"
+    silent = find_suspects([_report(0, last=100.0), _report(1, last=90.0), _report(2, last=100.0)])
+    assert [r.rank for r in silent.ranks] == [1] and silent.why.startswith("silent first")
+    alike = find_suspects([_report(0), _report(1)])
+    assert len(alike.ranks) == 2 and alike.why.startswith("every rank waits alike")
+
+
+PY_SPY = '''Process 4242: python -m megatron_ext.pretrain
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 4242 (idle): "MainThread"
+    all_reduce (torch/distributed/distributed_c10d.py:2501)
+    train_step (megatron_ext/training/loop.py:240)
+Thread 4250 (idle): "prefetch"
+    _worker (concurrent/futures/thread.py:81)
+'''
+FAULTHANDLER = '''Thread 0x00007ff0f77fe6c0 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 331 in wait
+
+Current thread 0x00007ff152dc7b80 (most recent call first):
+  File "/work/megatron_ext/training/loop.py", line 210 in _loss
+  File "/work/megatron_ext/training/loop.py", line 235 in train_step
+'''
+
+
+def test_collectives_are_read_from_the_main_thread_of_either_dump():
+    assert in_collective(PY_SPY)
+    assert not in_collective(PY_SPY.replace("all_reduce (torch/distributed/distributed_c10d.py:2501)", "forward (m.py:1)"))
+    assert not in_collective(FAULTHANDLER)
+    assert in_collective(FAULTHANDLER.replace("line 210 in _loss", "line 1 in _engine_run_backward"))
+
+
+def test_phase_limits_and_their_overrides():
+    p = ResilienceParams(hang_step_floor_s=30, hang_step_factor=5, hang_warmup_steps=3)
+
+    def progress(phase, steps, slowest):
+        return RankProgress(0, 0, "h", 1, 1, 5, phase, 0.0, steps, slowest)
+
+    assert phase_limit_s(progress("step", 10, 2.0), p) == 30  # floor
+    assert phase_limit_s(progress("step", 10, 8.0), p) == 40  # 5 x the slowest recent step
+    assert phase_limit_s(progress("step", 1, 8.0), p) == p.hang_setup_s  # warm-up steps: setup's limit
+    assert phase_limit_s(progress("checkpoint", 10, 8.0), p) == p.hang_checkpoint_s
+    assert phase_limit_s(progress("prepare", 0, None), p) is None  # a corpus takes as long as it takes
+    assert read_resilience_overrides({"MAX_RESTARTS": "3", "HANG_STEP_FLOOR_S": "60", "HANG_WATCHDOG": "0"}) == {
+        "max_restarts": 3, "hang_step_floor_s": 60.0, "hang_watchdog": False}
+    with pytest.raises(UserError, match=r"MAX_RESTARTS='many' must be a whole number >= 0, e.g. 3"):
+        read_resilience_overrides({"MAX_RESTARTS": "many"})
+
+
+# -- real runs on this machine ------------------------------------------------------------------------
+
+@pytest.fixture()
+def env(artifact_root):
+    return clean_env(ARTIFACT_ROOT=str(artifact_root), MASTER_PORT=str(free_port()))
+
+
+def worker(run: str, rank: int) -> int | None:
+    return next((p for p in tagged_pids(run) if process_environ(p).get("RANK") == str(rank)), None)
+
+
+def status_of(run: str, env: dict) -> dict:
+    return json.loads(run_script("status_training.sh", run, "--json", env=env).stdout.splitlines()[0])
+
+
+def test_a_killed_and_a_stopped_worker_with_restarts_finish_with_the_same_losses(env, artifact_root, unattended):
+    """MAX_RESTARTS=3: SIGKILL of rank 1 after the first checkpoint -> attempt 2 resumes; SIGSTOP of
+    rank 0 after the next one -> the watchdog (step floor 5 s) dumps the stacks and attempt 3
+    resumes; the run reaches its last iteration by itself, every iteration's loss equal to an
+    uninterrupted run's, nothing left running."""
+    data, reference = unattended
+    run = "unattended_1n"
+    log = artifact_root / "logs" / f"{run}_node0.log"
+    checkpoints = artifact_root / "runs" / run / "checkpoints"
+    start = run_script("start_training.sh", "gpt_smoke", data, run, env={**env, "MAX_RESTARTS": "3", "HANG_STEP_FLOOR_S": "5"})
+    assert start.returncode == 0, start.stdout + start.stderr
+    assert "restarts: up to 3 (backoff 5 s; gives up after 2 attempts without a new checkpoint)" in start.stdout
+    try:
+        wait_for(lambda: (latest_iteration(checkpoints) or 0) >= 50 and last_iteration(log) > 55, 240, what="a checkpoint")
+        os.kill(worker(run, 1), signal.SIGKILL)
+        wait_for(lambda: status_of(run, env).get("attempt") == 2, 120, what="attempt 2")
+        wait_for(lambda: (latest_iteration(checkpoints) or 0) >= 150 and last_iteration(log) > 160, 300,
+                 what="attempt 2 past another checkpoint")
+        os.kill(worker(run, 0), signal.SIGSTOP)
+        wait_for(lambda: not tagged_pids(run), 600, what="the run to finish by itself")
+    finally:
+        run_script("stop_training.sh", run, env=env)
+    node = status_of(run, env)
+    assert node["state"] == "finished" and node["attempt"] == 3, node
+    text = run_script("status_training.sh", run, env=env).stdout
+    assert "attempt 3 of 4: finished" in text, text
+    assert "attempt 1 failed (checkpoint - -> " in text and "attempt 2 hung (checkpoint " in text, text
+    dumps = artifact_root / "runs" / run / "hangs" / "2"
+    stopped = (dumps / "node0_rank0.txt").read_text()
+    assert "process state T" in stopped and "Thread" in stopped and "(megatron_ext/training/" in stopped, stopped
+    failure = (artifact_root / "run_state" / f"{run}_a2.failure.txt").read_text()
+    assert failure.startswith("node 0 hung: rank 0 (node 0) stopped (process state T"), failure
+    assert_same_losses(artifact_root / "runs" / run / "metrics.jsonl", reference)
+    lines = log.read_text()
+    assert "attempt 2 of 4: starting torchrun (the ranks resume from the checkpoint at iteration" in lines
+    assert tagged_pids(run) == []
+
+
+def test_stop_save_saves_at_the_next_step_and_the_next_start_resumes(env, artifact_root, tmp_path):
+    data = write_data_set(tmp_path / "long.yaml", train_iters=5000)
+    run = "saved_on_request"
+    log = artifact_root / "logs" / f"{run}_node0.log"
+    assert run_script("start_training.sh", "gpt_smoke", data, run, env=env).returncode == 0
+    try:
+        wait_for(lambda: last_iteration(log) >= 3, 180, what="three iterations")
+        stop = run_script("stop_training.sh", run, "--save", env=env)
+        assert stop.returncode == 0 and f"run {run}: node0 preempted" in stop.stdout, stop.stdout + stop.stderr
+        saved = latest_iteration(artifact_root / "runs" / run / "checkpoints")
+        assert saved is not None and saved >= 3 and f"preempted: saved a checkpoint at iteration {saved}" in log.read_text()
+        assert status_of(run, env)["state"] == "preempted" and tagged_pids(run) == []
+        again = run_script("start_training.sh", "gpt_smoke", data, run, env=env)
+        assert again.returncode == 0 and f"resuming from iteration {saved}" in again.stdout, again.stdout
+    finally:
+        run_script("stop_training.sh", run, env=env)
+    assert tagged_pids(run) == []
+
+
+def test_megatron_lm_log_watch_finds_a_stopped_last_rank(env, artifact_root, tmp_path):
+    """ENGINE=megatron-lm writes no progress files: the supervisor of the last rank's node times the
+    iteration lines (the stand-in checkout of test_megatron_lm.py prints one every 0.2 s)."""
+    from test_megatron_lm import STANDIN_PRETRAIN_GPT, all_rendered_flags, write_checkout
+
+    checkout = write_checkout(tmp_path / "Megatron-LM", (0, 16, 1), all_rendered_flags())
+    (checkout / "pretrain_gpt.py").write_text(STANDIN_PRETRAIN_GPT)
+    data = tmp_path / "lm.yaml"
+    data.write_text((REPO / "params" / "data" / "smoke.yaml").read_text().replace("train_iters: 30", "train_iters: 2000"))
+    run = "lm_hang"
+    lm_env = {**env, "ENGINE": "megatron-lm", "MEGATRON_LM_DIR": str(checkout), "HANG_STEP_FLOOR_S": "3"}
+    start = run_script("start_training.sh", "gpt_smoke", str(data), run, env=lm_env)
+    assert start.returncode == 0 and "(Megatron-LM: from its iteration lines)" in start.stdout, start.stdout + start.stderr
+    log = artifact_root / "logs" / f"{run}_node0.log"
+    try:
+        wait_for(lambda: last_iteration(log) >= 5, 120, what="iteration lines")
+        stopped_at = time.monotonic()
+        os.kill(worker(run, 1), signal.SIGSTOP)  # the last rank: the one that prints
+        wait_for(lambda: not tagged_pids(run), 60, what="the hung run to end")
+        assert time.monotonic() - stopped_at < 30
+    finally:
+        run_script("stop_training.sh", run, env=lm_env)
+    failure = (artifact_root / "run_state" / f"{run}_failure.txt").read_text()
+    assert failure.startswith("node 0 hung: rank 1 (node 0) stopped (process state T"), failure
+    assert "no iteration line after iteration" in failure
+    assert status_of(run, lm_env)["state"] == "hung"
