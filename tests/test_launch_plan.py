@@ -127,7 +127,9 @@ def test_dry_run_prints_one_json_line_per_node_and_starts_nothing(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(l) for l in proc.stdout.splitlines()]
     assert [(l["node_rank"], l["host"]) for l in lines] == [(0, "node0"), (1, "node1")]
-    assert set(lines[0]) == {"run", "run_id", "node_rank", "host", "argv", "env", "unset", "cwd", "log_path", "pid_path"}
+    assert set(lines[0]) == {"run", "run_id", "node_rank", "host", "argv", "env", "unset", "cwd", "log_path", "pid_path",
+                             "engine", "resilience", "first_attempt", "save_signal"}
+    assert lines[0]["resilience"]["max_restarts"] == 0 and lines[0]["first_attempt"] == 1
     argv = lines[1]["argv"]
     assert argv[argv.index("--zero-stage") + 1] == "3" and lines[1]["env"]["GLOO_SOCKET_IFNAME"] == "eth0"
     assert lines[1]["env"]["ARTIFACT_ROOT"] == str(tmp_path) and lines[1]["unset"] == ["CUDA_DEVICE_MAX_CONNECTIONS"]

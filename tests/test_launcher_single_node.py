@@ -65,20 +65,27 @@ def test_start_status_stop_one_node_spares_other_run(env, artifact_root, tmp_pat
 
 
 def test_leftover_workers_are_swept(env, artifact_root, tmp_path):
-    """torchrun SIGKILLed orphans its workers; stop still finds them by the run tag."""
+    """torchrun SIGKILLed orphans its workers (they live in sessions of their own): the node's
+    supervisor sweeps them by the run tag; with the supervisor gone too, stop still finds them."""
     data = write_data_set(tmp_path / "long.yaml", train_iters=5000)
-    assert run_script("start_training.sh", "gpt_smoke", data, "orphans", env=env).returncode == 0
-    try:
-        record = json.loads((artifact_root / "run_state" / "orphans_node0.pid").read_text())
-        wait_for(lambda: len(tagged_pids("orphans")) >= 3, 60, what="torchrun and its 2 workers")
-        os.kill(record["pid"], 9)
-        wait_for(lambda: record["pid"] not in tagged_pids("orphans"), 10, what="torchrun to die")
-        assert tagged_pids("orphans"), "workers survive their torchrun"
-        stop = run_script("stop_training.sh", "orphans", env=env)
-        assert stop.returncode == 0 and "swept" in stop.stdout
-        assert tagged_pids("orphans") == []
-    finally:
-        run_script("stop_training.sh", "orphans", env=env)
+    for run, supervisor_too in (("orphans", False), ("orphans_alone", True)):
+        assert run_script("start_training.sh", "gpt_smoke", data, run, env=env).returncode == 0
+        try:
+            record = json.loads((artifact_root / "run_state" / f"{run}_node0.pid").read_text())
+            wait_for(lambda: len(tagged_pids(run)) >= 4, 60, what="the supervisor, torchrun and its 2 workers")
+            if supervisor_too:
+                os.kill(record["supervisor_pid"], 9)
+            os.kill(record["pid"], 9)
+            wait_for(lambda: record["pid"] not in tagged_pids(run), 10, what="torchrun to die")
+            if supervisor_too:
+                assert tagged_pids(run), "workers survive their torchrun"
+                stop = run_script("stop_training.sh", run, env=env)
+                assert stop.returncode == 0 and "swept" in stop.stdout
+            else:
+                wait_for(lambda: not tagged_pids(run), 30, what="the supervisor to sweep the orphaned workers")
+            assert tagged_pids(run) == []
+        finally:
+            run_script("stop_training.sh", run, env=env)
 
 
 def test_container_name_uses_docker_exec(env, artifact_root, tmp_path):

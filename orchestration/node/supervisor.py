@@ -182,6 +182,8 @@ class Supervisor:
             if saving and self._preempted():
                 return AttemptEnd(self.rank, self.attempt, RunState.PREEMPTED, "saved a checkpoint on request and ended")
             return AttemptEnd(self.rank, self.attempt, RunState.FINISHED, "torchrun exited with code 0")
+        # torchrun is gone; its workers, in sessions of their own, may not be (torchrun SIGKILLed): sweep them
+        processes.stop_run(self.plan.run, self.rank, self.plan.host, self.plan.pid_file, grace_s=0.0, signal_group=False)
         if self.stopping:
             return AttemptEnd(self.rank, self.attempt, RunState.STOPPED, "stopped on request", requested=True)
         text = failure_summary(self.rank, self.plan.host, code, tail(Path(self.plan.log_path), LOG_TAIL_LINES))

@@ -1,0 +1,127 @@
+"""Faults and their cost, measured side by side in one invocation (one node, 2 CPU processes, gpt_smoke).
+
+    python benchmarks/resilience.py                  # the watchdog's default limits (30 s step floor)
+    python benchmarks/resilience.py --floor-s 10     # a shorter floor
+
+1. The progress reporting's cost per step: the training program under torchrun with the
+   supervisor's progress directory (a progress file per phase, the per-step save-flag agreement)
+   and without, alternating, median step time after the warm-up; the ratio.
+2. Per fault kind, through start_training.sh with MAX_RESTARTS=1: the time from the fault to every
+   process of the attempt gone, and to the first iteration of the next attempt. Faults: a worker
+   SIGKILLed, a worker SIGSTOPped (a hang: the watchdog's step limit, the stack dumps), torchrun
+   SIGKILLed (orphaned workers), and ``stop --save`` (request to every process ended, saved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
+
+from conftest import clean_env, free_port, last_iteration, tagged_pids, write_data_set  # noqa: E402
+from megatron_ext.run_spec.iteration_log import parse_log, read_metrics  # noqa: E402
+from orchestration.node.processes import process_environ  # noqa: E402
+
+
+def script(name: str, *args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "training_scripts" / name), *args], env=env, capture_output=True, text=True)
+
+
+def wait(predicate, timeout_s: float, poll_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise TimeoutError
+
+
+def progress_cost(root: Path, data: str, repeats: int) -> tuple[float, float]:
+    """Median step time without and with the progress directory, alternating runs."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for rep in range(repeats):
+        for reporting in (False, True):
+            run = f"bench_progress_{int(reporting)}_{rep}"
+            env = clean_env(ARTIFACT_ROOT=str(root))
+            if reporting:
+                env["LAUNCHER_PROGRESS_DIR"] = tempfile.mkdtemp(prefix="progress_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                            "--master-port", str(free_port()), "-m", "megatron_ext.pretrain", "--model", "gpt_smoke",
+                            "--data", data, "--run-name", run], cwd=REPO, env=env, check=True, capture_output=True)
+            times[reporting] += [r.step_time_s for r in read_metrics(root / "runs" / run / "metrics.jsonl")[3:]]
+    return statistics.median(times[False]), statistics.median(times[True])
+
+
+def workers(run: str) -> dict[int, int]:
+    out = {}
+    for pid in tagged_pids(run):
+        rank = process_environ(pid).get("RANK")
+        if rank is not None:
+            out[int(rank)] = pid
+    return out
+
+
+def fault(root: Path, data: str, kind: str, floor_s: float) -> tuple[float, float | None]:
+    """(fault -> the attempt's processes gone, fault -> the next attempt's first iteration)."""
+    run = "bench_fault_" + "".join(c if c.isalnum() else "_" for c in kind).strip("_")
+    env = clean_env(ARTIFACT_ROOT=str(root), MASTER_PORT=str(free_port()), MAX_RESTARTS="1", HANG_STEP_FLOOR_S=str(floor_s))
+    log = root / "logs" / f"{run}_node0.log"
+    assert script("start_training.sh", "gpt_smoke", data, run, env=env).returncode == 0
+    try:
+        wait(lambda: last_iteration(log) >= 25, 300)
+        before = workers(run)
+        record_pid = int(json.loads((root / "run_state" / f"{run}_node0.pid").read_text())["pid"])
+        at = time.monotonic()
+        if kind == "worker SIGKILL":
+            os.kill(before[1], signal.SIGKILL)
+        elif kind == "worker SIGSTOP (hang)":
+            os.kill(before[1], signal.SIGSTOP)
+        elif kind == "torchrun SIGKILL":
+            os.kill(record_pid, signal.SIGKILL)
+        else:
+            subprocess.Popen(["bash", str(REPO / "training_scripts" / "stop_training.sh"), run, "--save"], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait(lambda: not (set(before.values()) & set(tagged_pids(run))), 300)
+        gone = time.monotonic() - at
+        if kind.startswith("stop"):
+            return gone, None
+        marker = "attempt 2 of 2: starting torchrun"
+        wait(lambda: marker in log.read_text(errors="replace"), 300)
+        wait(lambda: any(r.iteration for r in parse_log(log.read_text(errors="replace").split(marker, 1)[1])[0]), 300)
+        return gone, time.monotonic() - at
+    finally:
+        script("stop_training.sh", run, env=env)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--floor-s", type=float, default=30.0, help="HANG_STEP_FLOOR_S (default: the watchdog's own, 30)")
+    p.add_argument("--repeats", type=int, default=3, help="alternating runs with and without progress reporting")
+    args = p.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="bench_resilience_"))
+    short = write_data_set(root / "short.yaml", train_iters=40)
+    long = write_data_set(root / "long.yaml", train_iters=5000, save_interval=20)
+    without, with_ = progress_cost(root, short, args.repeats)
+    print("progress reporting (gpt_smoke, 1 node x 2 CPU processes, median step after 3 warm-up steps)")
+    print(f"  without {without * 1000:.1f} ms, with {with_ * 1000:.1f} ms per step: ratio {with_ / without:.3f}")
+    print(f"\nfaults (MAX_RESTARTS=1, HANG_STEP_FLOOR_S={args.floor_s:g}, checkpoint every 20 iterations)")
+    print(f"{'fault':<24} {'to every process gone s':>23} {'to next attempt first iteration s':>34}")
+    for kind in ("worker SIGKILL", "worker SIGSTOP (hang)", "torchrun SIGKILL", "stop --save"):
+        gone, next_first = fault(root, long, kind, args.floor_s)
+        print(f"{kind:<24} {gone:>23.1f} {'-' if next_first is None else f'{next_first:.1f}':>34}")
+
+
+if __name__ == "__main__":
+    main()
