@@ -3,9 +3,10 @@
     python benchmarks/resilience.py                  # the watchdog's default limits (30 s step floor)
     python benchmarks/resilience.py --floor-s 10     # a shorter floor
 
-1. The progress reporting's cost per step: the training program under torchrun with the
-   supervisor's progress directory (a progress file per phase, the per-step save-flag agreement)
-   and without, alternating, median step time after the warm-up; the ratio.
+1. The progress reporting's cost per step: the training program under torchrun with what the
+   supervisor gives it (the progress directory: a progress file per phase, the per-step save-flag
+   agreement; torch's flight recorder) and without, alternating, median step time after the
+   warm-up; the ratio.
 2. Per fault kind, through start_training.sh with MAX_RESTARTS=1: the time from the fault to every
    process of the attempt gone, and to the first iteration of the next attempt. Faults: a worker
    SIGKILLed, a worker SIGSTOPped (a hang: the watchdog's step limit, the stack dumps), torchrun
@@ -49,19 +50,54 @@ def wait(predicate, timeout_s: float, poll_s: float = 0.05):
 
 
 def progress_cost(root: Path, data: str, repeats: int) -> tuple[float, float]:
-    """Median step time without and with the progress directory, alternating runs."""
+    """Median step time without and with what the supervisor gives the ranks, in ABBA order (a
+    drift of the machine's speed hits both arms alike)."""
     times: dict[bool, list[float]] = {False: [], True: []}
     for rep in range(repeats):
-        for reporting in (False, True):
+        for reporting in ((False, True) if rep % 2 == 0 else (True, False)):
             run = f"bench_progress_{int(reporting)}_{rep}"
             env = clean_env(ARTIFACT_ROOT=str(root))
-            if reporting:
+            if reporting:  # what the supervisor sets: the progress directory, and the flight recorder
                 env["LAUNCHER_PROGRESS_DIR"] = tempfile.mkdtemp(prefix="progress_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+                env["TORCH_FR_BUFFER_SIZE"] = "2000"
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                             "--master-port", str(free_port()), "-m", "megatron_ext.pretrain", "--model", "gpt_smoke",
                             "--data", data, "--run-name", run], cwd=REPO, env=env, check=True, capture_output=True)
-            times[reporting] += [r.step_time_s for r in read_metrics(root / "runs" / run / "metrics.jsonl")[3:]]
+            times[reporting].append(statistics.median(r.step_time_s for r in read_metrics(root / "runs" / run / "metrics.jsonl")[3:]))
     return statistics.median(times[False]), statistics.median(times[True])
+
+
+def per_step_work() -> str:
+    """The two things a step does more, timed directly in 2 gloo ranks: the progress file's
+    rewrite and the save flag's all-reduce (microseconds each)."""
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                          "127.0.0.1", "--master-port", str(free_port()), __file__, "--per-step-work"], cwd=REPO,
+                         env={**clean_env(), "TORCH_FR_BUFFER_SIZE": "2000"}, check=True, capture_output=True, text=True)
+    return next(line for line in out.stdout.splitlines() if line.startswith("per step:"))
+
+
+def _per_step_work_rank() -> None:
+    import torch.distributed as dist
+
+    from megatron_ext.training.progress import ProgressReporter, SaveRequest
+
+    dist.init_process_group("gloo")
+    reporter = ProgressReporter(Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)),
+                                dist.get_rank(), dist.get_rank(), 1)
+    flag, n = SaveRequest(True), 2000
+    started = time.perf_counter()
+    for i in range(n):
+        reporter.phase("step", i)
+        reporter.step_done(0.1)
+    write_us = 1e6 * (time.perf_counter() - started) / n
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(n):
+        flag.agreed()
+    agree_us = 1e6 * (time.perf_counter() - started) / n
+    if dist.get_rank() == 0:
+        print(f"per step: progress file {write_us:.0f} us, save-flag all-reduce {agree_us:.0f} us", flush=True)
+    dist.destroy_process_group()
 
 
 def workers(run: str) -> dict[int, int]:
@@ -108,14 +144,22 @@ def fault(root: Path, data: str, kind: str, floor_s: float) -> tuple[float, floa
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--floor-s", type=float, default=30.0, help="HANG_STEP_FLOOR_S (default: the watchdog's own, 30)")
-    p.add_argument("--repeats", type=int, default=3, help="alternating runs with and without progress reporting")
+    p.add_argument("--repeats", type=int, default=6, help="runs with and without progress reporting (ABBA order)")
+    p.add_argument("--progress-only", action="store_true", help="only the progress reporting's cost")
+    p.add_argument("--per-step-work", action="store_true", help=argparse.SUPPRESS)  # a rank of per_step_work()
     args = p.parse_args()
+    if args.per_step_work:
+        return _per_step_work_rank()
     root = Path(tempfile.mkdtemp(prefix="bench_resilience_"))
     short = write_data_set(root / "short.yaml", train_iters=40)
     long = write_data_set(root / "long.yaml", train_iters=5000, save_interval=20)
     without, with_ = progress_cost(root, short, args.repeats)
     print("progress reporting (gpt_smoke, 1 node x 2 CPU processes, median step after 3 warm-up steps)")
-    print(f"  without {without * 1000:.1f} ms, with {with_ * 1000:.1f} ms per step: ratio {with_ / without:.3f}")
+    print(f"  without {without * 1000:.1f} ms, with {with_ * 1000:.1f} ms per step: ratio {with_ / without:.3f} "
+          f"(medians of {args.repeats} runs each, ABBA order)")
+    print(f"  {per_step_work()}, against a {without * 1000:.1f} ms step")
+    if args.progress_only:
+        return
     print(f"\nfaults (MAX_RESTARTS=1, HANG_STEP_FLOOR_S={args.floor_s:g}, checkpoint every 20 iterations)")
     print(f"{'fault':<24} {'to every process gone s':>23} {'to next attempt first iteration s':>34}")
     for kind in ("worker SIGKILL", "worker SIGSTOP (hang)", "torchrun SIGKILL", "stop --save"):

@@ -285,6 +285,8 @@ def test_a_stopped_worker_on_node_1_is_a_hang_found_explained_and_stopped(cluste
         stuck = (dumps / "node1_rank3.txt").read_text()
         assert "process state T" in stuck and '"MainThread"' in stuck and "(megatron_ext/training/" in stuck, stuck
         assert "in a collective" in failure  # its peers wait for it
+        waiting = (dumps / "node0_rank0.txt").read_text()  # a rank that still runs: its flight recorder too
+        assert "flight recorder: last collective #" in waiting and (dumps / "node0_rank0.flight_recorder.json").is_file()
         assert _states(run, env) == ["hung", "hung"]
         assert "run failed: node 1 hung: rank 3" in run_script("status_training.sh", run, env=env).stdout
     finally:

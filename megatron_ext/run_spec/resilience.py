@@ -31,6 +31,13 @@ PROGRESS_DIR_ENV = "LAUNCHER_PROGRESS_DIR"
 """Set by the node's supervisor for its torchrun: the node-local directory the ranks report into."""
 ATTEMPT_ENV = "LAUNCHER_ATTEMPT"
 """Set by the node's supervisor: the attempt of the run (1, then 2 after the first restart, ...)."""
+FLIGHT_RECORDER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+"""torch's flight recorder (every collective of every process group, gloo and NCCL alike): the
+supervisor sets the first to FLIGHT_RECORDER_ENTRIES unless either is set."""
+FLIGHT_RECORDER_ENTRIES = 2000
+DUMP_REQUEST = "dump_request"
+"""Touched in the progress directory by the supervisor on a hang: every rank that still runs
+writes its flight recorder to ``rank<R>.fr.json`` beside its progress file."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@
 
 :class:`ProgressReporter` rewrites ``<dir>/rank<R>.json`` (:class:`~megatron_ext.run_spec.resilience.RankProgress`)
 at every phase change: no collective, one small atomic write in a node-local directory (tmpfs)
-per step; SIGUSR2 makes faulthandler write every thread's stack beside it. :class:`SaveRequest` is Megatron-LM's DistributedSignalHandler in this program: SIGUSR1
+per step; SIGUSR2 makes faulthandler write every thread's stack beside it, and a request file
+makes a thread write the rank's flight recorder (torch's record of its collectives) there. :class:`SaveRequest` is Megatron-LM's DistributedSignalHandler in this program: SIGUSR1
 (sent by the supervisor to each rank when a preemption or a time limit comes, or a ``stop --save``)
 sets a flag, and at every step boundary the ranks agree on it with one all-reduce of one integer on
 a gloo group (host memory: no CUDA synchronisation), so all of them save the same iteration and
@@ -15,9 +16,11 @@ a signal handler, the collective.
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import signal
 import socket
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -25,7 +28,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_ext.run_spec.resilience import RECENT_STEPS, RankProgress, write_progress
+from megatron_ext.run_spec.resilience import DUMP_REQUEST, RECENT_STEPS, RankProgress, write_progress
+
+FLIGHT_RECORDER_POLL_S = 0.5
+DUMP_FLIGHT_RECORDER = getattr(torch._C._distributed_c10d, "_dump_fr_trace_json", None)
+"""torch >= 2.6: every collective this process issued, per process group, gloo and NCCL alike."""
 
 
 class ProgressReporter:
@@ -43,6 +50,7 @@ class ProgressReporter:
             # so it works inside a collective too: the supervisor's dump when py-spy cannot read the rank.
             self._stack_file = open(directory / f"rank{rank}.stack", "a")
             faulthandler.register(signal.SIGUSR2, file=self._stack_file, all_threads=True)
+            threading.Thread(target=self._flight_recorder, name="flight-recorder", daemon=True).start()
 
     @property
     def enabled(self) -> bool:
@@ -57,6 +65,30 @@ class ProgressReporter:
             rank=self.rank, local_rank=self.local_rank, host=self.host, pid=self.pid, attempt=self.attempt,
             iteration=self.iteration, phase=name, phase_started_at=time.time(), steps_done=self.steps_done,
             slowest_recent_step_s=max(self.recent) if self.recent else None))
+
+    def _flight_recorder(self) -> None:
+        """On the supervisor's request, torch's flight recorder of this rank (the collectives it
+        issued, per process group) to ``rank<R>.fr.json``: a thread, so it answers while the main
+        thread waits inside a collective (which releases the GIL)."""
+        request, out, seen = self.directory / DUMP_REQUEST, self.directory / f"rank{self.rank}.fr.json", 0.0
+        while True:
+            time.sleep(FLIGHT_RECORDER_POLL_S)
+            try:
+                asked = request.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            if asked <= seen:
+                continue
+            seen = asked
+            try:
+                if DUMP_FLIGHT_RECORDER is None:
+                    raise RuntimeError("this torch has no flight recorder dump (_dump_fr_trace_json)")
+                text = DUMP_FLIGHT_RECORDER(True, False)
+            except Exception as exc:  # the recorder off, or a torch without it
+                text = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+            tmp = out.with_name(f".{out.name}.tmp")
+            tmp.write_bytes(text if isinstance(text, bytes) else text.encode())
+            os.replace(tmp, out)
 
     def step_done(self, seconds: float) -> None:
         self.steps_done += 1

@@ -41,7 +41,8 @@ from typing import Callable, Mapping
 
 from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.run_spec.iteration_log import parse_log
-from megatron_ext.run_spec.resilience import ATTEMPT_ENV, PROGRESS_DIR_ENV, ResilienceParams, read_progress
+from megatron_ext.run_spec.resilience import (ATTEMPT_ENV, FLIGHT_RECORDER_ENTRIES, FLIGHT_RECORDER_ENV, PROGRESS_DIR_ENV,
+                                              ResilienceParams, read_progress)
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.node import attempts, processes
 from orchestration.node.attempts import JOIN_S, AttemptEnd, Decision
@@ -129,6 +130,8 @@ class Supervisor:
         self.progress_dir.mkdir(parents=True)
         env = {**self.plan.process_environment(self.node_env), PROGRESS_DIR_ENV: str(self.progress_dir),
                ATTEMPT_ENV: str(self.attempt)}
+        if not any(name in env for name in FLIGHT_RECORDER_ENV):  # the collectives each rank issued, for the dumps
+            env[FLIGHT_RECORDER_ENV[0]] = str(FLIGHT_RECORDER_ENTRIES)
         with open(self.plan.log_path, "ab", buffering=0) as out:
             proc = subprocess.Popen(list(self.plan.argv), cwd=self.plan.cwd, env=env, stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT)

@@ -27,11 +27,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_ext.run_spec.iteration_log import parse_log
-from megatron_ext.run_spec.resilience import RankProgress, ResilienceParams, phase_limit_s, read_progress
+from megatron_ext.run_spec.resilience import DUMP_REQUEST, RankProgress, ResilienceParams, phase_limit_s, read_progress
 from orchestration.node.processes import process_environ, process_start_time, tagged_processes
 from orchestration.node.run_state import tail
 
 DUMP_TIMEOUT_S = 20.0
+FLIGHT_RECORDER_WAIT_S = 5.0
 LOG_CHECK_S = 2.0
 """How often the Megatron-LM log watch reads the log's tail."""
 FAULTHANDLER_WAIT_S = 2.0
@@ -146,6 +147,10 @@ class RankReport:
     in_collective: bool | None
     dump: str
     """The dump file."""
+    collective_seq: int | None = None
+    """The flight recorder's last collective sequence number on the default process group."""
+    last_collective: str | None = None
+    """What that collective was (``gloo:all_reduce``, ``nccl:_reduce_scatter_base``, ...)."""
 
 
 def process_state(pid: int) -> str:
@@ -230,13 +235,45 @@ def in_collective(stack: str) -> bool:
     return any(marker in main_thread(stack) for marker in COLLECTIVE_MARKERS)
 
 
+def request_flight_recorders(progress_dir: Path, ranks: list[int], stopped: set[int]) -> dict[int, Path]:
+    """Ask this node's ranks for their flight recorder; the files of those that answered within
+    FLIGHT_RECORDER_WAIT_S (a stopped rank cannot)."""
+    request = progress_dir / DUMP_REQUEST
+    asked = time.time()
+    request.touch()
+    os.utime(request, (asked, asked))
+    files = {rank: progress_dir / f"rank{rank}.fr.json" for rank in ranks if rank not in stopped}
+    deadline = time.monotonic() + FLIGHT_RECORDER_WAIT_S
+    while time.monotonic() < deadline:
+        if all(f.exists() and f.stat().st_mtime >= asked - 1 for f in files.values()):
+            break
+        time.sleep(0.1)
+    return {rank: f for rank, f in files.items() if f.exists() and f.stat().st_mtime >= asked - 1}
+
+
+def last_collective(flight_recorder: dict) -> tuple[int | None, str | None, str]:
+    """(sequence number, name, one line) of the last collective on the default process group."""
+    if "error" in flight_recorder:
+        return None, None, f"flight recorder: {flight_recorder['error']}"
+    entries = [e for e in flight_recorder.get("entries", []) if not e.get("is_p2p") and str(e.get("pg_id", 0)) == "0"]
+    if not entries:
+        return None, None, "flight recorder: no collective on the default process group yet"
+    e = max(entries, key=lambda e: e.get("collective_seq_id", 0))
+    seq, name = e.get("collective_seq_id"), e.get("profiling_name")
+    return seq, name, (f"flight recorder: last collective #{seq} {name} ({e.get('state')}), "
+                       f"{len(flight_recorder.get('entries', []))} recorded")
+
+
 def dump_node(run: str, node_rank: int, host: str, nproc_per_node: int, progress_dir: Path, params: ResilienceParams,
               out_dir: Path, attempt: int, why: str) -> list[RankReport]:
-    """Every local rank's stack and state into ``out_dir``; this node's report written last."""
+    """Every local rank's stack, state and flight recorder into ``out_dir``; this node's report
+    written last."""
     out_dir.mkdir(parents=True, exist_ok=True)
     now = time.time()
     progress = read_progress(progress_dir)
     pids = worker_pids(run, node_rank)
+    stopped = {rank for rank, pid in pids.items() if process_state(pid) == "T"}
+    recorders = request_flight_recorders(progress_dir, list(local_ranks(node_rank, nproc_per_node)), stopped)
     reports = []
     for rank in local_ranks(node_rank, nproc_per_node):
         p: RankProgress | None = progress.get(rank)
@@ -247,14 +284,23 @@ def dump_node(run: str, node_rank: int, host: str, nproc_per_node: int, progress
         limit = phase_limit_s(p, params) if p else None
         elapsed = now - p.phase_started_at if p else None
         dump = out_dir / f"node{node_rank}_rank{rank}.txt"
+        seq, name, recorded = None, None, "flight recorder: no answer (the rank is stopped, or did not answer in time)"
+        if rank in recorders:
+            copy = out_dir / f"node{node_rank}_rank{rank}.flight_recorder.json"
+            shutil.copyfile(recorders[rank], copy)
+            try:
+                seq, name, recorded = last_collective(json.loads(copy.read_text()))
+            except ValueError:
+                recorded = "flight recorder: unreadable"
+            recorded += f"; {copy.name}"
         header = [f"rank {rank} (node {node_rank}, {host}), pid {pid}, attempt {attempt}, process state {state}",
                   f"progress: {p.phase} of iteration {p.iteration} for {elapsed:.1f} s" +
                   (f" (limit {limit:.0f} s)" if limit else "") if p else "progress: never reported",
-                  f"hang: {why}", ""]
+                  recorded, f"hang: {why}", ""]
         dump.write_text("\n".join(header) + stack + "\n")
         reports.append(RankReport(rank, node_rank, host, pid, state, p.phase if p else None, p.iteration if p else None,
                                   elapsed, limit, p.phase_started_at if p else None, read,
-                                  in_collective(stack) if read else None, str(dump)))
+                                  in_collective(stack) if read else None, str(dump), seq, name))
     report_path = out_dir / f"node{node_rank}.json"
     tmp = report_path.with_name(f".{report_path.name}.tmp")
     tmp.write_text(json.dumps([asdict(r) for r in reports], indent=1))
@@ -296,6 +342,11 @@ def find_suspects(reports: list[RankReport]) -> Suspects:
     outside = [r for r in read if r.in_collective is False]
     if outside and len(outside) < len(reports):
         return Suspects(tuple(outside), "not inside a collective while the others wait in one", _others(reports, outside))
+    seqs = [r.collective_seq for r in reports if r.collective_seq is not None]
+    if len(seqs) == len(reports) and min(seqs) < max(seqs):
+        behind = [r for r in reports if r.collective_seq == min(seqs)]
+        return Suspects(tuple(behind), f"behind the others in collectives (#{min(seqs)}, the others at #{max(seqs)})",
+                        _others(reports, behind))
     iterations = [r.iteration for r in reports if r.iteration is not None]
     if iterations and min(iterations) < max(iterations):
         behind = [r for r in reports if r.iteration == min(iterations)]
