@@ -448,3 +448,19 @@ def test_every_preset_and_data_set_fits_every_shape_for_both_engines(world):
                             r = render_pretrain_gpt(params, prepared, paths, version)
                             check_flags(r.args, known, f"{version}")
                             assert r.args[r.args.index("--global-batch-size") + 1] == str(t.global_batch_size)
+
+
+@pytest.mark.parametrize("flag_list", FLAG_LISTS, ids=lambda p: p.stem.removeprefix("flags_"))
+def test_the_save_signal_is_what_each_release_has(flag_list):
+    """--exit-signal-handler everywhere; --exit-signal SIGUSR1 from core_v0.16 (a choice of that
+    release's own parser), else the handler's SIGTERM, which the supervisor then sends the ranks."""
+    version, flags = reference_flags(flag_list)
+    params = with_batch_geometry(load_run_params("gpt_smoke", "smoke", RunOverrides(1, "megatron-lm")), 2)[0]
+    paths = RunPaths(Path("/tmp/artifacts"), "r")
+    rendered = render_pretrain_gpt(params, planned_prepared(params.data, paths.data_cache_dir), paths, version, known=flags)
+    check_flags(rendered.args, flags, flag_list.stem)
+    if version >= (0, 16):
+        assert rendered.args[-3:] == ["--exit-signal-handler", "--exit-signal", "SIGUSR1"] and rendered.save_signal == "SIGUSR1"
+        assert "SIGUSR1" in flags["--exit-signal"]
+    else:
+        assert rendered.args[-1] == "--exit-signal-handler" and rendered.save_signal == "SIGTERM"

@@ -163,6 +163,10 @@ def test_a_killed_and_a_stopped_worker_with_restarts_finish_with_the_same_losses
     failure = (artifact_root / "run_state" / f"{run}_a2.failure.txt").read_text()
     assert failure.startswith("node 0 hung: rank 0 (node 0) stopped (process state T"), failure
     assert_same_losses(artifact_root / "runs" / run / "metrics.jsonl", reference)
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    events = accumulator.EventAccumulator(str(artifact_root / "runs" / run / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("lm loss")] == sorted(reference)  # each step once: the lost ones purged
     lines = log.read_text()
     assert "attempt 2 of 4: starting torchrun (the ranks resume from the checkpoint at iteration" in lines
     assert tagged_pids(run) == []
