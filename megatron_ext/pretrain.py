@@ -24,7 +24,8 @@ import warnings
 from pathlib import Path
 from typing import Mapping
 
-from megatron_ext.run_spec.errors import EXIT_OK, EXIT_USER_ERROR, UserError
+from megatron_ext.run_spec.devices import visible_gpu_count
+from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
 from megatron_ext.run_spec.params import load_run_params, read_overrides, with_batch_geometry
 from megatron_ext.run_spec.resilience import ATTEMPT_ENV, PROGRESS_DIR_ENV
 from megatron_ext.run_spec.run_paths import RunPaths, artifact_root, check_run_name
@@ -59,6 +60,15 @@ def read_rank_env(env: Mapping[str, str]):
         raise UserError(f"RANK/LOCAL_RANK/WORLD_SIZE/{ATTEMPT_ENV} must be integers ({exc}); run under torchrun") from None
 
 
+def check_device_connections(stage: int, env: Mapping[str, str]) -> None:
+    """Megatron-FSDP (stages 2-3) needs CUDA_DEVICE_MAX_CONNECTIONS unset or above 1: Megatron-LM
+    asserts it (arguments.py ~L686); the launcher unsets it, a plain torchrun may not have."""
+    if stage >= 2 and env.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1" and visible_gpu_count(env):
+        raise UserError(f"CUDA_DEVICE_MAX_CONNECTIONS=1 with ZERO_STAGE={stage}: Megatron-FSDP needs it unset or above 1 "
+                        "(Megatron-LM: 'FSDP always requires CUDA_DEVICE_MAX_CONNECTIONS value large than one'); unset it, "
+                        "as the start scripts do, or use ZERO_STAGE=0 or 1")
+
+
 def resolve(args, env: Mapping[str, str]):
     """Everything checked before a process group exists (the environment is read here only)."""
     from megatron_ext.data.prepare import planned_prepared
@@ -75,6 +85,7 @@ def resolve(args, env: Mapping[str, str]):
     _, warning = check_megatron_core(allow_untested=env.get(ALLOW_UNTESTED_ENV, "").strip() not in ("", "0"))
     if warning and ranks.rank == 0:
         print(warning, file=sys.stderr, flush=True)
+    check_device_connections(params.training.zero_stage, env)
     paths = RunPaths(artifact_root(env), run)
     planned_prepared(params.data, paths.data_cache_dir)  # missing data paths fail here, on every rank
     return RunInputs(params, geometry, ranks, paths)
@@ -90,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_megatron()
     args = parse_args(argv)
     env = os.environ
+    from megatron_ext.training.trainers import NonFiniteGradients
+
     try:
         inputs = resolve(args, env)
         from megatron_ext.training.loop import Pretrain
@@ -101,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         else:  # torchrun ends every rank at the first exit: give rank 0 the time to say why
             time.sleep(RANK_0_SPEAKS_S)
         return EXIT_USER_ERROR
+    except NonFiniteGradients as exc:  # a fault of the run, not of its input: one line, exit 1
+        if exc.local or env.get("RANK", "0") == "0":
+            print(f"error: rank {env.get('RANK', '0')}: {exc}" if exc.local else f"error: {exc}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(RANK_0_SPEAKS_S)
+        return EXIT_NODE_FAILED
     return EXIT_OK
 
 

@@ -33,7 +33,11 @@ def test_kernel_choices_follow_what_is_installed():
     apex = choose_kernels(True, False, 0, find_spec=lambda name: object())  # compiled extensions present
     assert apex.masked_softmax_fusion and apex.gradient_accumulation_fusion and not apex.persist_layer_norm
     te = choose_kernels(True, True, 1, find_spec=_no_extensions)
-    assert te.attention == "transformer-engine" and te.persist_layer_norm and te.apply_rope_fusion and te.gradient_accumulation_fusion
+    assert te.attention == "transformer-engine" and te.persist_layer_norm and te.apply_rope_fusion
+    # A pip-installed transformer-engine without apex: the GPT output layer (megatron-core's own
+    # ColumnParallelLinear) would raise at build with the fusion on, so it is off.
+    assert not te.gradient_accumulation_fusion
+    assert choose_kernels(True, True, 1, find_spec=lambda name: object()).gradient_accumulation_fusion  # NGC: TE + apex
     assert not choose_kernels(True, True, 2, find_spec=_no_extensions).gradient_accumulation_fusion  # not with Megatron-FSDP
     cpu = choose_kernels(False, True, 0)
     assert cpu == CPU_KERNELS and cpu.attention == "sdpa" and not any(
@@ -113,8 +117,9 @@ def test_learning_rate_equals_megatron_scheduler_step_for_step(warmup, decay):
 
 @pytest.mark.parametrize("stage", range(4))
 def test_grad_norm_without_clipping_and_non_finite_gradients(stage):
-    """clip_grad 0 still reports the global norm; a NaN gradient skips the step (counted by the loop)."""
-    from megatron_ext.training.trainers import wrap_cpu
+    """clip_grad 0 still reports the global norm; a NaN gradient stops the run before the update
+    (Megatron-LM's --check-for-nan-in-loss-and-grad), naming the ranks whose loss was not finite."""
+    from megatron_ext.training.trainers import NonFiniteGradients, wrap_cpu
 
     ensure_model_parallel()
     torch.manual_seed(0)
@@ -126,14 +131,18 @@ def test_grad_norm_without_clipping_and_non_finite_gradients(stage):
     trainer.model(tokens, positions, None, labels=tokens).float().mean().backward()
     norm, skipped = trainer.step(1e-3, 0.1)
     assert math.isfinite(norm) and norm > 0 and not skipped
-    trainer.zero_grad()
-    trainer.model(tokens, positions, None, labels=tokens).float().mean().backward()
-    first = next(p for p in module.parameters() if p.grad is not None)
-    first.grad.fill_(float("nan"))
-    before = [p.detach().clone() for p in module.parameters()]
-    norm, skipped = trainer.step(1e-3, 0.1)
-    assert skipped and math.isnan(norm)
-    assert all(torch.equal(a, b.detach()) for a, b in zip(before, module.parameters()))
+    for loss in (torch.tensor([2.5]), torch.tensor([float("nan")])):
+        trainer.zero_grad()
+        trainer.model(tokens, positions, None, labels=tokens).float().mean().backward()
+        first = next(p for p in module.parameters() if p.grad is not None)
+        first.grad.fill_(float("nan"))
+        before = [p.detach().clone() for p in module.parameters()]
+        trainer.last_loss = loss
+        with pytest.raises(NonFiniteGradients, match="non-finite gradients .*the update was not applied") as raised:
+            trainer.step(1e-3, 0.1)
+        expected = "the loss of rank(s) 0 was not finite" if loss.isnan().any() else "every rank's loss was finite"
+        assert expected in str(raised.value)
+        assert all(torch.equal(a, b.detach()) for a, b in zip(before, module.parameters()))
 
 
 @pytest.mark.parametrize("name,peak", [
@@ -186,3 +195,18 @@ def test_sdpa_attention_equals_megatron_dot_product_attention(groups, dropout):
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
     for a, r in zip(grads, ref_grads):
         assert torch.allclose(a, r, atol=1e-5, rtol=1e-5)
+
+
+def test_megatron_fsdp_refuses_one_device_connection_at_the_edge():
+    """Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS != 1 for Megatron-FSDP (arguments.py ~L686); a
+    plain torchrun of this program at stages 2-3 says so before any process group exists."""
+    from megatron_ext.pretrain import check_device_connections
+    from megatron_ext.run_spec.errors import UserError
+
+    gpu = {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    for stage in (2, 3):
+        with pytest.raises(UserError, match="CUDA_DEVICE_MAX_CONNECTIONS=1 with ZERO_STAGE=.*unset it"):
+            check_device_connections(stage, gpu)
+    check_device_connections(1, gpu)  # the DDP stages keep Megatron-LM's usual 1
+    check_device_connections(2, {**gpu, "CUDA_DEVICE_MAX_CONNECTIONS": "8"})
+    check_device_connections(2, {"CUDA_VISIBLE_DEVICES": "", "CUDA_DEVICE_MAX_CONNECTIONS": "1"})  # CPU: no such thing

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.training.trainers import megatron_core_ddp_config, megatron_core_optimizer_config
+from megatron_ext.training.cuda_trainer import megatron_core_ddp_config, megatron_core_optimizer_config
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import TrainingParams
 from megatron_ext.run_spec.zero import STAGES, describe_stages, megatron_lm_flags_for_stage

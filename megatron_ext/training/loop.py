@@ -32,7 +32,9 @@ from megatron_ext.run_spec.iteration_log import (
 from megatron_ext.run_spec.checkpoints import CheckpointMeta, check_resumable, latest_iteration, read_meta
 from megatron_ext.run_spec.params import COLLECTIVE_TIMEOUT_S, BatchGeometry, RunParams, TrainingParams
 from megatron_ext.run_spec.run_paths import RunPaths
+from megatron_ext.run_spec.zero import ZeroStage
 from megatron_ext.training.progress import ProgressReporter, SaveRequest
+from megatron_ext.training.trainers import NonFiniteGradients
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,9 @@ class _Interval:
     """What the loop accumulates between two log lines (Megatron-LM resets its counters likewise)."""
 
     loss_sum: torch.Tensor | None = None
+    """Over the iterations that advanced (a skipped one's loss is not averaged, as in Megatron-LM)."""
     iterations: int = 0
+    advanced: int = 0
     step_s: float = 0.0
     skipped: int = 0
     """Iterations whose optimizer step was skipped (non-finite gradients)."""
@@ -156,7 +160,7 @@ class Pretrain:
         from megatron_ext.data.prepare import ensure_prepared
         from megatron_ext.training.datasets import build_datasets
         from megatron_ext.training.model import build_gpt_model, choose_kernels, model_vocab_size, transformer_engine_available
-        from megatron_ext.training.trainers import build_trainer
+        from megatron_ext.training.trainers import wrap_cpu
 
         m, t = self.params.model, self.t
         self.progress.phase("prepare")  # as long as a corpus takes: no limit
@@ -168,7 +172,12 @@ class Pretrain:
                                  kernels=self.kernels)
         if self.on_cuda:
             module.cuda()
-        self.trainer = build_trainer(module, t.zero_stage, t, self.on_cuda)
+        if self.on_cuda:
+            from megatron_ext.training.cuda_trainer import wrap_cuda
+
+            self.trainer = wrap_cuda(module, ZeroStage(t.zero_stage), t, self.device)
+        else:
+            self.trainer = wrap_cpu(module, ZeroStage(t.zero_stage), t)
         self.train_ds, self.valid_ds = build_datasets(
             self.prepared, self.params.data, t.seq_length, t.seed,
             num_train_samples=t.train_iters * t.global_batch_size,
@@ -226,15 +235,22 @@ class Pretrain:
         self.trainer.zero_grad()
         loss_sum = torch.zeros(1, device=self.device)
         first = (iteration - 1) * self.t.global_batch_size
-        for micro in range(accumulation):
-            then = (first, micro + 1) if micro + 1 < accumulation else (first + self.t.global_batch_size, 0)
-            with self.trainer.sync_context(micro == accumulation - 1):
-                loss = self._loss(self._batch(self.train_ds, first, micro, then))
-                if micro == 0 and sample_memory:
-                    self.trainer.sample_memory()
-                (loss / accumulation).backward()
-            loss_sum += loss.detach() / accumulation
-        grad_norm, skipped = self.trainer.step(lr, self.t.weight_decay)
+        try:
+            for micro in range(accumulation):
+                then = (first, micro + 1) if micro + 1 < accumulation else (first + self.t.global_batch_size, 0)
+                with self.trainer.sync_context(micro == accumulation - 1):
+                    loss = self._loss(self._batch(self.train_ds, first, micro, then))
+                    if micro == 0 and sample_memory:
+                        self.trainer.sample_memory()
+                    (loss / accumulation).backward()
+                loss_sum += loss.detach() / accumulation
+            self.trainer.last_loss = loss_sum
+            grad_norm, skipped = self.trainer.step(lr, self.t.weight_decay)
+        except RuntimeError as exc:  # megatron-core DDP's own bucket check names this rank (rerun_state_machine.py)
+            if isinstance(exc, NonFiniteGradients) or "Unexpected result" not in str(exc):
+                raise
+            raise NonFiniteGradients(float("nan"), detail=f"iteration {iteration}: {exc}; the update was not applied "
+                                                          "and the run stops (Megatron-LM's default)") from None
         return loss_sum, grad_norm, skipped
 
     # -- log ------------------------------------------------------------------------------------
@@ -242,14 +258,15 @@ class Pretrain:
             elapsed_s: float) -> None:
         """One collective (all ranks): the interval's loss and every rank's memory figures."""
         memory = self.trainer.memory_values()
-        mine = torch.tensor([float(interval.loss_sum.item()), *map(float, memory)], dtype=torch.float64, device=self.device)
+        loss_sum = float(interval.loss_sum.item()) if interval.loss_sum is not None else 0.0
+        mine = torch.tensor([loss_sum, *map(float, memory)], dtype=torch.float64, device=self.device)
         gathered = [torch.zeros_like(mine) for _ in range(self.ranks.world_size)]
         dist.all_gather(gathered, mine)
         if self.ranks.local_rank != 0:  # every node's log shows the iterations; rank 0 writes metrics
             return
         t, world = self.t, self.ranks.world_size
         rows = [g.tolist() for g in gathered]
-        lm_loss = sum(r[0] for r in rows) / (world * interval.iterations)
+        lm_loss = sum(r[0] for r in rows) / (world * max(1, interval.advanced))
         step_s = interval.step_s / interval.iterations
         tflops = tflops_per_gpu(self.flops_per_iteration, step_s, world)
         record = IterationRecord(
@@ -329,15 +346,17 @@ class Pretrain:
             self.progress.phase("step", iteration)
             step_start = time.time()
             loss, grad_norm, skipped = self.train_step(iteration, sample_memory=logs)
-            if self.on_cuda:
+            if self.on_cuda and logs:  # the step's time, at log intervals only (Megatron-LM: train_sync_interval)
                 torch.cuda.synchronize()
             step_s = time.time() - step_start
             self.progress.step_done(step_s)
             interval.step_s += step_s
-            if skipped:
+            if skipped:  # Megatron-LM's training_log: a skipped step's loss is counted, not averaged (~L1804-1823)
                 interval.skipped += 1
                 interval.nan += int(not math.isfinite(float(loss.item())))
-            interval.loss_sum = loss if interval.loss_sum is None else interval.loss_sum + loss
+            else:
+                interval.loss_sum = loss if interval.loss_sum is None else interval.loss_sum + loss
+                interval.advanced += 1
             interval.iterations += 1
             last = iteration == t.train_iters
             valid_loss = None

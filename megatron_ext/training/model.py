@@ -105,7 +105,10 @@ def choose_kernels(on_cuda: bool, transformer_engine: bool, zero_stage: int, fin
         bias_dropout_fusion=on_cuda,
         bias_activation_fusion=on_cuda,
         apply_rope_fusion=te,
-        gradient_accumulation_fusion=on_cuda and zero_stage < 2 and (te or extension("fused_weight_gradient_mlp_cuda")),
+        # apex's extension whether or not transformer-engine is there: the GPT output layer is always
+        # megatron-core's ColumnParallelLinear, which raises without it (tensor_parallel/layers.py ~L924);
+        # Megatron-FSDP: off (Megatron-LM only warns that TE must support it, arguments.py ~L677).
+        gradient_accumulation_fusion=on_cuda and zero_stage < 2 and extension("fused_weight_gradient_mlp_cuda"),
         cross_entropy_loss_fusion=on_cuda,
     )
 

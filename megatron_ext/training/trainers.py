@@ -9,8 +9,15 @@ norm), and the memory columns of the metrics.
   ``fully_shard`` on every transformer layer and the root with ``reshard_after_forward=False``;
   3 the same with ``True``. Memory = model-state bytes this rank holds (parameters, gradients,
   optimizer state), counted from the tensors themselves.
-- :class:`CudaTrainer` (NCCL, bf16): megatron-core DDP, + distributed optimizer, Megatron-FSDP
-  ``optim_grads`` / ``optim_grads_params``. Memory = peak CUDA allocation.
+- :class:`~megatron_ext.training.cuda_trainer.CudaTrainer` (NCCL, bf16): megatron-core DDP, +
+  distributed optimizer, Megatron-FSDP ``optim_grads`` / ``optim_grads_params``. Memory = peak CUDA
+  allocation.
+
+A non-finite gradient norm stops the run before the update is applied (:class:`NonFiniteGradients`,
+naming the ranks whose loss was not finite), at every stage on both devices: Megatron-LM's default
+(``--check-for-nan-in-loss-and-grad``). bf16 has no loss scaler, so a NaN is not an overflow to
+skip but a divergence or a fault; with MAX_RESTARTS the run resumes from its latest checkpoint, and
+the restart breaker stops one that recurs.
 """
 
 from __future__ import annotations
@@ -25,7 +32,31 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.run_spec.params import TrainingParams
-from megatron_ext.run_spec.zero import ZeroStage, strategy_for
+from megatron_ext.run_spec.zero import ZeroStage
+
+
+class NonFiniteGradients(RuntimeError):
+    """The global gradient norm was not finite: the update was not applied."""
+
+    def __init__(self, norm: float, ranks: list[int] | None = None, detail: str | None = None):
+        where = (f"the loss of rank(s) {', '.join(map(str, ranks))} was not finite" if ranks else
+                 "every rank's loss was finite: the gradients overflowed in the backward pass or the reduction")
+        super().__init__(detail or (
+            f"non-finite gradients (global gradient norm {norm}): {where}; the update was not applied and the run "
+            "stops, as Megatron-LM's --check-for-nan-in-loss-and-grad does; a start (or MAX_RESTARTS) resumes from "
+            "the latest checkpoint; if it recurs, lower the learning rate or look at the data of this iteration"))
+        self.local = detail is not None
+        """Raised on one rank only (megatron-core's own bucket check): that rank says it."""
+
+
+def name_non_finite_ranks(loss: torch.Tensor | None) -> list[int]:
+    """The ranks whose ``loss`` is not finite (a collective: every rank calls it)."""
+    if loss is None:
+        return []
+    flag = torch.tensor([0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0], device=loss.device)
+    flags = [torch.zeros_like(flag) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, flag)
+    return [rank for rank, f in enumerate(flags) if f.item()]
 
 
 def _unique_storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
@@ -67,27 +98,38 @@ class Trainer(abc.ABC):
     def step(self, lr: float, weight_decay: float) -> tuple[float, bool]:
         """Clip and step with learning rate ``lr`` and weight decay ``weight_decay`` (times each
         parameter group's ``wd_mult``: 0 for biases and norm weights, as Megatron). Returns the
-        global gradient norm before clipping (also with clipping off) and whether the step was
-        skipped (non-finite gradients)."""
+        global gradient norm before clipping (also with clipping off) and whether the optimizer
+        skipped the step (only with a loss scaler, which bf16 and fp32 have not). A non-finite
+        norm raises :class:`NonFiniteGradients` before the update; the loop sets
+        :attr:`last_loss` (this rank's loss of the step) for its message."""
+
+    last_loss: torch.Tensor | None = None
 
     @abc.abstractmethod
     def model_state_dict(self) -> dict:
-        """The model's weights for a checkpoint, in the parameters' dtype whatever the stage."""
+        """The model's weights for a checkpoint."""
 
     @abc.abstractmethod
-    def checkpoint_state(self) -> dict:
+    def checkpoint_state(self, loading: bool = False) -> dict:
         """What torch.distributed.checkpoint saves and loads in place (model, and the optimizer
-        where its state is in DCP's terms); also the template a load fills."""
+        where its state is in DCP's terms); with ``loading``, the template a load fills."""
 
     @abc.abstractmethod
     def load_checkpoint_state(self, state: dict) -> None:
         """Apply a loaded :meth:`checkpoint_state`."""
 
-    def rank_local_state(self) -> dict | None:
+    def rank_local_state(self):
         """Optimizer state that only this rank can load (saved as its own file), or None."""
         return None
 
-    def load_rank_local_state(self, state: dict) -> None:
+    def load_rank_local_state(self, state) -> None:
+        raise NotImplementedError
+
+    def replicated_state(self):
+        """Optimizer state every rank holds alike (written once, by rank 0), or None."""
+        return None
+
+    def load_replicated_state(self, state) -> None:
         raise NotImplementedError
 
     def release_unsharded(self) -> None:
@@ -136,7 +178,7 @@ class CpuTrainer(Trainer):
             norm = norm.full_tensor()
         norm = float(norm)
         if not math.isfinite(norm):  # the same on every rank: the norm is global
-            return norm, True
+            raise NonFiniteGradients(norm, name_non_finite_ranks(self.last_loss))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
             group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
@@ -148,7 +190,7 @@ class CpuTrainer(Trainer):
 
         return get_model_state_dict(self.module)
 
-    def checkpoint_state(self) -> dict:
+    def checkpoint_state(self, loading: bool = False) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         if self.stage == ZeroStage.OPTIMIZER:  # ZeroRedundancyOptimizer: a rank-local partition
@@ -215,73 +257,6 @@ class CpuTrainer(Trainer):
         }
 
 
-class CudaTrainer(Trainer):
-    """megatron-core DDP / distributed optimizer / Megatron-FSDP on NCCL, bf16 params, fp32 grads
-    (bf16 with ``grad_reduce_in_bf16``); gradient reduction overlapped with backward, and (stage 1)
-    parameter gathers with the next forward, as Megatron-LM's ``--overlap-grad-reduce
-    --overlap-param-gather``."""
-
-    @contextlib.contextmanager
-    def synced_parameters(self):
-        if self.stage != ZeroStage.OPTIMIZER:
-            yield
-            return
-        self.model.disable_forward_pre_hook()  # gathers every parameter now, as Megatron-LM before eval and save
-        try:
-            yield
-        finally:
-            self.model.enable_forward_pre_hook()
-
-    def sync_context(self, last_micro_step: bool):
-        return contextlib.nullcontext() if last_micro_step else self.model.no_sync()
-
-    def zero_grad(self) -> None:  # megatron-core: gradients live in the DDP/FSDP buffers
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-
-    def step(self, lr: float, weight_decay: float) -> tuple[float, bool]:
-        self.model.finish_grad_sync()
-        for group in self.optimizer.param_groups:  # what Megatron's OptimizerParamScheduler.step sets
-            group["lr"] = lr * group.get("lr_mult", 1.0)
-            group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
-        success, grad_norm, _ = self.optimizer.step()
-        if self.clip_grad <= 0:  # megatron-core computes the norm only to clip
-            grad_norm = self.optimizer.get_grad_norm()
-        return float(grad_norm if grad_norm is not None else float("nan")), not success
-
-    def model_state_dict(self) -> dict:
-        """Megatron-FSDP hands uneven DTensor shards: prepared as Megatron-LM's checkpointing does
-        before a DCP save (``preprocess_state_dict_for_uneven_dtensor``); bf16 at every stage."""
-        state = {k: v for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
-        dtype = self.module.config.params_dtype
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-        if self.stage >= ZeroStage.GRADIENTS:
-            from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
-                preprocess_state_dict_for_uneven_dtensor,
-            )
-
-            preprocess_state_dict_for_uneven_dtensor(state)
-        return state
-
-    def checkpoint_state(self) -> dict:
-        return {"model": self.model_state_dict()}
-
-    def load_checkpoint_state(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"], strict=False)
-
-    def rank_local_state(self) -> dict | None:
-        return self.optimizer.state_dict()
-
-    def load_rank_local_state(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
-
-    def memory_values(self) -> list[int]:
-        return [torch.cuda.max_memory_allocated()]
-
-    def memory_columns(self, per_rank: list[list[int]]) -> dict:
-        return {"cuda_peak_allocated_bytes": max(r[0] for r in per_rank)}
-
-
 def _adamw(t: TrainingParams, **extra):
     return dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay, **extra)
 
@@ -324,63 +299,3 @@ def wrap_cpu(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams) -> Cp
     else:
         optimizer = torch.optim.AdamW(param_groups(module), **_adamw(t, foreach=False))
     return CpuTrainer(model, module, optimizer, stage, t.clip_grad)
-
-
-def megatron_core_ddp_config(stage: int, grad_reduce_in_bf16: bool = False):
-    """megatron-core DistributedDataParallelConfig for ``stage``: fp32 gradient reduction (unless
-    ``grad_reduce_in_bf16``), reduction overlapped with backward, and from stage 1 parameter
-    gathers overlapped with forward (the distributed optimizer's, or Megatron-FSDP's)."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-
-    return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=not grad_reduce_in_bf16, overlap_grad_reduce=True, overlap_param_gather=stage >= 1,
-        **strategy_for(stage).megatron_core_ddp,
-    )
-
-
-def megatron_core_optimizer_config(t: TrainingParams, stage: int, bf16: bool):
-    """megatron-core OptimizerConfig: AdamW with the schedule's settings and the stage's sharding."""
-    from megatron.core.optimizer import OptimizerConfig
-
-    return OptimizerConfig(
-        optimizer="adam",
-        lr=t.lr,
-        min_lr=t.min_lr,
-        weight_decay=t.weight_decay,
-        adam_beta1=t.adam_beta1,
-        adam_beta2=t.adam_beta2,
-        adam_eps=t.adam_eps,
-        clip_grad=t.clip_grad,
-        bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=strategy_for(stage).megatron_core_ddp["use_distributed_optimizer"],
-    )
-
-
-def wrap_cuda(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams) -> CudaTrainer:
-    """megatron-core DDP / distributed optimizer / Megatron-FSDP, bf16 params, fp32 grads."""
-    from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    config = module.config
-    ddp_config = megatron_core_ddp_config(stage, t.grad_reduce_in_bf16)
-    wrapped = Float16Module(config, module) if config.bf16 else module
-    if stage >= ZeroStage.GRADIENTS:
-        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-
-        model = FullyShardedDataParallel(
-            config=config, ddp_config=ddp_config, module=wrapped, fsdp_unit_modules=[TransformerLayer]
-        )
-    else:
-        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=wrapped)
-    optimizer = get_megatron_optimizer(megatron_core_optimizer_config(t, stage, config.bf16), [model])
-    return CudaTrainer(model, module, optimizer, stage, t.clip_grad)
-
-
-def build_trainer(module: torch.nn.Module, stage: int, t: TrainingParams, on_cuda: bool) -> Trainer:
-    stage = ZeroStage(stage)
-    if not dist.is_initialized():
-        raise RuntimeError("build_trainer needs an initialized process group")
-    return wrap_cuda(module, stage, t) if on_cuda else wrap_cpu(module, stage, t)

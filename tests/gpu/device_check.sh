@@ -5,7 +5,9 @@
 # on the developer machine beforehand: `echo /.whl/ >> .git/info/exclude` and
 # `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
 #  --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1`, then carry `.whl`).
-# Prints each stage's row as it finishes; under 8 minutes; the table also goes to $OUT/gpu_check.txt.
+# Runs tests/gpu/gpu_check.py: throughput per stage, then resume at stages 1, 3, 0, 2, a NaN step,
+# the stage-2 all-gather count; each line as it finishes; a 450 s budget cuts the tail (a lent
+# machine gives 15 minutes in all, start-up included); the table also goes to $OUT/gpu_check.txt.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export PYTHONPATH="$PWD"
@@ -21,4 +23,4 @@ if ! python3 -c "import megatron.core" 2>/dev/null; then
 fi
 python3 -c "import torch, megatron.core; assert torch.cuda.is_available(), 'no CUDA device'"
 nvidia-smi -L || true
-PYTHONUNBUFFERED=1 timeout 480 python3 tests/gpu/test_gpu_stages.py 2>&1 | tee "${OUT:-/tmp}/gpu_check.txt"
+PYTHONUNBUFFERED=1 timeout 480 python3 tests/gpu/gpu_check.py --budget-s 450 2>&1 | tee "${OUT:-/tmp}/gpu_check_log.txt"
