@@ -69,6 +69,19 @@ def check_device_connections(stage: int, env: Mapping[str, str]) -> None:
                         "as the start scripts do, or use ZERO_STAGE=0 or 1")
 
 
+def check_megatron_fsdp(stage: int, env: Mapping[str, str]) -> None:
+    """Stages 2-3 on GPUs run Megatron-FSDP: refuse before the model is built if this
+    megatron-core's cannot run on this torch (training/compat.py)."""
+    if stage < 2 or not visible_gpu_count(env):
+        return
+    from megatron_ext.training.compat import megatron_fsdp_incompatibility
+
+    reason = megatron_fsdp_incompatibility()
+    if reason:
+        raise UserError(f"ZERO_STAGE={stage} runs Megatron-FSDP on GPUs, but {reason}; use megatron-core 0.15 or "
+                        "later, the torch that megatron-core release shipped with, or ZERO_STAGE=0 or 1")
+
+
 def resolve(args, env: Mapping[str, str]):
     """Everything checked before a process group exists (the environment is read here only)."""
     from megatron_ext.data.prepare import planned_prepared
@@ -86,6 +99,7 @@ def resolve(args, env: Mapping[str, str]):
     if warning and ranks.rank == 0:
         print(warning, file=sys.stderr, flush=True)
     check_device_connections(params.training.zero_stage, env)
+    check_megatron_fsdp(params.training.zero_stage, env)
     paths = RunPaths(artifact_root(env), run)
     planned_prepared(params.data, paths.data_cache_dir)  # missing data paths fail here, on every rank
     return RunInputs(params, geometry, ranks, paths)

@@ -210,3 +210,22 @@ def test_megatron_fsdp_refuses_one_device_connection_at_the_edge():
     check_device_connections(1, gpu)  # the DDP stages keep Megatron-LM's usual 1
     check_device_connections(2, {**gpu, "CUDA_DEVICE_MAX_CONNECTIONS": "8"})
     check_device_connections(2, {"CUDA_VISIBLE_DEVICES": "", "CUDA_DEVICE_MAX_CONNECTIONS": "1"})  # CPU: no such thing
+
+
+def test_megatron_fsdp_that_cannot_run_on_this_torch_is_refused_at_the_edge():
+    """megatron-core 0.14's Megatron-FSDP reads DeviceMesh bookkeeping that newer torch dropped
+    (training/compat.py); stages 2-3 on GPUs then stop before the model is built, saying why.
+    With the tested release here (0.16.1 in CI) nothing is refused; 0.14.0 was checked by hand."""
+    from megatron_ext.pretrain import check_megatron_fsdp
+    from megatron_ext.run_spec.errors import UserError
+    from megatron_ext.training.compat import megatron_fsdp_incompatibility
+
+    gpu = {"CUDA_VISIBLE_DEVICES": "0"}
+    reason = megatron_fsdp_incompatibility()
+    check_megatron_fsdp(1, gpu)
+    check_megatron_fsdp(2, {"CUDA_VISIBLE_DEVICES": ""})
+    if reason is None:
+        check_megatron_fsdp(3, gpu)
+    else:
+        with pytest.raises(UserError, match="ZERO_STAGE=3 runs Megatron-FSDP on GPUs, but .*child_to_root_mapping"):
+            check_megatron_fsdp(3, gpu)

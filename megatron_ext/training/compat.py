@@ -4,11 +4,24 @@ itself rather than comparing version numbers.
 
 - RoPE's move of ``inv_freq`` to ``torch.cuda.current_device()`` (which the CPU path must avoid):
   in ``RotaryEmbedding.forward`` up to 0.15, in ``RotaryEmbedding.get_emb`` from 0.16.
+- The distributed optimizer's per-rank parameter state (``get_parameter_state_dp_reshardable``)
+  arrived in 0.15; 0.14 has only the one gathered on data-parallel rank 0
+  (``get_parameter_state_dp_zero`` / ``load_parameter_state_from_dp_zero``, Megatron-LM
+  core_v0.14.0's ``--ckpt-format torch``).
+- Megatron-FSDP's ``get_mesh_names`` reads torch's DeviceMesh bookkeeping
+  (``_mesh_resources.child_to_root_mapping``) unguarded in 0.14; from 0.15 it asks the root mesh
+  first. Newer torch (2.13 here) has no such attribute: 0.14's Megatron-FSDP cannot start there.
+- Megatron-FSDP swaps the module's parameters between the gathered ones (forward) and the
+  optimizer's DTensor shards; its state_dict pre-hook swaps the shards back in. 0.16 registers it on
+  every submodule; 0.15 only on the wrapped module, a Float16Module whose ``state_dict`` bypasses
+  its own hooks: after a step the state dict held the gathered weights and the optimizer's
+  ``sharded_state_dict`` could not name its parameters (AssertionError in ``_param_name``).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -37,3 +50,31 @@ def keep_rotary_on_module_device(rotary_cls) -> None:
 
     on_module_device._keeps_module_device = True
     setattr(rotary_cls, name, on_module_device)
+
+
+def distributed_optimizer_state_layout(optimizer) -> str:
+    """``"dp_reshardable"`` (megatron-core >= 0.15: each rank saves and loads its own shard) or
+    ``"dp_zero"`` (0.14: gathered to and scattered from data-parallel rank 0)."""
+    return "dp_reshardable" if hasattr(optimizer, "get_parameter_state_dp_reshardable") else "dp_zero"
+
+
+def megatron_fsdp_incompatibility() -> str | None:
+    """Why this megatron-core's Megatron-FSDP cannot run on this torch, or None."""
+    from torch.distributed.device_mesh import _mesh_resources
+
+    if hasattr(_mesh_resources, "child_to_root_mapping"):
+        return None
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import utils
+
+    if "_get_root_mesh" in inspect.getsource(utils.get_mesh_names):
+        return None
+    import torch
+
+    return (f"this megatron-core's Megatron-FSDP reads torch.distributed.device_mesh._mesh_resources."
+            f"child_to_root_mapping, which torch {torch.__version__} no longer has (megatron-core 0.15 and later do not need it)")
+
+
+def with_fsdp_shards_in_place(model) -> None:
+    """What Megatron-FSDP's state_dict pre-hook does (``_replace_param_with_distributed_if_needed``,
+    megatron_fsdp.py, idempotent), done before a state dict is taken on every release."""
+    model.module._replace_param_with_distributed_if_needed()

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from megatron_ext.run_spec.params import TrainingParams
 from megatron_ext.run_spec.zero import ZeroStage, strategy_for
+from megatron_ext.training.compat import distributed_optimizer_state_layout, with_fsdp_shards_in_place
 from megatron_ext.training.trainers import NonFiniteGradients, Trainer, name_non_finite_ranks
 
 FSDP_DTENSOR_METADATA = {"distrib_optim_sharding_type": "fsdp_dtensor", "singleton_local_shards": False,
@@ -116,6 +117,8 @@ class CudaTrainer(Trainer):
         """The weights as Megatron-LM saves them (``state_dict_for_save_checkpoint``, ~L911): the
         bf16 weights of the DDP stages; Megatron-FSDP's fp32 main weights as DTensors, uncast (they
         are shared with the optimizer: param_and_grad_buffer.py ~L2514)."""
+        if self.stage >= ZeroStage.GRADIENTS:
+            with_fsdp_shards_in_place(self.model)
         return {k: v for k, v in self.model.state_dict().items()
                 if isinstance(v, torch.Tensor) and not k.endswith("._extra_state")}  # handle_fp8_extra_state_case
 
@@ -132,6 +135,9 @@ class CudaTrainer(Trainer):
             optimizer = self.optimizer.sharded_state_dict(state["model"], is_loading=loading,
                                                           metadata=dict(FSDP_DTENSOR_METADATA))
             state["optimizer"] = self._same_on_every_rank(optimizer)
+            # Megatron-LM also splits SwiGLU's fc1 into its two halves (handle_swiglu_in_state_dict,
+            # ~L958) so that a checkpoint can change tensor-parallel size; without tensor
+            # parallelism (this project's runs) the fused weight reshards as it is.
             preprocess_state_dict_for_uneven_dtensor(state)  # the whole dict, as checkpointing.py ~L972
         return state
 
@@ -180,15 +186,20 @@ class CudaTrainer(Trainer):
             opt.load_state_dict(saved)
 
     def rank_local_state(self) -> list | None:
+        """Stage 1: each rank's distributed-optimizer state (a collective: every rank calls it)."""
         if self.stage != ZeroStage.OPTIMIZER:
             return None
-        return [{"optimizer": _host_copy(opt.state_dict()),
-                 "param_state": _host_copy(opt.get_parameter_state_dp_reshardable())} for opt in self.optimizers]
+        return [_distributed_optimizer_state(opt) for opt in self.optimizers]
 
     def load_rank_local_state(self, state: list) -> None:
         for opt, saved in zip(self.optimizers, state, strict=True):
-            opt.load_state_dict({**saved["optimizer"], "param_state": _not_padding(saved["param_state"]),
-                                 "param_state_sharding_type": "dp_reshardable"})
+            if saved.get("layout", "dp_reshardable") == "dp_reshardable":
+                opt.load_state_dict({**saved["optimizer"], "param_state": _not_padding(saved["param_state"]),
+                                     "param_state_sharding_type": "dp_reshardable"})
+            else:  # Megatron-LM core_v0.14.0's load_checkpoint for --ckpt-format torch (~L1625-1642)
+                opt.load_state_dict(saved["optimizer"])
+                with _steps_set_aside(opt):
+                    opt.load_parameter_state_from_dp_zero(saved["param_state"])
         _unshare_steps(self.optimizers)
 
     def memory_values(self) -> list[int]:
@@ -196,6 +207,36 @@ class CudaTrainer(Trainer):
 
     def memory_columns(self, per_rank: list[list[int]]) -> dict:
         return {"cuda_peak_allocated_bytes": max(r[0] for r in per_rank)}
+
+
+def _distributed_optimizer_state(opt) -> dict:
+    """The distributed optimizer's state_dict (param groups, step) with its parameter state: the
+    rank's own shard (megatron-core >= 0.15), or, on 0.14, the whole state gathered on
+    data-parallel rank 0 (``None`` on the others), as Megatron-LM core_v0.14.0's
+    ``save_parameter_state`` keeps it (checkpointing.py ~L467)."""
+    layout = distributed_optimizer_state_layout(opt)
+    if layout == "dp_reshardable":
+        param_state = opt.get_parameter_state_dp_reshardable()
+    else:
+        gathered = opt.get_parameter_state_dp_zero()
+        param_state = gathered if opt.data_parallel_group.rank() == 0 else None
+    return {"optimizer": _host_copy(opt.state_dict()), "param_state": _host_copy(param_state), "layout": layout}
+
+
+@contextlib.contextmanager
+def _steps_set_aside(opt):
+    """megatron-core 0.14's ``load_parameter_state_from_dp_zero`` copies every entry of a
+    parameter's optimizer state from the gathered file, which holds ``param``, ``exp_avg`` and
+    ``exp_avg_sq`` only: torch's own Adam (no TE, no apex) also keeps ``step`` there, a KeyError
+    (distrib_optimizer.py ~L903-907). ``load_state_dict`` has set the step already: it waits aside."""
+    inner = getattr(opt, "optimizer", None)
+    states = getattr(inner, "state", {}).values()
+    steps = [(state, state.pop("step")) for state in states if "step" in state]
+    try:
+        yield
+    finally:
+        for state, step in steps:
+            state["step"] = step
 
 
 def _unshare_steps(optimizers) -> None:
