@@ -5,10 +5,12 @@
 
 The edge of the program: reads the rank's environment once (RANK, LOCAL_RANK, WORLD_SIZE,
 LOCAL_WORLD_SIZE as torchrun sets them; ZERO_STAGE and ENGINE when no ``--zero-stage`` is given;
-ARTIFACT_ROOT; MEGATRON_EXT_ALLOW_UNTESTED; the supervisor's LAUNCHER_PROGRESS_DIR and LAUNCHER_ATTEMPT), checks parameters, batch geometry, megatron-core and the data paths before any
-process group exists, and hands over to :class:`megatron_ext.training.loop.Pretrain`. With CUDA:
-NCCL, one GPU per LOCAL_RANK, bf16, transformer-engine layers when they import. Without: gloo,
-fp32, megatron-core's local layers (see training/cpu_compat.py). A user error is one message
+ARTIFACT_ROOT; MEGATRON_EXT_ALLOW_UNTESTED; the supervisor's LAUNCHER_PROGRESS_DIR and
+LAUNCHER_ATTEMPT; WANDB_PROJECT, WANDB_ENTITY, WANDB_NAME, WANDB_DIR, WANDB_MODE, WANDB_RUN_ID: the
+last rank logs to W&B), checks parameters, batch geometry, megatron-core and the data paths before
+any process group exists, and hands over to :class:`megatron_ext.training.loop.Pretrain`. With
+CUDA: NCCL, one GPU per LOCAL_RANK, bf16, transformer-engine layers when they import. Without:
+gloo, fp32, megatron-core's local layers (see training/cpu_compat.py). A user error is one message
 from rank 0 and exit code 2.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import logging
 import os
 import sys
@@ -29,6 +32,7 @@ from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ER
 from megatron_ext.run_spec.params import load_run_params, read_overrides, with_batch_geometry
 from megatron_ext.run_spec.resilience import ATTEMPT_ENV, PROGRESS_DIR_ENV
 from megatron_ext.run_spec.run_paths import RunPaths, artifact_root, check_run_name
+from megatron_ext.run_spec.wandb_run import read_wandb_settings, wandb_missing_message
 from megatron_ext.run_spec.zero import parse_zero_stage
 
 RANK_0_SPEAKS_S = 3.0
@@ -102,7 +106,10 @@ def resolve(args, env: Mapping[str, str]):
     check_megatron_fsdp(params.training.zero_stage, env)
     paths = RunPaths(artifact_root(env), run)
     planned_prepared(params.data, paths.data_cache_dir)  # missing data paths fail here, on every rank
-    return RunInputs(params, geometry, ranks, paths)
+    wandb = read_wandb_settings(env)
+    if wandb and wandb.enabled and importlib.util.find_spec("wandb") is None:  # the launcher's preflight says so first
+        raise UserError(wandb_missing_message(f"for {sys.executable}"))
+    return RunInputs(params, geometry, ranks, paths, wandb)
 
 
 def _quiet_megatron() -> None:
@@ -123,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
 
         Pretrain(inputs).run()  # data preparation can still find a user error
     except UserError as exc:
-        if env.get("RANK", "0") == "0":
+        if getattr(exc, "local", False):  # found by this rank alone (e.g. the W&B rank's wandb.init)
+            print(f"error: rank {env.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
+        elif env.get("RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr, flush=True)
         else:  # torchrun ends every rank at the first exit: give rank 0 the time to say why
             time.sleep(RANK_0_SPEAKS_S)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -31,7 +33,7 @@ from megatron_ext.run_spec.errors import (EXIT_GAVE_UP, EXIT_NODE_FAILED, EXIT_O
                                           UserError)
 from megatron_ext.run_spec.params import COLLECTIVE_TIMEOUT_S
 from megatron_ext.run_spec.resolved import write_resolved
-from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
+from megatron_ext.run_spec.run_paths import RunPaths, check_run_name, runs_under
 from megatron_ext.run_spec.zero import parse_stages
 from orchestration.analysis.compare import DEFAULT_WARMUP_ITERATIONS, compare_runs
 from orchestration.analysis.memory_plan import (DEFAULT_BUS_BANDWIDTH_GBS, DEFAULT_DEVICE, DEFAULT_HEADROOM, DEVICES,
@@ -39,6 +41,7 @@ from orchestration.analysis.memory_plan import (DEFAULT_BUS_BANDWIDTH_GBS, DEFAU
 from orchestration.analysis.report import comparison_name, describe_files, write_comparison
 from orchestration.analysis.tables import format_comparison, format_memory_plan
 from orchestration.cluster import slurm
+from orchestration.engines import megatron_lm_import
 from orchestration.launch_env import SOCKET_IFNAME_VARIABLES, LaunchEnv, launch_env_from_process
 from orchestration.node.node_plan import DEFAULT_STOP_GRACE_S, encode_payload, node_label, stop_command
 from orchestration.node.processes import StopPreview
@@ -213,7 +216,19 @@ def cmd_stop(args, launch: LaunchEnv) -> int:
     return EXIT_OK if outcome.ok else EXIT_NODE_FAILED
 
 
+def require_run(launch: LaunchEnv, run: str) -> RunPaths:
+    paths = RunPaths(launch.artifact_root, run)
+    if not paths.exists():
+        known = runs_under(launch.artifact_root)
+        raise UserError(f"no run {run!r} under ARTIFACT_ROOT={launch.artifact_root}; "
+                        + (f"runs there: {', '.join(known)}" if known else "no run was started there")
+                        + " (give the run name a start printed, or set ARTIFACT_ROOT to where it ran)")
+    return paths
+
+
 def cmd_status(args, launch: LaunchEnv) -> int:
+    if not args.this_node:
+        require_run(launch, args.run)
     report = control.collect_status(launch, args.run, args.this_node)
     if report.job:
         print(f"slurm job {report.job}: {report.job_state}" if not args.json else
@@ -345,6 +360,51 @@ def cmd_plan_memory(args, launch: LaunchEnv) -> int:
     return EXIT_OK
 
 
+# -- import-megatron-args -------------------------------------------------------------------------
+
+def cmd_import_megatron_args(args, launch: LaunchEnv) -> int:
+    """``import-megatron-args FILE... --model-out M.yaml --data-out D.yaml``: Megatron-LM argument files
+    -> a model preset and a data set (orchestration/engines/megatron_lm_import.py); DRY_RUN=1 or
+    --dry-run prints both and writes nothing."""
+    outputs = [Path(args.model_out), Path(args.data_out)]
+    for path in outputs:
+        if path.suffix not in (".yaml", ".yml"):
+            raise UserError(f"{path}: an output must be a .yaml file (train and start take it as MODEL or DATA)")
+    if outputs[0].resolve() == outputs[1].resolve():
+        raise UserError(f"--model-out and --data-out are both {outputs[0]}; give two files")
+    dry_run = args.dry_run or launch.dry_run
+    existing = [str(p) for p in outputs if p.exists()]
+    if existing and not args.force and not dry_run:
+        raise UserError(f"{' and '.join(existing)} already exist(s); give --force to overwrite, or other output paths")
+    result = megatron_lm_import.import_arg_files(args.files, args.var, args.megatron_lm_dir or launch.megatron_lm_dir)
+    texts = [megatron_lm_import.render_model_yaml(result), megatron_lm_import.render_data_yaml(result)]
+    print(megatron_lm_import.render_report(result), end="", flush=True)
+    for path, text in zip(outputs, texts):
+        if dry_run:
+            print(f"--- {path} (dry run: not written)\n{text}", end="")
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            print(f"wrote {path}")
+    return EXIT_OK
+
+
+# -- export-hf ------------------------------------------------------------------------------------
+
+def cmd_export_hf(args, launch: LaunchEnv) -> int:
+    """``export-hf RUN OUT_DIR [--iteration N]``: a checkpoint of the run as a Hugging Face model
+    directory, written by megatron_ext/export_hf.py in a child process (the launcher imports no
+    torch); DRY_RUN=1 prints that command."""
+    require_run(launch, args.run)
+    argv = [launch.python, "-m", "megatron_ext.export_hf", "--artifact-root", str(launch.artifact_root), "--run", args.run,
+            "--out", str(Path(args.out).expanduser().resolve()),
+            *(["--iteration", str(args.iteration)] if args.iteration is not None else []), *(["--force"] if args.force else [])]
+    if launch.dry_run:
+        print(shlex.join(argv), flush=True)
+        return EXIT_OK
+    return subprocess.run(argv, cwd=launch.cwd, stdin=subprocess.DEVNULL).returncode
+
+
 # -- the parser -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -416,11 +476,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-reduce-in-bf16", action="store_true", default=None,
                    help="reduce gradients in bf16 (default the data set's training.grad_reduce_in_bf16)")
     p.add_argument("--json", action="store_true", help="the plan as one JSON object")
+    imp = sub.add_parser("import-megatron-args", help="Megatron-LM argument files (shell arrays or a pretrain_gpt.py "
+                         "command line) -> a model preset and a data set YAML; lists every flag without a counterpart")
+    imp.add_argument("files", nargs="+", help="shell files, read in order like sourcing them (later ones override)")
+    imp.add_argument("--model-out", required=True, help="the model preset to write (.yaml)")
+    imp.add_argument("--data-out", required=True, help="the data set to write (.yaml: data and training)")
+    imp.add_argument("--megatron-lm-dir", help="read the flags from this checkout (default $MEGATRON_LM_DIR, else "
+                     "Megatron-LM core_v0.16.1's flag table)")
+    imp.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
+                     help="a variable the files use but do not set, or a script argument (5=/data/x_text_document)")
+    imp.add_argument("--force", action="store_true", help="overwrite existing outputs")
+    imp.add_argument("--dry-run", action="store_true", help="print both YAML files and the list, write nothing (DRY_RUN=1)")
+    export = sub.add_parser("export-hf", help="a checkpoint of RUN (any stage, any data-parallel size) as a Hugging Face "
+                            "model directory: config.json, safetensors, generation_config.json, the tokenizer")
+    export.add_argument("run"), export.add_argument("out", help="the directory to write")
+    export.add_argument("--iteration", type=int, help="the checkpoint's iteration (default: the latest)")
+    export.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     return parser
 
 
 COMMANDS = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "train": cmd_train, "preflight": cmd_preflight,
-            "submit": cmd_submit, "compare": cmd_compare, "sweep": cmd_sweep, "plan-memory": cmd_plan_memory}
+            "submit": cmd_submit, "compare": cmd_compare, "sweep": cmd_sweep, "plan-memory": cmd_plan_memory,
+            "import-megatron-args": cmd_import_megatron_args, "export-hf": cmd_export_hf}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,7 +9,13 @@ commands read (STAGES for the sweep, GPU_MEMORY_GB for the memory plan, MEGATRON
 Megatron-LM's argument check, the SBATCH_* defaults, the Slurm allocation). This is the only
 place the launcher reads its environment (:func:`launch_env_from_process`, called once by the
 entry point); everything after it takes a :class:`LaunchEnv`. :func:`read_launch_env` is pure:
-it takes the environment mapping as an argument.
+it takes the environment mapping as an argument. Forwarded variables are split in two: the plain
+ones (:func:`forwarded_environment`, which may appear in an ssh command line and a plan) and the
+secrets (:func:`secret_environment`: WANDB_API_KEY, HF_TOKEN, any ``*_TOKEN``, ``*_KEY``,
+``*_SECRET``, ``*_PASSWORD``), which reach the nodes only through standard input or an inherited
+environment and are never shown (``repr`` included). WANDB_PROJECT and friends are read here too
+(:class:`~megatron_ext.run_spec.wandb_run.WandbSettings`: Megatron-LM's W&B flags, the preflight's
+check that wandb imports on every node).
 """
 
 from __future__ import annotations
@@ -26,14 +32,19 @@ from megatron_ext.run_spec.devices import visible_gpu_count
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import RunOverrides, read_overrides
 from megatron_ext.run_spec.run_paths import artifact_root
+from megatron_ext.run_spec.wandb_run import WandbSettings, read_wandb_settings
 
 DEFAULT_MASTER_PORT = 6000
 DEFAULT_NPROC_WITHOUT_GPUS = 2
 DEFAULT_SSH_CONNECT_TIMEOUT_S = 10
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
-FORWARDED_PREFIXES = ("NCCL_", "GLOO_", "CUDA_", "TORCH_", "PYTHON", "MEGATRON_")
+FORWARDED_PREFIXES = ("NCCL_", "GLOO_", "CUDA_", "TORCH_", "PYTHON", "MEGATRON_", "WANDB_", "HF_")
 FORWARDED_NAMES = ("PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "OMP_NUM_THREADS")
+SECRET_SUFFIXES = ("_TOKEN", "_KEY", "_SECRET", "_PASSWORD")
+SECRET_NAMES = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+"""Forwarded variables whose values are secrets: they reach the ranks' environment, never an
+argv, a plan (which names them only), a log or a file (see :func:`secret_environment`)."""
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 """Set per node by the start (the interface that routes to MASTER_ADDR) when not given."""
 _HOST_RE = re.compile(r"^[A-Za-z0-9._:@\[\]-]+$")
@@ -68,7 +79,12 @@ class LaunchEnv:
     ssh_opts: tuple[str, ...] = ()
     dry_run: bool = False
     forwarded: dict[str, str] = field(default_factory=dict)
-    """Variables every node gets, as set where the command was given."""
+    """Variables every node gets, as set where the command was given (secrets aside)."""
+    secrets: dict[str, str] = field(default_factory=dict, repr=False)
+    """Forwarded variables that are secrets (WANDB_API_KEY, HF_TOKEN, ``*_TOKEN``, ``*_KEY``, ...): every
+    node gets them too, but only through a process's environment or standard input."""
+    wandb: WandbSettings | None = None
+    """WANDB_PROJECT and friends: one rank logs to Weights & Biases (None: WANDB_PROJECT unset)."""
     transport: str = "ssh"
     """ssh (this machine, ssh, docker exec) or srun (inside a Slurm allocation)."""
     slurm_job_id: str | None = None
@@ -84,8 +100,9 @@ class LaunchEnv:
     megatron_device_arch_text: str | None = None
     """MEGATRON_DEVICE_ARCH as given: the compute capability Megatron-LM's argument check assumes
     without a GPU (the Megatron-LM engine checks it)."""
-    environ: dict[str, str] = field(default_factory=dict)
-    """The whole environment where the command was given: what commands run on this machine inherit."""
+    environ: dict[str, str] = field(default_factory=dict, repr=False)
+    """The whole environment where the command was given: what commands run on this machine inherit
+    (secrets included: never shown)."""
     python: str = sys.executable
     """The interpreter every node runs (nodes share the code path, as DeepSpeed's launcher assumes)."""
     cwd: str = "."
@@ -143,12 +160,25 @@ def _int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
     return value
 
 
+def is_forwarded(name: str) -> bool:
+    return name.startswith(FORWARDED_PREFIXES) or name in FORWARDED_NAMES
+
+
+def is_secret(name: str) -> bool:
+    """WANDB_API_KEY, HF_TOKEN, and any name ending in _TOKEN, _KEY, _SECRET or _PASSWORD."""
+    return name in SECRET_NAMES or name.endswith(SECRET_SUFFIXES)
+
+
 def forwarded_environment(env: Mapping[str, str]) -> dict[str, str]:
-    """NCCL_*, GLOO_*, CUDA_*, TORCH_*, PYTHON*, MEGATRON_*, PATH, VIRTUAL_ENV, CONDA_PREFIX, ..."""
-    return {
-        k: v for k, v in sorted(env.items())
-        if k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES
-    }
+    """NCCL_*, GLOO_*, CUDA_*, TORCH_*, PYTHON*, MEGATRON_*, WANDB_*, HF_*, PATH, VIRTUAL_ENV,
+    CONDA_PREFIX, OMP_NUM_THREADS: what may travel in plain sight (an ssh command line, a plan)."""
+    return {k: v for k, v in sorted(env.items()) if is_forwarded(k) and not is_secret(k)}
+
+
+def secret_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The forwarded variables that are secrets: sent to each node over the transport's standard
+    input (ssh, docker exec -i, a local pipe) or inherited (srun, sbatch), never in an argv or a file."""
+    return {k: v for k, v in sorted(env.items()) if (is_forwarded(k) or k in SECRET_NAMES) and is_secret(k)}
 
 
 def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: tuple[str, ...] | None = None,
@@ -216,6 +246,8 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: 
         ssh_opts=tuple(shlex.split(env.get("SSH_OPTS", ""))),
         dry_run=env.get("DRY_RUN", "").strip() not in ("", "0", "false", "no"),
         forwarded=forwarded_environment(env),
+        secrets=secret_environment(env),
+        wandb=read_wandb_settings(env),
         transport=transport,
         slurm_job_id=env.get("SLURM_JOB_ID", "").strip() or None,
         slurm_batch={key: env[name].strip() for key, name in (("partition", "SBATCH_PARTITION"), ("account", "SBATCH_ACCOUNT"),

@@ -53,6 +53,26 @@ def test_resume_is_exact_at_every_stage(stage, tmp_path):
         assert "NaN" in result["state_dict_only"] or result["state_dict_only"] != result["resumed"], result
     if stage >= 2:
         assert result["state_dict_roundtrip"] == "KeyError: 'param_groups'"
+    # export_hf reads this layout too: DDP's bf16 weights (stages 0-1), Megatron-FSDP's fp32 main
+    # weights under its module. prefix (stages 2-3), in one process, as GPT-2 tensors.
+    exported = exportable_weights(tmp_path / f"checkpoints_z{stage}" / "iter_0000003")
+    assert len(exported) == 52 and exported["transformer.wte.weight"].shape == (256, 128)
+
+
+def exportable_weights(checkpoint):
+    import torch
+
+    from megatron_ext.export_hf import read_model_weights
+    from megatron_ext.run_spec.params import load_model
+    from megatron_ext.training.hf_weights import megatron_to_hf
+    from megatron_ext.training.model import build_gpt_model, ensure_model_parallel
+
+    ensure_model_parallel()
+    preset = load_model("gpt_smoke")
+    with torch.device("meta"):
+        template = {k: v for k, v in build_gpt_model(preset, 256, 32, perform_initialization=False).state_dict().items()
+                    if isinstance(v, torch.Tensor)}
+    return megatron_to_hf(read_model_weights(checkpoint, template), preset, "gpt2", 256)
 
 
 @pytest.mark.parametrize("stage", [0, 2])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 import shlex
 import subprocess
 import sys
@@ -121,14 +122,19 @@ def test_visible_gpus(tmp_path):
 
 
 def test_dry_run_prints_one_json_line_per_node_and_starts_nothing(tmp_path):
-    env = clean_env(DRY_RUN="1", HOSTS="node0,node1", ARTIFACT_ROOT=str(tmp_path), ZERO_STAGE="3", GLOO_SOCKET_IFNAME="eth0")
+    key, token = secrets.token_hex(20), secrets.token_hex(16)
+    env = clean_env(DRY_RUN="1", HOSTS="node0,node1", ARTIFACT_ROOT=str(tmp_path), ZERO_STAGE="3", GLOO_SOCKET_IFNAME="eth0",
+                    WANDB_API_KEY=key, HF_TOKEN=token, WANDB_PROJECT="p")
     proc = subprocess.run([sys.executable, "-m", "orchestration", "start", "gpt_smoke", "smoke", "dry"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(l) for l in proc.stdout.splitlines()]
     assert [(l["node_rank"], l["host"]) for l in lines] == [(0, "node0"), (1, "node1")]
     assert set(lines[0]) == {"run", "run_id", "node_rank", "host", "argv", "env", "unset", "cwd", "log_path", "pid_path",
-                             "engine", "resilience", "first_attempt", "save_signal"}
+                             "engine", "resilience", "first_attempt", "save_signal", "secret_names"}
+    # Secrets are named, never shown: the plan says which variables the ranks get, not their values.
+    assert lines[0]["secret_names"] == ["HF_TOKEN", "WANDB_API_KEY"] and lines[0]["env"]["WANDB_PROJECT"] == "p"
+    assert key not in proc.stdout + proc.stderr and token not in proc.stdout + proc.stderr
     assert lines[0]["resilience"]["max_restarts"] == 0 and lines[0]["first_attempt"] == 1
     argv = lines[1]["argv"]
     assert argv[argv.index("--zero-stage") + 1] == "3" and lines[1]["env"]["GLOO_SOCKET_IFNAME"] == "eth0"

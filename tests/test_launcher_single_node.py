@@ -153,6 +153,27 @@ def test_bad_input_starts_nothing(env, artifact_root, extra, args, message):
     assert not (artifact_root / "run_state" / f"{args[2]}_node0.pid").exists()
 
 
+@pytest.mark.parametrize("dry_run", ["", "1"])
+def test_a_tokenizer_that_does_not_load_starts_nothing(env, artifact_root, tmp_path, dry_run):
+    """An invalid tokenizer.json: one message before anything starts (it used to say "started" and
+    then kill every rank with the parser's exception)."""
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE" "vocab": {}}}')
+    data = tmp_path / "hf.yaml"
+    data.write_text(f"data:\n  source: embedded\n  tokenizer: {{type: huggingface, model_path: {tokenizer}}}\n")
+    proc = run_script("start_training.sh", "gpt_smoke", str(data), "bad_tok", env={**env, "DRY_RUN": dry_run}, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+    assert proc.stderr.count("error:") == 1 and f"{tokenizer / 'tokenizer.json'} does not load as a Hugging Face tokenizer (" in proc.stderr
+    assert tagged_pids("bad_tok") == [] and not (artifact_root / "run_state" / "bad_tok_node0.pid").exists()
+
+
+def test_status_of_a_run_that_is_not_there(env, artifact_root):
+    proc = run_script("status_training.sh", "never_started", env=env, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"no run 'never_started' under ARTIFACT_ROOT={artifact_root}" in proc.stderr, proc.stderr
+
+
 def test_busy_master_port_is_refused(env, artifact_root):
     import socket
 

@@ -4,6 +4,7 @@ checked against Megatron-LM's real flag lists (tests/data/megatron_lm) and again
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,10 @@ STAGE_FLAGS = {  # facts.md, exactly
     2: "--use-megatron-fsdp --use-distributed-optimizer --data-parallel-sharding-strategy optim_grads --ckpt-format fsdp_dtensor".split(),
     3: "--use-megatron-fsdp --use-distributed-optimizer --data-parallel-sharding-strategy optim_grads_params --ckpt-format fsdp_dtensor".split(),
 }
-DATA_FOR = {"gpt_smoke": "smoke", "qwen3_smoke": "smoke", "gpt2": "gpt2_smoke", "qwen3_1p7b": "qwen3_1p7b_smoke"}
+DATA_FOR = {"gpt_smoke": "smoke", "qwen3_smoke": "smoke", "gpt2": "gpt2_smoke", "qwen3_1p7b": "qwen3_1p7b_smoke",
+            "llama3p1_8b": "mock"}
+"""The presets rendered against every release's flags: each kind of model flag (the Qwen3 family
+differs only in numbers; Llama 3.1 adds the RoPE scaling)."""
 
 
 FLAG_LISTS = sorted((TEST_DATA / "megatron_lm").glob("flags_*.tsv"))
@@ -63,7 +67,7 @@ def test_flag_lists_cover_the_releases():
 
 
 @pytest.mark.parametrize("flag_list", FLAG_LISTS, ids=lambda p: p.stem)
-@pytest.mark.parametrize("model", list_models())
+@pytest.mark.parametrize("model", sorted(DATA_FOR))
 @pytest.mark.parametrize("data", ["preset", "mock"])
 @pytest.mark.parametrize("stage", range(4))
 def test_render_uses_only_real_flags_and_the_stage_table(flag_list, model, data, stage):
@@ -238,6 +242,56 @@ def test_megatron_lm_validation_before_launch(tmp_path):
             f"{broken} (ModuleNotFoundError: No module named 'module_missing_on_this_node')); checked every flag "
             "against the checkout's source instead") in fallback.stderr
     assert "Megatron-LM 0.16.1 does not define --qk-layernorm" in fallback.stderr
+
+
+STANDIN_TOKENIZER_ARGS = """
+_parse = parse_args
+def parse_args():
+    args = _parse()
+    value = lambda flag: sys.argv[sys.argv.index(flag) + 1]
+    args.__dict__.update(tokenizer_type=value('--tokenizer-type'), tokenizer_model=value('--tokenizer-model'),
+                         vocab_file=None, merge_file=None, tokenizer_special_tokens=None, tokenizer_hf_use_fast=True,
+                         trust_remote_code=False, tokenizer_hf_include_special_tokens=False, tokenizer_metadata=None,
+                         legacy_tokenizer='--legacy-tokenizer' in sys.argv)
+    return args
+"""
+
+
+def test_megatron_lm_builds_the_run_s_tokenizer_before_launch(tmp_path):
+    """ENGINE=megatron-lm: the validation child builds the tokenizer as the ranks will
+    (initialize_megatron's global_vars._build_tokenizer, then the build_tokenizer pretrain_gpt.py
+    imports) and the render names the tokenizer directory. A stand-in checkout whose global_vars
+    and pretrain_gpt.py use the installed megatron-core's real megatron.core.tokenizers (as
+    core_v0.19 does); the real core_v0.16.1 checkout was checked by hand (README). A directory the
+    ``tokenizers`` package loads but transformers' AutoTokenizer does not (a T5Tokenizer config
+    over a byte-level BPE) is refused with exit 2 before anything starts."""
+    pytest.importorskip("transformers")
+    tokenizer = tmp_path / "tok"
+    shutil.copytree(TEST_DATA / "hf_tokenizer" / "qwen_style", tokenizer)
+    data = tmp_path / "hf.yaml"
+    data.write_text(f"data:\n  source: files\n  paths: [{TEST_DATA / 'prepare' / 'small.jsonl'}]\n"
+                    f"  tokenizer: {{type: huggingface, model_path: {tokenizer / 'tokenizer.json'}}}\n"
+                    "training: {train_iters: 2, micro_batch_size: 2, seq_length: 32}\n")
+    checkout = write_checkout(tmp_path / "Megatron-LM", (0, 16, 1), all_rendered_flags() + ["--legacy-tokenizer"],
+                              STANDIN_PARSER + STANDIN_TOKENIZER_ARGS)
+    build = "from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer\n"
+    (checkout / "megatron" / "training" / "global_vars.py").write_text(build + "def _build_tokenizer(args):\n    return build_tokenizer(args)\n")
+    (checkout / "pretrain_gpt.py").write_text(build)
+    env = clean_env(DRY_RUN="1", ENGINE="megatron-lm", MEGATRON_LM_DIR=str(checkout), ARTIFACT_ROOT=str(tmp_path / "art"),
+                    NPROC_PER_NODE="2")
+    start = [sys.executable, "-m", "orchestration", "start", "gpt_smoke", str(data), "tok"]
+    ok = subprocess.run(start, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "the tokenizer builds as initialize_megatron and pretrain_gpt.py (megatron.core.tokenizers" in ok.stderr
+    argv = json.loads(ok.stdout.splitlines()[0])["argv"]
+    assert argv[argv.index("--tokenizer-model") + 1] == str(tokenizer)  # the directory AutoTokenizer reads
+    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "T5Tokenizer"}))
+    refused = subprocess.run(start, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and refused.stdout == "", refused.stderr
+    assert (f"cannot build the run's tokenizer {tokenizer / 'tokenizer.json'} as its ranks would (ValueError: Unable to "
+            "instantiate HuggingFace AutoTokenizer") in refused.stderr, refused.stderr
+    assert refused.stderr.count("error:") == 1 and "Traceback" not in refused.stderr
 
 
 def test_launcher_dry_run_renders_pretrain_gpt(tmp_path):
@@ -464,3 +518,53 @@ def test_the_save_signal_is_what_each_release_has(flag_list):
         assert "SIGUSR1" in flags["--exit-signal"]
     else:
         assert rendered.args[-1] == "--exit-signal-handler" and rendered.save_signal == "SIGTERM"
+
+
+@pytest.mark.parametrize("flag_list", FLAG_LISTS, ids=lambda p: p.stem.removeprefix("flags_"))
+def test_wandb_settings_render_megatron_lm_s_wandb_flags(flag_list, tmp_path):
+    """WANDB_PROJECT set: --wandb-project, --wandb-exp-name (the run name unless WANDB_NAME), --wandb-save-dir
+    (the run directory: wandb writes runs/<run>/wandb/), --wandb-entity where the release defines it
+    (older ones take WANDB_ENTITY from the environment, which every rank gets); unset: none of them."""
+    from megatron_ext.run_spec.wandb_run import read_wandb_settings
+    from orchestration.launch_env import read_launch_env
+
+    version, flags = reference_flags(flag_list)
+    params = with_batch_geometry(load_run_params("gpt_smoke", "smoke", RunOverrides(1, "megatron-lm")), 2)[0]
+    paths = RunPaths(tmp_path, "lm_wandb")
+    prepared = planned_prepared(params.data, paths.data_cache_dir)
+    launch = read_launch_env({"WANDB_PROJECT": "zero", "WANDB_ENTITY": "team", "ARTIFACT_ROOT": str(tmp_path)})
+    args = render_pretrain_gpt(params, prepared, paths, version, known=flags, wandb=launch.wandb).args
+    check_flags(args, flags, flag_list.stem)
+    rendered = dict(split_flags(args))
+    assert rendered["--wandb-project"] == ["zero"] and rendered["--wandb-exp-name"] == ["lm_wandb"]
+    assert rendered["--wandb-save-dir"] == [str(paths.run_dir)]
+    assert rendered.get("--wandb-entity") == (["team"] if "--wandb-entity" in flags else None)
+    assert launch.forwarded["WANDB_ENTITY"] == "team"  # and in the ranks' environment either way
+    named = read_wandb_settings({"WANDB_PROJECT": "zero", "WANDB_NAME": "z1", "WANDB_DIR": str(tmp_path / "w")})
+    args = dict(split_flags(render_pretrain_gpt(params, prepared, paths, version, known=flags, wandb=named).args))
+    assert args["--wandb-exp-name"] == ["z1"] and args["--wandb-save-dir"] == [str(tmp_path / "w")]
+    assert not any(a.startswith("--wandb") for a in render_pretrain_gpt(params, prepared, paths, version, known=flags).args)
+
+
+def test_megatron_lm_with_wandb_keeps_one_wandb_run_across_starts(tmp_path):
+    """The launcher's WANDB_* reach the render, and Megatron-LM's ranks (whose wandb.init takes no id)
+    get WANDB_RUN_ID and WANDB_RESUME=allow: the id the run's first start recorded under its run directory."""
+    from megatron_ext.run_spec.wandb_run import WandbState, read_wandb_state, write_wandb_state
+    from orchestration.engines import plan_program
+    from orchestration.launch_env import read_launch_env
+
+    wandb_flags = ["--wandb-project", "--wandb-exp-name", "--wandb-save-dir", "--wandb-entity"]
+    checkout = write_checkout(tmp_path / "Megatron-LM", (0, 16, 1), all_rendered_flags() + wandb_flags)
+    launch = read_launch_env({"WANDB_PROJECT": "zero", "WANDB_ENTITY": "team", "MEGATRON_LM_DIR": str(checkout),
+                              "ENGINE": "megatron-lm", "ARTIFACT_ROOT": str(tmp_path / "art")})
+    params = with_batch_geometry(load_run_params("gpt_smoke", "smoke", launch.overrides), 2)[0]
+    paths = RunPaths(launch.artifact_root, "lm_wandb")
+    first = plan_program(params, "gpt_smoke", "smoke", paths, launch)
+    rendered = dict(split_flags(first.argv[1:]))
+    assert rendered["--wandb-project"] == ["zero"] and rendered["--wandb-entity"] == ["team"]
+    assert first.env["WANDB_RESUME"] == "allow" and len(first.env["WANDB_RUN_ID"]) == 16
+    assert read_wandb_state(paths) is None  # planning writes nothing; the start records the id
+    write_wandb_state(paths, WandbState(first.env["WANDB_RUN_ID"]))
+    assert plan_program(params, "gpt_smoke", "smoke", paths, launch).env["WANDB_RUN_ID"] == first.env["WANDB_RUN_ID"]
+    assert "WANDB_RUN_ID" not in plan_program(params, "gpt_smoke", "smoke", paths,
+                                              read_launch_env({"MEGATRON_LM_DIR": str(checkout), "ENGINE": "megatron-lm"})).env

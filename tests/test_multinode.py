@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 from orchestration.node.processes import process_environ
 
 from netns_cluster import NamespaceCluster, missing_prerequisites
-from conftest import require, clean_env, last_iteration, run_script, run_torchrun, tagged_pids, wait_for, write_data_set
+from conftest import TEST_DATA, require, clean_env, last_iteration, run_script, run_torchrun, tagged_pids, wait_for, write_data_set
 
 pytestmark = pytest.mark.multinode
 
@@ -44,30 +45,56 @@ def wait_until_ended(run: str, timeout_s: float) -> None:
 
 
 def test_two_nodes_over_ssh_train_and_match_one_node(cluster_env, artifact_root, tmp_path):
+    """Also: secrets set where the start is given reach every rank over ssh (on node-start's standard
+    input), and show in no command line, printed plan or file (tests/test_secrets.py: the pure parts)."""
+    from test_secrets import _scan_cmdlines, secret_env
+
+    values = secret_env()
+    env = {**cluster_env, **values}
     data = write_data_set(tmp_path / "short.yaml", train_iters=8)
-    dry = run_script("start_multinode_training.sh", "gpt_smoke", data, "mn_short", env={**cluster_env, "DRY_RUN": "1"})
+    dry = run_script("start_multinode_training.sh", "gpt_smoke", data, "mn_short", env={**env, "DRY_RUN": "1"})
     assert dry.returncode == 0, dry.stderr
+    assert not any(v in dry.stdout + dry.stderr for v in values.values())
     planned = [json.loads(l) for l in dry.stdout.splitlines()]
-    start = run_script("start_multinode_training.sh", "gpt_smoke", data, "mn_short", env=cluster_env)
-    assert start.returncode == 0, start.stdout + start.stderr
-    assert "[node0 node0] started" in start.stdout and "[node1 node1] started" in start.stdout
-    assert "micro 4 x dp 4 x accumulation 1 = global 16" in start.stdout
-    for rank in (0, 1):
-        record = json.loads((artifact_root / "run_state" / f"mn_short_node{rank}.pid").read_text())
-        assert record["host"] == f"node{rank}" and record["node_rank"] == rank
-        # What runs is what the dry run printed: torchrun's command line and the launcher's
-        # variables in its environment (the run id aside: each start draws a new one).
-        plan = planned[rank]
-        assert Path(f"/proc/{record['pid']}/cmdline").read_bytes().split(b"\0")[:-1] == [a.encode() for a in plan["argv"]]
-        environ = process_environ(record["pid"])
-        assert environ["LAUNCHER_RUN_ID"] == record["run_id"] != plan["run_id"]
-        assert {k: v for k, v in environ.items() if k in plan["env"] and k != "LAUNCHER_RUN_ID"} == \
-            {k: v for k, v in plan["env"].items() if k != "LAUNCHER_RUN_ID"}
-        assert not set(plan["unset"]) & set(environ)
-    wait_until_ended("mn_short", 300)
+    hits: list[str] = []
+    stop_scan = threading.Event()
+    scanner = threading.Thread(target=_scan_cmdlines, args=([v.encode() for v in values.values()], hits, stop_scan),
+                               daemon=True)
+    scanner.start()
+    try:
+        start = run_script("start_multinode_training.sh", "gpt_smoke", data, "mn_short", env=env)
+        assert start.returncode == 0, start.stdout + start.stderr
+        assert "[node0 node0] started" in start.stdout and "[node1 node1] started" in start.stdout
+        assert "micro 4 x dp 4 x accumulation 1 = global 16" in start.stdout
+        for rank in (0, 1):
+            record = json.loads((artifact_root / "run_state" / f"mn_short_node{rank}.pid").read_text())
+            assert record["host"] == f"node{rank}" and record["node_rank"] == rank
+            # What runs is what the dry run printed: torchrun's command line and the launcher's
+            # variables in its environment (the run id aside: each start draws a new one).
+            plan = planned[rank]
+            assert Path(f"/proc/{record['pid']}/cmdline").read_bytes().split(b"\0")[:-1] == [a.encode() for a in plan["argv"]]
+            environ = process_environ(record["pid"])
+            assert environ["LAUNCHER_RUN_ID"] == record["run_id"] != plan["run_id"]
+            assert {k: v for k, v in environ.items() if k in plan["env"] and k != "LAUNCHER_RUN_ID"} == \
+                {k: v for k, v in plan["env"].items() if k != "LAUNCHER_RUN_ID"}
+            assert not set(plan["unset"]) & set(environ)
+            assert plan["secret_names"] == sorted(values) and {k: environ.get(k) for k in values} == values
+        node1_ranks = wait_for(lambda: [p for p in tagged_pids("mn_short") if process_environ(p).get("LAUNCHER_NODE_RANK") == "1"
+                                        and "LOCAL_RANK" in process_environ(p)], 60, interval_s=0.2, what="node 1's ranks")
+        assert all({k: process_environ(p).get(k) for k in values} == values for p in node1_ranks)  # over ssh: stdin
+        wait_until_ended("mn_short", 300)
+    finally:
+        stop_scan.set()
+        scanner.join()
+    assert hits == [], hits  # the launcher, ssh on both ends, node-start, the supervisors, torchrun, the ranks
     for rank in (0, 1):
         log = (artifact_root / "logs" / f"mn_short_node{rank}.log").read_text()
         assert "iteration        8/       8" in log, log[-2000:]
+    files = [*(artifact_root / "logs").glob("mn_short_*"), *(artifact_root / "run_state").glob("mn_short*"),
+             *(artifact_root / "runs" / "mn_short").rglob("*")]
+    assert any(p.name == "mn_short_node1.plan.json" for p in files)
+    for path in (p for p in files if p.is_file()):
+        assert not any(v.encode() in path.read_bytes() for v in values.values()), path
     assert "world size 4" in (artifact_root / "logs" / "mn_short_node0.log").read_text()
     multi = [json.loads(l) for l in (artifact_root / "runs" / "mn_short" / "metrics.jsonl").read_text().splitlines()]
     assert multi[-1]["world_size"] == 4
@@ -182,16 +209,21 @@ def test_bad_cluster_input_starts_nothing(cluster, cluster_env, artifact_root):
 
 def test_preflight_finds_every_problem_on_every_node_at_once(cluster, cluster_env, artifact_root, tmp_path):
     """Node 1 gets a file system of its own (its sshd in a mount namespace): the data file is
-    missing there, the artifact root is not the one node 0 sees, and megatron-core reports another
-    release. One preflight lists all three for node 1 (and nothing for node 0); nothing starts."""
+    missing there, the artifact root is not the one node 0 sees, megatron-core reports another
+    release, and the tokenizer directory holds a broken tokenizer.json. One preflight lists all four
+    for node 1 (and nothing for node 0); nothing starts."""
     import importlib.metadata
 
     data_dir = tmp_path / "corpus"
     data_dir.mkdir()
     (data_dir / "docs.jsonl").write_text(json.dumps({"text": "a document about gradients " * 20}) + "\n")
+    tokenizer, broken = tmp_path / "tokenizer", tmp_path / "broken_tokenizer"
+    shutil.copytree(TEST_DATA / "hf_tokenizer" / "qwen_style", tokenizer)
+    shutil.copytree(tokenizer, broken)
+    (broken / "tokenizer.json").write_text('{"version": "1.0",, }')
     data = tmp_path / "files.yaml"
-    data.write_text(f"data:\n  source: files\n  paths: [{data_dir / 'docs.jsonl'}]\n  tokenizer: {{vocab_size: 300}}\n"
-                    "training:\n  train_iters: 2\n")
+    data.write_text(f"data:\n  source: files\n  paths: [{data_dir / 'docs.jsonl'}]\n"
+                    f"  tokenizer: {{type: huggingface, model_path: {tokenizer}}}\ntraining:\n  train_iters: 2\n")
     dist_info = importlib.metadata.distribution("megatron-core")._path
     other = tmp_path / "other-dist-info"
     shutil.copytree(dist_info, other)
@@ -201,7 +233,7 @@ def test_preflight_finds_every_problem_on_every_node_at_once(cluster, cluster_en
     node1 = cluster.nodes[1]
     cluster.kill_sshd(node1)
     cluster.start_sshd(node1, mounts=[("tmpfs", str(data_dir)), ("tmpfs", str(artifact_root / "run_state")),
-                                      (str(other), str(dist_info))])
+                                      (str(other), str(dist_info)), (str(broken), str(tokenizer))])
     cluster.wait_for_ssh(node1)
     try:
         proc = run_script("preflight_training.sh", "gpt_smoke", str(data), "pre_bad", env=cluster_env)
@@ -212,8 +244,9 @@ def test_preflight_finds_every_problem_on_every_node_at_once(cluster, cluster_en
         assert f"{data_dir / 'docs.jsonl'} does not exist on this node" in text
         assert "the artifact root is not the one node 0 sees" in text
         assert "megatron-core 0.15.3 here but 0.16.1 on node 0; every node needs the same megatron-core" in text
+        assert f"{tokenizer / 'tokenizer.json'} does not load as a Hugging Face tokenizer (" in text
         start = run_script("start_multinode_training.sh", "gpt_smoke", str(data), "pre_bad", env=cluster_env)
-        assert start.returncode == 2 and "preflight found 3 problem(s); nothing was started" in start.stderr
+        assert start.returncode == 2 and "preflight found 4 problem(s); nothing was started" in start.stderr
         assert tagged_pids("pre_bad") == []
     finally:
         cluster.kill_sshd(node1)

@@ -55,6 +55,13 @@ def test_unknown_yaml_key_names_key_and_known_keys(tmp_path):
         load_run_params("gpt_smoke", str(bad))
 
 
+def test_yaml_that_does_not_parse_names_file_line_and_column(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  source: files\n  paths: [a, b\ntraining: {train_iters: 3}\n")
+    with pytest.raises(UserError, match=rf"{bad}:4:9: not valid YAML \(expected ',' or '\]'"):
+        load_run_params("gpt_smoke", str(bad))
+
+
 def test_unknown_model_lists_choices():
     with pytest.raises(UserError, match=r"unknown model 'gpt5'.*gpt_smoke"):
         load_run_params("gpt5", "smoke")

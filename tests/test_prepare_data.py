@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 
@@ -131,6 +133,72 @@ def test_huggingface_tokenizer_json(tmp_path):
     assert prepared.eod == tok.token_to_id("<|endoftext|>") and prepared.vocab_size == tok.get_vocab_size()
     ds = IndexedDataset(prepared.prefixes[0])
     assert len(ds) == 50 and list(ds[3][:-1]) == tok.encode(docs[3], add_special_tokens=False).ids and ds[3][-1] == prepared.eod
+
+
+def test_huggingface_tokenizer_directory_same_bytes_as_megatron_lm(tmp_path):
+    """A Qwen-style tokenizer directory (tests/data/hf_tokenizer/qwen_style): the .bin/.idx equal
+    what Megatron-LM core_v0.16.1's tools/preprocess_data.py --tokenizer-type HuggingFaceTokenizer
+    --append-eod wrote on the same directory (checksums recorded by hand, see README)."""
+    import hashlib
+
+    pytest.importorskip("tokenizers")
+    expected = json.loads((TEST_DATA / "prepare" / "hf_qwen_style_expected.json").read_text())
+    prefix = tmp_path / "ours"
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_ext.data.prepare", "--input", str(TEST_DATA / "prepare" / "small.jsonl"),
+         "--tokenizer-type", "huggingface", "--tokenizer-model", str(TEST_DATA / "hf_tokenizer" / "qwen_style"),
+         "--output-prefix", str(prefix), "--workers", "2"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for suffix in ("bin", "idx"):
+        digest = hashlib.sha256(open(f"{prefix}_text_document.{suffix}", "rb").read()).hexdigest()
+        assert digest == expected[f"{suffix}_sha256"], suffix
+
+
+def test_preparation_reports_progress(tmp_path):
+    """Documents, MB, tokens, rates, and the ETA when the input size is known (every chunk here:
+    --progress-interval-s 0)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_ext.data.prepare", "--input", str(TEST_DATA / "prepare" / "small.jsonl"),
+         "--tokenizer-model", str(TEST_DATA / "prepare" / "sp512.model"), "--output-prefix", str(tmp_path / "p"),
+         "--workers", "1", "--progress-interval-s", "0"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"preparing: \d+ documents, [\d.]+ MB read, [\d,]+ tokens in .* MB/s, .*% of [\d.]+ MB, ETA \d+ s",
+                     proc.stderr), proc.stderr
+    assert re.search(r"prepared \d+ documents, .* docs/s", proc.stderr), proc.stderr
+
+
+def test_huggingface_end_of_document_from_the_tokenizer_config(tmp_path):
+    """eos_token from the directory's config first (special_tokens_map.json over
+    tokenizer_config.json, as transformers reads them), then the known names; the directory and
+    its tokenizer.json are the same tokenizer; a broken file is one UserError."""
+    from megatron_ext.data.tokenizers import HuggingFaceTokenizer
+
+    pytest.importorskip("tokenizers")
+    tok = tmp_path / "llama3_style"
+    shutil.copytree(TEST_DATA / "hf_tokenizer" / "qwen_style", tok)
+    raw = json.loads((tok / "tokenizer.json").read_text())
+    raw["added_tokens"].append({**raw["added_tokens"][0], "id": 403, "content": "<|end_of_text|>"})
+    (tok / "tokenizer.json").write_text(json.dumps(raw))
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    (tok / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|end_of_text|>"}))
+    assert HuggingFaceTokenizer(tok).eod == 403 == HuggingFaceTokenizer(tok / "tokenizer.json").eod
+    (tok / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
+    assert HuggingFaceTokenizer(tok).eod == 402
+    (tok / "special_tokens_map.json").unlink()
+    (tok / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": None}))
+    assert HuggingFaceTokenizer(tok).eod == 400  # <|endoftext|>, the first known name
+    (tok / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|missing|>"}))
+    with pytest.raises(UserError, match=r"eos_token '<\|missing\|>' \(tokenizer config\) is not in the vocabulary"):
+        HuggingFaceTokenizer(tok)
+    (tok / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    with pytest.raises(UserError, match=r"tokenizer.json does not load as a Hugging Face tokenizer \(.*line 1"):
+        HuggingFaceTokenizer(tok)
+    with pytest.raises(UserError, match=r"holds no tokenizer.json"):
+        HuggingFaceTokenizer(tmp_path)
 
 
 def test_blend_of_two_prepared_datasets_with_weights_and_split(tmp_path):

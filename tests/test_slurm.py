@@ -6,6 +6,7 @@ bad input is one message with nothing submitted. With CI=true a missing prerequi
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 
 import pytest
@@ -36,14 +37,28 @@ def job_state(job: str, env: dict) -> str:
 
 
 def test_batch_job_runs_to_the_end(slurm_env, artifact_root, tmp_path):
+    """Also: a secret set where the job is submitted reaches the ranks through sbatch's export of the
+    environment, never through the batch script or a log."""
+    from orchestration.node.processes import process_environ
+
+    key = secrets.token_hex(20)
     data = write_data_set(tmp_path / "short.yaml", train_iters=6)
-    submit = run_script("submit_training.sh", "gpt_smoke", data, "sl_batch", env=slurm_env)
+    submit = run_script("submit_training.sh", "gpt_smoke", data, "sl_batch", env={**slurm_env, "WANDB_API_KEY": key})
     assert submit.returncode == 0, submit.stdout + submit.stderr
     job = submit.stdout.split("submitted slurm job ")[1].split()[0]
     script = (artifact_root / "run_state" / "sl_batch.sbatch").read_text()
     assert "#SBATCH --nodes=1" in script and "orchestration start gpt_smoke" in script and "--wait" in script
-    wait_for(lambda: job_state(job, slurm_env) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 420, interval_s=2,
-             what=f"slurm job {job} to end")
+    assert key not in script and key not in submit.stdout + submit.stderr
+    seen: dict[int, str | None] = {}
+
+    def ended() -> bool:
+        seen.update({p: e.get("WANDB_API_KEY") for p in tagged_pids("sl_batch") if "LOCAL_RANK" in (e := process_environ(p))})
+        return job_state(job, slurm_env) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+
+    wait_for(ended, 420, interval_s=0.5, what=f"slurm job {job} to end")
+    assert seen and set(seen.values()) == {key}, seen  # every rank seen had it
+    for path in [*(artifact_root / "logs").glob("sl_batch_*"), *(artifact_root / "run_state").glob("sl_batch*")]:
+        assert key.encode() not in path.read_bytes(), path
     sbatch_log = (artifact_root / "logs" / "sl_batch_sbatch.log").read_text()
     assert job_state(job, slurm_env) == "COMPLETED", sbatch_log[-3000:]
     log = artifact_root / "logs" / "sl_batch_node0.log"

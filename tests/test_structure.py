@@ -23,6 +23,8 @@ LAZY_IMPORTS = {
     ("orchestration/engines/megatron_lm_validate.py", "torch"): "whatever torch the checkout's environment has",
     ("orchestration/analysis/report.py", "matplotlib"): "optional, and slow to import",
     ("orchestration/analysis/report.py", "matplotlib.pyplot"): "the same",
+    ("orchestration/node/preflight.py", "megatron_ext.data.tokenizers"): "node-check alone loads tokenizers (numpy)",
+    ("orchestration/node/preflight.py", "megatron_ext.run_spec.params"): "the same",
     ("orchestration/__main__.py", "orchestration.node.commands"): "node commands load nothing of the launcher",
     ("orchestration/__main__.py", "orchestration.cli"): "the launcher's commands",
 }

@@ -27,7 +27,8 @@ import logging
 import multiprocessing
 import os
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -132,10 +133,11 @@ def _init_worker(tokenizer_type: str, tokenizer_path: str | None, vocab_size: in
     _worker_dtype = dtype
 
 
-def _encode_chunk(chunk: _Chunk) -> tuple[bytes, list[int]]:
+def _encode_chunk(chunk: _Chunk) -> tuple[bytes, list[int], int]:
     """Megatron-LM ``tools/preprocess_data.py --append-eod`` for a chunk of documents: each
     document's tokens and one end-of-document token, or nothing for a document with no tokens.
-    Returns the chunk's tokens as the dataset's bytes and each document's length (0 = empty)."""
+    Returns the chunk's tokens as the dataset's bytes, each document's length (0 = empty) and the
+    characters read."""
     texts = chunk.items
     if chunk.jsonl:
         texts = [t for i, line in enumerate(chunk.items) if (t := _json_text(line, chunk.source, chunk.first_line + i)) is not None]
@@ -144,7 +146,47 @@ def _encode_chunk(chunk: _Chunk) -> tuple[bytes, list[int]]:
     lengths = [len(ids) + 1 if len(ids) else 0 for ids in encoded]
     pieces = [piece for ids in encoded if len(ids) for piece in (ids.astype(_worker_dtype, copy=False), eod)]
     tokens = np.concatenate(pieces) if pieces else np.empty(0, dtype=_worker_dtype)
-    return tokens.tobytes(), lengths
+    return tokens.tobytes(), lengths, sum(len(item) for item in chunk.items)
+
+
+@dataclass
+class PrepareProgress:
+    """Documents, MB read, tokens, their rates and (input size known) the ETA, every
+    ``interval_s`` (2 s on a terminal, 30 s in a log), as Megatron-LM's preprocess_data.py reports
+    documents/s and MB/s."""
+
+    total_bytes: int | None = None
+    interval_s: float = field(default_factory=lambda: 2.0 if sys.stderr.isatty() else 30.0)
+    started: float = field(default_factory=time.monotonic)
+    last: float = field(default_factory=time.monotonic)
+    documents: int = 0
+    read_bytes: int = 0
+    tokens: int = 0
+
+    def update(self, documents: int, read_bytes: int, tokens: int) -> None:
+        self.documents += documents
+        self.read_bytes += read_bytes
+        self.tokens += tokens
+        if time.monotonic() - self.last >= self.interval_s:
+            self.report()
+
+    def report(self, final: bool = False) -> None:
+        self.last = time.monotonic()
+        elapsed = max(self.last - self.started, 1e-9)
+        rate = self.read_bytes / elapsed
+        line = (f"{'prepared' if final else 'preparing:'} {self.documents:,} documents, {self.read_bytes / 1e6:,.1f} MB "
+                f"read, {self.tokens:,} tokens in {elapsed:,.0f} s ({self.documents / elapsed:,.0f} docs/s, "
+                f"{rate / 1e6:,.2f} MB/s, {self.tokens / elapsed:,.0f} tokens/s)")
+        if self.total_bytes and not final and rate > 0:
+            left = max(self.total_bytes - self.read_bytes, 0)
+            line += f", {100 * min(self.read_bytes / self.total_bytes, 1):.0f}% of {self.total_bytes / 1e6:,.1f} MB, ETA {left / rate:,.0f} s"
+        print(line, file=sys.stderr, flush=True)
+
+
+def input_bytes(paths: Iterable[str]) -> int | None:
+    """The inputs' total size, for the ETA (None when a path is not a file)."""
+    sizes = [Path(p).stat().st_size for p in paths if Path(p).is_file()]
+    return sum(sizes) if sizes else None
 
 
 def write_indexed_dataset(
@@ -152,6 +194,7 @@ def write_indexed_dataset(
     tokenizer_params: TokenizerParams,
     output_prefix: Path,
     workers: int = 2,
+    progress: PrepareProgress | None = None,
 ) -> Path:
     """Encode ``chunks`` (see :func:`chunks_from_files`, :func:`chunks_from_documents`) in
     ``workers`` processes into ``<output_prefix>_text_document.bin/.idx`` (megatron-core's format,
@@ -165,9 +208,11 @@ def write_indexed_dataset(
     sequence_lengths: list[int] = []
     document_indices = [0]
     with ctx.Pool(max(1, workers), initializer=_init_worker, initargs=initargs) as pool, open(f"{prefix}.bin", "wb") as out:
-        for data, lengths in pool.imap(_encode_chunk, chunks):
+        progress = progress or PrepareProgress()
+        for data, lengths, read in pool.imap(_encode_chunk, chunks):
             # As Megatron-LM's tool: an empty document adds no sequence, only a document boundary.
             out.write(data)
+            progress.update(len(lengths), read, len(data) // np.dtype(dtype).itemsize)
             for n in lengths:
                 if n:
                     sequence_lengths.append(n)
@@ -176,6 +221,7 @@ def write_indexed_dataset(
     if num_tokens == 0:
         raise UserError("the input holds no tokens; give a non-empty JSONL or text file")
     write_index(Path(f"{prefix}.idx"), dtype, sequence_lengths, document_indices)
+    progress.report(final=True)
     logger.info("wrote %s.{bin,idx}: %d documents, %d tokens", prefix, num_docs, num_tokens)
     return prefix
 
@@ -191,13 +237,23 @@ def _cache_dir(data: DataParams, cache_root: Path) -> Path:
 
 def _cache_key(data: DataParams) -> str:
     """Stable key for a corpus + tokenizer, so every run with the same inputs shares one copy."""
-    parts = [data.source, data.tokenizer.type, str(data.tokenizer.vocab_size), str(data.tokenizer.model_path)]
+    parts = [data.source, data.tokenizer.type, str(data.tokenizer.vocab_size), str(data.tokenizer.model_path),
+             *_file_stamps(data.tokenizer)]
     if data.source == "embedded":
         parts.append(f"py{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}")
     for path in data.paths:
         st = Path(path).stat() if Path(path).exists() else None
         parts.append(f"{Path(path).resolve()}:{st.st_size if st else 0}:{int(st.st_mtime) if st else 0}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]
+
+
+def _file_stamps(tok: TokenizerParams) -> list[str]:
+    """Size and time of the tokenizer's files: a tokenizer changed in place is prepared again."""
+    if not tok.model_path:
+        return []
+    root = Path(tok.model_path)
+    files = sorted(f for f in root.iterdir() if f.suffix == ".json") if root.is_dir() else [root]
+    return [f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in files if f.is_file()]
 
 
 def _corpus_name(data: DataParams) -> str:
@@ -217,7 +273,8 @@ def _prepare_into(data: DataParams, out_dir: Path, workers: int) -> PreparedData
         chunks = chunks_from_documents(documents)
     else:
         chunks = chunks_from_documents(embedded_documents()) if data.source == "embedded" else chunks_from_files(data.paths)
-    prefix = write_indexed_dataset(chunks, tok, out_dir / name, workers)
+    total = input_bytes(data.paths) if data.source == "files" else None
+    prefix = write_indexed_dataset(chunks, tok, out_dir / name, workers, PrepareProgress(total))
     tokenizer = load_tokenizer(tok)
     return PreparedData((str(prefix),), (1.0,), tok.type, tok.model_path, tokenizer.vocab_size, tokenizer.eod)
 
@@ -303,8 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", nargs="*", default=[], help="JSONL (text field) or text files; none = embedded corpus")
     parser.add_argument("--output-prefix", required=True, help="writes <prefix>_text_document.{bin,idx}")
     parser.add_argument("--tokenizer-type", choices=["sentencepiece", "huggingface"], default="sentencepiece")
-    parser.add_argument("--tokenizer-model", help="sentencepiece .model or tokenizer.json")
+    parser.add_argument("--tokenizer-model", help="sentencepiece .model, or a Hugging Face tokenizer directory or its tokenizer.json")
     parser.add_argument("--vocab-size", type=int, default=4096, help="train a sentencepiece model of this size (no --tokenizer-model)")
+    parser.add_argument("--progress-interval-s", type=float, default=2.0 if sys.stderr.isatty() else 30.0,
+                        help="seconds between progress lines (default 2 on a terminal, 30 otherwise)")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2)), help="encoding processes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -314,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         tok = TokenizerParams(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
         if tok.model_path is None:
             if tok.type != "sentencepiece":
-                raise UserError("--tokenizer-type huggingface needs --tokenizer-model tokenizer.json")
+                raise UserError("--tokenizer-type huggingface needs --tokenizer-model (a tokenizer directory or its tokenizer.json)")
             documents = list(read_documents(args.input)) if args.input else embedded_documents()
             model = train_sentencepiece(documents, args.vocab_size, Path(f"{args.output_prefix}.model"))
             tok = TokenizerParams("sentencepiece", str(model), args.vocab_size)
@@ -322,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
             chunks = chunks_from_documents(documents)
         else:
             chunks = chunks_from_files(args.input) if args.input else chunks_from_documents(embedded_documents())
-        prefix = write_indexed_dataset(chunks, tok, Path(args.output_prefix), args.workers)
+        progress = PrepareProgress(input_bytes(args.input), interval_s=args.progress_interval_s)
+        prefix = write_indexed_dataset(chunks, tok, Path(args.output_prefix), args.workers, progress)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -4,7 +4,8 @@
 
 - sentencepiece: a ``.model`` file, or one trained on the corpus (:func:`train_sentencepiece`,
   BPE, one thread, so every node that trains it gets the same model);
-- huggingface: a ``tokenizer.json`` through the optional ``tokenizers`` package;
+- huggingface: a tokenizer directory (or its ``tokenizer.json``) through the optional ``tokenizers``
+  package, as Megatron-LM's default tokenizer system reads it;
 - null: token ids are given (mock data); vocabulary ``vocab_size + 1`` with end-of-document last,
   as Megatron-LM's NullTokenizer.
 """
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 from typing import Iterable
 
@@ -57,8 +59,51 @@ class SentencePieceTokenizer(_Identified):
         return self._sp.decode(ids)
 
 
+EOD_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>", "<|eot_id|>")
+"""End-of-document tokens looked up, in this order, when the tokenizer's config names none."""
+
+
+def hf_tokenizer_file(path: str | Path) -> Path:
+    """The ``tokenizer.json`` of a Hugging Face tokenizer given as its directory or as the file."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "tokenizer.json"
+        if not p.is_file():
+            raise UserError(
+                f"tokenizer directory {path} holds no tokenizer.json (the fast tokenizer's file); give a Hugging Face "
+                "tokenizer directory as saved by save_pretrained, or the tokenizer.json itself"
+            )
+    elif not p.is_file():
+        raise UserError(f"tokenizer {path} does not exist; give a Hugging Face tokenizer directory or its tokenizer.json")
+    return p
+
+
+def configured_token(directory: Path, key: str) -> str | None:
+    """``key`` (e.g. ``eos_token``) as transformers reads it: ``special_tokens_map.json`` over
+    ``tokenizer_config.json``; a string or an AddedToken mapping (``content``)."""
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        f = directory / name
+        if not f.is_file():
+            continue
+        try:
+            value = json.loads(f.read_text()).get(key)
+        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as exc:
+            raise UserError(f"{f} is not a JSON object ({exc}); fix or remove the file") from None
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
 class HuggingFaceTokenizer(_Identified):
-    def __init__(self, json_path: str | Path):
+    """A Hugging Face fast tokenizer (``tokenizer.json``) through the ``tokenizers`` package, as
+    Megatron-LM's default tokenizer system (``megatron.core.tokenizers``, core_v0.16) uses it:
+    text -> tokens without special tokens (``tokenizer.tokenize`` + ``convert_tokens_to_ids``), the
+    end of document = the configured ``eos_token``, vocabulary = ``len(tokenizer)`` (added tokens
+    included)."""
+
+    def __init__(self, path: str | Path):
         try:
             from tokenizers import Tokenizer
         except ImportError:
@@ -66,20 +111,32 @@ class HuggingFaceTokenizer(_Identified):
                 "tokenizer type huggingface needs the optional `tokenizers` package; "
                 "`pip install -e .[hf]`"
             ) from None
-        if not Path(json_path).is_file():
-            raise UserError(f"tokenizer file {json_path} does not exist; give a tokenizer.json")
-        self.model_path = str(json_path)
-        self._tok = Tokenizer.from_file(str(json_path))
+        json_path = hf_tokenizer_file(path)
+        self.model_path = str(path)
+        try:
+            self._tok = Tokenizer.from_file(str(json_path))
+        except Exception as exc:  # the Rust parser's error: "expected `,` or `}` at line 3 column 5"
+            raise UserError(f"{json_path} does not load as a Hugging Face tokenizer ({exc}); fix or replace the file") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        eod = next(
-            (self._tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>") if self._tok.token_to_id(t) is not None),
-            None,
-        )
+        configured = configured_token(json_path.parent, "eos_token")
+        if configured is not None:
+            eod = self._tok.token_to_id(configured)
+            if eod is None:
+                raise UserError(f"{json_path.parent}: eos_token {configured!r} (tokenizer config) is not in the vocabulary; "
+                                "fix the tokenizer's config")
+        else:
+            eod = next((self._tok.token_to_id(t) for t in EOD_NAMES if self._tok.token_to_id(t) is not None), None)
         if eod is None:
-            raise UserError(f"{json_path} defines no end-of-document token (<|endoftext|>, </s>, <eos>)")
+            raise UserError(
+                f"{json_path} defines no end-of-document token: no eos_token in tokenizer_config.json and none of "
+                f"{', '.join(EOD_NAMES)}; set eos_token in the directory's tokenizer_config.json"
+            )
         self.eod = eod
         self.pad = -1
         self._identify(json_path)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
 
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -146,6 +203,13 @@ def _train_into(sentencepiece, documents: Iterable[str], vocab_size: int, buffer
         max_sentence_length=16384,
         minloglevel=2,
     )
+
+
+def check_tokenizer(params: TokenizerParams) -> None:
+    """Load the tokenizer a run names, as its ranks will: a UserError before anything starts if
+    it does not (a sentencepiece model still to be trained on the corpus is not checked here)."""
+    if params.type != "sentencepiece" or params.model_path:
+        load_tokenizer(params)
 
 
 def load_tokenizer(params: TokenizerParams, model_path: str | None = None):

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.hf_config import is_hf_model_dir, preset_from_hf_config, read_hf_config
 from megatron_ext.run_spec.resilience import ResilienceParams, check_resilience, read_resilience_overrides, with_overrides
 from megatron_ext.run_spec.zero import parse_zero_stage
 
@@ -59,22 +60,34 @@ class ModelPreset:
     """Rotary or learned absolute positions."""
     rotary_base: int = 10000
     """RoPE theta (only with rope)."""
+    rope_scaling: bool = False
+    """Llama 3.1's RoPE frequency scaling (megatron-core's: low/high frequency factors 1 and 4 over
+    an original context of 8192 tokens; Megatron-LM's --use-rope-scaling)."""
+    rope_scaling_factor: float = 8.0
+    """The scaling's factor (only with rope_scaling; Megatron-LM's --rope-scaling-factor)."""
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """Norm layer type."""
     norm_epsilon: float = 1e-5
     """Epsilon of every norm (dimensionless)."""
     swiglu: bool = False
     """SwiGLU MLP (gated SiLU); False = GELU MLP."""
+    gelu_tanh: bool = False
+    """GELU MLP with the tanh approximation (GPT-2's ``gelu_new``); False = exact (erf) GELU."""
     qk_layernorm: bool = False
     """Norm on queries and keys per head (Qwen3)."""
     add_bias_linear: bool = True
     """Biases in the linear layers."""
+    add_qkv_bias: bool = False
+    """Biases in the query/key/value projection only (Qwen2); implied by add_bias_linear."""
     tie_embeddings: bool = True
     """Share input embedding and output projection weights."""
     hidden_dropout: float = 0.0
     """Dropout probability after attention and MLP (0-1)."""
     attention_dropout: float = 0.0
     """Dropout probability on attention scores (0-1)."""
+    hf_checkpoint: str | None = None
+    """A Hugging Face model directory whose weights start the run (continued pretraining); set when
+    MODEL is such a directory (the preset then comes from its config.json)."""
 
     @property
     def head_dim(self) -> int:
@@ -92,8 +105,9 @@ class TokenizerParams:
     type: Literal["sentencepiece", "huggingface", "null"] = "sentencepiece"
     """Tokenizer kind; null = token ids are given (mock data)."""
     model_path: str | None = None
-    """sentencepiece ``.model`` or Hugging Face ``tokenizer.json`` (path); None with sentencepiece =
-    train one on the corpus."""
+    """sentencepiece ``.model``, or a Hugging Face tokenizer directory (``tokenizer.json`` and its
+    ``tokenizer_config.json``, as ``save_pretrained`` writes it; a model directory holds one) or its
+    ``tokenizer.json`` (path); None with sentencepiece = train one on the corpus."""
     vocab_size: int = 4096
     """Vocabulary (tokens) of a sentencepiece model trained on the corpus, or of the null tokenizer."""
 
@@ -179,6 +193,9 @@ class TrainingParams:
     (MEGATRON_LM_DIR). ENGINE in the environment overrides it."""
     resilience: ResilienceParams = field(default_factory=ResilienceParams)
     """Hang watchdog, restarts and their limits (megatron_ext/run_spec/resilience.py)."""
+    init: Literal["pretrained", "random"] = "pretrained"
+    """With a Hugging Face model directory as MODEL: start from its weights (pretrained) or from
+    megatron-core's random initialisation of the same architecture (random). Other models: random."""
 
 
 @dataclass(frozen=True)
@@ -263,10 +280,21 @@ def _read_yaml(kind: str, name: str, params_dir: Path) -> dict[str, Any]:
             f"unknown {what} {name!r}: no {path}; choose one of: {choices} "
             f"(or add {kind}/{name}.yaml under {params_dir})"
         )
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = _parse_yaml(path) or {}
     if not isinstance(raw, dict):
         raise UserError(f"{path}: expected a mapping at top level, got {type(raw).__name__}")
     return raw
+
+
+def _parse_yaml(path: Path) -> Any:
+    """The YAML in ``path``; a syntax error names the file, line and column (1-based)."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UserError(f"{where}: not valid YAML ({problem}); fix the file at that line") from None
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
@@ -325,6 +353,15 @@ def build_dataclass(cls: type, raw: dict[str, Any], where: str) -> Any:
 
 
 def load_model(name: str, params_dir: Path = PARAMS_DIR) -> ModelPreset:
+    """A preset under ``params_dir/models``, a ``.yaml`` path, or a Hugging Face model directory."""
+    if is_hf_model_dir(name):
+        directory = Path(name).expanduser().resolve()
+        fields = preset_from_hf_config(read_hf_config(directory), f"{directory}/config.json")
+        return build_dataclass(ModelPreset, {"name": directory.name, **fields, "hf_checkpoint": str(directory)},
+                               f"{directory}/config.json")
+    if Path(name).is_dir():
+        raise UserError(f"model {name} is a directory without config.json; give a Hugging Face model directory "
+                        "(config.json and its safetensors) or a preset name")
     raw = _read_yaml("models", name, params_dir)
     return build_dataclass(ModelPreset, {"name": Path(name).stem, **raw}, _where("models", name))
 
@@ -385,6 +422,9 @@ def load_run_params(
         engine=engine, train_iters=overrides.train_iters or training.train_iters,
         resilience=with_overrides(training.resilience, overrides.resilience),
     )
+    if data.tokenizer.type == "huggingface" and not data.tokenizer.model_path and preset.hf_checkpoint:
+        # The model directory's own tokenizer (a Hugging Face model directory holds one).
+        data = dataclasses.replace(data, tokenizer=dataclasses.replace(data.tokenizer, model_path=preset.hf_checkpoint))
     params = RunParams(model=preset, data=data, training=training, data_set=data_set)
     validate_run_params(params)
     return params
@@ -403,6 +443,10 @@ def validate_run_params(p: RunParams) -> None:
             f"num_attention_heads={m.num_attention_heads} is not divisible by num_query_groups="
             f"{m.query_groups}; choose a divisor"
         )
+    if m.swiglu and m.gelu_tanh:
+        raise UserError(f"model {m.name}: swiglu and gelu_tanh are both set; an MLP has one activation, keep one")
+    if m.rope_scaling and m.position_embedding_type != "rope":
+        raise UserError(f"model {m.name}: rope_scaling needs position_embedding_type=rope")
     if d.source == "files" and not d.paths:
         raise UserError(f"{_where('data', p.data_set)}: source=files needs data.paths; list one or more")
     if d.weights and len(d.weights) != len(d.paths):
@@ -413,7 +457,8 @@ def validate_run_params(p: RunParams) -> None:
     if d.source == "mock" and d.tokenizer.type != "null":
         raise UserError("data.source=mock needs data.tokenizer.type=null (synthetic token ids)")
     if d.tokenizer.type == "huggingface" and not d.tokenizer.model_path:
-        raise UserError("data.tokenizer.type=huggingface needs model_path (a tokenizer.json)")
+        raise UserError("data.tokenizer.type=huggingface needs model_path (a Hugging Face tokenizer directory or its "
+                        "tokenizer.json), or a Hugging Face model directory as MODEL (its tokenizer)")
     for key in ("micro_batch_size", "global_batch_size", "gradient_accumulation_steps", "train_iters", "seq_length",
                 "log_interval", "keep_checkpoints"):
         value = getattr(t, key)

@@ -15,6 +15,7 @@ Layout (``RunPaths``)::
     $ARTIFACT_ROOT/runs/<run>/hangs/<K>/        attempt K's hang: every rank's stack and each node's report
     $ARTIFACT_ROOT/runs/<run>/metrics.jsonl     one record per iteration
     $ARTIFACT_ROOT/runs/<run>/checkpoints/      torch.distributed.checkpoint directories
+    $ARTIFACT_ROOT/runs/<run>/wandb/, wandb.json W&B's files (WANDB_PROJECT set), the W&B run id
     $ARTIFACT_ROOT/data_cache/                  prepared corpora and dataset index caches
 
 Pure path arithmetic.
@@ -79,6 +80,16 @@ class RunPaths:
         return self.run_dir / "tensorboard"
 
     @property
+    def wandb_dir(self) -> Path:
+        """wandb's files (``wandb.init(dir=run_dir)`` writes here; WANDB_DIR moves them)."""
+        return self.run_dir / "wandb"
+
+    @property
+    def wandb_state_path(self) -> Path:
+        """The W&B run id this run logs to and the last iteration logged (megatron_ext/run_spec/wandb_run.py)."""
+        return self.run_dir / "wandb.json"
+
+    @property
     def params_path(self) -> Path:
         return self.logs_dir / f"{self.run}_params.yaml"
 
@@ -124,6 +135,18 @@ class RunPaths:
         """Asks every node to save a checkpoint at the next step and end (preempted)."""
         return self.run_state_dir / f"{self.run}.save_request"
 
+    def exists(self) -> bool:
+        """Whether a start of this run left anything here (its parameters, state or run folder)."""
+        return (self.params_path.exists() or self.run_dir.is_dir()
+                or any(self.run_state_dir.glob(f"{self.run}_node*"))
+                or any(self.run_state_dir.glob(f"{self.run}.*")))  # a batch job's record
+
     def hangs_dir(self, attempt: int) -> Path:
         """Attempt ``attempt``'s hang: ``node<N>_rank<R>.txt`` stacks and ``node<N>.json`` reports."""
         return self.run_dir / "hangs" / str(attempt)
+
+
+def runs_under(root: Path) -> list[str]:
+    """The runs started under the artifact root ``root`` (by their resolved parameters)."""
+    suffix = "_params.yaml"
+    return sorted(p.name[: -len(suffix)] for p in (root / "logs").glob(f"*{suffix}"))

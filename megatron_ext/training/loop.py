@@ -7,7 +7,8 @@ and runs it: :meth:`Pretrain.set_up` (device, process group, megatron's parallel
 :meth:`Pretrain.build` (data, model, trainer for the ZeRO stage, datasets), :meth:`Pretrain.train_step`
 (micro-batches with gradient accumulation, clip, optimizer step), :meth:`Pretrain.log` (at log
 intervals only: one collective gathers the loss and every rank's memory figures; rank 0 writes
-the metrics record, every node's local rank 0 prints Megatron-LM's iteration line).
+the metrics record and TensorBoard, the last rank W&B when WANDB_PROJECT is set, every node's local
+rank 0 prints Megatron-LM's iteration line).
 
 Side effects: the process group, the data cache, metrics and checkpoint files under the artifact
 root, stdout.
@@ -30,8 +31,10 @@ from megatron_ext.run_spec.iteration_log import (
     IterationRecord, MetricsWriter, format_iteration_line, format_progress_line,
 )
 from megatron_ext.run_spec.checkpoints import CheckpointMeta, check_resumable, latest_iteration, read_meta
+from megatron_ext.run_spec.hf_config import hf_model_type
 from megatron_ext.run_spec.params import COLLECTIVE_TIMEOUT_S, BatchGeometry, RunParams, TrainingParams
 from megatron_ext.run_spec.run_paths import RunPaths
+from megatron_ext.run_spec.wandb_run import WandbSettings
 from megatron_ext.run_spec.zero import ZeroStage
 from megatron_ext.training.progress import ProgressReporter, SaveRequest
 from megatron_ext.training.trainers import NonFiniteGradients
@@ -59,6 +62,8 @@ class RunInputs:
     geometry: BatchGeometry
     ranks: RankEnv
     paths: RunPaths
+    wandb: WandbSettings | None = None
+    """WANDB_PROJECT and friends (None: no W&B)."""
 
 
 def learning_rate(t: TrainingParams, steps_done: int) -> float:
@@ -96,11 +101,14 @@ TENSORBOARD_SCALARS = {
 """TensorBoard tag -> IterationRecord field (Megatron-LM's tag names where it has one)."""
 
 
+def record_scalars(record: IterationRecord) -> dict[str, float]:
+    """The iteration's scalars under their TensorBoard tags (W&B gets the same)."""
+    return {tag: getattr(record, field) for tag, field in TENSORBOARD_SCALARS.items() if getattr(record, field) is not None}
+
+
 def write_tensorboard(writer, record: IterationRecord) -> None:
-    for tag, field in TENSORBOARD_SCALARS.items():
-        value = getattr(record, field)
-        if value is not None:
-            writer.add_scalar(tag, value, record.iteration)
+    for tag, value in record_scalars(record).items():
+        writer.add_scalar(tag, value, record.iteration)
     writer.flush()
 
 
@@ -160,6 +168,7 @@ class Pretrain:
         from megatron_ext.data.prepare import ensure_prepared
         from megatron_ext.training.datasets import build_datasets
         from megatron_ext.training.model import build_gpt_model, choose_kernels, model_vocab_size, transformer_engine_available
+        from megatron_ext.training.hf_weights import load_hf_weights, restrict_logits
         from megatron_ext.training.trainers import wrap_cpu
 
         m, t = self.params.model, self.t
@@ -170,6 +179,12 @@ class Pretrain:
         self.kernels = choose_kernels(self.on_cuda, transformer_engine_available(), t.zero_stage)
         module = build_gpt_model(m, self.vocab, t.seq_length, params_dtype=torch.bfloat16 if self.on_cuda else torch.float32,
                                  kernels=self.kernels)
+        self.real_vocab = model_vocab_size(m, self.prepared.vocab_size)
+        restrict_logits(module, self.real_vocab, self.vocab)  # the loss over the real vocabulary (hf_weights.py)
+        if m.hf_checkpoint and t.init == "pretrained" and latest_iteration(self.paths.checkpoints_dir) is None:
+            load_hf_weights(module, m, hf_model_type(m), self.vocab)  # before any wrapper, on every rank
+            if self.ranks.rank == 0:
+                print(f"initialised from the Hugging Face weights in {m.hf_checkpoint}", flush=True)
         if self.on_cuda:
             module.cuda()
         if self.on_cuda:
@@ -178,17 +193,30 @@ class Pretrain:
             self.trainer = wrap_cuda(module, ZeroStage(t.zero_stage), t, self.device)
         else:
             self.trainer = wrap_cpu(module, ZeroStage(t.zero_stage), t)
+        if self.ranks.rank == 0:
+            print(f"building the dataset index (megatron-core's GPTDataset: {t.train_iters * t.global_batch_size:,} "
+                  f"training samples of {t.seq_length} tokens; cached under {self.paths.data_cache_dir / 'index'}, "
+                  "so later starts reuse it)", flush=True)
+        index_started = time.monotonic()
         self.train_ds, self.valid_ds = build_datasets(
             self.prepared, self.params.data, t.seq_length, t.seed,
             num_train_samples=t.train_iters * t.global_batch_size,
             num_valid_samples=max(1, t.eval_iters) * t.global_batch_size,  # every validation pass reads the same batches
             cache_dir=self.paths.data_cache_dir / "index",
         )
+        if self.ranks.rank == 0:
+            print(f"dataset index ready in {time.monotonic() - index_started:.1f} s", flush=True)
         self.flops_per_iteration = flops_per_token(m, t.seq_length, self.vocab) * t.global_batch_size * t.seq_length
         self.peak_tflops = peak_tflops_for(torch.cuda.get_device_name(self.device)) if self.on_cuda else None
         self.start_iteration = self.resume()
         self.writer = MetricsWriter(self.paths.metrics_path, self.start_iteration) if self.ranks.rank == 0 else None
         self.tensorboard = open_tensorboard(self.paths.tensorboard_dir, self.start_iteration) if self.ranks.rank == 0 else None
+        self.wandb = None
+        if self.inputs.wandb:  # the last rank, as Megatron-LM (see training/wandb_log.py)
+            from megatron_ext.training.wandb_log import open_wandb_on
+
+            self.wandb = open_wandb_on(self.inputs.wandb, self.paths, self.params, self.ranks.rank,
+                                       self.ranks.world_size, self.geometry.accumulation_steps)
         if self.ranks.rank == 0:
             print(
                 f"run {self.paths.run}: model {m.name} data {self.params.data_set} | world size {self.ranks.world_size} "
@@ -262,8 +290,8 @@ class Pretrain:
         mine = torch.tensor([loss_sum, *map(float, memory)], dtype=torch.float64, device=self.device)
         gathered = [torch.zeros_like(mine) for _ in range(self.ranks.world_size)]
         dist.all_gather(gathered, mine)
-        if self.ranks.local_rank != 0:  # every node's log shows the iterations; rank 0 writes metrics
-            return
+        if self.ranks.local_rank != 0 and self.wandb is None:  # every node's log shows the iterations; rank 0
+            return  # writes metrics and TensorBoard, the last rank W&B
         t, world = self.t, self.ranks.world_size
         rows = [g.tolist() for g in gathered]
         lm_loss = sum(r[0] for r in rows) / (world * max(1, interval.advanced))
@@ -282,8 +310,11 @@ class Pretrain:
             self.writer.write(record)
         if self.tensorboard:
             write_tensorboard(self.tensorboard, record)
-        print(format_iteration_line(record), flush=True)
-        print(format_progress_line(record, elapsed_s), flush=True)
+        if self.wandb:
+            self.wandb.write(iteration, record_scalars(record))
+        if self.ranks.local_rank == 0:
+            print(format_iteration_line(record), flush=True)
+            print(format_progress_line(record, elapsed_s), flush=True)
 
     def evaluate(self) -> float:
         t, accumulation = self.t, self.geometry.accumulation_steps
@@ -392,6 +423,8 @@ class Pretrain:
             self.writer.close()
         if self.tensorboard:
             self.tensorboard.close()
+        if self.wandb:
+            self.wandb.close()
         dist.barrier()
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

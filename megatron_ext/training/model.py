@@ -126,8 +126,9 @@ def transformer_config(preset: ModelPreset, params_dtype: torch.dtype, kernels: 
         normalization=preset.normalization,
         layernorm_epsilon=preset.norm_epsilon,
         gated_linear_unit=preset.swiglu,
-        activation_func=torch.nn.functional.silu if preset.swiglu else torch.nn.functional.gelu,
+        activation_func=activation_function(preset),
         add_bias_linear=preset.add_bias_linear,
+        add_qkv_bias=preset.add_qkv_bias,
         qk_layernorm=preset.qk_layernorm,
         hidden_dropout=preset.hidden_dropout,
         attention_dropout=preset.attention_dropout,
@@ -137,13 +138,25 @@ def transformer_config(preset: ModelPreset, params_dtype: torch.dtype, kernels: 
         persist_layer_norm=kernels.persist_layer_norm,
         masked_softmax_fusion=kernels.masked_softmax_fusion,
         bias_dropout_fusion=kernels.bias_dropout_fusion,
-        bias_activation_fusion=kernels.bias_activation_fusion,
+        # megatron-core fuses bias + activation for F.gelu and SiLU only (its MLP raises otherwise).
+        bias_activation_fusion=kernels.bias_activation_fusion and not preset.gelu_tanh,
         apply_rope_fusion=kernels.apply_rope_fusion,
         gradient_accumulation_fusion=kernels.gradient_accumulation_fusion,
         cross_entropy_loss_fusion=kernels.cross_entropy_loss_fusion,
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's GELU (transformers' ``gelu_new``, megatron-core's ``openai_gelu``), as torch computes it."""
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def activation_function(preset: ModelPreset):
+    if preset.swiglu:
+        return torch.nn.functional.silu
+    return gelu_tanh if preset.gelu_tanh else torch.nn.functional.gelu
 
 
 def layer_spec(preset: ModelPreset, kernels: KernelChoices):
@@ -196,6 +209,8 @@ def build_gpt_model(
             share_embeddings_and_output_weights=preset.tie_embeddings,
             position_embedding_type=preset.position_embedding_type,
             rotary_base=preset.rotary_base,
+            rope_scaling=preset.rope_scaling,
+            rope_scaling_factor=preset.rope_scaling_factor,
         )
 
 

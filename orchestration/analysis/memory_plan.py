@@ -101,7 +101,7 @@ def count_model_parameters(preset: ModelPreset, vocab_size: int | None = None) -
     fc1_out = 2 * F if preset.swiglu else F
     layer = (
         2 * norm * h                                   # input and pre-MLP norms
-        + h * (q + 2 * k) + (q + 2 * k) * bias          # linear_qkv
+        + h * (q + 2 * k) + (q + 2 * k) * (bias or preset.add_qkv_bias)  # linear_qkv
         + q * h + h * bias                              # linear_proj
         + (2 * norm * preset.head_dim if preset.qk_layernorm else 0)  # q_layernorm, k_layernorm (per head dim)
         + h * fc1_out + fc1_out * bias                  # linear_fc1

@@ -73,14 +73,15 @@ def _last_json_line(stdout: str) -> dict | None:
     return None
 
 
-def _run_one(launch: LaunchEnv, rank: int, host: str, argv: Sequence[str], decode: type[T] | None,
+def _run_one(launch: LaunchEnv, rank: int, host: str, call: NodeCall, decode: type[T] | None,
              timeout_s: float) -> NodeResult[T]:
-    full = transport_argv(launch, host, argv, launch.forwarded, launch.cwd)
+    full = transport_argv(launch, host, call.argv(launch.python), launch.forwarded, launch.cwd, stdin=call.stdin is not None)
     local = runs_here(launch, host)  # else ssh/docker carry env and cwd
-    try:
+    try:  # the call's stdin (secrets) goes down the pipe: ssh and docker exec -i pass it on, no argv shows it
         proc = subprocess.run(
             full, cwd=launch.cwd if local else None, env={**launch.environ, **launch.forwarded} if local else None,
-            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s,
+            input=call.stdin, stdin=None if call.stdin is not None else subprocess.DEVNULL,
+            capture_output=True, text=True, timeout=timeout_s,
         )
     except subprocess.TimeoutExpired:
         return NodeResult(rank, host, full, 124, None, None, f"no answer within {timeout_s:.0f}s")
@@ -98,6 +99,6 @@ def call_nodes(launch: LaunchEnv, nodes: Sequence[tuple[int, str]], call_for: Ca
     """The node command ``call_for(rank, host)`` on every node at once, each answer read as
     ``decode``; results in node-rank order."""
     with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
-        futures = [pool.submit(_run_one, launch, rank, host, call_for(rank, host).argv(launch.python), decode, timeout_s)
+        futures = [pool.submit(_run_one, launch, rank, host, call_for(rank, host), decode, timeout_s)
                    for rank, host in nodes]
         return [f.result() for f in futures]

@@ -4,7 +4,9 @@
     HOSTS=node0,node1 SSH_OPTS="-F cluster.cfg" python -m orchestration status demo
 
 Pure: argv lists built with ``shlex.quote``; a RUN name is checked before it gets here and is
-never pasted into a shell unquoted.
+never pasted into a shell unquoted. ``env`` (the forwarded variables) goes into the argv; secrets
+never do: they travel on the command's standard input, which ssh and ``docker exec -i`` pass on
+(``stdin=True`` asks for ``-i``), or in srun's inherited environment.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ def ssh_argv(launch: LaunchEnv, host: str, command: str) -> list[str]:
     ]
 
 
-def docker_exec_argv(container: str, argv: Sequence[str], env: dict[str, str], cwd: str) -> list[str]:
-    flags: list[str] = ["-w", cwd]
+def docker_exec_argv(container: str, argv: Sequence[str], env: dict[str, str], cwd: str, stdin: bool = False) -> list[str]:
+    """``docker exec`` (``-i`` when the command reads its standard input)."""
+    flags: list[str] = [*(["-i"] if stdin else []), "-w", cwd]
     for k, v in env.items():
         flags += ["-e", f"{k}={v}"]
     return ["docker", "exec", *flags, container, *argv]
@@ -53,17 +56,19 @@ def srun_argv(launch: LaunchEnv, host: str, argv: Sequence[str], cwd: str) -> li
             f"--chdir={cwd}", "--kill-on-bad-exit=1", "--quiet", *argv]
 
 
-def transport_argv(launch: LaunchEnv, host: str, argv: Sequence[str], env: dict[str, str], cwd: str) -> list[str]:
-    """How this machine runs ``argv`` with ``env`` in ``cwd`` on ``host``.
+def transport_argv(launch: LaunchEnv, host: str, argv: Sequence[str], env: dict[str, str], cwd: str,
+                   stdin: bool = False) -> list[str]:
+    """How this machine runs ``argv`` with ``env`` in ``cwd`` on ``host``; ``stdin``: the command
+    reads what the caller writes to its standard input.
 
     local: the argv itself (env and cwd are applied by the caller); ssh: one quoted command
     line; CONTAINER_NAME: ``docker exec`` into the container, over ssh for remote hosts.
     """
     if launch.transport == "srun":
-        inner = docker_exec_argv(launch.container_name, argv, env, cwd) if launch.container_name else list(argv)
+        inner = docker_exec_argv(launch.container_name, argv, env, cwd, stdin) if launch.container_name else list(argv)
         return srun_argv(launch, host, inner, cwd)
     if launch.container_name:
-        inner = docker_exec_argv(launch.container_name, argv, env, cwd)
+        inner = docker_exec_argv(launch.container_name, argv, env, cwd, stdin)
         if launch.is_local(host):
             return inner
         return ssh_argv(launch, host, shlex.join(inner))

@@ -21,6 +21,7 @@ from megatron_ext.data.prepare import ensure_prepared, planned_prepared
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import RunParams
 from megatron_ext.run_spec.run_paths import RunPaths
+from megatron_ext.run_spec.wandb_run import wandb_resume_env
 from megatron_ext.run_spec.zero import stage_environment
 from orchestration.engines.megatron_lm_args import check_flags, render_pretrain_gpt
 from orchestration.engines.megatron_lm_checkout import read_checkout
@@ -63,9 +64,17 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
         ), stage_environment(t.zero_stage))
     if not launch.megatron_lm_dir:
         raise UserError("ENGINE=megatron-lm needs MEGATRON_LM_DIR, the Megatron-LM checkout holding pretrain_gpt.py")
+    if params.model.hf_checkpoint and t.init == "pretrained":
+        raise UserError(
+            f"ENGINE=megatron-lm cannot start from the Hugging Face weights in {params.model.hf_checkpoint} (its "
+            "pretrain_gpt.py reads Megatron checkpoints only; the architecture flags do come from config.json): convert "
+            "them first with Megatron-Bridge (python examples/conversion/convert_checkpoints.py import --hf-model "
+            f"{params.model.hf_checkpoint} --megatron-path DIR) and continue from DIR with Megatron-LM's "
+            "--pretrained-checkpoint, or use ENGINE=megatron-core (reads them directly), or set training.init: random"
+        )
     checkout = read_checkout(launch.megatron_lm_dir)
     prepared = (ensure_prepared if prepare else planned_prepared)(params.data, paths.data_cache_dir)
-    render = render_pretrain_gpt(params, prepared, paths, checkout.version[:2], known=checkout.flags)
+    render = render_pretrain_gpt(params, prepared, paths, checkout.version[:2], known=checkout.flags, wandb=launch.wandb)
     rank_env = {k: v for k, v in launch.forwarded.items() if k not in render.env}
     rank_env.update({k: v for k, v in render.env.items() if v is not None})
     verdict = validate_with_megatron(checkout.root, render.args, launch.world_size, rank_env, device_arch(launch),
@@ -74,6 +83,12 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
         raise UserError(
             f"Megatron-LM {checkout.version_text} ({checkout.root}) refuses the rendered arguments at world size "
             f"{launch.world_size}: {verdict.message}; change the params, ZERO_STAGE or the cluster shape"
+        )
+    if verdict.status == "tokenizer":
+        raise UserError(
+            f"Megatron-LM {checkout.version_text} ({checkout.root}) cannot build the run's tokenizer "
+            f"{params.data.tokenizer.model_path} as its ranks would ({verdict.message}); give a tokenizer that "
+            "transformers' AutoTokenizer.from_pretrained loads (a directory with tokenizer.json and tokenizer_config.json)"
         )
     if verdict.status == "accepted":
         note = f"Megatron-LM {checkout.version_text}'s own parse_args + validate_args accept the arguments at world size {launch.world_size}"
@@ -91,5 +106,6 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
                    + ("" if "--exit-signal" in checkout.flags else " (this checkout has no --exit-signal: SIGTERM, its default)")
                    if "--exit-signal-handler" in render.args else
                    "this checkout has no --exit-signal-handler: a save request ends the run without a save")
-    return ProgramPlan("megatron-lm", (str(checkout.root / "pretrain_gpt.py"), *render.args), render.env,
+    wandb_env = wandb_resume_env(launch.wandb, paths) if launch.wandb else {}  # one W&B run across restarts
+    return ProgramPlan("megatron-lm", (str(checkout.root / "pretrain_gpt.py"), *render.args), {**render.env, **wandb_env},
                        (*notes, signal_note), save_signal=render.save_signal)

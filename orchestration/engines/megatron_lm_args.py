@@ -16,7 +16,10 @@ from typing import Collection
 from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import RunParams
+from megatron_ext.run_spec.wandb_run import WandbSettings
 from megatron_ext.data.prepare import PreparedData
+from megatron_ext.data.tokenizers import hf_tokenizer_file
+from megatron_ext.run_spec.flops import padded_vocab_size
 from megatron_ext.run_spec.zero import megatron_lm_flags_for_stage, stage_environment
 
 TOKENIZER_TYPES = {"sentencepiece": "SentencePieceTokenizer", "huggingface": "HuggingFaceTokenizer", "null": "NullTokenizer"}
@@ -48,11 +51,23 @@ def model_flags(p: RunParams, prepared: PreparedData) -> list[str]:
     flags += ["--normalization", m.normalization, "--norm-epsilon", repr(m.norm_epsilon)]
     if m.swiglu:
         flags.append("--swiglu")
+    if m.gelu_tanh:
+        # Megatron-LM reads --openai-gelu in its legacy model only; its megatron-core GPT always
+        # uses F.gelu (arguments.py core_transformer_config_from_args, core_v0.16.1).
+        raise UserError(
+            f"model {m.name} uses the tanh GELU (gelu_tanh: true, GPT-2's), which Megatron-LM's pretrain_gpt.py "
+            "cannot build (--openai-gelu reaches only its legacy model); use ENGINE=megatron-core, or set "
+            "gelu_tanh: false for the exact GELU"
+        )
     if not m.add_bias_linear:
         flags.append("--disable-bias-linear")
+        if m.add_qkv_bias:
+            flags.append("--add-qkv-bias")
     flags += ["--position-embedding-type", m.position_embedding_type]
     if m.position_embedding_type == "rope":
         flags += ["--rotary-base", str(m.rotary_base)]
+        if m.rope_scaling:
+            flags += ["--use-rope-scaling", "--rope-scaling-factor", repr(m.rope_scaling_factor)]
     flags += [
         "--max-position-embeddings", str(m.max_position_embeddings),
         "--seq-length", str(t.seq_length),
@@ -73,8 +88,16 @@ def data_flags(p: RunParams, prepared: PreparedData) -> list[str]:
         # NullTokenizer adds one token (end of document): the vocabulary is --vocab-size + 1.
         vocab = p.model.vocab_size or tok.vocab_size + 1
         flags += ["--vocab-size", str(vocab - 1)]
+    elif prepared.tokenizer_type == "huggingface":
+        # Megatron-LM builds it with transformers' AutoTokenizer.from_pretrained (both its legacy
+        # build_tokenizer and megatron.core.tokenizers): a directory, never the tokenizer.json file.
+        flags += ["--tokenizer-model", str(hf_tokenizer_file(prepared.tokenizer_path).parent)]
     else:
         flags += ["--tokenizer-model", str(prepared.tokenizer_path)]
+    if prepared.tokenizer_type != "null" and p.model.vocab_size:
+        # The preset's vocabulary, not the tokenizer's: Megatron-LM pads len(tokenizer) otherwise
+        # (Qwen3: 151,669 -> 151,680, where the model has 151,936 rows).
+        flags += ["--padded-vocab-size", str(padded_vocab_size(p.model.vocab_size, p.model.make_vocab_size_divisible_by))]
     if p.data.source == "mock":
         flags.append("--mock-data")
     else:
@@ -115,17 +138,33 @@ def training_flags(p: RunParams, bf16: bool) -> list[str]:
     return flags
 
 
-def logging_and_checkpoint_flags(p: RunParams, paths: RunPaths) -> list[str]:
+def logging_and_checkpoint_flags(p: RunParams, paths: RunPaths, wandb: WandbSettings | None = None,
+                                 known: Collection[str] = ()) -> list[str]:
     t = p.training
     return [
         "--log-interval", str(t.log_interval),
         "--log-throughput",
         "--tensorboard-dir", str(paths.tensorboard_dir),
+        *wandb_flags(wandb, paths, known),
         "--data-cache-path", str(paths.data_cache_dir / "megatron_lm_index"),
         "--save", str(paths.checkpoints_dir),
         "--load", str(paths.checkpoints_dir),
         "--save-interval", str(t.save_interval or t.train_iters),
     ]
+
+
+def wandb_flags(wandb: WandbSettings | None, paths: RunPaths, known: Collection[str] = ()) -> list[str]:
+    """WANDB_PROJECT set: Megatron-LM's W&B writer (its last rank logs, global_vars.py
+    ``_set_wandb_writer``) under the run name (WANDB_NAME overrides it), its files under the run
+    directory (WANDB_DIR overrides it); ``--wandb-entity`` where the checkout defines it (core_v0.15
+    and later; older ones take WANDB_ENTITY from the environment, which wandb reads itself)."""
+    if wandb is None:
+        return []
+    flags = ["--wandb-project", wandb.project, "--wandb-exp-name", wandb.exp_name(paths.run),
+             "--wandb-save-dir", str(wandb.save_dir(paths))]
+    if wandb.entity and "--wandb-entity" in known:
+        flags += ["--wandb-entity", wandb.entity]
+    return flags
 
 
 def overlap_flags(stage: int) -> list[str]:
@@ -147,16 +186,17 @@ def exit_signal_flags(known: Collection[str]) -> tuple[list[str], str]:
 
 
 def render_pretrain_gpt(p: RunParams, prepared: PreparedData, paths: RunPaths, version: tuple[int, int],
-                        bf16: bool = True, known: Collection[str] = ()) -> MegatronLMRender:
+                        bf16: bool = True, known: Collection[str] = (),
+                        wandb: WandbSettings | None = None) -> MegatronLMRender:
     """``pretrain_gpt.py``'s arguments; ``known`` (the checkout's flags) adds the exit-signal handler
-    the checkout has."""
+    the checkout has; ``wandb`` (the launcher's WANDB_* settings) Megatron-LM's W&B flags."""
     stage = p.training.zero_stage
     signal_flags, save_signal = exit_signal_flags(known)
     args = (
         model_flags(p, prepared)
         + data_flags(p, prepared)
         + training_flags(p, bf16)
-        + logging_and_checkpoint_flags(p, paths)
+        + logging_and_checkpoint_flags(p, paths, wandb, known)
         + megatron_lm_flags_for_stage(stage, version)
         + overlap_flags(stage)
         + signal_flags

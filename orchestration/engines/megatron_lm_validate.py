@@ -5,7 +5,7 @@
 :func:`validate_with_megatron` runs this module in a subprocess with the launcher's interpreter
 (node 0's: wherever ``pretrain_gpt.py`` will run, it imports), the checkout first on
 ``sys.path``, ``WORLD_SIZE`` = nodes x processes, ``RANK=0`` and the environment the ranks will
-get. The child prints one JSON line: accepted, refused (Megatron's own message), or unavailable
+get. The child prints one JSON line: accepted, refused (Megatron's own message), tokenizer (the run's tokenizer does not build as the ranks would build it), or unavailable
 (the checkout does not import here, e.g. a login node without torch) — then the launcher falls
 back to the source reader (:mod:`orchestration.engines.megatron_lm_checkout`) and says so.
 
@@ -20,7 +20,9 @@ subprocess.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
+import importlib
 import json
 import os
 import subprocess
@@ -38,7 +40,7 @@ DEFAULT_DEVICE_ARCH = 9
 @dataclass(frozen=True)
 class Validation:
     status: str
-    """accepted, refused or unavailable."""
+    """accepted, refused, tokenizer (it does not build as the ranks would) or unavailable."""
     message: str
     """Megatron's own message (refused), why it could not run (unavailable), or notes (accepted)."""
 
@@ -116,7 +118,32 @@ def _check(checkout: str, world_size: int, device_arch: int, argv: list[str]) ->
             return _answer("refused", f"Megatron-LM exited with code {exc.code} while checking the arguments")
         except Exception as exc:  # AssertionError / ValueError / RuntimeError raised by Megatron
             return _answer("refused", f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+        try:
+            notes += _build_tokenizers(checkout, args)
+        except Exception as exc:  # whatever the tokenizer library raises (OSError, ValueError, ...)
+            return _answer("tokenizer", f"{type(exc).__name__}: {str(exc)[:600]}")
     return _answer("accepted", "; ".join(notes))
+
+
+def _build_tokenizers(checkout: str, args) -> list[str]:
+    """Build the tokenizer as the ranks will: ``initialize_megatron`` builds it through
+    ``megatron.training.global_vars._build_tokenizer`` (the legacy ``build_tokenizer`` up to
+    core_v0.16, megatron.core.tokenizers in 0.19), then pretrain_gpt.py builds its own with the
+    ``build_tokenizer`` it imports (megatron.core.tokenizers; core_v0.15-0.16 unless
+    --legacy-tokenizer). A failure raises what Megatron-LM would raise on every rank."""
+    try:
+        from megatron.training import global_vars
+    except ImportError as exc:
+        return [f"the tokenizer was not built here (no megatron.training.global_vars: {exc})"]
+    global_vars._build_tokenizer(args)
+    source = Path(checkout, "pretrain_gpt.py")
+    tree = ast.parse(source.read_text()) if source.is_file() else ast.Module(body=[], type_ignores=[])
+    module = next((n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+                   and any(a.name == "build_tokenizer" for a in n.names)), None)
+    if module is None or getattr(args, "legacy_tokenizer", False):
+        return []
+    importlib.import_module(module).build_tokenizer(args)
+    return [f"the tokenizer builds as initialize_megatron and pretrain_gpt.py ({module}) build it"]
 
 
 def main(argv: list[str] | None = None) -> int:

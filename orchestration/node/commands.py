@@ -6,9 +6,11 @@ Called locally, over ssh, through ``docker exec`` or as an srun task by the laun
 everything it needs as arguments (the artifact root, or a node's whole
 :class:`~orchestration.node.node_plan.NodePlan`): it reads no launcher variable. :func:`main` is
 the one dispatcher of every node command and the node side's only reader of its environment
-(:class:`NodeEnv`: the variables handed on to torchrun, Slurm's task variables, the GPUs it
-shows). Each command prints one JSON line: its payload dataclass, or ``{"error": ...}`` (exit 2
-for bad input, 1 for a node failure). Imports nothing of the launcher side.
+(:class:`NodeEnv`: the variables handed on to torchrun, Slurm's task variables, the GPUs it shows)
+and of its standard input (``node-start``: the values of the plan's secret variables, one JSON
+line, put into the supervisor's environment only). Each command prints one JSON line: its payload
+dataclass, or ``{"error": ...}`` (exit 2 for bad input, 1 for a node failure). Imports nothing of
+the launcher side.
 """
 
 from __future__ import annotations
@@ -18,15 +20,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, TextIO
 
 from megatron_ext.run_spec.devices import visible_gpu_count
 from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
 from megatron_ext.run_spec.iteration_log import parse_log
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
 from orchestration.node import processes
-from orchestration.node.node_plan import (RUN_ID_TAG, NodePlan, build_node_parser, encode_error, encode_payload,
-                                          stop_command, supervise_argv)
+from orchestration.node.node_plan import (RUN_ID_TAG, NodePlan, build_node_parser, decode_secrets, encode_error,
+                                          encode_payload, stop_command, supervise_argv)
 from orchestration.node.preflight import inspect_node
 from orchestration.node.run_state import (NODE_LOST_S, RunState, heartbeat_age_s, read_exit, read_failure, read_heartbeat,
                                           tail, write_plan_file)
@@ -116,18 +118,39 @@ def node_check(paths: RunPaths, args, visible_gpus: int):
     every other check; the report lists every problem found."""
     refuse_if_running(paths.node_pid_file(args.node_rank), paths.run, args.node_rank)
     return inspect_node(args.node_rank, args.host, args.master_addr, args.master_port, args.nproc_per_node,
-                        args.require_path, args.shared_token, paths.run_state_dir, visible_gpus, Path.cwd())
+                        args.require_path, args.shared_token, paths.run_state_dir, visible_gpus, Path.cwd(),
+                        tokenizer=(args.tokenizer_type, args.tokenizer_model) if args.tokenizer_model else None,
+                        required_modules=args.require_module)
 
 
-def node_start(plan: NodePlan, node: NodeEnv, python: str) -> NodeStarted:
+def receive_secrets(plan: NodePlan, line: str, node_env: Mapping[str, str]) -> dict[str, str]:
+    """The values of the plan's secret variables: from the launcher's line on standard input, else
+    this node's own environment (a local start inherits the launcher's); a missing one is a UserError
+    that names it (never a value)."""
+    try:
+        values = decode_secrets(line, plan.secret_names)
+    except ValueError as exc:
+        raise UserError(f"node {plan.node_rank}: {exc}; start the run with the launcher (start_training.sh, "
+                        "start_multinode_training.sh), which sends it") from None
+    values.update({k: node_env[k] for k in plan.secret_names if k not in values and k in node_env})
+    missing = [k for k in plan.secret_names if k not in values]
+    if missing:
+        raise UserError(f"node {plan.node_rank}: the secret variable(s) {', '.join(missing)} did not arrive (the "
+                        "launcher sends them on node-start's standard input); start with the launcher, or set them "
+                        "on this node")
+    return values
+
+
+def node_start(plan: NodePlan, node: NodeEnv, python: str, secrets: Mapping[str, str] | None = None) -> NodeStarted:
     """Start the node's supervisor detached, which starts the plan's torchrun exactly as planned and
-    records it (see orchestration/node/supervisor.py); report once it runs."""
+    records it (see orchestration/node/supervisor.py); report once it runs. ``secrets`` go into the
+    supervisor's environment (torchrun and the ranks inherit them), not into the plan file."""
     paths = RunPaths(plan.artifact_root, plan.run)
     pid_path, log_path = Path(plan.pid_path), Path(plan.log_path)
     refuse_if_running(pid_path, plan.run, plan.node_rank)
     plan_file = write_plan_file(paths, plan.node_rank, plan.to_json(), pid_path)
-    supervisor = processes.start_detached(supervise_argv(python, str(plan_file)), plan.process_environment(node.environ),
-                                          plan.cwd, log_path)
+    supervisor = processes.start_detached(supervise_argv(python, str(plan_file)),
+                                          {**plan.process_environment(node.environ), **(secrets or {})}, plan.cwd, log_path)
     deadline = time.monotonic() + START_SETTLE_S
     record = None
     while time.monotonic() < deadline or record is None:
@@ -152,6 +175,10 @@ def node_supervise(plan_file: str, node: NodeEnv) -> int:
         os.execve(argv[0], argv, plan.process_environment(node.environ))
     if node.slurm_step:  # a task of the start step: a process group of its own, so stop signals only the run
         os.setpgid(0, 0)
+    missing = [k for k in plan.secret_names if k not in node.environ]  # srun: the step inherits them, or not
+    if missing:
+        print(f"[supervisor node{plan.node_rank}] warning: the secret variable(s) {', '.join(missing)} did not reach "
+              "this node; the ranks run without them", flush=True)
     return Supervisor(plan, node.environ, node.slurm_step).run()
 
 
@@ -187,9 +214,11 @@ def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | No
     )
 
 
-def _answer(command: str, args, node: NodeEnv):
+def _answer(command: str, args, node: NodeEnv, stdin: TextIO):
     if command == "node-start":
-        return node_start(NodePlan.from_json(args.plan), node, sys.executable)
+        plan = NodePlan.from_json(args.plan)
+        line = stdin.readline() if plan.secret_names and not stdin.isatty() else ""  # the launcher's one line
+        return node_start(plan, node, sys.executable, receive_secrets(plan, line, node.environ))
     paths = RunPaths(args.artifact_root, check_run_name(args.run))
     if command == "node-check":
         return node_check(paths, args, node.visible_gpus)
@@ -206,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "node-supervise":
         return node_supervise(args.plan_file, node)
     try:
-        payload = _answer(args.command, args, node)
+        payload = _answer(args.command, args, node, sys.stdin)
     except UserError as exc:
         print(encode_error(str(exc)), flush=True)
         return EXIT_USER_ERROR

@@ -4,11 +4,12 @@ options, their typed answers, and the names both sides print.
     python -m orchestration node-status demo --node-rank 1 --host node1 --artifact-root /shared/runs
 
 A :class:`NodePlan` is everything one node runs for a start (``DRY_RUN=1`` prints it, the node's
-supervisor executes it). A :class:`NodeCall` is one node command as the launcher sends it;
-:func:`build_node_parser` is the node side's reading of the same options, next to the functions
-that write them. Every node command prints one JSON line: a payload dataclass
-(:func:`encode_payload`, read back typed with :func:`decode_payload`) or ``{"error": ...}``.
-Pure.
+supervisor executes it); it names the secret variables the node's processes get but never holds
+their values, which travel as one JSON line on the node command's standard input
+(:func:`encode_secrets` / :func:`decode_secrets`). A :class:`NodeCall` is one node command as the
+launcher sends it; :func:`build_node_parser` is the node side's reading of the same options, next
+to the functions that write them. Every node command prints one JSON line: a payload dataclass
+(:func:`encode_payload`, read back typed with :func:`decode_payload`) or ``{"error": ...}``. Pure.
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ class NodePlan:
     save_signal: str = "SIGUSR1"
     """What the supervisor sends each rank to save and end: SIGUSR1, or SIGTERM for a Megatron-LM
     checkout without ``--exit-signal``."""
+    secret_names: tuple[str, ...] = ()
+    """Variables every process of the run gets whose values are secrets (WANDB_API_KEY, HF_TOKEN,
+    ...): names only. The values reach ``node-start`` on its standard input (srun: the step's
+    inherited environment) and go from there into the supervisor's environment, never into this plan."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -77,6 +82,7 @@ class NodePlan:
     def from_json(cls, text: str) -> "NodePlan":
         raw = json.loads(text)
         raw["argv"], raw["unset"] = tuple(raw["argv"]), tuple(raw["unset"])
+        raw["secret_names"] = tuple(raw.get("secret_names", ()))
         return cls(**raw)
 
     @property
@@ -100,10 +106,12 @@ class NodePlan:
 
 @dataclass(frozen=True)
 class NodeCall:
-    """``python -m orchestration <command> <args>`` on one node."""
+    """``python -m orchestration <command> <args>`` on one node, with ``stdin`` (secrets) written to it."""
 
     command: str
     args: tuple[str, ...]
+    stdin: str | None = field(default=None, repr=False)
+    """One line for the command's standard input (None: /dev/null); never shown."""
 
     def argv(self, python: str) -> list[str]:
         return [python, "-m", "orchestration", self.command, *self.args]
@@ -113,8 +121,31 @@ def _run_args(run: str, node_rank: int, host: str, artifact_root: Path | str) ->
     return (run, "--node-rank", str(node_rank), "--host", host, "--artifact-root", str(artifact_root))
 
 
-def start_call(plan: NodePlan) -> NodeCall:
-    return NodeCall("node-start", ("--plan", plan.to_json()))
+def start_call(plan: NodePlan, secrets: Mapping[str, str] | None = None) -> NodeCall:
+    """``node-start`` with the node's plan as an argument and the values of its ``secret_names``
+    (taken from ``secrets``) on standard input."""
+    wanted = {name: (secrets or {})[name] for name in plan.secret_names if name in (secrets or {})}
+    return NodeCall("node-start", ("--plan", plan.to_json()), encode_secrets(wanted) if plan.secret_names else None)
+
+
+def encode_secrets(values: Mapping[str, str]) -> str:
+    """The secrets' line on ``node-start``'s standard input."""
+    return json.dumps({"secrets": dict(values)}) + "\n"
+
+
+def decode_secrets(line: str, names: Sequence[str]) -> dict[str, str]:
+    """The values of ``names`` from the secrets' line (empty line: none arrived); a ValueError
+    (which names no value) for a line that is not one."""
+    if not line.strip():
+        return {}
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError:
+        raise ValueError("the secrets' line on standard input is not JSON") from None
+    values = raw.get("secrets") if isinstance(raw, dict) else None
+    if not isinstance(values, dict) or not all(isinstance(v, str) for v in values.values()):
+        raise ValueError('the secrets\' line on standard input is not {"secrets": {NAME: VALUE}}')
+    return {k: values[k] for k in names if k in values}
 
 
 def stop_call(run: str, node_rank: int, host: str, artifact_root: Path, grace_s: float = DEFAULT_STOP_GRACE_S,
@@ -130,13 +161,18 @@ def status_call(run: str, node_rank: int, host: str, artifact_root: Path, seq_le
 
 def check_call(run: str, node_rank: int, host: str, artifact_root: Path, *, master_addr: str,
                master_port: int | None, nproc_per_node: int, shared_token: Path,
-               required_paths: Sequence[str]) -> NodeCall:
-    """``master_port`` None: node 0 picks the first free port (MASTER_PORT unset)."""
+               required_paths: Sequence[str], tokenizer: tuple[str, str] | None = None,
+               required_modules: Sequence[str] = ()) -> NodeCall:
+    """``master_port`` None: node 0 picks the first free port (MASTER_PORT unset); ``tokenizer``
+    (type, path): the tokenizer every node must load."""
     args = [*_run_args(run, node_rank, host, artifact_root), "--master-addr", master_addr,
             "--nproc-per-node", str(nproc_per_node), "--shared-token", str(shared_token)]
     if master_port is not None:
         args += ["--master-port", str(master_port)]
     args += [a for p in required_paths for a in ("--require-path", p)]
+    if tokenizer is not None:
+        args += ["--tokenizer-type", tokenizer[0], "--tokenizer-model", tokenizer[1]]
+    args += [a for m in required_modules for a in ("--require-module", m)]  # optional modules the run imports (wandb)
     return NodeCall("node-check", tuple(args))
 
 
@@ -163,6 +199,9 @@ def build_node_parser() -> argparse.ArgumentParser:
             p.add_argument("--nproc-per-node", type=int, required=True)
             p.add_argument("--shared-token", type=Path, help="a file node 0 wrote: the artifact root is shared")
             p.add_argument("--require-path", action="append", default=[], help="a data or tokenizer path the run reads")
+            p.add_argument("--require-module", action="append", default=[], help="an optional module the run imports (wandb)")
+            p.add_argument("--tokenizer-type", help="the run's tokenizer type (with --tokenizer-model): it must load here")
+            p.add_argument("--tokenizer-model", help="the run's tokenizer file or directory")
         if name == "node-stop":
             p.add_argument("--grace-s", type=float, default=DEFAULT_STOP_GRACE_S)
             p.add_argument("--dry-run", action="store_true", help="say what would be signalled, signal nothing")

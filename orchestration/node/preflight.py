@@ -2,35 +2,40 @@
 
     python -m orchestration preflight gpt_smoke smoke demo       # the checks start runs, on their own
 
-:func:`inspect_node` (run by ``node-check`` on every node in parallel): the run is not
-live there; the software (Python, torch, megatron-core, transformer-engine, the project's revision)
-and whether the program accepts that megatron-core; the data paths and tokenizer the run reads;
-the artifact root writable and the same one node 0 sees (a token the launcher wrote); MASTER_ADDR
-resolves and node 0 answers on MASTER_PORT (a refused connection proves the path; a timeout means
-a firewall drops the traffic, e.g. Docker's FORWARD DROP with bridge netfilter); MASTER_PORT free on
-node 0, or the first free port from 6000 when MASTER_PORT is not set; the network interface that
-routes to MASTER_ADDR; NPROC_PER_NODE within the visible GPUs. The launcher side
-(:mod:`orchestration.runner.preflight`) puts every node's report in one table and checks that the
-nodes agree on the software. Side effects: reads files, sockets, ``ip``, package metadata; writes
-and removes one probe file.
+:func:`inspect_node` (run by ``node-check`` on every node in parallel): the run is not live there;
+the software (Python, torch, megatron-core, transformer-engine, the project's revision) and whether
+the program accepts that megatron-core; the data paths and tokenizer the run reads; the optional
+modules it imports (wandb with WANDB_PROJECT set); the artifact root writable and the same one node
+0 sees (a token the launcher wrote); MASTER_ADDR resolves and node 0 answers on MASTER_PORT (a
+refused connection proves the path; a timeout means a firewall drops the traffic, e.g. Docker's
+FORWARD DROP with bridge netfilter); MASTER_PORT free on node 0, or the first free port from 6000
+when MASTER_PORT is not set; the network interface that routes to MASTER_ADDR; NPROC_PER_NODE
+within the visible GPUs. The launcher side (:mod:`orchestration.runner.preflight`) puts every
+node's report in one table and checks that the nodes agree on the software. Side effects: reads
+files, sockets, ``ip``, package metadata; writes and removes one probe file.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.wandb_run import wandb_missing_message
 from megatron_ext.training.versions import check_megatron_core
 from orchestration.node.processes import port_is_free
 
 DEFAULT_PORT_SEARCH = range(6000, 6100)
 CONNECT_TIMEOUT_S = 5.0
 SOFTWARE = ("torch", "megatron-core", "transformer-engine")
+MODULE_PROBLEMS = {"wandb": wandb_missing_message}
+"""An optional module the run imports -> its refusal where it is missing."""
 
 
 @dataclass
@@ -105,10 +110,25 @@ def first_free_port(ports=DEFAULT_PORT_SEARCH) -> int | None:
     return next((p for p in ports if port_is_free(p)), None)
 
 
+def tokenizer_problem(kind: str, path: str) -> str | None:
+    """Why the run's tokenizer does not load here, or None (megatron_ext.data.tokenizers loads it as
+    the ranks will; imported here only: node-check is the one node command that needs it)."""
+    from megatron_ext.data.tokenizers import load_tokenizer
+    from megatron_ext.run_spec.params import TokenizerParams
+
+    try:
+        load_tokenizer(TokenizerParams(kind, path))
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
 def inspect_node(node_rank: int, host: str, master_addr: str, master_port: int | None, nproc_per_node: int,
                  required_paths: list[str], shared_token: Path | None, run_state_dir: Path, visible_gpus: int,
-                 project_dir: Path) -> NodeReport:
-    """Every check for this node; ``master_port`` None = MASTER_PORT not set (node 0 picks one)."""
+                 project_dir: Path, tokenizer: tuple[str, str] | None = None,
+                 required_modules: Sequence[str] = ()) -> NodeReport:
+    """Every check for this node; ``master_port`` None = MASTER_PORT not set (node 0 picks one);
+    ``tokenizer`` (type, path): the run's tokenizer, which must load here."""
     report = NodeReport(node_rank, host, software=installed_software(project_dir))
     problems = report.problems
     mcore = report.software.get("megatron-core")
@@ -121,11 +141,21 @@ def inspect_node(node_rank: int, host: str, master_addr: str, master_port: int |
             check_megatron_core(mcore)
         except UserError as exc:
             problems.append(str(exc))
+    for module in required_modules:  # optional modules the run imports: wandb with WANDB_PROJECT set
+        if importlib.util.find_spec(module) is None:
+            where = f"on this node ({sys.executable})"
+            problem = MODULE_PROBLEMS.get(module)
+            problems.append(problem(where) if problem else
+                            f"the run imports {module}, which is not installed {where}; pip install {module} on every node")
     for path in required_paths:
         p = Path(path)
         if not (p.exists() or (Path(f"{path}.bin").is_file() and Path(f"{path}.idx").is_file())):
             problems.append(f"{path} does not exist on this node; every node needs the run's data and tokenizer "
                             "(a shared file system, or a copy at the same path)")
+    if tokenizer is not None and Path(tokenizer[1]).exists():
+        problem = tokenizer_problem(*tokenizer)
+        if problem:
+            problems.append(f"{problem} (on this node)")
     try:
         run_state_dir.mkdir(parents=True, exist_ok=True)
         probe = run_state_dir / f".writable-node{node_rank}"

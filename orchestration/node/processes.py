@@ -71,6 +71,15 @@ def process_start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
+def parent_pid(pid: int) -> int | None:
+    """The parent of ``pid`` (/proc/PID/stat field 4), None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
 def process_environ(pid: int) -> dict[str, str]:
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from megatron_ext.run_spec.iteration_log import parse_log
 from megatron_ext.run_spec.resilience import DUMP_REQUEST, RankProgress, ResilienceParams, phase_limit_s, read_progress
-from orchestration.node.processes import process_environ, process_start_time, tagged_processes
+from orchestration.node.processes import parent_pid, process_environ, process_start_time, tagged_processes
 from orchestration.node.run_state import tail
 
 DUMP_TIMEOUT_S = 20.0
@@ -162,13 +162,15 @@ def process_state(pid: int) -> str:
 
 
 def worker_pids(run: str, node_rank: int) -> dict[int, int]:
-    """Global rank -> pid of this node's training processes (tagged with the run, RANK set)."""
-    out = {}
+    """Global rank -> pid of this node's training processes (tagged with the run, RANK set). A rank's
+    own children inherit its RANK (wandb's service process, data loader workers): the rank is the
+    one whose parent does not carry the same RANK."""
+    ranks: dict[int, int] = {}
     for pid in tagged_processes(run, node_rank):
         rank = process_environ(pid).get("RANK")
         if rank is not None and rank.isdigit():
-            out[int(rank)] = pid
-    return out
+            ranks[pid] = int(rank)
+    return {rank: pid for pid, rank in sorted(ranks.items()) if ranks.get(parent_pid(pid)) != rank}
 
 
 def py_spy() -> str | None:

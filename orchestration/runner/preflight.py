@@ -47,10 +47,16 @@ def cluster_problems(reports: Sequence[NodeReport]) -> list[Problem]:
     return sorted(out)
 
 
+def required_modules(launch: LaunchEnv) -> tuple[str, ...]:
+    """The optional modules the ranks will import: wandb when WANDB_PROJECT is set (and WANDB_MODE is not disabled)."""
+    return ("wandb",) if launch.wandb and launch.wandb.enabled else ()
+
+
 def run_preflight(launch: LaunchEnv, plan: StartPlan, nodes: Sequence[tuple[int, str]]) -> Preflight:
     """Every check on every node in parallel."""
     params = plan.resolved.params
-    required = [*params.data.paths, *([params.data.tokenizer.model_path] if params.data.tokenizer.model_path else [])]
+    tok = params.data.tokenizer
+    required = [*params.data.paths, *([tok.model_path] if tok.model_path else [])]
     paths = RunPaths(launch.artifact_root, plan.run)
     token = paths.run_state_dir / f".preflight-{plan.run_id}"
     token.parent.mkdir(parents=True, exist_ok=True)
@@ -59,7 +65,9 @@ def run_preflight(launch: LaunchEnv, plan: StartPlan, nodes: Sequence[tuple[int,
         results = call_nodes(launch, nodes, lambda rank, host: check_call(
             plan.run, rank, host, launch.artifact_root, master_addr=launch.master_addr,
             master_port=launch.master_port if launch.master_port_explicit or rank != 0 else None,
-            nproc_per_node=launch.nproc_per_node, shared_token=token, required_paths=required), NodeReport)
+            nproc_per_node=launch.nproc_per_node, shared_token=token, required_paths=required,
+            tokenizer=(tok.type, tok.model_path) if tok.model_path else None,
+            required_modules=required_modules(launch)), NodeReport)
     finally:
         token.unlink(missing_ok=True)
     reports = tuple(r.value for r in results if r.ok)

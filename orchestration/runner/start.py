@@ -17,6 +17,7 @@ from typing import Sequence
 
 from megatron_ext.run_spec.resolved import write_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
+from megatron_ext.run_spec.wandb_run import WandbState, read_wandb_state, write_wandb_state
 from orchestration.cluster import slurm
 from orchestration.cluster.fanout import NodeResult, call_nodes
 from orchestration.launch_env import LaunchEnv
@@ -70,13 +71,17 @@ def start_run(launch: LaunchEnv, plan: StartPlan, nodes: Sequence[tuple[int, str
     launch, plan, notes = settle_after_preflight(launch, plan, preflight.reports)
     paths = RunPaths(launch.artifact_root, plan.run)
     write_resolved(paths.params_path, plan.resolved)
+    wandb_id = plan.program.env.get("WANDB_RUN_ID") if plan.program else None  # Megatron-LM with WANDB_PROJECT
+    if wandb_id and read_wandb_state(paths) is None:
+        write_wandb_state(paths, WandbState(wandb_id))
     clear_failure(paths)  # a new start begins without the last one's failure and attempts
     reset_attempts(paths, keep_ledger=plan.continues_attempts)
     if launch.transport == "srun":
         results = start_srun_step(launch, plan, paths)
     else:
         by_rank = {p.node_rank: p for p in plan.nodes}
-        results = call_nodes(launch, nodes, lambda rank, host: start_call(by_rank[rank]), NodeStarted)
+        results = call_nodes(launch, nodes, lambda rank, host: start_call(by_rank[rank], launch.secrets),
+                             NodeStarted)
     rolled_back: list[NodeResult[StopResult]] = []
     if not all(r.ok for r in results):
         started = [(r.node_rank, r.host) for r in results if r.ok]

@@ -7,7 +7,7 @@ cluster, decides the program every rank runs and whether it resumes, and
 :func:`build_start_plan` returns a :class:`StartPlan`
 (the run id, and per node the host, the torchrun argv, the full environment the launcher sets
 for the node's processes including the run tags, the variables it removes, the working
-directory, the log and pid-file paths). ``DRY_RUN=1`` prints each :class:`NodePlan` as one JSON
+directory, the log and pid-file paths, the names of the secret variables, never their values). ``DRY_RUN=1`` prints each :class:`NodePlan` as one JSON
 line; ``start`` (orchestration/runner/start.py) sends each node its own plan, and the node side
 only checks, starts it detached and writes the pid file; ``train`` execs its node's plan in the
 foreground. Pure apart from reading the params, the checkpoints' markers and (ENGINE=megatron-lm)
@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from megatron_ext.data.tokenizers import check_tokenizer
 from megatron_ext.run_spec.checkpoints import check_resumable, latest_iteration, read_meta
 from megatron_ext.run_spec.params import BatchGeometry, RunParams, load_run_params, with_batch_geometry
 from megatron_ext.run_spec.resolved import ResolvedRun, RunRuntime
@@ -103,7 +104,7 @@ def build_start_plan(launch: LaunchEnv, params: RunParams, geometry: BatchGeomet
             argv=tuple(render_torchrun_argv(launch, rank, python, program.argv)), env=env, unset=unset, cwd=cwd,
             log_path=str(paths.node_log(rank)), pid_path=str(paths.node_pid_file(rank)), engine=program.engine,
             resilience=dataclasses.asdict(params.training.resilience), first_attempt=first_attempt,
-            save_signal=program.save_signal,
+            save_signal=program.save_signal, secret_names=tuple(sorted(launch.secrets)),
         ))
     runtime = RunRuntime(
         run=run, run_id=run_id, engine=program.engine, nnodes=launch.nnodes, nproc_per_node=launch.nproc_per_node,
@@ -129,6 +130,7 @@ def plan_start(launch: LaunchEnv, model: str, data: str, run: str, nodes: Sequen
     node in ``nodes``; a UserError before anything starts."""
     check_run_name(run)
     params = load_run_params(model, data, launch.overrides)
+    check_tokenizer(params.data.tokenizer)
     params, geometry = with_batch_geometry(params, launch.world_size)
     paths = RunPaths(launch.artifact_root, run)
     resume_from = latest_iteration(paths.checkpoints_dir)

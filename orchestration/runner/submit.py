@@ -6,7 +6,10 @@
 :func:`plan_submit` checks everything a start would (parameters at the job's world size, the run
 not already submitted, the partition) and renders the batch script (a :class:`BatchPlan`);
 :func:`submit_batch` writes it under the artifact root, sbatches it and records the job id that
-``status`` and ``stop`` use. Side effects: ``submit_batch`` only (and Slurm's read-only queries).
+``status`` and ``stop`` use. The script exports the forwarded variables but never a secret
+(WANDB_API_KEY, HF_TOKEN, ...: orchestration/launch_env.py): sbatch hands the job the submitting
+environment (``--export=ALL``, Slurm's default), and the start inside the job passes them on to its
+srun step the same way. Side effects: ``submit_batch`` only (and Slurm's read-only queries).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ def plan_submit(launch: LaunchEnv, model: str, data: str, run: str, nodes: int |
         raise UserError(f"run {run!r} is already submitted as slurm job {earlier}; stop it first "
                         f"({stop_command(run, True)}) or choose another RUN name")
     slurm.check_partition(request.partition)
+    check_secrets_exported(launch)
     env = {**launch.forwarded, "ARTIFACT_ROOT": str(launch.artifact_root), "NPROC_PER_NODE": str(nproc),
            "NNODES": str(nodes), **({"ZERO_STAGE": str(launch.zero_stage)} if launch.zero_stage is not None else {}),
            **({"ENGINE": launch.overrides.engine} if launch.overrides.engine else {}),
@@ -59,6 +63,18 @@ def plan_submit(launch: LaunchEnv, model: str, data: str, run: str, nodes: int |
     script = slurm.render_batch_script(model, data, run, request, launch.python, launch.cwd, env,
                                        paths.logs_dir / f"{run}_sbatch.log", paths.run_state_dir / f"{run}.batch_signal")
     return BatchPlan(run, request, paths.run_state_dir / f"{run}.sbatch", script)
+
+
+def check_secrets_exported(launch: LaunchEnv) -> None:
+    """The secrets reach the job only through sbatch's export of the submitting environment: refuse an
+    SBATCH_EXPORT that would leave one behind (the script never holds them)."""
+    export = launch.environ.get("SBATCH_EXPORT", "").strip()
+    names = {item.split("=", 1)[0].strip() for item in export.split(",")}
+    missing = sorted(set(launch.secrets) - names) if export and "ALL" not in names else []
+    if missing:
+        raise UserError(f"SBATCH_EXPORT (names: {','.join(sorted(names))}) would keep {', '.join(missing)} from the job (secrets "
+                        "travel in the submitting environment, never in the batch script); unset SBATCH_EXPORT, make it "
+                        f"ALL, or add {','.join(missing)} to it")
 
 
 def submit_batch(launch: LaunchEnv, plan: BatchPlan) -> str:

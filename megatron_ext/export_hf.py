@@ -1,0 +1,169 @@
+"""A run's checkpoint -> a Hugging Face model directory transformers, vLLM and lm-eval load.
+
+    python -m megatron_ext.export_hf --artifact-root ART --run RUN --out OUT_DIR [--iteration N]
+
+(``python -m orchestration export-hf RUN OUT_DIR`` / ``training_scripts/export_hf.sh`` run this.)
+Reads the run's resolved parameters and one checkpoint (the latest, or ``--iteration``) of any
+ZeRO stage and data-parallel size: torch.distributed.checkpoint reads the full tensors out of
+every rank's shards in one process (``no_dist``), so nothing needs the run's world size. Writes
+``config.json``, the weights as safetensors (sharded above 5 GB, with the index),
+``generation_config.json`` and, when the run used a Hugging Face tokenizer, its files. The
+weights keep the checkpoint's dtype (fp32 on CPU runs, bf16 on GPU runs); padded vocabulary rows
+are dropped (megatron_ext/training/hf_weights.py). The directory is written beside OUT_DIR and
+renamed into place: a failed export leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from megatron_ext.data.tokenizers import HuggingFaceTokenizer, configured_token, hf_tokenizer_file
+from megatron_ext.run_spec.checkpoints import iteration_dir_name, latest_iteration
+from megatron_ext.run_spec.errors import EXIT_USER_ERROR, UserError
+from megatron_ext.run_spec.flops import padded_vocab_size
+from megatron_ext.run_spec.hf_config import hf_config_from_preset, hf_model_type
+from megatron_ext.run_spec.params import RunParams
+from megatron_ext.run_spec.resolved import read_resolved
+from megatron_ext.run_spec.run_paths import RunPaths
+from megatron_ext.training.hf_weights import local_name, megatron_to_hf, write_hf_state_dict
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+"""What save_pretrained writes for a tokenizer (those that exist are copied)."""
+
+
+def checkpoint_to_export(paths: RunPaths, iteration: int | None) -> Path:
+    where = paths.checkpoints_dir
+    if iteration is None:
+        iteration = latest_iteration(where)
+        if iteration is None:
+            raise UserError(f"run {paths.run} has no complete checkpoint under {where}; train with "
+                            "training.save_interval > 0 (a checkpoint is also written at the end)")
+    target = where / iteration_dir_name(iteration)
+    if not (target / "meta.json").is_file():
+        saved = sorted(p.name for p in where.glob("iter_*") if (p / "meta.json").is_file())
+        raise UserError(f"run {paths.run} has no complete checkpoint of iteration {iteration} ({target}); "
+                        f"saved: {', '.join(saved) or 'none'}")
+    return target
+
+
+def read_model_weights(checkpoint: Path, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model tensors of a checkpoint, by the names of ``template`` (a model's state dict):
+    the checkpoint's ``model.`` entries, matched by name after any ``module.`` wrappers' prefixes
+    (DDP, Float16Module on GPUs), transformer-engine's fused-norm names read as the local spec's."""
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    by_name: dict[str, str] = {}
+    for key, meta in stored.items():
+        if not key.startswith("model.") or not hasattr(meta, "size"):
+            continue
+        name = key.removeprefix("model.")
+        while name.startswith("module."):
+            name = name.removeprefix("module.")
+        by_name[local_name(name)] = key
+    missing = sorted(set(template) - set(by_name))
+    if missing:
+        raise UserError(f"{checkpoint} holds no {missing[0]} ({len(missing)} model tensors missing); it was not written "
+                        "by this run's model")
+    state = {by_name[name]: torch.empty(tuple(stored[by_name[name]].size), dtype=stored[by_name[name]].properties.dtype)
+             for name in template}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no_dist's note that it loads in one process
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    return {name: state[by_name[name]] for name in template}
+
+
+def tokenizer_ids(params: RunParams) -> tuple[int | None, int | None, Path | None]:
+    """(eos, bos, tokenizer directory) of a run's Hugging Face tokenizer; (None, None, None) otherwise."""
+    tok = params.data.tokenizer
+    if tok.type != "huggingface":
+        return None, None, None
+    loaded = HuggingFaceTokenizer(tok.model_path)
+    directory = hf_tokenizer_file(tok.model_path).parent
+    bos_token = configured_token(directory, "bos_token")
+    bos = loaded.token_id(bos_token) if bos_token else None
+    return loaded.eod, bos, directory
+
+
+def export(paths: RunPaths, out: Path, iteration: int | None = None, force: bool = False) -> list[str]:
+    from megatron_ext.data.prepare import planned_prepared
+    from megatron_ext.training.model import build_gpt_model, model_vocab_size
+
+    resolved = read_resolved(paths.params_path)
+    if resolved is None:
+        raise UserError(f"no run {paths.run!r} under {paths.root} (no {paths.params_path}); give the run name a start "
+                        "printed, or set ARTIFACT_ROOT to where it ran")
+    params = resolved.params
+    m = params.model
+    kind = hf_model_type(m)
+    checkpoint = checkpoint_to_export(paths, iteration)
+    if out.exists() and any(out.iterdir()) and not force:
+        raise UserError(f"{out} exists and is not empty; choose another directory or pass --force to replace it")
+    prepared = planned_prepared(params.data, paths.data_cache_dir)
+    vocab = model_vocab_size(m, prepared.vocab_size if prepared.vocab_size > 0 else None)
+    padded = padded_vocab_size(vocab, m.make_vocab_size_divisible_by)
+    with torch.device("meta"):
+        template = {k: v for k, v in build_gpt_model(m, padded, params.training.seq_length,
+                                                     perform_initialization=False).state_dict().items()
+                    if isinstance(v, torch.Tensor)}
+    weights = read_model_weights(checkpoint, template)
+    hf_state = megatron_to_hf(weights, m, kind, vocab)
+    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[next(iter(hf_state.values())).dtype]
+    eos, bos, tokenizer_dir = tokenizer_ids(params)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        written = write_hf_state_dict(hf_state, tmp)
+        config = hf_config_from_preset(m, vocab, dtype, eos, bos)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        generation = {"_from_model_config": True, "bos_token_id": bos, "eos_token_id": eos}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        written += ["config.json", "generation_config.json"]
+        for name in TOKENIZER_FILES if tokenizer_dir else ():
+            if (tokenizer_dir / name).is_file():
+                shutil.copy2(tokenizer_dir / name, tmp / name)
+                written.append(name)
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [f"exported {checkpoint.name} of run {paths.run} ({kind}, {dtype}, vocabulary {vocab}"
+            + (f", {padded - vocab} padded rows dropped" if padded > vocab else "") + f") to {out}: "
+            + ", ".join(written)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_ext.export_hf", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--artifact-root", required=True)
+    parser.add_argument("--run", required=True)
+    parser.add_argument("--out", required=True, help="the Hugging Face model directory to write")
+    parser.add_argument("--iteration", type=int, help="the checkpoint's iteration (default: the latest)")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
+    args = parser.parse_args(argv)
+    try:
+        from megatron_ext.training.model import ensure_model_parallel
+
+        ensure_model_parallel()
+        for line in export(RunPaths(Path(args.artifact_root), args.run), Path(args.out).expanduser().resolve(),
+                           args.iteration, args.force):
+            print(line)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
