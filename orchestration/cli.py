@@ -41,7 +41,8 @@ from orchestration.analysis.memory_plan import (DEFAULT_BUS_BANDWIDTH_GBS, DEFAU
 from orchestration.analysis.report import comparison_name, describe_files, write_comparison
 from orchestration.analysis.tables import format_comparison, format_memory_plan
 from orchestration.cluster import slurm
-from orchestration.engines import megatron_lm_import
+from orchestration.engines.megatron_lm_import import import_arg_files
+from orchestration.engines.megatron_lm_import_yaml import imported_yaml, render_report
 from orchestration.launch_env import SOCKET_IFNAME_VARIABLES, LaunchEnv, launch_env_from_process
 from orchestration.node.node_plan import DEFAULT_STOP_GRACE_S, encode_payload, node_label, stop_command
 from orchestration.node.processes import StopPreview
@@ -364,7 +365,7 @@ def cmd_plan_memory(args, launch: LaunchEnv) -> int:
 
 def cmd_import_megatron_args(args, launch: LaunchEnv) -> int:
     """``import-megatron-args FILE... --model-out M.yaml --data-out D.yaml``: Megatron-LM argument files
-    -> a model preset and a data set (orchestration/engines/megatron_lm_import.py); DRY_RUN=1 or
+    -> a model preset and a data set (orchestration/engines/megatron_lm_import*.py); DRY_RUN=1 or
     --dry-run prints both and writes nothing."""
     outputs = [Path(args.model_out), Path(args.data_out)]
     for path in outputs:
@@ -376,9 +377,9 @@ def cmd_import_megatron_args(args, launch: LaunchEnv) -> int:
     existing = [str(p) for p in outputs if p.exists()]
     if existing and not args.force and not dry_run:
         raise UserError(f"{' and '.join(existing)} already exist(s); give --force to overwrite, or other output paths")
-    result = megatron_lm_import.import_arg_files(args.files, args.var, args.megatron_lm_dir or launch.megatron_lm_dir)
-    texts = [megatron_lm_import.render_model_yaml(result), megatron_lm_import.render_data_yaml(result)]
-    print(megatron_lm_import.render_report(result), end="", flush=True)
+    result = import_arg_files(args.files, args.var, args.megatron_lm_dir or launch.megatron_lm_dir)
+    texts = imported_yaml(result)
+    print(render_report(result), end="", flush=True)
     for path, text in zip(outputs, texts):
         if dry_run:
             print(f"--- {path} (dry run: not written)\n{text}", end="")

@@ -24,6 +24,7 @@ from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.run_spec.zero import megatron_lm_flags_for_stage
 from orchestration import cli
 from orchestration.engines import megatron_lm_import as mli
+from orchestration.engines import megatron_lm_import_yaml as mly
 from orchestration.engines.megatron_lm_args import (data_flags, logging_and_checkpoint_flags, model_flags, split_flags,
                                                     training_flags)
 from orchestration.engines.megatron_lm_flag_table import SHIPPED_TABLE, load_flag_table, parse_flag_table
@@ -60,8 +61,8 @@ def import_texts(*texts, variables=None):
 
 def write_yaml(result, tmp_path: Path, stem: str = "imported") -> tuple[Path, Path]:
     model, data = tmp_path / f"{stem}_model.yaml", tmp_path / f"{stem}_data.yaml"
-    model.write_text(mli.render_model_yaml(result))
-    data.write_text(mli.render_data_yaml(result))
+    model.write_text(mly.render_model_yaml(result))
+    data.write_text(mly.render_data_yaml(result))
     return model, data
 
 
@@ -220,9 +221,9 @@ def test_gpt3_example_imports_with_megatron_defaults_and_lists_the_rest(tmp_path
     given = input_flags([GPT3], variables)
     assert_nothing_dropped(result, given)
     assert_round_trip(result, given, tmp_path)
-    data_yaml = mli.render_data_yaml(result)
+    data_yaml = mly.render_data_yaml(result)
     assert str(GPT3) in data_yaml and "--rampup-batch-size 16 16 5859375" in data_yaml
-    report = mli.render_report(result)
+    report = mly.render_report(result)
     assert "not imported: --fp16" in report and "handled by the launcher: --save $CHECKPOINT_PATH" in report
     assert "model.hidden_dropout = 0.1" in report
 

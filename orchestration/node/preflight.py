@@ -150,7 +150,7 @@ def inspect_node(node_rank: int, host: str, master_addr: str, master_port: int |
     for path in required_paths:
         p = Path(path)
         if not (p.exists() or (Path(f"{path}.bin").is_file() and Path(f"{path}.idx").is_file())):
-            problems.append(f"{path} does not exist on this node; every node needs the run's data and tokenizer "
+            problems.append(f"{path} does not exist on this node; every node needs the run's data, tokenizer and model directory "
                             "(a shared file system, or a copy at the same path)")
     if tokenizer is not None and Path(tokenizer[1]).exists():
         problem = tokenizer_problem(*tokenizer)

@@ -56,7 +56,8 @@ def run_preflight(launch: LaunchEnv, plan: StartPlan, nodes: Sequence[tuple[int,
     """Every check on every node in parallel."""
     params = plan.resolved.params
     tok = params.data.tokenizer
-    required = [*params.data.paths, *([tok.model_path] if tok.model_path else [])]
+    required = [*params.data.paths, *([tok.model_path] if tok.model_path else []),
+                *([params.model.hf_checkpoint] if params.model.hf_checkpoint else [])]  # MODEL = a Hugging Face directory
     paths = RunPaths(launch.artifact_root, plan.run)
     token = paths.run_state_dir / f".preflight-{plan.run_id}"
     token.parent.mkdir(parents=True, exist_ok=True)
