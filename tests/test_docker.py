@@ -1,11 +1,13 @@
 """CONTAINER_NAME against a real Docker engine (tests/docker_engine.py): start, status, a worker
-killed inside the container, resume, and stop with nothing left, all through ``docker exec``.
+killed inside the container, resume, and stop with nothing left, all through ``docker exec``; a
+secret reaches the ranks in the container through ``docker exec -i`` and shows in no command line.
 With CI=true a missing prerequisite is a failure."""
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +27,13 @@ def engine(tmp_path_factory):
     e.close()
 
 
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
+
+
 def test_start_status_failure_resume_and_stop_through_docker_exec(engine, artifact_root, tmp_path):
     run = "in_docker"
     data = tmp_path / "long.yaml"
@@ -32,8 +41,9 @@ def test_start_status_failure_resume_and_stop_through_docker_exec(engine, artifa
         "data:\n  source: embedded\n  split: \"95,5,0\"\n  tokenizer: {type: sentencepiece, vocab_size: 2048}\n"
         "training:\n  seq_length: 128\n  micro_batch_size: 4\n  global_batch_size: 16\n  train_iters: 2000\n"
         "  eval_iters: 0\n  save_interval: 5\n")
+    token = f"hf_{os.urandom(12).hex()}"  # a secret: it travels on docker exec -i's standard input only
     env = clean_env(ARTIFACT_ROOT=str(artifact_root), MASTER_PORT=str(free_port()), CONTAINER_NAME=engine.container,
-                    **engine.env)
+                    HF_TOKEN=token, **engine.env)
     checkpoints = artifact_root / "runs" / run / "checkpoints"
     try:
         start = run_script("start_training.sh", "gpt_smoke", str(data), run, env=env)
@@ -48,6 +58,9 @@ def test_start_status_failure_resume_and_stop_through_docker_exec(engine, artifa
         workers = [p for p in tagged_pids(run) if "LOCAL_RANK" in process_environ(p)
                    and b"megatron_ext.pretrain" in open(f"/proc/{p}/cmdline", "rb").read()]
         assert len(workers) == 2, [open(f"/proc/{p}/cmdline", "rb").read() for p in tagged_pids(run)]
+        assert all(process_environ(w).get("HF_TOKEN") == token for w in workers)
+        shown = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and token.encode() in _cmdline(p)]
+        assert shown == [] and token not in start.stdout + start.stderr, shown
         os.kill(workers[0], 9)
         wait_for(lambda: not tagged_pids(run), 60, what="the run to end in the container")
         failure = (artifact_root / "run_state" / f"{run}_failure.txt").read_text()
