@@ -17,14 +17,13 @@ launcher, megatron_ext/pretrain.py for a rank); :func:`read_wandb_state` /
 
 from __future__ import annotations
 
-import json
-import os
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
 
 from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.json_files import read_json, write_json_atomic
 from megatron_ext.run_spec.run_paths import RunPaths
 
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
@@ -95,19 +94,15 @@ class WandbState:
 
 
 def read_wandb_state(paths: RunPaths) -> WandbState | None:
+    raw = read_json(paths.wandb_state_path)
     try:
-        raw = json.loads(paths.wandb_state_path.read_text())
         return WandbState(str(raw["id"]), int(raw.get("last_step", 0)))
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):  # missing, or not this file's shape
         return None
 
 
 def write_wandb_state(paths: RunPaths, state: WandbState) -> None:
-    path = paths.wandb_state_path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(asdict(state)))
-    os.replace(tmp, path)
+    write_json_atomic(paths.wandb_state_path, asdict(state))
 
 
 def wandb_resume_env(settings: WandbSettings, paths: RunPaths) -> dict[str, str]:

@@ -26,7 +26,9 @@ from typing import Sequence
 
 from megatron_ext.run_spec.resilience import ResilienceParams
 from megatron_ext.run_spec.run_paths import RunPaths
-from orchestration.node.run_state import RunState, read_json, write_json_atomic
+from megatron_ext.run_spec.json_files import read_json, write_json_atomic
+from orchestration.node.run_state import RunState
+from orchestration.node.watchdog import Hang
 
 JOIN_S = 120.0
 """How long node 0 waits for every node's end of an attempt, and each node for the others to be
@@ -116,21 +118,15 @@ def read_decision(paths: RunPaths, attempt: int) -> Decision | None:
 
 
 @dataclass(frozen=True)
-class HangClaim:
-    """``<run>_a<K>.hang.json``: the first node whose watchdog found a rank past its limit."""
+class HangClaim(Hang):
+    """``<run>_a<K>.hang.json``: the first node whose watchdog found a rank past its limit (its
+    :class:`~orchestration.node.watchdog.Hang`, and when it was claimed)."""
 
-    node_rank: int
-    rank: int | None
-    phase: str
-    iteration: int
-    elapsed_s: float
-    limit_s: float
-    detail: str
     claimed_at: float
 
 
-def claim_hang(paths: RunPaths, attempt: int, hang) -> bool:
-    """Claim attempt ``attempt``'s hang (a :class:`~orchestration.node.watchdog.Hang`) unless a node already did."""
+def claim_hang(paths: RunPaths, attempt: int, hang: Hang) -> bool:
+    """Claim attempt ``attempt``'s hang unless a node already did."""
     path = paths.attempt_file(attempt, "hang.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     try:

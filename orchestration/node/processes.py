@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from orchestration.node.node_plan import DEFAULT_STOP_GRACE_S, NODE_TAG, RUN_ID_TAG, RUN_TAG
-from orchestration.node.run_state import read_json, write_json_atomic
+from megatron_ext.run_spec.json_files import read_json, write_json_atomic
 
 SWEEP_KILL_AFTER_S = 5.0
 

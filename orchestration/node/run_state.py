@@ -8,7 +8,8 @@
     $ARTIFACT_ROOT/run_state/<prefix>.sweep.json       a ZeRO sweep in progress (SweepRecord); <prefix>.sweep.stop
     (the attempts' files: orchestration/node/attempts.py)
 
-This module owns them: every write is atomic (a reader never sees half a file), every state a
+This module owns them: every write is atomic (a reader never sees half a file:
+megatron_ext/run_spec/json_files.py), every state a
 status, a sweep, a comparison or a supervisor names is a :class:`RunState`. Side effects: those
 files.
 """
@@ -16,13 +17,12 @@ files.
 from __future__ import annotations
 
 import enum
-import json
 import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
+from megatron_ext.run_spec.json_files import read_json, write_json_atomic
 from megatron_ext.run_spec.run_paths import RunPaths
 
 HEARTBEAT_S = 2.0
@@ -61,21 +61,6 @@ class RunState(str, enum.Enum):
     def failed(self) -> bool:
         """Ended without finishing, and not because someone asked (failed, hung, gave up)."""
         return self in (RunState.FAILED, RunState.HUNG, RunState.GAVE_UP)
-
-
-def write_json_atomic(path: Path, raw: Any) -> None:
-    """``path`` replaced in one step (tmp file + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(raw, indent=1))
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> Any | None:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
 
 
 def tail(path: Path, lines: int, max_bytes: int = 65536) -> str:

@@ -29,6 +29,7 @@ from pathlib import Path
 from megatron_ext.run_spec.iteration_log import parse_log
 from megatron_ext.run_spec.resilience import DUMP_REQUEST, RankProgress, ResilienceParams, phase_limit_s, read_progress
 from orchestration.node.processes import parent_pid, process_environ, process_start_time, tagged_processes
+from megatron_ext.run_spec.json_files import write_json_atomic
 from orchestration.node.run_state import tail
 
 DUMP_TIMEOUT_S = 20.0
@@ -303,10 +304,7 @@ def dump_node(run: str, node_rank: int, host: str, nproc_per_node: int, progress
         reports.append(RankReport(rank, node_rank, host, pid, state, p.phase if p else None, p.iteration if p else None,
                                   elapsed, limit, p.phase_started_at if p else None, read,
                                   in_collective(stack) if read else None, str(dump), seq, name))
-    report_path = out_dir / f"node{node_rank}.json"
-    tmp = report_path.with_name(f".{report_path.name}.tmp")
-    tmp.write_text(json.dumps([asdict(r) for r in reports], indent=1))
-    os.replace(tmp, report_path)
+    write_json_atomic(out_dir / f"node{node_rank}.json", [asdict(r) for r in reports])
     return reports
 
 
