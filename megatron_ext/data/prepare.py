@@ -149,6 +149,11 @@ def _encode_chunk(chunk: _Chunk) -> tuple[bytes, list[int], int]:
     return tokens.tobytes(), lengths, sum(len(item) for item in chunk.items)
 
 
+def default_progress_interval_s() -> float:
+    """2 s on a terminal, 30 s in a log."""
+    return 2.0 if sys.stderr.isatty() else 30.0
+
+
 @dataclass
 class PrepareProgress:
     """Documents, MB read, tokens, their rates and (input size known) the ETA, every
@@ -156,7 +161,7 @@ class PrepareProgress:
     documents/s and MB/s."""
 
     total_bytes: int | None = None
-    interval_s: float = field(default_factory=lambda: 2.0 if sys.stderr.isatty() else 30.0)
+    interval_s: float = field(default_factory=default_progress_interval_s)
     started: float = field(default_factory=time.monotonic)
     last: float = field(default_factory=time.monotonic)
     documents: int = 0
@@ -362,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer-type", choices=["sentencepiece", "huggingface"], default="sentencepiece")
     parser.add_argument("--tokenizer-model", help="sentencepiece .model, or a Hugging Face tokenizer directory or its tokenizer.json")
     parser.add_argument("--vocab-size", type=int, default=4096, help="train a sentencepiece model of this size (no --tokenizer-model)")
-    parser.add_argument("--progress-interval-s", type=float, default=2.0 if sys.stderr.isatty() else 30.0,
+    parser.add_argument("--progress-interval-s", type=float, default=default_progress_interval_s(),
                         help="seconds between progress lines (default 2 on a terminal, 30 otherwise)")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2)), help="encoding processes")
     args = parser.parse_args(argv)

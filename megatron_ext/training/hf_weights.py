@@ -192,10 +192,10 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], m: ModelPreset, kind: str, padde
 
 
 def megatron_to_hf(mc: dict[str, torch.Tensor], m: ModelPreset, kind: str, vocab: int) -> dict[str, torch.Tensor]:
-    """megatron-core's state dict (local or transformer-engine names) -> transformers' names and
-    layouts, padded vocabulary rows dropped. Tied embeddings: no lm_head.weight (save_pretrained's
-    convention)."""
-    get = _Taker(from_te_names({k: v for k, v in mc.items() if not k.endswith("_extra_state")}))
+    """megatron-core's weights in the local spec's names (:func:`local_name`: export_hf reads a
+    transformer-engine checkpoint's that way) -> transformers' names and layouts, padded vocabulary
+    rows dropped. Tied embeddings: no lm_head.weight (save_pretrained's convention)."""
+    get = _Taker(dict(mc))
     out = {name: get(mc_name).t() if transposed else get(mc_name) for mc_name, name, transposed in _moved_names(m, kind)}
     out[EMBEDDING[_family(kind)]] = get("embedding.word_embeddings.weight")[:vocab]
     for i in range(m.num_layers):
@@ -227,10 +227,6 @@ def local_name(name: str) -> str:
         if f".{fused}" in name:
             name = name.replace(f".{fused}", f".{norm}.")
     return name
-
-
-def from_te_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {local_name(k): v for k, v in state.items()}
 
 
 def to_model_names(state: dict[str, torch.Tensor], model_keys: set[str]) -> dict[str, torch.Tensor]:

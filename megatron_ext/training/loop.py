@@ -175,11 +175,11 @@ class Pretrain:
         self.progress.phase("prepare")  # as long as a corpus takes: no limit
         self.prepared = ensure_prepared(self.params.data, self.paths.data_cache_dir)
         self.progress.phase("setup")
-        self.vocab = padded_vocab_size(model_vocab_size(m, self.prepared.vocab_size), m.make_vocab_size_divisible_by)
+        self.real_vocab = model_vocab_size(m, self.prepared.vocab_size)
+        self.vocab = padded_vocab_size(self.real_vocab, m.make_vocab_size_divisible_by)
         self.kernels = choose_kernels(self.on_cuda, transformer_engine_available(), t.zero_stage)
         module = build_gpt_model(m, self.vocab, t.seq_length, params_dtype=torch.bfloat16 if self.on_cuda else torch.float32,
                                  kernels=self.kernels)
-        self.real_vocab = model_vocab_size(m, self.prepared.vocab_size)
         restrict_logits(module, self.real_vocab, self.vocab)  # the loss over the real vocabulary (hf_weights.py)
         if m.hf_checkpoint and t.init == "pretrained" and latest_iteration(self.paths.checkpoints_dir) is None:
             load_hf_weights(module, m, hf_model_type(m), self.vocab)  # before any wrapper, on every rank

@@ -113,11 +113,11 @@ def first_free_port(ports=DEFAULT_PORT_SEARCH) -> int | None:
 def tokenizer_problem(kind: str, path: str) -> str | None:
     """Why the run's tokenizer does not load here, or None (megatron_ext.data.tokenizers loads it as
     the ranks will; imported here only: node-check is the one node command that needs it)."""
-    from megatron_ext.data.tokenizers import load_tokenizer
+    from megatron_ext.data.tokenizers import check_tokenizer
     from megatron_ext.run_spec.params import TokenizerParams
 
     try:
-        load_tokenizer(TokenizerParams(kind, path))
+        check_tokenizer(TokenizerParams(kind, path))
     except UserError as exc:
         return str(exc)
     return None
