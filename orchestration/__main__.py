@@ -4,7 +4,7 @@ the launcher side)."""
 
 import sys
 
-from orchestration.node.node_plan import NODE_COMMANDS
+from orchestration.node.wire import NODE_COMMANDS
 
 if len(sys.argv) > 1 and sys.argv[1] in NODE_COMMANDS:
     from orchestration.node.commands import main

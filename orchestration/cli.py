@@ -11,28 +11,27 @@
     python -m orchestration plan-memory qwen3_1p7b                     # expected memory per GPU per stage
     python -m orchestration preflight gpt_smoke smoke demo             # the start's checks, nothing started
 
-This module is every launcher command's parser, its dispatch and all its printing; no algorithm
-lives here: each command plans (orchestration/runner/), prints the plan when
-``DRY_RUN=1``, executes it and prints the typed result. The environment is read once, here at the
-entry (:func:`orchestration.launch_env.launch_env_from_process`). The node commands (``node-*``)
-are another program: orchestration/node/commands.py. Exit codes: :mod:`megatron_ext.run_spec.errors`.
+This module is every launcher command's parser, its dispatch and all its printing: each command
+plans (orchestration/runner/), prints the plan when ``DRY_RUN=1``, executes it and prints the typed
+result; what a result means (an exit code, a requeue) is decided in the runner. The environment is
+read once, here at the entry (:func:`orchestration.launch_env.launch_env_from_process`), and
+logging is configured here (LOG_LEVEL or ``--verbose``: notes and warnings on standard error,
+results on standard output). The node commands (``node-*``) are another program:
+orchestration/node/commands.py. Exit codes: :mod:`megatron_ext.run_spec.errors`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import logging
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
 
-from megatron_ext.run_spec.errors import (EXIT_GAVE_UP, EXIT_NODE_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USER_ERROR,
-                                          UserError)
+from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
 from megatron_ext.run_spec.params import COLLECTIVE_TIMEOUT_S
-from megatron_ext.run_spec.resolved import write_resolved
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name, runs_under
 from megatron_ext.run_spec.zero import parse_stages
 from orchestration.analysis.compare import DEFAULT_WARMUP_ITERATIONS, compare_runs
@@ -41,27 +40,49 @@ from orchestration.analysis.memory_plan import (DEFAULT_BUS_BANDWIDTH_GBS, DEFAU
 from orchestration.analysis.report import comparison_name, describe_files, write_comparison
 from orchestration.analysis.tables import format_comparison, format_memory_plan
 from orchestration.cluster import slurm
-from orchestration.engines.megatron_lm_import import import_arg_files
-from orchestration.engines.megatron_lm_import_yaml import imported_yaml, render_report
-from orchestration.launch_env import SOCKET_IFNAME_VARIABLES, LaunchEnv, launch_env_from_process
-from orchestration.node.node_plan import DEFAULT_STOP_GRACE_S, encode_payload, node_label, stop_command
-from orchestration.node.processes import StopPreview
+from orchestration.import_args.importer import import_arg_files
+from orchestration.import_args.outputs import check_outputs, write_outputs
+from orchestration.import_args.report import imported_yaml, render_report
+from orchestration.launch_env import LaunchEnv, launch_env_from_process
 from orchestration.node.run_state import RunState
+from orchestration.node.wire import DEFAULT_STOP_GRACE_S, StopPreview, encode_payload, node_label, stop_command
 from orchestration.runner import control
-from orchestration.runner.preflight import Problem, run_preflight, settle_after_preflight
-from orchestration.runner.start import start_run
-from orchestration.runner.start_plan import plan_start
-from orchestration.runner.submit import plan_submit, submit_batch
+from orchestration.runner.export import export_argv, run_export
+from orchestration.runner.nodes import start_nodes, this_node
+from orchestration.runner.preflight import Problem
+from orchestration.runner.start import (PlannedStart, follow_until_ended, log_size, plan_settled_start, run_checks,
+                                        start_run)
+from orchestration.runner.submit import plan_submit, requeue_after_save, submit_batch
 from orchestration.runner.sweep import SweepResult, check_sweep, plan_sweep, run_sweep, stage_run_name
 
+log = logging.getLogger("orchestration")
+
 EXIT_STOPPED = 130
-"""The sweep was stopped (Ctrl-C, SIGTERM, or stop PREFIX)."""
+"""The sweep was stopped (Ctrl-C, SIGTERM, or stop PREFIX), or ``train`` by Ctrl-C."""
 SAVE_TIMEOUT_S = 900.0
 """``stop --save``: a step, a checkpoint save and the end, with room."""
+LEVEL_PREFIX = {logging.DEBUG: "debug: ", logging.INFO: "note: ", logging.WARNING: "warning: ", logging.ERROR: "error: "}
+
+
+class _PrefixFormatter(logging.Formatter):
+    """``note: ...`` for INFO, ``warning: ...``, ``error: ...``, ``debug: ...``: the launcher's lines."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return LEVEL_PREFIX.get(record.levelno, "") + record.getMessage()
+
+
+def configure_logging(level: str) -> None:
+    """Standard error, one prefixed line per record, at ``level`` (LOG_LEVEL, or DEBUG with --verbose)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_PrefixFormatter())
+    root = logging.getLogger("orchestration")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
 
 
 def note(text: str) -> None:
-    print(f"note: {text}", file=sys.stderr, flush=True)
+    log.info(text)
 
 
 def format_problems(problems: Sequence[Problem]) -> str:
@@ -72,20 +93,32 @@ def format_problems(problems: Sequence[Problem]) -> str:
 
 # -- start, train, preflight ----------------------------------------------------------------------
 
+def print_plan(planned: PlannedStart, launch: LaunchEnv) -> int:
+    """The dry run: the checks' notes, the plan (a header line, then one JSON line per node), and
+    what a start would make of the preflight; the exit code a start would have up to there."""
+    for text in run_checks(launch, planned):
+        note(text)
+    for line in planned.plan.to_json_lines():
+        print(line, flush=True)
+    preflight = planned.preflight
+    if preflight.problems and preflight.answered:
+        print(f"error: preflight found {len(preflight.problems)} problem(s); a start would start nothing:\n"
+              f"{format_problems(preflight.problems)}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if preflight.problems:
+        note(f"the plan is unsettled: {len(preflight.problems)} node(s) did not answer the preflight (a start would "
+             f"stop there):\n{format_problems(preflight.problems)}")
+    return EXIT_OK
+
+
 def cmd_start(args, launch: LaunchEnv) -> int:
-    nodes = control.start_nodes(launch, args.this_node)
-    plan = plan_start(launch, args.model, args.data, args.run, nodes, prepare=not launch.dry_run)
-    for text in plan.notes:
+    nodes = start_nodes(launch, args.this_node)
+    planned = plan_settled_start(launch, args.model, args.data, args.run, nodes)
+    for text in planned.plan.notes:
         note(text)
     if launch.dry_run:
-        if not launch.master_port_explicit:
-            note(f"MASTER_PORT is not set: a start takes the first free port from 6000 on node 0 (the dry run "
-                 f"shows {launch.master_port}), and the interface that routes to MASTER_ADDR on each node when "
-                 f"{' / '.join(SOCKET_IFNAME_VARIABLES)} are unset")
-        for node_plan in plan.nodes:
-            print(node_plan.to_json(), flush=True)
-        return EXIT_OK
-    result = start_run(launch, plan, nodes)
+        return print_plan(planned, launch)
+    result = start_run(launch, planned)
     if result.refused:
         print(f"error: preflight found {len(result.preflight.problems)} problem(s); nothing was started:\n"
               f"{format_problems(result.preflight.problems)}", file=sys.stderr)
@@ -98,7 +131,7 @@ def cmd_start(args, launch: LaunchEnv) -> int:
         if result.rolled_back:
             print(f"stopping the {len(result.rolled_back)} node(s) that did start, so nothing is left running", file=sys.stderr)
         return EXIT_NODE_FAILED
-    plan, launch = result.plan, result.launch
+    plan = result.plan
     paths = RunPaths(launch.artifact_root, args.run)
     t = plan.resolved.params.training
     resume = (f"resuming from iteration {plan.resume_from} (for a fresh start use another RUN name or remove "
@@ -106,7 +139,7 @@ def cmd_start(args, launch: LaunchEnv) -> int:
     print(
         f"run {args.run} started: {len(nodes)} node(s) x {launch.nproc_per_node} processes, world size "
         f"{launch.world_size}, ZERO_STAGE={t.zero_stage}, engine {t.engine}, {plan.geometry.describe()}, "
-        f"{resume}, MASTER_PORT {launch.master_port}, collective timeout {COLLECTIVE_TIMEOUT_S[launch.device]} s, "
+        f"{resume}, MASTER_PORT {plan.master_port}, collective timeout {COLLECTIVE_TIMEOUT_S[launch.device]} s, "
         f"{t.resilience.describe()}{' (Megatron-LM: from its iteration lines)' if t.engine == 'megatron-lm' else ''}; "
         f"status: status_training.sh {args.run}; stop: {stop_command(args.run, not args.this_node)}",
         flush=True,
@@ -115,51 +148,56 @@ def cmd_start(args, launch: LaunchEnv) -> int:
         return EXIT_OK
     save_signal = control.SaveSignal(paths, args.signal_file)
     save_signal.install()
-    ended = control.wait_for_end(paths, [rank for rank, _ in nodes], poll_s=1.0, on_poll=save_signal.poll)
-    print(f"run {args.run} ended: {', '.join(f'node{e.node_rank} {e.state}' for e in ended)}", flush=True)
-    states = {e.state for e in ended}
-    if states == {RunState.FINISHED}:
-        return EXIT_OK
-    if states == {RunState.PREEMPTED}:
-        if args.requeue and save_signal.received and launch.slurm_job_id:
-            refused = slurm.requeue(launch.slurm_job_id)
-            print(f"run {args.run}: checkpoint saved; " + (f"slurm job {launch.slurm_job_id} requeued: it starts again "
-                  "and resumes there" if refused is None else f"scontrol requeue {launch.slurm_job_id} failed: {refused}"),
-                  flush=True)
-        return EXIT_PREEMPTED
-    return EXIT_GAVE_UP if RunState.GAVE_UP in states else EXIT_NODE_FAILED
+    end = control.wait_until_ended(launch, args.run, nodes, on_poll=save_signal.poll)
+    print(f"run {args.run} ended: {end.describe()}", flush=True)
+    code = control.end_exit_code(end.states)
+    if code == EXIT_PREEMPTED and args.requeue and save_signal.received and launch.slurm_job_id:
+        print(requeue_after_save(launch, args.run), flush=True)
+    return code
 
 
 def cmd_train(args, launch: LaunchEnv) -> int:
-    """Foreground training on this node: the same plan as start's for this node, then become its torchrun."""
+    """Foreground training on this node: the same settled plan as a start of this node, run by the
+    node's supervisor, its log copied here until the run ends (Ctrl-C stops it)."""
     run = args.run or f"{args.model}_{args.data}"
-    plan = plan_start(launch, args.model, args.data, run, control.this_node(launch), prepare=not launch.dry_run)
-    for text in plan.notes:
+    check_run_name(run)
+    planned = plan_settled_start(launch, args.model, args.data, run, this_node(launch))
+    for text in planned.plan.notes:
         note(text)
-    mine = plan.nodes[0]
     if launch.dry_run:
-        print(mine.to_json(), flush=True)
-        return EXIT_OK
-    if launch.node_rank == 0:
-        write_resolved(RunPaths(launch.artifact_root, run).params_path, plan.resolved)
-    sys.stdout.flush()
-    os.chdir(mine.cwd)
-    os.execvpe(mine.argv[0], list(mine.argv), mine.process_environment(launch.environ))
-    return EXIT_OK  # not reached
+        return print_plan(planned, launch)
+    offset = log_size(planned.plan)
+    result = start_run(launch, planned)
+    if result.refused:
+        print(f"error: preflight found {len(result.preflight.problems)} problem(s); nothing was started:\n"
+              f"{format_problems(result.preflight.problems)}", file=sys.stderr)
+        return EXIT_USER_ERROR if result.preflight.answered else EXIT_NODE_FAILED
+    for text in result.notes:
+        note(text)
+    if not result.started:
+        for r in result.nodes:
+            print(r.describe_failure(), file=sys.stderr, flush=True)
+        return EXIT_NODE_FAILED
+    end, interrupted = follow_until_ended(launch, result.plan, sys.stdout, offset)
+    if interrupted:
+        print(f"run {run}: stopped ({interrupted}); status: status_training.sh {run}", file=sys.stderr, flush=True)
+        return EXIT_STOPPED
+    code = control.end_exit_code(end.states)
+    if code != EXIT_OK:
+        print(f"run {run} ended: {end.describe()}", file=sys.stderr, flush=True)
+    return code
 
 
 def cmd_preflight(args, launch: LaunchEnv) -> int:
     """The start's checks on every node, on their own: nothing is started."""
-    nodes = control.start_nodes(launch, args.this_node)
-    plan = plan_start(launch, args.model, args.data, args.run, nodes, prepare=False)
-    for text in plan.notes:
-        note(text)
-    preflight = run_preflight(launch, plan, nodes)
-    if preflight.problems:
-        print(format_problems(preflight.problems))
-        return EXIT_USER_ERROR if preflight.answered else EXIT_NODE_FAILED
-    _, _, notes = settle_after_preflight(launch, plan, preflight.reports)
-    for text in notes:
+    nodes = start_nodes(launch, args.this_node)
+    planned = plan_settled_start(launch, args.model, args.data, args.run, nodes)
+    if planned.preflight.problems:
+        print(format_problems(planned.preflight.problems))
+        return EXIT_USER_ERROR if planned.preflight.answered else EXIT_NODE_FAILED
+    for text in run_checks(launch, planned):
+        print(f"note: {text}")
+    for text in planned.plan.notes:
         print(f"note: {text}")
     print(f"preflight: no problem on {len(nodes)} node(s)")
     return EXIT_OK
@@ -208,8 +246,8 @@ def print_stop(outcome: control.StopOutcome) -> None:
 
 def cmd_stop(args, launch: LaunchEnv) -> int:
     if args.save and not launch.dry_run:
-        ended = control.save_and_wait(launch, args.run, args.this_node, args.save_timeout_s)
-        print(f"run {args.run}: " + (", ".join(f"node{e.node_rank} {e.state}" for e in ended) if ended else
+        end = control.save_and_wait(launch, args.run, args.this_node, args.save_timeout_s)
+        print(f"run {args.run}: " + (end.describe() if end else
                                      f"no end within {args.save_timeout_s:.0f} s of the save request: stopping it"),
               flush=True)
     outcome = control.stop_run(launch, args.run, args.this_node, args.grace_s, dry_run=launch.dry_run)
@@ -331,11 +369,11 @@ def cmd_sweep(args, launch: LaunchEnv) -> int:
     prefix = args.prefix
     if launch.dry_run:
         for stage, run, plan in plan_sweep(launch, args.model, args.data, prefix, stages).stages:
-            print(f"# stage {stage}: {run}", flush=True)
+            note(f"stage {stage}: {run}")
             for text in plan.notes:
                 note(text)
-            for node_plan in plan.nodes:
-                print(node_plan.to_json(), flush=True)
+            for line in plan.to_json_lines():
+                print(line, flush=True)
         return EXIT_OK
     iterations = check_sweep(launch, args.model, args.data, prefix, stages)
     runs = ", ".join(stage_run_name(prefix, s) for s in stages)
@@ -365,28 +403,20 @@ def cmd_plan_memory(args, launch: LaunchEnv) -> int:
 
 def cmd_import_megatron_args(args, launch: LaunchEnv) -> int:
     """``import-megatron-args FILE... --model-out M.yaml --data-out D.yaml``: Megatron-LM argument files
-    -> a model preset and a data set (orchestration/engines/megatron_lm_import*.py); DRY_RUN=1 or
-    --dry-run prints both and writes nothing."""
-    outputs = [Path(args.model_out), Path(args.data_out)]
-    for path in outputs:
-        if path.suffix not in (".yaml", ".yml"):
-            raise UserError(f"{path}: an output must be a .yaml file (train and start take it as MODEL or DATA)")
-    if outputs[0].resolve() == outputs[1].resolve():
-        raise UserError(f"--model-out and --data-out are both {outputs[0]}; give two files")
+    -> a model preset and a data set (orchestration/import_args/); DRY_RUN=1 or --dry-run prints both
+    and writes nothing."""
     dry_run = args.dry_run or launch.dry_run
-    existing = [str(p) for p in outputs if p.exists()]
-    if existing and not args.force and not dry_run:
-        raise UserError(f"{' and '.join(existing)} already exist(s); give --force to overwrite, or other output paths")
+    outputs = check_outputs(args.model_out, args.data_out, args.force, dry_run)
     result = import_arg_files(args.files, args.var, args.megatron_lm_dir or launch.megatron_lm_dir)
     texts = imported_yaml(result)
     print(render_report(result), end="", flush=True)
-    for path, text in zip(outputs, texts):
-        if dry_run:
+    if dry_run:
+        for path, text in zip(outputs, texts):
             print(f"--- {path} (dry run: not written)\n{text}", end="")
-        else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            print(f"wrote {path}")
+        return EXIT_OK
+    write_outputs(outputs, texts)
+    for path in outputs:
+        print(f"wrote {path}")
     return EXIT_OK
 
 
@@ -397,19 +427,18 @@ def cmd_export_hf(args, launch: LaunchEnv) -> int:
     directory, written by megatron_ext/export_hf.py in a child process (the launcher imports no
     torch); DRY_RUN=1 prints that command."""
     require_run(launch, args.run)
-    argv = [launch.python, "-m", "megatron_ext.export_hf", "--artifact-root", str(launch.artifact_root), "--run", args.run,
-            "--out", str(Path(args.out).expanduser().resolve()),
-            *(["--iteration", str(args.iteration)] if args.iteration is not None else []), *(["--force"] if args.force else [])]
+    argv = export_argv(launch, args.run, Path(args.out), args.iteration, args.force)
     if launch.dry_run:
         print(shlex.join(argv), flush=True)
         return EXIT_OK
-    return subprocess.run(argv, cwd=launch.cwd, stdin=subprocess.DEVNULL).returncode
+    return run_export(launch, argv)
 
 
 # -- the parser -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m orchestration", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug lines on standard error (LOG_LEVEL=DEBUG)")
     sub = parser.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", help="start a run on every node (or --this-node), detached")
     start.add_argument("model"), start.add_argument("data"), start.add_argument("run")
@@ -504,9 +533,11 @@ COMMANDS = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "train":
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        launch = launch_env_from_process(slurm.expand_nodelist)
+        configure_logging("DEBUG" if args.verbose else launch.log_level)
         if getattr(args, "run", None) is not None:
             check_run_name(args.run)
-        return COMMANDS[args.command](args, launch_env_from_process(slurm.expand_nodelist))
+        return COMMANDS[args.command](args, launch)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR

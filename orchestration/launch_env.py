@@ -40,7 +40,7 @@ DEFAULT_SSH_CONNECT_TIMEOUT_S = 10
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 FORWARDED_PREFIXES = ("NCCL_", "GLOO_", "CUDA_", "TORCH_", "PYTHON", "MEGATRON_", "WANDB_", "HF_")
-FORWARDED_NAMES = ("PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "OMP_NUM_THREADS")
+FORWARDED_NAMES = ("PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "OMP_NUM_THREADS", "LOG_LEVEL")
 SECRET_SUFFIXES = ("_TOKEN", "_KEY", "_SECRET", "_PASSWORD")
 SECRET_NAMES = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 """Forwarded variables whose values are secrets: they reach the ranks' environment, never an
@@ -58,7 +58,8 @@ class LaunchEnv:
     """Node hosts in node-rank order (ssh names or aliases; ``localhost`` = this machine)."""
     nnodes: int
     node_rank: int
-    """This node's rank (per-node commands); the fan-out sets it per node."""
+    """NODE_RANK: this machine's node rank, for the commands that act on this node only
+    (``train``, ``start --this-node``); a start from node 0 plans every node's rank itself."""
     nproc_per_node: int
     master_addr: str
     master_port: int
@@ -85,8 +86,9 @@ class LaunchEnv:
     node gets them too, but only through a process's environment or standard input."""
     wandb: WandbSettings | None = None
     """WANDB_PROJECT and friends: one rank logs to Weights & Biases (None: WANDB_PROJECT unset)."""
-    transport: str = "ssh"
-    """ssh (this machine, ssh, docker exec) or srun (inside a Slurm allocation)."""
+    use_srun: bool = False
+    """Nodes are reached as srun tasks inside a Slurm allocation (LAUNCHER_TRANSPORT=srun, or an
+    allocation without HOSTS); else over ssh, and this machine directly (orchestration/cluster/transports.py)."""
     slurm_job_id: str | None = None
     """SLURM_JOB_ID: the allocation the srun transport runs in."""
     slurm_batch: dict[str, str] = field(default_factory=dict)
@@ -100,6 +102,8 @@ class LaunchEnv:
     megatron_device_arch_text: str | None = None
     """MEGATRON_DEVICE_ARCH as given: the compute capability Megatron-LM's argument check assumes
     without a GPU (the Megatron-LM engine checks it)."""
+    log_level: str = "INFO"
+    """LOG_LEVEL (or ``--verbose``: DEBUG): how much the launcher says on standard error."""
     environ: dict[str, str] = field(default_factory=dict, repr=False)
     """The whole environment where the command was given: what commands run on this machine inherit
     (secrets included: never shown)."""
@@ -248,7 +252,7 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: 
         forwarded=forwarded_environment(env),
         secrets=secret_environment(env),
         wandb=read_wandb_settings(env),
-        transport=transport,
+        use_srun=transport == "srun",
         slurm_job_id=env.get("SLURM_JOB_ID", "").strip() or None,
         slurm_batch={key: env[name].strip() for key, name in (("partition", "SBATCH_PARTITION"), ("account", "SBATCH_ACCOUNT"),
                                                                ("time", "SBATCH_TIMELIMIT")) if env.get(name, "").strip()},
@@ -256,6 +260,7 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: 
         stages_text=_text(env, "STAGES"),
         gpu_memory_gb_text=_text(env, "GPU_MEMORY_GB"),
         megatron_device_arch_text=_text(env, "MEGATRON_DEVICE_ARCH"),
+        log_level=read_log_level(env),
         environ=dict(env),
         python=python,
         cwd=cwd,
@@ -264,6 +269,17 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: 
 
 def _text(env: Mapping[str, str], name: str) -> str | None:
     return env.get(name, "").strip() or None
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def read_log_level(env: Mapping[str, str]) -> str:
+    """LOG_LEVEL: DEBUG, INFO (default), WARNING or ERROR (any case)."""
+    text = (env.get("LOG_LEVEL", "").strip() or "INFO").upper()
+    if text not in LOG_LEVELS:
+        raise UserError(f"LOG_LEVEL={env['LOG_LEVEL']!r} is not a level; use one of {', '.join(LOG_LEVELS)} (default INFO)")
+    return text
 
 
 def slurm_nodelist(env: Mapping[str, str]) -> str | None:

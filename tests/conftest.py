@@ -60,6 +60,17 @@ def run_torchrun(artifact_root: Path, run: str, nproc: int = 2, model: str = "gp
     return proc, records
 
 
+def planned_nodes(dry_run_stdout: str) -> list[dict]:
+    """The node plans a dry run printed (after its plan header line), in node-rank order."""
+    lines = [json.loads(line) for line in dry_run_stdout.splitlines() if line.startswith("{")]
+    return [line for line in lines if "node_rank" in line]
+
+
+def plan_header(dry_run_stdout: str) -> dict:
+    """The plan header a dry run printed first: run id, settled, master port, steps."""
+    return json.loads(dry_run_stdout.splitlines()[0])["plan"]
+
+
 def run_script(name: str, *args: str, env: dict[str, str], timeout: int = 180) -> subprocess.CompletedProcess:
     """One of training_scripts/*.sh, for real."""
     return subprocess.run(["bash", str(REPO / "training_scripts" / name), *args], env=env, cwd=REPO,
@@ -68,7 +79,7 @@ def run_script(name: str, *args: str, env: dict[str, str], timeout: int = 180) -
 
 def tagged_pids(run: str) -> list[int]:
     """Every live process (any node: the test nodes share the process table) tagged with ``run``."""
-    from orchestration.node.processes import process_environ, process_start_time
+    from megatron_ext.run_spec.procfs import process_environ, process_start_time
 
     out = []
     for entry in Path("/proc").iterdir():

@@ -157,7 +157,7 @@ def test_mfu_peak_by_exact_device_name(name, peak):
 @pytest.mark.parametrize("stage,value", [(0, "1"), (1, "1"), (2, None), (3, None)])
 def test_stage_environment_for_the_megatron_core_engine_too(stage, value, tmp_path):
     from megatron_ext.run_spec.run_paths import RunPaths
-    from orchestration.engines import plan_program
+    from orchestration.megatron_lm.program import plan_program
     from orchestration.launch_env import read_launch_env
 
     params = load_run_params("gpt_smoke", "smoke", RunOverrides(stage))

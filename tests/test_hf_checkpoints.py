@@ -18,7 +18,7 @@ from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.flops import padded_vocab_size
 from megatron_ext.run_spec.hf_config import hf_model_type, preset_from_hf_config
 from megatron_ext.run_spec.params import ModelPreset, build_dataclass, load_model, load_run_params
-from orchestration.analysis.memory_plan import count_model_parameters
+from megatron_ext.run_spec.model_size import count_model_parameters
 
 from conftest import REPO, TEST_DATA, clean_env, free_port
 

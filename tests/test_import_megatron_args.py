@@ -23,12 +23,14 @@ from megatron_ext.run_spec.params import load_model, load_run_params, with_batch
 from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.run_spec.zero import megatron_lm_flags_for_stage
 from orchestration import cli
-from orchestration.engines import megatron_lm_import as mli
-from orchestration.engines import megatron_lm_import_yaml as mly
-from orchestration.engines.megatron_lm_args import (data_flags, logging_and_checkpoint_flags, model_flags, split_flags,
-                                                    training_flags)
-from orchestration.engines.megatron_lm_flag_table import SHIPPED_TABLE, load_flag_table, parse_flag_table
-from orchestration.engines.megatron_lm_shell import read_files
+from orchestration.import_args import given_flags
+from orchestration.import_args import importer as mli
+from orchestration.import_args import report as mly
+from orchestration.import_args.flag_reader import FIXED, LAUNCHER, NOT_IMPORTED
+from orchestration.import_args.importer import load_flag_table
+from orchestration.import_args.shell import read_files
+from orchestration.megatron_lm.flags import SHIPPED_TABLE, parse_flag_table, split_flags
+from orchestration.megatron_lm.render import data_flags, logging_and_checkpoint_flags, model_flags, training_flags
 from orchestration.launch_env import read_launch_env
 
 ARGS = TEST_DATA / "megatron_lm" / "args"
@@ -99,8 +101,8 @@ def rendered(model_yaml: Path, data_yaml: Path, tmp_path: Path, bf16: bool):
 def input_flags(paths, variables=None) -> dict[str, tuple[str, ...]]:
     """Every flag the files give, as Megatron-LM would parse them (later files override)."""
     files = read_files(mli.read_arg_files([str(p) for p in paths]), variables)
-    per_file = [mli.split_flags(f.args, TABLE)[0] for f in files]
-    return {f: tuple(w.text for w in g.values) for f, g in mli.merge_flags(per_file, TABLE).items()}
+    per_file = [given_flags.collect_flags(f.args, TABLE)[0] for f in files]
+    return {f: tuple(w.text for w in g.values) for f, g in given_flags.merge_flags(per_file, TABLE).items()}
 
 
 def assert_round_trip(result, given: dict[str, tuple[str, ...]], tmp_path: Path):
@@ -164,11 +166,11 @@ def test_qwen3_data_and_schedule(tmp_path):
     assert t["zero_stage"] == 1 and t["grad_reduce_in_bf16"] and t["log_interval"] == 10
     kinds = {n.flag: n.kind for n in result.not_imported}
     assert kinds == {
-        "--use-distributed-optimizer": mli.LAUNCHER, "--overlap-grad-reduce": mli.LAUNCHER,
-        "--overlap-param-gather": mli.LAUNCHER, "--bf16": mli.LAUNCHER, "--save": mli.LAUNCHER, "--load": mli.LAUNCHER,
-        "--tensorboard-dir": mli.LAUNCHER, "--data-cache-path": mli.LAUNCHER, "--log-throughput": mli.LAUNCHER,
-        "--num-workers": mli.LAUNCHER, "--transformer-impl": mli.LAUNCHER, "--attention-backend": mli.LAUNCHER,
-        "--use-mcore-models": mli.FIXED, "--rotary-percent": mli.FIXED, "--init-method-std": mli.FIXED,
+        "--use-distributed-optimizer": LAUNCHER, "--overlap-grad-reduce": LAUNCHER,
+        "--overlap-param-gather": LAUNCHER, "--bf16": LAUNCHER, "--save": LAUNCHER, "--load": LAUNCHER,
+        "--tensorboard-dir": LAUNCHER, "--data-cache-path": LAUNCHER, "--log-throughput": LAUNCHER,
+        "--num-workers": LAUNCHER, "--transformer-impl": LAUNCHER, "--attention-backend": LAUNCHER,
+        "--use-mcore-models": FIXED, "--rotary-percent": FIXED, "--init-method-std": FIXED,
     }
     given = input_flags(QWEN3)
     assert_nothing_dropped(result, given)
@@ -213,10 +215,10 @@ def test_gpt3_example_imports_with_megatron_defaults_and_lists_the_rest(tmp_path
     listed = {n.flag: n for n in result.not_imported}
     for flag in ("--rampup-batch-size", "--init-method-std", "--fp16", "--tensor-model-parallel-size",
                  "--pipeline-model-parallel-size", "--vocab-file", "--merge-file", "--tokenizer-type"):
-        assert listed[flag].kind == mli.NOT_IMPORTED, flag
+        assert listed[flag].kind == NOT_IMPORTED, flag
     assert "tokenizer.json" in listed["--tokenizer-type"].reason  # the fix for GPT2BPETokenizer
     for flag in ("--save", "--load", "--tensorboard-dir", "--attention-backend", "--nproc_per_node", "--master_port"):
-        assert listed[flag].kind == mli.LAUNCHER, flag
+        assert listed[flag].kind == LAUNCHER, flag
     assert listed["--save"].values == ("$CHECKPOINT_PATH",)  # unresolved, and not needed
     given = input_flags([GPT3], variables)
     assert_nothing_dropped(result, given)
@@ -301,7 +303,7 @@ def test_unresolvable_shell_in_a_needed_flag_is_one_error_naming_file_and_line(t
 def test_unresolvable_shell_in_a_flag_without_counterpart_is_listed():
     result = import_texts(MINIMAL, 'A=( --save "$(date +%F)/ckpt" --wandb-project $PROJECT )\n')
     listed = {n.flag: n for n in result.not_imported}
-    assert listed["--save"].values == ('"$(date +%F)/ckpt"',) and listed["--save"].kind == mli.LAUNCHER
+    assert listed["--save"].values == ('"$(date +%F)/ckpt"',) and listed["--save"].kind == LAUNCHER
     assert listed["--wandb-project"].values == ("$PROJECT",)
 
 
@@ -350,7 +352,7 @@ def test_zero_stage_from_the_distributed_flags(flags, stage):
     for flag in flags.split():
         if flag.startswith("--"):
             entry = next(n for n in result.not_imported if n.flag == flag)
-            assert entry.kind == mli.LAUNCHER, entry
+            assert entry.kind == LAUNCHER, entry
     if stage:
         assert set(f for f in flags.split() if f.startswith("--") and f != "--data-parallel-sharding-strategy") \
             <= set(megatron_lm_flags_for_stage(stage))
@@ -365,7 +367,7 @@ def test_model_fields_with_their_megatron_lm_flags(tmp_path):
     assert m["add_qkv_bias"] and not m["add_bias_linear"] and m["rope_scaling"] and m["rope_scaling_factor"] == 32.0
     assert m["rotary_base"] == 500000 and not m["tie_embeddings"] and m["num_query_groups"] == 2 and not m["gelu_tanh"]
     given = {f: tuple(w.text for w in g.values) for f, g in
-             mli.merge_flags([mli.split_flags(read_files([("f0.sh", text)])[0].args, TABLE)[0]], TABLE).items()}
+             given_flags.merge_flags([given_flags.collect_flags(read_files([("f0.sh", text)])[0].args, TABLE)[0]], TABLE).items()}
     assert_round_trip(result, given, tmp_path)
 
 

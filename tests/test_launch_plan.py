@@ -1,4 +1,5 @@
-"""Pure launcher planning: environment parsing, node plans, transports (no processes)."""
+"""Pure launcher planning: environment parsing, node plans settled by the preflight's answers (given
+as data), transports (no processes)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import pytest
 from megatron_ext.run_spec.run_paths import check_run_name
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import load_run_params, with_batch_geometry
-from orchestration.engines import ProgramPlan
+from orchestration.cluster.transports import DockerExec, Srun, Ssh, ThisMachine, transport_for
 from orchestration.launch_env import read_launch_env, visible_gpu_count
-from orchestration.node.node_plan import NodePlan
-from orchestration.runner.start_plan import build_start_plan
-from orchestration.cluster.transports import docker_exec_argv, transport_argv
+from orchestration.node.wire import NodePlan, NodeReport
+from orchestration.runner.preflight import cluster_problems
+from orchestration.runner.start_plan import plan_start, read_start_inputs
 
 from conftest import REPO, clean_env
 
@@ -59,21 +60,19 @@ def test_bad_run_names(run):
         check_run_name(run)
 
 
-def _plan(env: dict, program_env: dict | None = None):
-    launch = read_launch_env(env)
-    params, geometry = with_batch_geometry(load_run_params("gpt_smoke", "smoke", launch.overrides), launch.world_size)
-    program = ProgramPlan("megatron-core", ("-m", "megatron_ext.pretrain", "--run-name", "r1"), program_env or {})
-    return build_start_plan(launch, params, geometry, program, "r1", "r1-abc", list(enumerate(launch.hosts)),
-                            "/usr/bin/python3", "/work")
+def _inputs(env: dict, tmp_path, data: str = "smoke"):
+    launch = read_launch_env({"ARTIFACT_ROOT": str(tmp_path), **env}, python="/usr/bin/python3", cwd="/work")
+    return launch, read_start_inputs(launch, "gpt_smoke", data, "r1", list(enumerate(launch.hosts)))
 
 
-def test_node_plans_fix_node_rank_and_forward_environment():
-    env = {"HOSTS": "n0,n1", "NPROC_PER_NODE": "8", "ZERO_STAGE": "1", "NCCL_IB_HCA": "mlx5", "GLOO_SOCKET_IFNAME": "eth0",
+def test_node_plans_fix_node_rank_and_forward_environment(tmp_path):
+    env = {"HOSTS": "n0,n1", "NPROC_PER_NODE": "8", "ZERO_STAGE": "2", "NCCL_IB_HCA": "mlx5", "GLOO_SOCKET_IFNAME": "eth0",
            "CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "PYTHONPATH": "/x",
            "MEGATRON_LM_DIR": "/m", "PATH": "/bin", "VIRTUAL_ENV": "/venv", "CONDA_PREFIX": "/c", "HOME": "/root", "SECRET": "no",
            "ARTIFACT_ROOT": "/shared/art", "global_batch": "ignored"}
-    plan = _plan(env, {"CUDA_DEVICE_MAX_CONNECTIONS": None})
-    assert [p.node_rank for p in plan.nodes] == [0, 1] and plan.run_id == "r1-abc"
+    launch, inputs = _inputs(env, tmp_path)
+    plan = plan_start(launch, inputs)
+    assert [p.node_rank for p in plan.nodes] == [0, 1] and plan.run_id == inputs.run_id
     assert plan.geometry.describe() == "micro 4 x dp 16 x accumulation 2 = global 128"  # smoke: 2 micro-batches per replica
     for p in plan.nodes:
         argv = list(p.argv)
@@ -82,7 +81,7 @@ def test_node_plans_fix_node_rank_and_forward_environment():
         assert argv[argv.index("--nnodes") + 1] == "2" and argv[argv.index("--master-addr") + 1] == "n0"
         assert "--rdzv-backend" not in argv  # static rendezvous: ranks follow --node-rank
         assert p.env["NODE_RANK"] == str(p.node_rank) and p.env["ARTIFACT_ROOT"] == "/shared/art"
-        assert (p.env["LAUNCHER_RUN"], p.env["LAUNCHER_RUN_ID"], p.env["LAUNCHER_NODE_RANK"]) == ("r1", "r1-abc", str(p.node_rank))
+        assert (p.env["LAUNCHER_RUN"], p.env["LAUNCHER_RUN_ID"], p.env["LAUNCHER_NODE_RANK"]) == ("r1", plan.run_id, str(p.node_rank))
         assert p.log_path == f"/shared/art/logs/r1_node{p.node_rank}.log" and p.pid_path.endswith(f"run_state/r1_node{p.node_rank}.pid")
         for key in ("NCCL_IB_HCA", "GLOO_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
                     "PYTHONPATH", "MEGATRON_LM_DIR", "PATH", "VIRTUAL_ENV", "CONDA_PREFIX"):
@@ -92,25 +91,89 @@ def test_node_plans_fix_node_rank_and_forward_environment():
         assert "CUDA_DEVICE_MAX_CONNECTIONS" not in p.env and p.unset == ("CUDA_DEVICE_MAX_CONNECTIONS",)
         assert p.process_environment({"CUDA_DEVICE_MAX_CONNECTIONS": "1", "HOME": "/h"}) == {"HOME": "/h", **p.env}
         assert NodePlan.from_json(p.to_json()) == p
+        assert p.resets_run_state == (p.node_rank == 0)
     assert plan.resolved.runtime.world_size == 16 and plan.resolved.params.training.global_batch_size == 128
+    assert [s.name for s in plan.steps] == ["write-params", "start-nodes"]
+
+
+def test_the_plan_holds_the_supervisor_s_variables_with_the_rule_for_later_attempts(tmp_path):
+    launch, inputs = _inputs({}, tmp_path)
+    node = plan_start(launch, inputs, [NodeReport(0, "localhost", local_dir="/dev/shm", free_port=6000)]).nodes[0]
+    assert node.env["LAUNCHER_ATTEMPT"] == "1" and node.per_attempt == {"LAUNCHER_ATTEMPT": node.per_attempt["LAUNCHER_ATTEMPT"]}
+    assert node.env["LAUNCHER_PROGRESS_DIR"] == f"/dev/shm/megatron_ext_{inputs.run_id}_node0"
+    assert node.env["TORCH_FR_BUFFER_SIZE"] == "2000"  # the flight recorder the hang dumps read
+    assert node.process_environment({}, attempt=3)["LAUNCHER_ATTEMPT"] == "3"
+    # A flight-recorder size of the user's own stays theirs.
+    launch, inputs = _inputs({"TORCH_NCCL_TRACE_BUFFER_SIZE": "10"}, tmp_path)
+    assert "TORCH_FR_BUFFER_SIZE" not in plan_start(launch, inputs).nodes[0].env
+
+
+def test_the_plan_settles_on_the_preflight_answers(tmp_path):
+    """The preflight's answers are data: node 0's free port, each node's interface and local directory."""
+    launch, inputs = _inputs({"HOSTS": "n0,n1"}, tmp_path)
+    unsettled = plan_start(launch, inputs)
+    assert not unsettled.settled and unsettled.master_port == 6000 and "not asked" in unsettled.notes[-1]
+    answers = [NodeReport(0, "n0", free_port=6003, interface="eth1", local_dir="/run/shm"),
+               NodeReport(1, "n1", interface="ib0", local_dir="/tmp")]
+    plan = plan_start(launch, inputs, answers)
+    assert plan.settled and plan.master_port == 6003 and plan.run_id == unsettled.run_id
+    for node, ifname, local in zip(plan.nodes, ("eth1", "ib0"), ("/run/shm", "/tmp")):
+        assert node.argv[node.argv.index("--master-port") + 1] == "6003" and node.env["MASTER_PORT"] == "6003"
+        assert node.env["GLOO_SOCKET_IFNAME"] == node.env["NCCL_SOCKET_IFNAME"] == ifname
+        assert node.env["LAUNCHER_PROGRESS_DIR"].startswith(f"{local}/megatron_ext_{inputs.run_id}_node")
+    assert any("using 6003, the first free port from 6000 on node 0" in n for n in plan.notes)
+    assert any("node0 eth1, node1 ib0" in n for n in plan.notes)
+    # What the user set stays: an explicit port, and an interface variable given (the other is still settled).
+    launch, inputs = _inputs({"HOSTS": "n0,n1", "MASTER_PORT": "7000", "GLOO_SOCKET_IFNAME": "eth9"}, tmp_path)
+    plan = plan_start(launch, inputs, answers)
+    assert plan.master_port == 7000 and [n.env["GLOO_SOCKET_IFNAME"] for n in plan.nodes] == ["eth9", "eth9"]
+    assert [n.env["NCCL_SOCKET_IFNAME"] for n in plan.nodes] == ["eth1", "ib0"]
+    # One node: no interface is settled (loopback), the port still is.
+    launch, inputs = _inputs({}, tmp_path)
+    plan = plan_start(launch, inputs, [NodeReport(0, "localhost", free_port=6001, interface="lo")])
+    assert plan.master_port == 6001 and "GLOO_SOCKET_IFNAME" not in plan.nodes[0].env
+
+
+def test_cluster_problems_put_every_node_s_problems_and_differing_software_in_one_list():
+    base = {"torch": "2.13.0", "megatron-core": "0.16.1", "project": "abc"}
+    reports = [NodeReport(0, "n0", ["MASTER_PORT=6000 is in use"], base),
+               NodeReport(1, "n1", [], {**base, "megatron-core": "0.15.3"}),
+               NodeReport(2, "n2", ["/data/x does not exist"], {**base, "project": None})]
+    assert cluster_problems(reports) == [
+        (0, "n0", "MASTER_PORT=6000 is in use"),
+        (1, "n1", "megatron-core 0.15.3 here but 0.16.1 on node 0; every node needs the same megatron-core"),
+        (2, "n2", "/data/x does not exist"),
+        (2, "n2", "project absent here but abc on node 0; every node needs the same project"),
+    ]
+
+
+def test_transports_are_typed_per_host():
+    launch = read_launch_env({"HOSTS": "localhost,n1", "SSH_OPTS": "-p 2222"})
+    assert transport_for(launch, "localhost") == ThisMachine() and transport_for(launch, "localhost").in_process
+    assert transport_for(launch, "n1") == Ssh("n1", ("-p", "2222")) and not transport_for(launch, "n1").caller_sets_env
+    docker = read_launch_env({"HOSTS": "localhost,n1", "CONTAINER_NAME": "c"})
+    assert transport_for(docker, "n1") == DockerExec("c", Ssh("n1")) and not transport_for(docker, "localhost").in_process
+    srun = read_launch_env({"SLURM_JOB_ID": "42"}, slurm_hosts=("c1", "c2"))
+    assert transport_for(srun, "c2") == Srun("42", "c2") and transport_for(srun, "c2").caller_sets_env
+    assert transport_for(srun, "c2").argv(["true"], {}, "/w")[:3] == ["srun", "--jobid=42", "--overlap"]
 
 
 def test_ssh_transport_quotes_everything():
     launch = read_launch_env({"HOSTS": "n0,n1", "SSH_OPTS": "-F /tmp/cfg -p 2222"})
-    argv = transport_argv(launch, "n1", ["python", "-m", "x", "it's"], {"A": "1 2"}, "/work dir")
+    argv = transport_for(launch, "n1").argv(["python", "-m", "x", "it's"], {"A": "1 2"}, "/work dir")
     assert argv[:6] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-F"]
     assert argv[-3:-1] == ["n1", "--"]
     assert shlex.split(argv[-1]) == ["cd", "/work dir", "&&", "exec", "env", "A=1 2", "python", "-m", "x", "it's"]
-    assert transport_argv(launch, "localhost", ["python"], {}, "/") == ["python"]
+    assert transport_for(launch, "localhost").argv(["python"], {}, "/") == ["python"]
 
 
 def test_docker_transport_local_and_over_ssh():
     launch = read_launch_env({"HOSTS": "localhost,n1", "CONTAINER_NAME": "megatron-training"})
-    local = transport_argv(launch, "localhost", ["python", "-m", "x"], {"A": "1"}, "/w")
+    local = transport_for(launch, "localhost").argv(["python", "-m", "x"], {"A": "1"}, "/w")
     assert local == ["docker", "exec", "-w", "/w", "-e", "A=1", "megatron-training", "python", "-m", "x"]
-    remote = transport_argv(launch, "n1", ["python", "-m", "x"], {"A": "1"}, "/w")
+    remote = transport_for(launch, "n1").argv(["python", "-m", "x"], {"A": "1"}, "/w")
     assert remote[:2] == ["ssh", "-o"] and shlex.split(remote[-1]) == local
-    assert docker_exec_argv("c", ["true"], {}, "/") == ["docker", "exec", "-w", "/", "c", "true"]
+    assert DockerExec("c", ThisMachine()).argv(["true"], {}, "/") == ["docker", "exec", "-w", "/", "c", "true"]
 
 
 def test_visible_gpus(tmp_path):
@@ -121,17 +184,20 @@ def test_visible_gpus(tmp_path):
     assert visible_gpu_count({}, dev_dir=tmp_path) == 2
 
 
-def test_dry_run_prints_one_json_line_per_node_and_starts_nothing(tmp_path):
+def test_dry_run_prints_the_plan_and_one_json_line_per_node_and_starts_nothing(tmp_path):
     key, token = secrets.token_hex(20), secrets.token_hex(16)
     env = clean_env(DRY_RUN="1", HOSTS="node0,node1", ARTIFACT_ROOT=str(tmp_path), ZERO_STAGE="3", GLOO_SOCKET_IFNAME="eth0",
                     WANDB_API_KEY=key, HF_TOKEN=token, WANDB_PROJECT="p")
     proc = subprocess.run([sys.executable, "-m", "orchestration", "start", "gpt_smoke", "smoke", "dry"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    lines = [json.loads(l) for l in proc.stdout.splitlines()]
+    header, *lines = [json.loads(l) for l in proc.stdout.splitlines()]
+    assert header["plan"]["settled"] is False  # node0 and node1 do not resolve here: nobody answered
+    assert "did not answer the preflight" in proc.stderr
     assert [(l["node_rank"], l["host"]) for l in lines] == [(0, "node0"), (1, "node1")]
     assert set(lines[0]) == {"run", "run_id", "node_rank", "host", "argv", "env", "unset", "cwd", "log_path", "pid_path",
-                             "engine", "resilience", "first_attempt", "save_signal", "secret_names"}
+                             "engine", "resilience", "first_attempt", "save_signal", "secret_names", "per_attempt",
+                             "resets_run_state"}
     # Secrets are named, never shown: the plan says which variables the ranks get, not their values.
     assert lines[0]["secret_names"] == ["HF_TOKEN", "WANDB_API_KEY"] and lines[0]["env"]["WANDB_PROJECT"] == "p"
     assert key not in proc.stdout + proc.stderr and token not in proc.stdout + proc.stderr
@@ -139,7 +205,7 @@ def test_dry_run_prints_one_json_line_per_node_and_starts_nothing(tmp_path):
     argv = lines[1]["argv"]
     assert argv[argv.index("--zero-stage") + 1] == "3" and lines[1]["env"]["GLOO_SOCKET_IFNAME"] == "eth0"
     assert lines[1]["env"]["ARTIFACT_ROOT"] == str(tmp_path) and lines[1]["unset"] == ["CUDA_DEVICE_MAX_CONNECTIONS"]
-    assert not (tmp_path / "run_state").exists() and not (tmp_path / "logs").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written, the preflight's token removed
 
 
 def test_setup_decides_by_metadata_and_never_replaces():

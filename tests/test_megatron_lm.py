@@ -13,14 +13,15 @@ import pytest
 
 from megatron_ext.run_spec.resolved import ResolvedRun, RunRuntime, read_resolved, write_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
-from orchestration.engines.megatron_lm_args import check_flags, render_pretrain_gpt, split_flags
-from orchestration.engines.megatron_lm_checkout import read_checkout
+from orchestration.megatron_lm.checkout import read_checkout
+from orchestration.megatron_lm.flags import split_flags
+from orchestration.megatron_lm.render import check_flags, render_pretrain_gpt
 from megatron_ext.run_spec.iteration_log import parse_log
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import RunOverrides, list_models, load_run_params, with_batch_geometry
 from megatron_ext.data.prepare import planned_prepared
 
-from conftest import REPO, TEST_DATA, clean_env
+from conftest import REPO, TEST_DATA, clean_env, planned_nodes
 
 STAGE_FLAGS = {  # facts.md, exactly
     0: [],
@@ -301,7 +302,7 @@ def test_launcher_dry_run_renders_pretrain_gpt(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "orchestration", "start", "qwen3_1p7b", "qwen3_1p7b_smoke", "qwen3_16gpu_z2"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    nodes = [json.loads(l) for l in proc.stdout.splitlines()]
+    nodes = planned_nodes(proc.stdout)
     argv = nodes[1]["argv"]
     assert argv[2] == "torch.distributed.run" and argv[argv.index("--node-rank") + 1] == "1"
     script = argv.index(str(checkout / "pretrain_gpt.py"))
@@ -432,7 +433,7 @@ def test_launcher_runs_the_checkout_and_reads_its_logs(tmp_path):
 def test_annotations_are_read_from_the_syntax_tree(annotation, kind, choices):
     import ast
 
-    from orchestration.engines.megatron_lm_checkout import annotation_kind
+    from orchestration.megatron_lm.checkout import annotation_kind
 
     assert annotation_kind(ast.parse(annotation, mode="eval").body) == (kind, choices)
 
@@ -550,7 +551,7 @@ def test_megatron_lm_with_wandb_keeps_one_wandb_run_across_starts(tmp_path):
     """The launcher's WANDB_* reach the render, and Megatron-LM's ranks (whose wandb.init takes no id)
     get WANDB_RUN_ID and WANDB_RESUME=allow: the id the run's first start recorded under its run directory."""
     from megatron_ext.run_spec.wandb_run import WandbState, read_wandb_state, write_wandb_state
-    from orchestration.engines import plan_program
+    from orchestration.megatron_lm.program import plan_program
     from orchestration.launch_env import read_launch_env
 
     wandb_flags = ["--wandb-project", "--wandb-exp-name", "--wandb-save-dir", "--wandb-entity"]

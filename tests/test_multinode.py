@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestration.node.processes import process_environ
+from megatron_ext.run_spec.procfs import process_environ
 
 from netns_cluster import NamespaceCluster, missing_prerequisites
-from conftest import TEST_DATA, require, clean_env, last_iteration, run_script, run_torchrun, tagged_pids, wait_for, write_data_set
+from conftest import TEST_DATA, clean_env, last_iteration, plan_header, planned_nodes, require, run_script, run_torchrun, tagged_pids, wait_for, write_data_set
 
 pytestmark = pytest.mark.multinode
 
@@ -40,6 +40,25 @@ def cluster_env(cluster, artifact_root):
     )
 
 
+LAUNCHER_SET = ("LAUNCHER_", "TORCH_FR_", "MASTER_", "GLOO_", "NCCL_", "NNODES", "NODE_RANK", "NPROC_PER_NODE",
+                "ARTIFACT_ROOT", "CUDA_DEVICE_MAX_CONNECTIONS")
+"""Variables the launcher or the supervisor set: any of them in a running torchrun must be in its plan."""
+
+
+def assert_runs_as_planned(planned: dict, record: dict) -> None:
+    """torchrun runs what the dry run printed: its command line, and its environment holds every
+    variable of the plan (the run id, and the progress directory named after it, aside: each start
+    draws a new id) and no launcher variable the plan does not show."""
+    pid = record["pid"]
+    assert Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1] == [a.encode() for a in planned["argv"]]
+    environ = process_environ(pid)
+    assert environ["LAUNCHER_RUN_ID"] == record["run_id"] != planned["run_id"]
+    expected = {k: v.replace(planned["run_id"], record["run_id"]) for k, v in planned["env"].items()}
+    assert {k: environ.get(k) for k in expected} == expected
+    assert sorted(k for k in environ if k.startswith(LAUNCHER_SET) and k not in expected) == []
+    assert not set(planned["unset"]) & set(environ)
+
+
 def wait_until_ended(run: str, timeout_s: float) -> None:
     wait_for(lambda: not tagged_pids(run), timeout_s, what=f"run {run} to end")
 
@@ -55,7 +74,7 @@ def test_two_nodes_over_ssh_train_and_match_one_node(cluster_env, artifact_root,
     dry = run_script("start_multinode_training.sh", "gpt_smoke", data, "mn_short", env={**env, "DRY_RUN": "1"})
     assert dry.returncode == 0, dry.stderr
     assert not any(v in dry.stdout + dry.stderr for v in values.values())
-    planned = [json.loads(l) for l in dry.stdout.splitlines()]
+    planned = planned_nodes(dry.stdout)
     hits: list[str] = []
     stop_scan = threading.Event()
     scanner = threading.Thread(target=_scan_cmdlines, args=([v.encode() for v in values.values()], hits, stop_scan),
@@ -69,15 +88,11 @@ def test_two_nodes_over_ssh_train_and_match_one_node(cluster_env, artifact_root,
         for rank in (0, 1):
             record = json.loads((artifact_root / "run_state" / f"mn_short_node{rank}.pid").read_text())
             assert record["host"] == f"node{rank}" and record["node_rank"] == rank
-            # What runs is what the dry run printed: torchrun's command line and the launcher's
-            # variables in its environment (the run id aside: each start draws a new one).
+            # What runs is what the dry run printed: torchrun's command line and every variable the
+            # launcher and the supervisor give it.
             plan = planned[rank]
-            assert Path(f"/proc/{record['pid']}/cmdline").read_bytes().split(b"\0")[:-1] == [a.encode() for a in plan["argv"]]
+            assert_runs_as_planned(plan, record)
             environ = process_environ(record["pid"])
-            assert environ["LAUNCHER_RUN_ID"] == record["run_id"] != plan["run_id"]
-            assert {k: v for k, v in environ.items() if k in plan["env"] and k != "LAUNCHER_RUN_ID"} == \
-                {k: v for k, v in plan["env"].items() if k != "LAUNCHER_RUN_ID"}
-            assert not set(plan["unset"]) & set(environ)
             assert plan["secret_names"] == sorted(values) and {k: environ.get(k) for k in values} == values
         node1_ranks = wait_for(lambda: [p for p in tagged_pids("mn_short") if process_environ(p).get("LAUNCHER_NODE_RANK") == "1"
                                         and "LOCAL_RANK" in process_environ(p)], 60, interval_s=0.2, what="node 1's ranks")
@@ -147,7 +162,7 @@ def test_ssh_disconnect_does_not_stop_and_stop_spares_the_other_run(cluster, clu
 def test_a_worker_killed_on_node_1_stops_both_nodes(cluster_env, artifact_root, tmp_path):
     """SIGKILL one worker on node 1 of a 2 x 2 run: torchrun on node 1 tears its workers down and
     exits non-zero, node 1's supervisor writes the failure file, node 0's supervisor stops node 0."""
-    from orchestration.node.processes import process_environ
+    from megatron_ext.run_spec.procfs import process_environ
 
     data = write_data_set(tmp_path / "long.yaml", train_iters=5000)
     run = "mn_fail"
@@ -257,7 +272,7 @@ def test_preflight_finds_every_problem_on_every_node_at_once(cluster, cluster_en
 def test_unset_master_port_and_interfaces_are_chosen_by_preflight(cluster, cluster_env, artifact_root, tmp_path):
     """MASTER_PORT unset with 6000 busy on node 0: the start takes 6001; GLOO_SOCKET_IFNAME unset:
     each node gets the interface that routes to MASTER_ADDR (the namespace's, not lo), and the
-    run trains across both nodes."""
+    run trains across both nodes; the dry run before it printed that settled plan, exactly."""
     env = {k: v for k, v in cluster_env.items() if k not in ("MASTER_PORT", "GLOO_SOCKET_IFNAME")}
     data = write_data_set(tmp_path / "short.yaml", train_iters=3)
     listener = subprocess.Popen(
@@ -266,12 +281,18 @@ def test_unset_master_port_and_interfaces_are_chosen_by_preflight(cluster, clust
         stdout=subprocess.PIPE, text=True)
     try:
         assert listener.stdout.readline().strip() == "up"
+        dry = run_script("start_multinode_training.sh", "gpt_smoke", data, "pre_auto", env={**env, "DRY_RUN": "1"})
+        assert dry.returncode == 0 and plan_header(dry.stdout)["settled"] and plan_header(dry.stdout)["master_port"] == 6001
+        planned = planned_nodes(dry.stdout)
+        assert [p["env"]["GLOO_SOCKET_IFNAME"] for p in planned] == [cluster.interface] * 2
         start = run_script("start_multinode_training.sh", "gpt_smoke", data, "pre_auto", env=env)
         assert start.returncode == 0, start.stdout + start.stderr
         assert "note: MASTER_PORT is not set: using 6001, the first free port from 6000 on node 0" in start.stderr
         assert (f"GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME not set: using the interface that routes to MASTER_ADDR on "
                 f"each node (node0 {cluster.interface}, node1 {cluster.interface})") in start.stderr
         assert "MASTER_PORT 6001" in start.stdout
+        for rank in (0, 1):
+            assert_runs_as_planned(planned[rank], json.loads((artifact_root / "run_state" / f"pre_auto_node{rank}.pid").read_text()))
         wait_for(lambda: not tagged_pids("pre_auto"), 240, what="the run to finish")
         for rank in (0, 1):
             assert last_iteration(artifact_root / "logs" / f"pre_auto_node{rank}.log") == 3

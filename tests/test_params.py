@@ -62,6 +62,13 @@ def test_yaml_that_does_not_parse_names_file_line_and_column(tmp_path):
         load_run_params("gpt_smoke", str(bad))
 
 
+def test_a_data_file_that_is_not_there_is_named_as_a_file():
+    with pytest.raises(UserError) as err:
+        load_run_params("gpt_smoke", "/nope/data.yaml")
+    assert str(err.value).startswith("data set file /nope/data.yaml does not exist; give an existing .yaml file, or one "
+                                     "of the data sets under ") and "smoke" in str(err.value)
+
+
 def test_unknown_model_lists_choices():
     with pytest.raises(UserError, match=r"unknown model 'gpt5'.*gpt_smoke"):
         load_run_params("gpt5", "smoke")

@@ -13,8 +13,8 @@ import pytest
 
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import list_models, load_model
-from orchestration.analysis.memory_plan import (DEFAULT_BUS_BANDWIDTH_GBS, DEVICES, GB, count_model_parameters,
-                                                dp_traffic_bytes, estimate_activation_bytes, plan_memory,
+from megatron_ext.run_spec.model_size import count_model_parameters
+from orchestration.analysis.memory_plan import (DEFAULT_BUS_BANDWIDTH_GBS, DEVICES, GB, dp_traffic_bytes, estimate_activation_bytes, plan_memory,
                                                 state_bytes_per_parameter)
 from orchestration.analysis.tables import format_memory_plan
 

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, free_port, last_iteration, run_script, tagged_pids, wait_for, write_data_set
+from conftest import clean_env, free_port, last_iteration, planned_nodes, run_script, tagged_pids, wait_for, write_data_set
 from megatron_ext.run_spec.errors import UserError
-from orchestration.cluster.transports import transport_argv
+from orchestration.cluster.transports import transport_for
 from orchestration.launch_env import is_secret, read_launch_env
 from orchestration.node.commands import receive_secrets
-from orchestration.node.node_plan import NodePlan, start_call
-from orchestration.node.processes import parent_pid, process_environ
+from orchestration.node.wire import NodePlan, start_call
+from megatron_ext.run_spec.procfs import parent_pid, process_environ
 from orchestration.node.watchdog import worker_pids
-from orchestration.runner.start_plan import plan_start
+from orchestration.runner.start_plan import plan_start, read_start_inputs
 from orchestration.runner.submit import plan_submit
 
 
@@ -46,7 +46,7 @@ def test_which_variables_are_secrets():
 def test_a_start_names_secrets_and_sends_their_values_on_standard_input_only(tmp_path):
     values = secret_env()
     launch = read_launch_env({**values, "HOSTS": "n0,n1", "ARTIFACT_ROOT": str(tmp_path), "SSH_OPTS": "-p 2222"})
-    plan = plan_start(launch, "gpt_smoke", "smoke", "sec", list(enumerate(launch.hosts)), prepare=False)
+    plan = plan_start(launch, read_start_inputs(launch, "gpt_smoke", "smoke", "sec", list(enumerate(launch.hosts))))
     node = plan.nodes[1]
     assert node.secret_names == ("HF_TOKEN", "MEGATRON_STORE_PASSWORD", "WANDB_API_KEY")
     text = node.to_json()  # what DRY_RUN prints and the plan file holds
@@ -54,8 +54,8 @@ def test_a_start_names_secrets_and_sends_their_values_on_standard_input_only(tmp
     call = start_call(node, launch.secrets)
     assert json.loads(call.stdin) == {"secrets": values} and not any(v in repr(call) for v in values.values())
     for container in (None, "megatron-training"):
-        remote = transport_argv(read_launch_env({**values, "HOSTS": "n0,n1", **({"CONTAINER_NAME": container} if container else {})}),
-                                "n1", call.argv(launch.python), launch.forwarded, "/w", stdin=True)
+        remote = transport_for(read_launch_env({**values, "HOSTS": "n0,n1", **({"CONTAINER_NAME": container} if container else {})}),
+                               "n1").argv(call.argv(launch.python), launch.forwarded, "/w", stdin=True)
         assert remote[0] == "ssh" and not any(v in " ".join(remote) for v in values.values())
         assert ("docker exec -i" in remote[-1]) == bool(container)  # docker passes stdin on only with -i
     assert start_call(node, {}).stdin == '{"secrets": {}}\n'  # the node then says which did not arrive
@@ -111,7 +111,7 @@ def test_a_start_on_this_machine_gives_the_ranks_the_secrets_and_shows_them_nowh
                     WANDB_MODE="offline", **values)
     data = write_data_set(tmp_path / "long.yaml", train_iters=5000)
     dry = run_script("start_training.sh", "gpt_smoke", data, run, env={**env, "DRY_RUN": "1"})
-    assert dry.returncode == 0 and json.loads(dry.stdout)["secret_names"] == sorted(values), dry.stderr
+    assert dry.returncode == 0 and planned_nodes(dry.stdout)[0]["secret_names"] == sorted(values), dry.stderr
     assert not any(v in dry.stdout + dry.stderr for v in values.values())
     hits: list[str] = []
     stop = threading.Event()

@@ -39,7 +39,7 @@ def job_state(job: str, env: dict) -> str:
 def test_batch_job_runs_to_the_end(slurm_env, artifact_root, tmp_path):
     """Also: a secret set where the job is submitted reaches the ranks through sbatch's export of the
     environment, never through the batch script or a log."""
-    from orchestration.node.processes import process_environ
+    from megatron_ext.run_spec.procfs import process_environ
 
     key = secrets.token_hex(20)
     data = write_data_set(tmp_path / "short.yaml", train_iters=6)

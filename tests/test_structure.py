@@ -1,6 +1,9 @@
 """The shape of the code, checked: imports run one way with no circle, the node side imports
-nothing of the launcher side and a node command loads none of it, the environment is read only
-at the three edges, and imports inside functions are the few that must be there."""
+nothing of the launcher side and a node command loads none of it, the launcher imports only the
+contract (node/wire.py), the run-state readers (node/run_state.py) and the in-process answer
+(node/local.py) of the node side, the
+environment is read only at the three edges, and imports inside functions are the few that must be
+there."""
 
 from __future__ import annotations
 
@@ -18,16 +21,21 @@ ENVIRONMENT_EDGES = {
     "megatron_ext/pretrain.py": "the training program's edge",
 }
 LAZY_IMPORTS = {
-    ("orchestration/engines/megatron_lm_validate.py", "megatron"): "the child imports the checkout's megatron",
-    ("orchestration/engines/megatron_lm_validate.py", "megatron.training"): "the same, after sys.path holds the checkout",
-    ("orchestration/engines/megatron_lm_validate.py", "torch"): "whatever torch the checkout's environment has",
+    ("orchestration/megatron_lm/validate.py", "megatron"): "the child imports the checkout's megatron",
+    ("orchestration/megatron_lm/validate.py", "megatron.training"): "the same, after sys.path holds the checkout",
+    ("orchestration/megatron_lm/validate.py", "torch"): "whatever torch the checkout's environment has",
     ("orchestration/analysis/report.py", "matplotlib"): "optional, and slow to import",
     ("orchestration/analysis/report.py", "matplotlib.pyplot"): "the same",
     ("orchestration/node/preflight.py", "megatron_ext.data.tokenizers"): "node-check alone loads tokenizers (numpy)",
     ("orchestration/node/preflight.py", "megatron_ext.run_spec.params"): "the same",
     ("orchestration/__main__.py", "orchestration.node.commands"): "node commands load nothing of the launcher",
     ("orchestration/__main__.py", "orchestration.cli"): "the launcher's commands",
+    ("orchestration/node/local.py", "orchestration.node.commands"): "this machine's node commands answered in the "
+                                                                     "launcher's own process, loaded at the first call",
 }
+NODE_CONTRACT = {"orchestration.node.wire", "orchestration.node.run_state", "orchestration.node.local"}
+"""What the launcher may import of the node side: the contract, the run-state readers, and the
+in-process answer for this machine's node commands."""
 
 
 def _module_name(path: Path) -> str:
@@ -102,17 +110,27 @@ def test_the_node_side_imports_nothing_of_the_launcher():
             assert not {m for m in imported if m.startswith("orchestration")}, module
 
 
+def test_the_launcher_imports_only_the_contract_of_the_node_side():
+    graph = _graph()
+    launcher = [m for m in graph if m.startswith("orchestration") and not m.startswith("orchestration.node")
+                and m != "orchestration.__main__"]
+    assert launcher
+    for module in launcher:
+        node = {m for m in graph[module] if m.startswith("orchestration.node")}
+        assert node <= NODE_CONTRACT, (module, node - NODE_CONTRACT)
+
+
 def test_a_node_command_loads_no_launcher_module(tmp_path):
     """``python -m orchestration node-status`` as a node runs it: no runner, cluster, analysis, cli,
-    engines or launch_env module, no torch, no matplotlib."""
+    megatron_lm, import_args or launch_env module, no torch, no matplotlib."""
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "orchestration", "node-status", "r", "--node-rank", "0",
                            "--host", "localhost", "--artifact-root", str(tmp_path)], cwd=REPO, env=clean_env(),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and '"state": "not started"' in proc.stdout, proc.stdout + proc.stderr[-2000:]
     loaded = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     launcher = sorted(m for m in loaded if m.startswith(("orchestration.runner", "orchestration.cluster", "orchestration.analysis",
-                                                         "orchestration.engines", "orchestration.cli",
-                                                         "orchestration.launch_env", "torch", "matplotlib")))
+                                                         "orchestration.megatron_lm", "orchestration.import_args",
+                                                         "orchestration.cli", "orchestration.launch_env", "torch", "matplotlib")))
     assert "orchestration.node.commands" in loaded and launcher == [], launcher
 
 

@@ -15,7 +15,7 @@ from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.run_spec.wandb_run import read_wandb_settings
 from orchestration.launch_env import read_launch_env
-from orchestration.node.node_plan import check_call
+from orchestration.node.wire import CheckRequest, check_call
 from orchestration.runner.preflight import required_modules
 
 
@@ -42,8 +42,8 @@ def test_the_launcher_forwards_wandb_and_every_node_checks_it_imports(tmp_path, 
     assert required_modules(launch) == ("wandb",)
     assert required_modules(read_launch_env({"WANDB_PROJECT": "p", "WANDB_MODE": "disabled"})) == ()
     assert required_modules(read_launch_env({})) == ()
-    call = check_call("r", 0, "localhost", tmp_path, master_addr="localhost", master_port=None, nproc_per_node=2,
-                      shared_token=tmp_path / "t", required_paths=[], required_modules=required_modules(launch))
+    call = check_call("r", 0, "localhost", tmp_path, CheckRequest("localhost", 2, tmp_path / "t",
+                                                                  required_modules=required_modules(launch)), master_port=None)
     assert call.args[-2:] == ("--require-module", "wandb")
 
     from orchestration.node import preflight

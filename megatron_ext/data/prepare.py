@@ -308,6 +308,11 @@ def _ready_made(data: DataParams) -> PreparedData | None:
     return None
 
 
+def is_prepared(data: DataParams, cache_root: Path) -> bool:
+    """Whether ``data`` needs no preparation: ready-made prefixes, or :func:`ensure_prepared` ran."""
+    return _ready_made(data) is not None or (_cache_dir(data, cache_root) / "prepared.json").is_file()
+
+
 def planned_prepared(data: DataParams, cache_root: Path) -> PreparedData:
     """Where :func:`ensure_prepared` puts (or has put) ``data``, without preparing anything."""
     ready = _ready_made(data)

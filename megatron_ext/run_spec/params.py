@@ -276,6 +276,9 @@ def _read_yaml(kind: str, name: str, params_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         choices = ", ".join(_names_in(kind, params_dir))
         what = "model" if kind == "models" else "data set"
+        if name.endswith((".yaml", ".yml")):  # a path: say so, and what else would do
+            raise UserError(f"{what} file {name} does not exist; give an existing .yaml file, or one of the {what}s "
+                            f"under {params_dir / kind}: {choices}")
         raise UserError(
             f"unknown {what} {name!r}: no {path}; choose one of: {choices} "
             f"(or add {kind}/{name}.yaml under {params_dir})"

@@ -15,6 +15,7 @@ import torch
 
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.flops import padded_vocab_size
+from megatron_ext.run_spec.model_size import ParameterCount
 from megatron_ext.run_spec.params import ModelPreset
 
 
@@ -214,17 +215,6 @@ def build_gpt_model(
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class ParameterCount:
-    total: int
-    embedding: int
-    """Input (and, untied, output) embedding rows; learned positions count as non-embedding."""
-
-    @property
-    def non_embedding(self) -> int:
-        return self.total - self.embedding
-
-
 def count_parameters(preset: ModelPreset, vocab_size: int | None = None) -> ParameterCount:
     """Exact parameter count of the megatron-core model, built on the meta device (no memory)."""
     vocab = padded_vocab_size(
@@ -236,4 +226,4 @@ def count_parameters(preset: ModelPreset, vocab_size: int | None = None) -> Para
     embedding = model.embedding.word_embeddings.weight.numel()
     if not preset.tie_embeddings:
         embedding += model.output_layer.weight.numel()
-    return ParameterCount(total=total, embedding=embedding)
+    return ParameterCount(total=total, embedding=embedding, padded_vocab=vocab)

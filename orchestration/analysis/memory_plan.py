@@ -43,7 +43,8 @@ from fractions import Fraction
 from typing import Literal
 
 from megatron_ext.run_spec.errors import UserError
-from megatron_ext.run_spec.flops import flops_per_token, padded_vocab_size
+from megatron_ext.run_spec.flops import flops_per_token
+from megatron_ext.run_spec.model_size import count_model_parameters
 from megatron_ext.run_spec.params import ModelPreset, RunOverrides, RunParams, batch_geometry, load_model, load_run_params
 
 Precision = Literal["bf16", "fp32"]
@@ -73,44 +74,6 @@ DEVICES: dict[str, Device] = {
     "h100": Device("H100 80 GB", 80 * GB, 989.0),
     "cpu": Device("CPU", None, None),
 }
-
-
-@dataclass(frozen=True)
-class ParameterCount:
-    total: int
-    embedding: int
-    """Input (and, untied, output) embedding rows; learned positions count as non-embedding."""
-    padded_vocab: int
-
-    @property
-    def non_embedding(self) -> int:
-        return self.total - self.embedding
-
-
-def count_model_parameters(preset: ModelPreset, vocab_size: int | None = None) -> ParameterCount:
-    """Exact parameter count of megatron-core's GPTModel for ``preset`` (TP = PP = 1), from its
-    shapes: ``vocab_size`` (unpadded; default the preset's) is padded as Megatron pads it."""
-    vocab = vocab_size or preset.vocab_size
-    if vocab is None:
-        raise UserError(f"model {preset.name} takes its vocabulary from the tokenizer; give DATA or --vocab-size")
-    V = padded_vocab_size(vocab, preset.make_vocab_size_divisible_by)
-    h, F = preset.hidden_size, preset.ffn_hidden_size
-    q, k = preset.num_attention_heads * preset.head_dim, preset.query_groups * preset.head_dim
-    bias = preset.add_bias_linear
-    norm = (2 if preset.normalization == "LayerNorm" else 1)  # weight (+ bias) per element
-    fc1_out = 2 * F if preset.swiglu else F
-    layer = (
-        2 * norm * h                                   # input and pre-MLP norms
-        + h * (q + 2 * k) + (q + 2 * k) * (bias or preset.add_qkv_bias)  # linear_qkv
-        + q * h + h * bias                              # linear_proj
-        + (2 * norm * preset.head_dim if preset.qk_layernorm else 0)  # q_layernorm, k_layernorm (per head dim)
-        + h * fc1_out + fc1_out * bias                  # linear_fc1
-        + F * h + h * bias                              # linear_fc2
-    )
-    embedding = V * h * (1 if preset.tie_embeddings else 2)
-    positions = preset.max_position_embeddings * h if preset.position_embedding_type == "learned_absolute" else 0
-    total = embedding + positions + preset.num_layers * layer + norm * h
-    return ParameterCount(total=total, embedding=embedding, padded_vocab=V)
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,29 @@
 """Run one node command on every node in parallel, with a timeout each, and collect typed results.
 
-Side effects: subprocesses (the local command, ``ssh``, ``docker exec`` or ``srun``). Each node
-command prints one JSON line (orchestration/node/node_plan.py): its answer, read back as the
-payload dataclass the caller names, or ``{"error": ...}``. A node that fails yields a
-:class:`NodeResult` with its exit code and the tail of what it printed, and every failure is
-reported together.
+Side effects: subprocesses (``ssh``, ``docker exec`` or ``srun``), or, for this machine, the node
+command in this very process (:func:`orchestration.node.local.answer_here`: no interpreter to start).
+Each node command answers one JSON line (orchestration/node/wire.py): read back as the answer
+dataclass the caller names, or ``{"error": ...}``. A node that fails yields a :class:`NodeResult`
+with its exit code and the tail of what it printed, and every failure is reported together.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import shlex
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Generic, Sequence, TypeVar
 
-from orchestration.cluster.transports import runs_here, transport_argv
+from orchestration.cluster.transports import transport_for
 from orchestration.launch_env import LaunchEnv
-from orchestration.node.node_plan import NodeCall, decode_payload, node_label
+from orchestration.node.local import answer_here
+from orchestration.node.wire import NodeCall, decode_payload, node_label
+
+log = logging.getLogger(__name__)
 
 DEFAULT_NODE_TIMEOUT_S = 120.0
 SSH_UNREACHABLE = 255
@@ -73,10 +78,27 @@ def _last_json_line(stdout: str) -> dict | None:
     return None
 
 
+def _result(rank: int, host: str, argv: list[str], returncode: int, stdout: str, stderr: str,
+            decode: type[T] | None) -> NodeResult[T]:
+    raw = _last_json_line(stdout)
+    error = raw.get("error") if raw and set(raw) == {"error"} else None
+    value = decode_payload(decode, raw) if raw is not None and error is None and decode is not None else None
+    output = "\n".join((stderr + stdout).strip().splitlines()[-15:])
+    return NodeResult(rank, host, argv, returncode, value, error, output)
+
+
 def _run_one(launch: LaunchEnv, rank: int, host: str, call: NodeCall, decode: type[T] | None,
              timeout_s: float) -> NodeResult[T]:
-    full = transport_argv(launch, host, call.argv(launch.python), launch.forwarded, launch.cwd, stdin=call.stdin is not None)
-    local = runs_here(launch, host)  # else ssh/docker carry env and cwd
+    transport = transport_for(launch, host)
+    argv = call.argv(launch.python)
+    started = time.monotonic()
+    if transport.in_process:
+        returncode, line = answer_here(call, {**launch.environ, **launch.forwarded})
+        log.debug("%s %s in this process: exit %d in %.2f s", node_label(rank, host), call.command, returncode,
+                  time.monotonic() - started)
+        return _result(rank, host, argv, returncode, line, "", decode)
+    full = transport.argv(argv, launch.forwarded, launch.cwd, stdin=call.stdin is not None)
+    local = transport.caller_sets_env  # else ssh/docker carry env and cwd
     try:  # the call's stdin (secrets) goes down the pipe: ssh and docker exec -i pass it on, no argv shows it
         proc = subprocess.run(
             full, cwd=launch.cwd if local else None, env={**launch.environ, **launch.forwarded} if local else None,
@@ -87,11 +109,9 @@ def _run_one(launch: LaunchEnv, rank: int, host: str, call: NodeCall, decode: ty
         return NodeResult(rank, host, full, 124, None, None, f"no answer within {timeout_s:.0f}s")
     except FileNotFoundError as exc:
         return NodeResult(rank, host, full, 127, None, None, f"{exc.filename}: command not found")
-    raw = _last_json_line(proc.stdout)
-    error = raw.get("error") if raw and set(raw) == {"error"} else None
-    value = decode_payload(decode, raw) if raw is not None and error is None and decode is not None else None
-    output = "\n".join((proc.stderr + proc.stdout).strip().splitlines()[-15:])
-    return NodeResult(rank, host, full, proc.returncode, value, error, output)
+    log.debug("%s %s: exit %d in %.2f s: %s", node_label(rank, host), call.command, proc.returncode,
+              time.monotonic() - started, shlex.join(full)[:300])
+    return _result(rank, host, full, proc.returncode, proc.stdout, proc.stderr, decode)
 
 
 def call_nodes(launch: LaunchEnv, nodes: Sequence[tuple[int, str]], call_for: Callable[[int, str], NodeCall],

@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.run_paths import RunPaths
-from orchestration.node.node_plan import supervise_argv
+from orchestration.node.wire import supervise_argv
 from megatron_ext.run_spec.json_files import read_json, write_json_atomic
 
 TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
@@ -50,6 +50,14 @@ def expand_nodelist(nodelist: str) -> tuple[str, ...]:
 def plan_file_pattern(paths: RunPaths) -> str:
     """The plan file of the node whose SLURM_NODEID fills ``{node}``."""
     return str(paths.run_state_dir / f"{paths.run}_node{{node}}.plan.json")
+
+
+def start_step(argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: Path) -> subprocess.Popen:
+    """The srun client of a start step, detached here (its own session; output to ``log_path``)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab", buffering=0) as log:
+        return subprocess.Popen(list(argv), cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
 
 
 def srun_step_argv(job_id: str, nnodes: int, python: str, cwd: str, pattern: str) -> list[str]:

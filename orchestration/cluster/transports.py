@@ -1,5 +1,6 @@
 """How the launcher reaches a node: this machine, ``ssh``, ``srun`` inside a Slurm allocation, or
-``docker exec`` (over ssh or srun for remote nodes when CONTAINER_NAME is set).
+``docker exec`` (into CONTAINER_NAME, over ssh or srun for other machines) — one typed object per
+host (:func:`transport_for`).
 
     HOSTS=node0,node1 SSH_OPTS="-F cluster.cfg" python -m orchestration status demo
 
@@ -12,66 +13,99 @@ never do: they travel on the command's standard input, which ssh and ``docker ex
 from __future__ import annotations
 
 import shlex
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Mapping, Sequence, Union
 
 from orchestration.launch_env import DEFAULT_SSH_CONNECT_TIMEOUT_S, LaunchEnv
 
 
-def remote_shell_command(argv: Sequence[str], env: dict[str, str], cwd: str) -> str:
+def remote_shell_command(argv: Sequence[str], env: Mapping[str, str], cwd: str) -> str:
     """One quoted shell line: ``cd CWD && exec env K=V ... ARGV`` (for ssh)."""
     assignments = [f"{k}={v}" for k, v in env.items()]
     return f"cd {shlex.quote(cwd)} && exec env " + " ".join(shlex.quote(a) for a in [*assignments, *argv])
 
 
-def ssh_argv(launch: LaunchEnv, host: str, command: str) -> list[str]:
-    return [
-        "ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={DEFAULT_SSH_CONNECT_TIMEOUT_S}",
-        *launch.ssh_opts, host, "--", command,
-    ]
+@dataclass(frozen=True)
+class ThisMachine:
+    """A node command on this machine: a subprocess (the caller sets its env and cwd), or a call in
+    this very process."""
 
+    in_process = True
+    """The node command can run in the launcher's own process (no container, no srun task)."""
+    caller_sets_env = True
+    """The caller applies ``env`` and ``cwd`` to the process it starts (else the argv carries them)."""
 
-def docker_exec_argv(container: str, argv: Sequence[str], env: dict[str, str], cwd: str, stdin: bool = False) -> list[str]:
-    """``docker exec`` (``-i`` when the command reads its standard input)."""
-    flags: list[str] = [*(["-i"] if stdin else []), "-w", cwd]
-    for k, v in env.items():
-        flags += ["-e", f"{k}={v}"]
-    return ["docker", "exec", *flags, container, *argv]
-
-
-def is_this_machine(launch: LaunchEnv, host: str) -> bool:
-    """Whether a node command for ``host`` can run in this very process: this machine, no
-    container, no srun task (whose node may be another machine sharing the files)."""
-    return launch.transport != "srun" and launch.is_local(host) and not launch.container_name
-
-
-def runs_here(launch: LaunchEnv, host: str) -> bool:
-    """Whether the caller applies env and cwd to the command for ``host`` itself: a plain
-    subprocess on this machine, or ``srun`` (which exports the caller's environment)."""
-    return launch.transport == "srun" or (launch.is_local(host) and not launch.container_name)
-
-
-def srun_argv(launch: LaunchEnv, host: str, argv: Sequence[str], cwd: str) -> list[str]:
-    """One task on ``host`` inside the allocation, beside the steps already running there."""
-    return ["srun", f"--jobid={launch.slurm_job_id}", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={host}",
-            f"--chdir={cwd}", "--kill-on-bad-exit=1", "--quiet", *argv]
-
-
-def transport_argv(launch: LaunchEnv, host: str, argv: Sequence[str], env: dict[str, str], cwd: str,
-                   stdin: bool = False) -> list[str]:
-    """How this machine runs ``argv`` with ``env`` in ``cwd`` on ``host``; ``stdin``: the command
-    reads what the caller writes to its standard input.
-
-    local: the argv itself (env and cwd are applied by the caller); ssh: one quoted command
-    line; CONTAINER_NAME: ``docker exec`` into the container, over ssh for remote hosts.
-    """
-    if launch.transport == "srun":
-        inner = docker_exec_argv(launch.container_name, argv, env, cwd, stdin) if launch.container_name else list(argv)
-        return srun_argv(launch, host, inner, cwd)
-    if launch.container_name:
-        inner = docker_exec_argv(launch.container_name, argv, env, cwd, stdin)
-        if launch.is_local(host):
-            return inner
-        return ssh_argv(launch, host, shlex.join(inner))
-    if launch.is_local(host):
+    def argv(self, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdin: bool = False) -> list[str]:
         return list(argv)
-    return ssh_argv(launch, host, remote_shell_command(argv, env, cwd))
+
+
+@dataclass(frozen=True)
+class Ssh:
+    """``ssh HOST -- 'cd CWD && exec env K=V ... ARGV'`` with BatchMode and a connect timeout."""
+
+    host: str
+    options: tuple[str, ...] = ()
+    """SSH_OPTS: ``-F cfg``, ``-p 2222``, ..."""
+    in_process = False
+    caller_sets_env = False
+
+    def command(self, line: str) -> list[str]:
+        return ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={DEFAULT_SSH_CONNECT_TIMEOUT_S}", *self.options,
+                self.host, "--", line]
+
+    def argv(self, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdin: bool = False) -> list[str]:
+        return self.command(remote_shell_command(argv, env, cwd))
+
+
+@dataclass(frozen=True)
+class Srun:
+    """One task on ``host`` inside the allocation, beside the steps already running there (srun
+    exports the caller's environment: the caller sets env and cwd)."""
+
+    job_id: str
+    host: str
+    in_process = False
+    caller_sets_env = True
+
+    def argv(self, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdin: bool = False) -> list[str]:
+        return ["srun", f"--jobid={self.job_id}", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={self.host}",
+                f"--chdir={cwd}", "--kill-on-bad-exit=1", "--quiet", *argv]
+
+
+@dataclass(frozen=True)
+class DockerExec:
+    """``docker exec`` into ``container`` (``-i`` when the command reads its standard input), run
+    here, over ssh, or as an srun task, as ``via`` says."""
+
+    container: str
+    via: Union[ThisMachine, Ssh, Srun]
+    in_process = False
+
+    @property
+    def caller_sets_env(self) -> bool:
+        return isinstance(self.via, Srun)
+
+    def argv(self, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdin: bool = False) -> list[str]:
+        flags: list[str] = [*(["-i"] if stdin else []), "-w", cwd]
+        for k, v in env.items():
+            flags += ["-e", f"{k}={v}"]
+        inner = ["docker", "exec", *flags, self.container, *argv]
+        if isinstance(self.via, Ssh):
+            return self.via.command(shlex.join(inner))
+        return self.via.argv(inner, env, cwd, stdin)
+
+
+Transport = Union[ThisMachine, Ssh, Srun, DockerExec]
+
+
+def transport_for(launch: LaunchEnv, host: str) -> Transport:
+    """How this machine runs a node command on ``host``: srun inside an allocation (LAUNCHER_TRANSPORT),
+    else this machine for a local host and ssh for any other; CONTAINER_NAME wraps either in
+    ``docker exec``."""
+    if launch.use_srun:
+        base: Union[ThisMachine, Ssh, Srun] = Srun(launch.slurm_job_id or "", host)
+    elif launch.is_local(host):
+        base = ThisMachine()
+    else:
+        base = Ssh(host, launch.ssh_opts)
+    return DockerExec(launch.container_name, base) if launch.container_name else base

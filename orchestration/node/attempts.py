@@ -4,7 +4,7 @@
     $ARTIFACT_ROOT/run_state/<run>_a<K>.decision.json      node 0's decision: attempt K+1, or the run's end
     $ARTIFACT_ROOT/run_state/<run>_a<K>.node<N>.ready      node N is ready to start attempt K
     $ARTIFACT_ROOT/run_state/<run>_a<K>.hang.json          a hang claimed in attempt K (first claim wins)
-    $ARTIFACT_ROOT/run_state/<run>_attempts.json           the ledger: every attempt, why it ended, its checkpoints
+    (the ledger, <run>_attempts.json, and its records: orchestration/node/run_state.py)
 
 After a failure or a hang every node stops its torchrun and writes its end; node 0 (the leader:
 the rendezvous runs there anyway) waits for every node's end, then decides with
@@ -13,7 +13,7 @@ the rendezvous runs there anyway) waits for every node's end, then decides with
 not advance) — and writes the decision; every node reads it and acts on it; before attempt K
 starts each node says it is ready and waits for the others. The ledger keeps every attempt for
 ``status``. A requeued Slurm job continues the ledger (and the breaker's count); any other start
-begins it anew. Side effects: these files (through :mod:`orchestration.node.run_state`).
+begins it anew (node 0 resets the files at its start). Side effects: these files.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from megatron_ext.run_spec.resilience import ResilienceParams
 from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.run_spec.json_files import read_json, write_json_atomic
-from orchestration.node.run_state import RunState
+from orchestration.node.run_state import AttemptRecord, RunState, state_dict
 from orchestration.node.watchdog import Hang
 
 JOIN_S = 120.0
@@ -66,35 +66,10 @@ class Decision:
         return self.attempt + 1 if self.restart else None
 
 
-@dataclass(frozen=True)
-class AttemptRecord:
-    """One attempt in the ledger."""
-
-    attempt: int
-    run_id: str
-    """The start it belongs to (a requeued batch job is another start of the same run)."""
-    started_at: float
-    checkpoint_at_start: int | None
-    ended_at: float | None = None
-    state: RunState | None = None
-    reason: str | None = None
-    checkpoint_at_end: int | None = None
-
-    @property
-    def made_progress(self) -> bool:
-        return self.checkpoint_at_end is not None and (self.checkpoint_at_start is None
-                                                       or self.checkpoint_at_end > self.checkpoint_at_start)
-
-
 # -- the files --------------------------------------------------------------------------------------
 
-def _state_dict(obj) -> dict:
-    raw = asdict(obj)
-    return {k: (v.value if isinstance(v, RunState) else v) for k, v in raw.items()}
-
-
 def write_end(paths: RunPaths, end: AttemptEnd) -> None:
-    write_json_atomic(paths.attempt_file(end.attempt, f"node{end.node_rank}.end.json"), _state_dict(end))
+    write_json_atomic(paths.attempt_file(end.attempt, f"node{end.node_rank}.end.json"), state_dict(end))
 
 
 def read_end(paths: RunPaths, attempt: int, node_rank: int) -> AttemptEnd | None:
@@ -106,7 +81,7 @@ def read_end(paths: RunPaths, attempt: int, node_rank: int) -> AttemptEnd | None
 
 
 def write_decision(paths: RunPaths, decision: Decision) -> None:
-    write_json_atomic(paths.attempt_file(decision.attempt, "decision.json"), _state_dict(decision))
+    write_json_atomic(paths.attempt_file(decision.attempt, "decision.json"), state_dict(decision))
 
 
 def read_decision(paths: RunPaths, attempt: int) -> Decision | None:
@@ -154,53 +129,6 @@ def mark_ready(paths: RunPaths, attempt: int, node_rank: int) -> None:
 
 def ready_nodes(paths: RunPaths, attempt: int, nnodes: int) -> list[int]:
     return [rank for rank in range(nnodes) if paths.attempt_file(attempt, f"node{rank}.ready").exists()]
-
-
-def read_ledger(paths: RunPaths) -> list[AttemptRecord]:
-    raw = read_json(paths.attempts_file)
-    out = []
-    for item in raw if isinstance(raw, list) else []:
-        try:
-            out.append(AttemptRecord(**{**item, "state": RunState(item["state"]) if item.get("state") else None}))
-        except (TypeError, ValueError):
-            continue
-    return out
-
-
-def write_ledger(paths: RunPaths, records: Sequence[AttemptRecord]) -> None:
-    write_json_atomic(paths.attempts_file, [_state_dict(r) for r in records])
-
-
-def begin_attempt(paths: RunPaths, attempt: int, run_id: str, checkpoint: int | None) -> None:
-    """Node 0: attempt ``attempt`` starts now, with ``checkpoint`` the latest complete one."""
-    records = [r for r in read_ledger(paths) if r.attempt != attempt]
-    write_ledger(paths, [*records, AttemptRecord(attempt, run_id, time.time(), checkpoint)])
-
-
-def end_attempt(paths: RunPaths, attempt: int, state: RunState, reason: str, checkpoint: int | None) -> list[AttemptRecord]:
-    """Node 0: attempt ``attempt`` ended so; the ledger as it now stands."""
-    records = [replace(r, ended_at=time.time(), state=state, reason=reason, checkpoint_at_end=checkpoint)
-               if r.attempt == attempt else r for r in read_ledger(paths)]
-    write_ledger(paths, records)
-    return records
-
-
-def first_attempt(paths: RunPaths, continue_ledger: bool) -> int:
-    """The attempt a start begins with: 1, or after the ledger's last (a requeued batch job)."""
-    records = read_ledger(paths) if continue_ledger else []
-    return max((r.attempt for r in records), default=0) + 1
-
-
-def reset_attempts(paths: RunPaths, keep_ledger: bool) -> None:
-    """A new start: no attempt files of an earlier one (the ledger kept only for a requeued job)."""
-    for path in paths.run_state_dir.glob(f"{paths.run}_a*.*"):
-        if path.name[len(paths.run) + 2:].split(".", 1)[0].isdigit():
-            path.unlink(missing_ok=True)
-    paths.save_request_file.unlink(missing_ok=True)
-    if not keep_ledger:
-        paths.attempts_file.unlink(missing_ok=True)
-        for mark in paths.run_state_dir.glob(f"{paths.run}.batch_signal.*"):
-            mark.unlink(missing_ok=True)
 
 
 # -- the decision (pure) ----------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 
 Called locally, over ssh, through ``docker exec`` or as an srun task by the launcher, with
 everything it needs as arguments (the artifact root, or a node's whole
-:class:`~orchestration.node.node_plan.NodePlan`): it reads no launcher variable. :func:`main` is
+:class:`~orchestration.node.wire.NodePlan`): it reads no launcher variable. :func:`main` is
 the one dispatcher of every node command and the node side's only reader of its environment
 (:class:`NodeEnv`: the variables handed on to torchrun, Slurm's task variables, the GPUs it shows)
 and of its standard input (``node-start``: the values of the plan's secret variables, one JSON
@@ -15,27 +15,34 @@ the launcher side.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence, TextIO
+from typing import Mapping, Sequence
 
 from megatron_ext.run_spec.devices import visible_gpu_count
 from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
 from megatron_ext.run_spec.iteration_log import parse_log
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
 from orchestration.node import processes
-from orchestration.node.node_plan import (RUN_ID_TAG, NodePlan, build_node_parser, decode_secrets, encode_error,
-                                          encode_payload, stop_command, supervise_argv)
+from orchestration.node.failure import failure_reason
 from orchestration.node.preflight import inspect_node
 from orchestration.node.run_state import (NODE_LOST_S, RunState, heartbeat_age_s, read_exit, read_failure, read_heartbeat,
-                                          tail, write_plan_file)
+                                          read_pid_file, reset_node_files, reset_run_files, tail, wait_until_started,
+                                          write_plan_file)
 from orchestration.node.supervisor import Supervisor
+from orchestration.node.wire import (RUN_ID_TAG, NodePlan, NodeStarted, NodeStatus, build_node_parser, decode_secrets,
+                                     encode_error, encode_payload, stop_command, supervise_argv)
+
+log = logging.getLogger(__name__)
 
 START_SETTLE_S = 1.5
 """How long node-start watches torchrun before reporting it started (catches instant failures)."""
+START_TIMEOUT_S = 30.0
+"""How long node-start waits for the supervisor to start torchrun at all."""
 
 
 class NodeError(RuntimeError):
@@ -59,52 +66,22 @@ class NodeEnv:
         return self.environ.get(RUN_ID_TAG)
 
 
+def configure_node_logging(level: str) -> None:
+    """The node side's logging: plain lines on standard error (which a supervisor's node log
+    holds); LOG_LEVEL, forwarded from the launcher, sets the level (default INFO)."""
+    logging.basicConfig(level=level.strip().upper() if level.strip().upper() in logging.getLevelNamesMapping() else "INFO",
+                        format="%(message)s", stream=sys.stderr)
+
+
 def read_node_env(env: Mapping[str, str]) -> NodeEnv:
     step = f"{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}" if "SLURM_STEP_ID" in env and "SLURM_JOB_ID" in env else None
     return NodeEnv(dict(env), visible_gpu_count(env), env.get("SLURM_NODEID"), step)
 
 
-# -- payloads -------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class NodeStarted:
-    """``node-start``'s answer: the node's torchrun runs."""
-
-    node_rank: int
-    host: str
-    pid: int
-    pgid: int
-    supervisor_pid: int
-    log: str
-    run_id: str
-
-
-@dataclass(frozen=True)
-class NodeStatus:
-    """``node-status``'s answer."""
-
-    node_rank: int
-    host: str
-    alive: bool
-    state: RunState
-    exit: str | None
-    """How the node's run ended, as its supervisor recorded it."""
-    run_failure: str | None
-    """The run's failure file's first line (any node's)."""
-    pid: int | None
-    last_iteration: int | None
-    train_iters: int | None
-    tokens_per_s: float | None
-    last_line: str
-    log: str
-    attempt: int | None = None
-    """The supervisor's current (or last) attempt."""
-
-
 # -- the commands ---------------------------------------------------------------------------------
 
 def refuse_if_running(pid_path: Path, run: str, node_rank: int) -> None:
-    record = processes.read_pid_file(pid_path)
+    record = read_pid_file(pid_path)
     if record and processes.record_is_alive(record):
         raise UserError(
             f"run {run!r} is already running on node {node_rank} (pid {record.pid}, started "
@@ -141,28 +118,35 @@ def receive_secrets(plan: NodePlan, line: str, node_env: Mapping[str, str]) -> d
     return values
 
 
+def reset_for_start(plan: NodePlan) -> RunPaths:
+    """What this node's last start left goes before its supervisor starts (node 0 of a start also
+    clears the run's failure and attempt files: :attr:`NodePlan.resets_run_state`)."""
+    paths = RunPaths(plan.artifact_root, plan.run)
+    reset_node_files(paths, plan.node_rank)
+    if plan.resets_run_state:
+        reset_run_files(paths, keep_ledger=plan.first_attempt > 1)
+    return paths
+
+
 def node_start(plan: NodePlan, node: NodeEnv, python: str, secrets: Mapping[str, str] | None = None) -> NodeStarted:
     """Start the node's supervisor detached, which starts the plan's torchrun exactly as planned and
     records it (see orchestration/node/supervisor.py); report once it runs. ``secrets`` go into the
     supervisor's environment (torchrun and the ranks inherit them), not into the plan file."""
-    paths = RunPaths(plan.artifact_root, plan.run)
-    pid_path, log_path = Path(plan.pid_path), Path(plan.log_path)
-    refuse_if_running(pid_path, plan.run, plan.node_rank)
-    plan_file = write_plan_file(paths, plan.node_rank, plan.to_json(), pid_path)
+    log_path = Path(plan.log_path)
+    refuse_if_running(plan.pid_file, plan.run, plan.node_rank)
+    paths = reset_for_start(plan)
+    plan_file = write_plan_file(paths, plan.node_rank, plan.to_json())
     supervisor = processes.start_detached(supervise_argv(python, str(plan_file)),
                                           {**plan.process_environment(node.environ), **(secrets or {})}, plan.cwd, log_path)
-    deadline = time.monotonic() + START_SETTLE_S
-    record = None
-    while time.monotonic() < deadline or record is None:
-        record = record or processes.read_pid_file(pid_path)
-        ended = read_exit(paths, plan.node_rank)
-        if supervisor.poll() is not None or (ended and ended.state.failed):
-            processes.stop_run(plan.run, plan.node_rank, plan.host, pid_path, grace_s=1.0)
-            why = ended.reason if ended else f"its supervisor exited with code {supervisor.returncode}"
-            raise NodeError(f"the run ended at start ({why}); last log lines:\n{tail(log_path, 15)}")
-        if record is None and time.monotonic() > deadline + 30:
-            raise NodeError(f"torchrun did not start within {START_SETTLE_S + 30:.0f}s; see {log_path}")
-        time.sleep(0.1)
+    wait = wait_until_started(paths, plan.node_rank, plan.pid_file, plan.run_id, lambda: supervisor.poll() is None,
+                              timeout_s=START_SETTLE_S + START_TIMEOUT_S, settle_s=START_SETTLE_S)
+    if not wait.started:
+        processes.stop_node(plan.run, plan.node_rank, plan.host, plan.pid_file, grace_s=1.0)
+        if wait.timed_out:
+            raise NodeError(f"torchrun did not start within {START_SETTLE_S + START_TIMEOUT_S:.0f}s; see {log_path}")
+        why = wait.ended.reason if wait.ended else f"its supervisor exited with code {supervisor.poll()}"
+        raise NodeError(f"the run ended at start ({why}); last log lines:\n{tail(log_path, 15)}")
+    record = wait.record
     return NodeStarted(plan.node_rank, plan.host, record.pid, record.pgid, supervisor.pid, str(log_path), plan.run_id)
 
 
@@ -175,10 +159,11 @@ def node_supervise(plan_file: str, node: NodeEnv) -> int:
         os.execve(argv[0], argv, plan.process_environment(node.environ))
     if node.slurm_step:  # a task of the start step: a process group of its own, so stop signals only the run
         os.setpgid(0, 0)
+        reset_for_start(plan)  # started by srun, not node-start: the node resets its files here
     missing = [k for k in plan.secret_names if k not in node.environ]  # srun: the step inherits them, or not
     if missing:
-        print(f"[supervisor node{plan.node_rank}] warning: the secret variable(s) {', '.join(missing)} did not reach "
-              "this node; the ranks run without them", flush=True)
+        log.warning("[supervisor node%d] warning: the secret variable(s) %s did not reach this node; the ranks run "
+                    "without them", plan.node_rank, ", ".join(missing))
     return Supervisor(plan, node.environ, node.slurm_step).run()
 
 
@@ -186,7 +171,7 @@ def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | No
     """Alive or not, and the last iteration line of the node's log (either engine's), read
     with the one iteration-line parser; ``seq_length`` turns step time into tokens/s.
     ``by_heartbeat``: from another machine, alive = the node's supervisor beat recently."""
-    record = processes.read_pid_file(paths.node_pid_file(node_rank))
+    record = read_pid_file(paths.node_pid_file(node_rank))
     ended = read_exit(paths, node_rank)
     beat = read_heartbeat(paths, node_rank)
     if by_heartbeat:
@@ -202,6 +187,8 @@ def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | No
         state = ended.state if ended else RunState.STOPPED if paths.node_log(node_rank).exists() else RunState.NOT_STARTED
     text = tail(paths.node_log(node_rank), 200)
     records, _ = parse_log(text, seq_length)
+    score, reason = failure_reason(tail(paths.node_log(node_rank), 400, max_bytes=262144)) \
+        if not alive and state.ended and state != RunState.FINISHED else (0, None)
     last = records[-1] if records else None
     lines = [line for line in text.splitlines() if line.strip()]
     return NodeStatus(
@@ -210,38 +197,44 @@ def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | No
         last_iteration=last.iteration if last else None, train_iters=last.train_iters if last else None,
         tokens_per_s=last.tokens_per_s if last and last.tokens_per_s else None,
         last_line=lines[-1][-160:] if lines else "", log=str(paths.node_log(node_rank)),
-        attempt=beat.attempt if beat else None,
+        attempt=beat.attempt if beat else None, failure_reason=reason, failure_score=score,
     )
 
 
-def _answer(command: str, args, node: NodeEnv, stdin: TextIO):
+def _answer(command: str, args, node: NodeEnv, stdin_line: str):
     if command == "node-start":
         plan = NodePlan.from_json(args.plan)
-        line = stdin.readline() if plan.secret_names and not stdin.isatty() else ""  # the launcher's one line
-        return node_start(plan, node, sys.executable, receive_secrets(plan, line, node.environ))
+        return node_start(plan, node, sys.executable, receive_secrets(plan, stdin_line, node.environ))
     paths = RunPaths(args.artifact_root, check_run_name(args.run))
     if command == "node-check":
         return node_check(paths, args, node.visible_gpus)
     if command == "node-stop":
-        stop = processes.preview_stop if args.dry_run else processes.stop_run
+        stop = processes.preview_stop if args.dry_run else processes.stop_node
         return stop(paths.run, args.node_rank, args.host, paths.node_pid_file(args.node_rank), args.grace_s)
-    return node_status(paths, args.node_rank, args.host, args.seq_length)
+    return node_status(paths, args.node_rank, args.host, args.seq_length, args.by_heartbeat)
+
+
+def answer(argv: Sequence[str], environ: Mapping[str, str], stdin_line: str = "") -> tuple[int, str]:
+    """One node command (not ``node-supervise``): (exit code, its one JSON line). ``stdin_line``:
+    node-start's secrets line. Also how the launcher answers its own machine's calls in-process."""
+    args = build_node_parser().parse_args(list(argv))
+    try:
+        payload = _answer(args.command, args, read_node_env(environ), stdin_line)
+    except UserError as exc:
+        return EXIT_USER_ERROR, encode_error(str(exc))
+    except NodeError as exc:
+        return EXIT_NODE_FAILED, encode_error(str(exc))
+    return EXIT_OK, encode_payload(payload)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Every node command: one JSON line out (the supervisor runs until its torchrun ends)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_node_parser().parse_args(argv)
-    node = read_node_env(os.environ)
+    configure_node_logging(os.environ.get("LOG_LEVEL", ""))
     if args.command == "node-supervise":
-        return node_supervise(args.plan_file, node)
-    try:
-        payload = _answer(args.command, args, node, sys.stdin)
-    except UserError as exc:
-        print(encode_error(str(exc)), flush=True)
-        return EXIT_USER_ERROR
-    except NodeError as exc:
-        print(encode_error(str(exc)), flush=True)
-        return EXIT_NODE_FAILED
-    print(encode_payload(payload), flush=True)
-    return EXIT_OK
-
+        return node_supervise(args.plan_file, read_node_env(os.environ))
+    needs_secrets = args.command == "node-start" and NodePlan.from_json(args.plan).secret_names and not sys.stdin.isatty()
+    code, line = answer(argv, os.environ, sys.stdin.readline() if needs_secrets else "")  # the launcher's one line
+    print(line, flush=True)
+    return code

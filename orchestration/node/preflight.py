@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass, field
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -30,6 +31,7 @@ from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.wandb_run import wandb_missing_message
 from megatron_ext.training.versions import check_megatron_core
 from orchestration.node.processes import port_is_free
+from orchestration.node.wire import NodeReport
 
 DEFAULT_PORT_SEARCH = range(6000, 6100)
 CONNECT_TIMEOUT_S = 5.0
@@ -38,17 +40,25 @@ MODULE_PROBLEMS = {"wandb": wandb_missing_message}
 """An optional module the run imports -> its refusal where it is missing."""
 
 
-@dataclass
-class NodeReport:
-    node_rank: int
-    host: str
-    problems: list[str] = field(default_factory=list)
-    software: dict[str, str | None] = field(default_factory=dict)
-    """python, torch, megatron-core, transformer-engine, project (git revision): None = absent."""
-    interface: str | None = None
-    """The interface that routes to MASTER_ADDR here."""
-    free_port: int | None = None
-    """Node 0 with MASTER_PORT unset: the first free port from 6000."""
+def node_local_dir() -> Path:
+    """Where the ranks' progress files go: tmpfs when the machine has one (no disk, no network)."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def writable_problem(directory: Path, node_rank: int) -> str | None:
+    """Why ``directory`` (or, where it does not exist yet, its nearest existing parent, which a start
+    would create it under) is not writable here; creates nothing that stays."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    probe = existing / f".writable-node{node_rank}-{os.getpid()}"
+    try:
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        return f"the artifact root is not writable here ({exc}); set ARTIFACT_ROOT to a writable shared path"
+    return None
 
 
 def installed_software(project_dir: Path) -> dict[str, str | None]:
@@ -129,7 +139,8 @@ def inspect_node(node_rank: int, host: str, master_addr: str, master_port: int |
                  required_modules: Sequence[str] = ()) -> NodeReport:
     """Every check for this node; ``master_port`` None = MASTER_PORT not set (node 0 picks one);
     ``tokenizer`` (type, path): the run's tokenizer, which must load here."""
-    report = NodeReport(node_rank, host, software=installed_software(project_dir))
+    report = NodeReport(node_rank, host, software=installed_software(project_dir), local_dir=str(node_local_dir()),
+                        visible_gpus=visible_gpus)
     problems = report.problems
     mcore = report.software.get("megatron-core")
     if report.software.get("torch") is None:
@@ -156,13 +167,9 @@ def inspect_node(node_rank: int, host: str, master_addr: str, master_port: int |
         problem = tokenizer_problem(*tokenizer)
         if problem:
             problems.append(f"{problem} (on this node)")
-    try:
-        run_state_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_state_dir / f".writable-node{node_rank}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as exc:
-        problems.append(f"the artifact root is not writable here ({exc}); set ARTIFACT_ROOT to a writable shared path")
+    problem = writable_problem(run_state_dir, node_rank)
+    if problem:
+        problems.append(problem)
     if shared_token is not None and not shared_token.is_file():
         problems.append(
             f"the artifact root is not the one node 0 sees ({shared_token} is missing here): logs, pid files, the "

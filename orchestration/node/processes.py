@@ -1,9 +1,10 @@
 """This node's processes: start a run detached, record it, find it again, stop it.
 
-Side effects (this module, the supervisor and :mod:`orchestration.cluster.fanout` are the ones
-that touch processes): spawns torchrun in a new session, writes/removes pid files, reads ``/proc``, sends
-signals. Never by name or pattern: a process is ours when the pid file's pid still has the
-recorded start time and run id, or when its environment carries this run's tags.
+The mechanics every node-side module that touches processes uses (node-start, the supervisor, the
+watchdog): spawns in a new session, reads ``/proc``, sends signals, writes and removes the pid file
+(its format: :class:`~orchestration.node.run_state.PidRecord`). Never by name or pattern: a process
+is ours when the pid file's pid still has the recorded start time and run id, or when its
+environment carries this run's tags. Side effects: processes, the pid file, ``/proc``.
 """
 
 from __future__ import annotations
@@ -13,89 +14,14 @@ import signal
 import socket
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from orchestration.node.node_plan import DEFAULT_STOP_GRACE_S, NODE_TAG, RUN_ID_TAG, RUN_TAG
-from megatron_ext.run_spec.json_files import read_json, write_json_atomic
+from megatron_ext.run_spec.procfs import parent_pid, pid_is_alive, process_environ, process_start_time  # noqa: F401
+from orchestration.node.run_state import PidRecord, read_pid_file
+from orchestration.node.wire import DEFAULT_STOP_GRACE_S, NODE_TAG, RUN_ID_TAG, RUN_TAG, StopPreview, StopResult
 
 SWEEP_KILL_AFTER_S = 5.0
-
-
-@dataclass(frozen=True)
-class PidRecord:
-    """The pid file's JSON: everything stop needs to recognise the run's processes."""
-
-    run: str
-    run_id: str
-    node_rank: int
-    host: str
-    hostname: str
-    pid: int
-    pgid: int
-    start_time: int
-    """Process start time in clock ticks since boot (/proc/PID/stat field 22)."""
-    argv: list[str]
-    log_path: str
-    started_at: float
-    supervisor_pid: int | None = None
-    """The node's supervisor (orchestration/node/supervisor.py), torchrun's parent in the same process group."""
-    slurm_step: str | None = None
-    """JOB.STEP when the node runs as a task of a Slurm step (the srun transport)."""
-    supervisor_start_time: int | None = None
-    """The supervisor's start time (clock ticks since boot): it outlives torchrun between attempts."""
-
-
-def write_pid_file(path: Path, record: PidRecord) -> None:
-    write_json_atomic(path, asdict(record))
-
-
-def read_pid_file(path: Path) -> PidRecord | None:
-    raw = read_json(path)
-    try:
-        return PidRecord(**raw) if isinstance(raw, dict) else None
-    except TypeError:
-        return None
-
-
-def process_start_time(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = stat[stat.rindex(")") + 2:].split()
-    if fields[0] == "Z":  # a zombie has ended
-        return None
-    return int(fields[19])
-
-
-def parent_pid(pid: int) -> int | None:
-    """The parent of ``pid`` (/proc/PID/stat field 4), None when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    return int(stat[stat.rindex(")") + 2:].split()[1])
-
-
-def process_environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return {}
-    env = {}
-    for item in raw.split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep:
-            env[key.decode(errors="replace")] = value.decode(errors="replace")
-    return env
-
-
-def pid_is_alive(pid: int, start_time: int) -> bool:
-    """``pid`` still runs and is the process that had ``start_time``."""
-    return process_start_time(pid) == start_time
 
 
 def record_is_alive(record: PidRecord) -> bool:
@@ -162,45 +88,6 @@ def _wait_until_gone(run: str, node_rank: int, timeout_s: float) -> list[int]:
         time.sleep(0.2)
 
 
-@dataclass(frozen=True)
-class StopResult:
-    """What a stop did on one node (``node-stop``'s answer)."""
-
-    node_rank: int
-    host: str
-    was_running: bool
-    """The recorded process was alive and ours."""
-    signalled_group: int | None
-    """The process group SIGTERMed (None: only torchrun, or nothing)."""
-    swept: list[int] = field(default_factory=list)
-    """Leftover tagged processes SIGTERMed after the grace."""
-    killed: list[int] = field(default_factory=list)
-    """Those SIGKILLed after SWEEP_KILL_AFTER_S more."""
-    left: list[int] = field(default_factory=list)
-    """Still alive after all that."""
-
-    @property
-    def ok(self) -> bool:
-        return not self.left
-
-
-@dataclass(frozen=True)
-class StopPreview:
-    """What a stop would signal on one node (``node-stop --dry-run``'s answer); signals nothing."""
-
-    node_rank: int
-    host: str
-    recorded_pid: int | None
-    """torchrun's pid from the pid file (None: no pid file)."""
-    recorded_alive: bool
-    """That process still runs and is the one started (start time and run id)."""
-    group: int | None
-    """The process group a stop would SIGTERM (only when the recorded process is alive)."""
-    tagged: list[int] = field(default_factory=list)
-    """Every live process carrying the run's and node's tags: what the sweep after the grace would reach."""
-    grace_s: float = DEFAULT_STOP_GRACE_S
-
-
 def preview_stop(run: str, node_rank: int, host: str, pid_path: Path, grace_s: float = DEFAULT_STOP_GRACE_S) -> StopPreview:
     record = read_pid_file(pid_path)
     alive = record is not None and (record_is_alive(record) or supervisor_is_alive(record))
@@ -208,7 +95,7 @@ def preview_stop(run: str, node_rank: int, host: str, pid_path: Path, grace_s: f
                        sorted(tagged_processes(run, node_rank)), grace_s)
 
 
-def stop_run(run: str, node_rank: int, host: str, pid_path: Path, grace_s: float = DEFAULT_STOP_GRACE_S,
+def stop_node(run: str, node_rank: int, host: str, pid_path: Path, grace_s: float = DEFAULT_STOP_GRACE_S,
              signal_group: bool = True) -> StopResult:
     """SIGTERM the recorded group (torchrun and the node's supervisor; or, from the supervisor
     itself, torchrun alone, keeping the pid file for its next attempt), wait, then SIGTERM/SIGKILL

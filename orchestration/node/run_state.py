@@ -5,13 +5,16 @@
     $ARTIFACT_ROOT/run_state/<run>_node<N>.heartbeat   rewritten by the node's supervisor while it lives (attempt, state)
     $ARTIFACT_ROOT/run_state/<run>_failure.txt         the current attempt's first failure (first writer wins)
     $ARTIFACT_ROOT/run_state/<run>.save_request        save a checkpoint at the next step and end (preempted)
-    $ARTIFACT_ROOT/run_state/<prefix>.sweep.json       a ZeRO sweep in progress (SweepRecord); <prefix>.sweep.stop
-    (the attempts' files: orchestration/node/attempts.py)
+    $ARTIFACT_ROOT/run_state/<run>_attempts.json       the ledger: every attempt, why it ended, its checkpoints
+    $ARTIFACT_ROOT/run_state/<run>_node<N>.pid         the node's torchrun and supervisor (PidRecord)
+    (the attempts' protocol files: orchestration/node/attempts.py)
 
 This module owns them: every write is atomic (a reader never sees half a file:
-megatron_ext/run_spec/json_files.py), every state a
-status, a sweep, a comparison or a supervisor names is a :class:`RunState`. Side effects: those
-files.
+megatron_ext/run_spec/json_files.py), every state a status, a sweep, a comparison or a
+supervisor names is a :class:`RunState`. The node side writes them and resets its own (a node its
+exit record and heartbeat when it starts; node 0 the run's failure and attempt files,
+:func:`reset_run_files`); the launcher only reads them (the readers here, and
+:func:`wait_until_started`). Side effects: those files.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from __future__ import annotations
 import enum
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Callable, Sequence
 
 from megatron_ext.run_spec.json_files import read_json, write_json_atomic
 from megatron_ext.run_spec.run_paths import RunPaths
@@ -89,18 +93,22 @@ class NodeExit:
     signal: str | None
     reason: str
     ended_at: float
+    run_id: str = ""
+    """The start this end belongs to."""
 
 
 def write_exit(paths: RunPaths, ended: NodeExit) -> None:
     write_json_atomic(paths.node_exit_file(ended.node_rank), {**asdict(ended), "state": ended.state.value})
 
 
-def read_exit(paths: RunPaths, node_rank: int) -> NodeExit | None:
+def read_exit(paths: RunPaths, node_rank: int, run_id: str | None = None) -> NodeExit | None:
+    """How the node's run ended (of the start ``run_id`` when given), or None."""
     raw = read_json(paths.node_exit_file(node_rank))
     try:
-        return NodeExit(**{**raw, "state": RunState(raw["state"])}) if isinstance(raw, dict) else None
+        ended = NodeExit(**{**raw, "state": RunState(raw["state"])}) if isinstance(raw, dict) else None
     except (TypeError, KeyError, ValueError):
         return None
+    return ended if ended is None or run_id is None or ended.run_id == run_id else None
 
 
 # -- the supervisor's heartbeat, the run's failure, the node's plan ------------------------------
@@ -112,16 +120,19 @@ class Heartbeat:
     attempt: int
     state: RunState
     at: float
+    run_id: str = ""
 
 
-def write_heartbeat(paths: RunPaths, node_rank: int, attempt: int, state: RunState) -> None:
-    write_json_atomic(paths.node_heartbeat_file(node_rank), {"attempt": attempt, "state": state.value, "at": time.time()})
+def write_heartbeat(paths: RunPaths, node_rank: int, attempt: int, state: RunState, run_id: str = "") -> None:
+    write_json_atomic(paths.node_heartbeat_file(node_rank),
+                      {"attempt": attempt, "state": state.value, "at": time.time(), "run_id": run_id})
 
 
 def read_heartbeat(paths: RunPaths, node_rank: int) -> Heartbeat | None:
     raw = read_json(paths.node_heartbeat_file(node_rank))
     try:
-        return Heartbeat(int(raw["attempt"]), RunState(raw["state"]), float(raw["at"])) if isinstance(raw, dict) else None
+        return Heartbeat(int(raw["attempt"]), RunState(raw["state"]), float(raw["at"]), str(raw.get("run_id", ""))) \
+            if isinstance(raw, dict) else None
     except (KeyError, ValueError, TypeError):
         return None
 
@@ -170,67 +181,167 @@ def read_save_request(paths: RunPaths) -> str | None:
     return str(raw.get("why") or "save requested") if isinstance(raw, dict) else None
 
 
-def write_plan_file(paths: RunPaths, node_rank: int, plan_json: str, pid_path: Path) -> Path:
-    """The node's plan for its supervisor, after removing what the node's last start left
-    (exit record, heartbeat, pid file); both the ssh and the srun start use it."""
-    for stale in (paths.node_exit_file(node_rank), paths.node_heartbeat_file(node_rank), pid_path):
-        stale.unlink(missing_ok=True)
+def write_plan_file(paths: RunPaths, node_rank: int, plan_json: str) -> Path:
+    """The node's plan for its supervisor (node-start writes it; under srun the launcher does: the
+    step's tasks read it)."""
     plan_file = paths.node_plan_file(node_rank)
     plan_file.parent.mkdir(parents=True, exist_ok=True)
     plan_file.write_text(plan_json)
     return plan_file
 
 
-# -- a sweep in progress -----------------------------------------------------------------------
+def reset_node_files(paths: RunPaths, node_rank: int) -> None:
+    """A node's start: what the node's last start left (exit record, heartbeat) goes."""
+    for stale in (paths.node_exit_file(node_rank), paths.node_heartbeat_file(node_rank)):
+        stale.unlink(missing_ok=True)
+
+
+def reset_run_files(paths: RunPaths, keep_ledger: bool) -> None:
+    """Node 0's start: no failure, save request or attempt files of an earlier start (the ledger is
+    kept only for a requeued batch job, which continues its attempts)."""
+    clear_failure(paths)
+    for path in paths.run_state_dir.glob(f"{paths.run}_a*.*"):
+        if path.name[len(paths.run) + 2:].split(".", 1)[0].isdigit():
+            path.unlink(missing_ok=True)
+    paths.save_request_file.unlink(missing_ok=True)
+    if not keep_ledger:
+        paths.attempts_file.unlink(missing_ok=True)
+        for mark in paths.run_state_dir.glob(f"{paths.run}.batch_signal.*"):
+            mark.unlink(missing_ok=True)
+
+
+# -- the pid file -------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class SweepRecord:
-    """``run_state/<prefix>.sweep.json``: written by a sweep when it starts, before each stage and
-    when it ends. ``stop PREFIX`` writes ``<prefix>.sweep.stop`` (a file of its own, so the two
-    writers never overwrite each other) and stops the current stage; the sweep checks for it
-    before each stage, after each start and at every poll, so a sweep is stoppable at any moment."""
+class PidRecord:
+    """``<run>_node<N>.pid``: everything stop needs to recognise the run's processes on the node."""
 
-    prefix: str
-    pid: int
-    """The sweep's process, on the machine where it was given (``hostname``)."""
-    start_time: int
-    """The sweep process's start time (clock ticks since boot), to recognise it."""
+    run: str
+    run_id: str
+    node_rank: int
+    host: str
     hostname: str
-    stages: tuple[int, ...]
-    current_run: str | None = None
-    """The stage run now starting or running (None before the first and after the last)."""
-    ended: bool = False
+    pid: int
+    pgid: int
+    start_time: int
+    """Process start time in clock ticks since boot (/proc/PID/stat field 22)."""
+    argv: list[str]
+    log_path: str
+    started_at: float
+    supervisor_pid: int | None = None
+    """The node's supervisor (orchestration/node/supervisor.py), torchrun's parent in the same process group."""
+    slurm_step: str | None = None
+    """JOB.STEP when the node runs as a task of a Slurm step (the srun transport)."""
+    supervisor_start_time: int | None = None
+    """The supervisor's start time (clock ticks since boot): it outlives torchrun between attempts."""
 
 
-def _sweep_file(root: Path, prefix: str, suffix: str) -> Path:
-    return RunPaths(root, prefix).run_state_dir / f"{prefix}.{suffix}"
+def write_pid_file(path: Path, record: PidRecord) -> None:
+    write_json_atomic(path, asdict(record))
 
 
-def write_sweep_record(root: Path, record: SweepRecord) -> None:
-    write_json_atomic(_sweep_file(root, record.prefix, "sweep.json"), asdict(record))
-
-
-def read_sweep_record(root: Path, prefix: str) -> SweepRecord | None:
-    raw = read_json(_sweep_file(root, prefix, "sweep.json"))
+def read_pid_file(path: Path) -> PidRecord | None:
+    raw = read_json(path)
     try:
-        return SweepRecord(**{**raw, "stages": tuple(raw["stages"])}) if isinstance(raw, dict) else None
-    except (TypeError, KeyError):
+        return PidRecord(**raw) if isinstance(raw, dict) else None
+    except TypeError:
         return None
 
 
-def request_sweep_stop(root: Path, prefix: str, why: str) -> None:
-    path = _sweep_file(root, prefix, "sweep.stop")
-    if not path.exists():
-        path.write_text(why)
+@dataclass(frozen=True)
+class StartWait:
+    """How a node's start turned out: its torchrun's record, or how it ended."""
+
+    record: PidRecord | None
+    ended: NodeExit | None
+    timed_out: bool = False
+
+    @property
+    def started(self) -> bool:
+        return self.record is not None and not (self.ended is not None and self.ended.state.failed)
 
 
-def sweep_stop_request(root: Path, prefix: str) -> str | None:
-    """Why ``stop PREFIX`` asked the sweep to stop, or None."""
-    try:
-        return _sweep_file(root, prefix, "sweep.stop").read_text().strip() or "stop requested"
-    except FileNotFoundError:
-        return None
+def wait_until_started(paths: RunPaths, node_rank: int, pid_path: Path, run_id: str, alive: Callable[[], bool],
+                       timeout_s: float, settle_s: float = 0.0, poll_s: float = 0.1) -> StartWait:
+    """Until the node's torchrun of start ``run_id`` runs (its pid file) and has for ``settle_s``,
+    or the node's start ended (its exit record, or ``alive()`` false: the supervisor or the srun
+    step is gone), or ``timeout_s``: the one wait for a start (node-start, the srun start)."""
+    t0 = time.monotonic()
+    record = None
+    while True:
+        if record is None:
+            found = read_pid_file(pid_path)
+            record = found if found is not None and found.run_id == run_id else None
+        ended = read_exit(paths, node_rank, run_id)
+        elapsed = time.monotonic() - t0
+        if (ended is not None and ended.state.failed) or not alive():
+            return StartWait(record, ended)
+        if record is not None and elapsed >= settle_s:
+            return StartWait(record, ended)
+        if elapsed > timeout_s:
+            return StartWait(record, ended, timed_out=True)
+        time.sleep(poll_s)
 
 
-def clear_sweep_stop(root: Path, prefix: str) -> None:
-    _sweep_file(root, prefix, "sweep.stop").unlink(missing_ok=True)
+# -- the ledger -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One attempt in the ledger."""
+
+    attempt: int
+    run_id: str
+    """The start it belongs to (a requeued batch job is another start of the same run)."""
+    started_at: float
+    checkpoint_at_start: int | None
+    ended_at: float | None = None
+    state: RunState | None = None
+    reason: str | None = None
+    checkpoint_at_end: int | None = None
+
+    @property
+    def made_progress(self) -> bool:
+        return self.checkpoint_at_end is not None and (self.checkpoint_at_start is None
+                                                       or self.checkpoint_at_end > self.checkpoint_at_start)
+
+
+def state_dict(obj) -> dict:
+    """A dataclass with RunState fields as a JSON-ready dict."""
+    return {k: (v.value if isinstance(v, RunState) else v) for k, v in asdict(obj).items()}
+
+
+def read_ledger(paths: RunPaths) -> list[AttemptRecord]:
+    raw = read_json(paths.attempts_file)
+    out = []
+    for item in raw if isinstance(raw, list) else []:
+        try:
+            out.append(AttemptRecord(**{**item, "state": RunState(item["state"]) if item.get("state") else None}))
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def write_ledger(paths: RunPaths, records: Sequence[AttemptRecord]) -> None:
+    write_json_atomic(paths.attempts_file, [state_dict(r) for r in records])
+
+
+def begin_attempt(paths: RunPaths, attempt: int, run_id: str, checkpoint: int | None) -> None:
+    """Node 0: attempt ``attempt`` starts now, with ``checkpoint`` the latest complete one."""
+    records = [r for r in read_ledger(paths) if r.attempt != attempt]
+    write_ledger(paths, [*records, AttemptRecord(attempt, run_id, time.time(), checkpoint)])
+
+
+def end_attempt(paths: RunPaths, attempt: int, state: RunState, reason: str, checkpoint: int | None) -> list[AttemptRecord]:
+    """Node 0: attempt ``attempt`` ended so; the ledger as it now stands."""
+    records = [replace(r, ended_at=time.time(), state=state, reason=reason, checkpoint_at_end=checkpoint)
+               if r.attempt == attempt else r for r in read_ledger(paths)]
+    write_ledger(paths, records)
+    return records
+
+
+def first_attempt(paths: RunPaths, continue_ledger: bool) -> int:
+    """The attempt a start begins with: 1, or after the ledger's last (a requeued batch job)."""
+    records = read_ledger(paths) if continue_ledger else []
+    return max((r.attempt for r in records), default=0) + 1
+
+

@@ -5,8 +5,8 @@ finds its hangs, restarts by itself and saves on preemption.
 
 ``node-start`` starts one per node, detached (under Slurm, one task of the start's srun step per
 node). For each attempt it starts the node's torchrun exactly as the plan says (same process
-group, so ``stop`` signals both; the ranks get a node-local progress directory and the attempt
-number), writes the pid file, and then every :data:`POLL_S` seconds:
+group, so ``stop`` signals both; the environment is the plan's, with the attempt number by the
+plan's per-attempt rule), writes the pid file, and then every :data:`POLL_S` seconds:
 
 - rewrites the node's heartbeat (attempt, state);
 - torchrun exits 0: the node ``finished`` (or ``preempted``, when it had asked its ranks to save);
@@ -30,28 +30,30 @@ Side effects: processes, the run_state files, the node log, the node-local progr
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Mapping
 
 from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.run_spec.iteration_log import parse_log
-from megatron_ext.run_spec.resilience import (ATTEMPT_ENV, FLIGHT_RECORDER_ENTRIES, FLIGHT_RECORDER_ENV, PROGRESS_DIR_ENV,
-                                              ResilienceParams, read_progress)
+from megatron_ext.run_spec.resilience import PROGRESS_DIR_ENV, ResilienceParams, read_progress
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.node import attempts, processes
 from orchestration.node.attempts import JOIN_S, AttemptEnd, Decision
 from orchestration.node.failure import describe_returncode, failure_summary
-from orchestration.node.node_plan import NodePlan, decode_payload
 from orchestration.node.run_state import (HEARTBEAT_S, NODE_LOST_S, NodeExit, RunState, claim_failure, clear_failure,
                                           heartbeat_age_s, read_exit, read_failure, read_save_request, request_save, tail,
                                           write_exit, write_heartbeat)
+from orchestration.node.run_state import begin_attempt, end_attempt, read_ledger, write_pid_file
+from orchestration.node.wire import NodePlan, decode_payload
 from orchestration.node.watchdog import Watchdog, dump_node, find_suspects, read_node_report, worker_pids
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.5
 LOG_TAIL_LINES = 25
@@ -61,12 +63,6 @@ HUNG_STOP_GRACE_S = 10.0
 """A hung attempt's stop: its ranks are sent SIGCONT, then torchrun SIGTERM; this long before SIGKILL."""
 PREEMPTED_LINE = "exiting program after receiving"
 """Megatron-LM's line after a signal-triggered save (its exit code is 0, as for a finished run)."""
-
-
-def node_local_dir() -> Path:
-    """Where the ranks' progress files go: tmpfs when the machine has one (no disk, no network)."""
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
 class Supervisor:
@@ -83,7 +79,7 @@ class Supervisor:
         self.started = time.time()
         self.attempt = plan.first_attempt
         self.restarts = 0
-        self.progress_dir = node_local_dir() / f"megatron_ext_{plan.run_id}_node{self.rank}"
+        self.progress_dir = Path(plan.env[PROGRESS_DIR_ENV])
 
     # -- small steps --------------------------------------------------------------------------
 
@@ -94,10 +90,10 @@ class Supervisor:
         request_save(self.paths, f"SIGUSR1 to node {self.rank}'s supervisor")
 
     def say(self, text: str) -> None:
-        print(f"[supervisor node{self.rank}] {text}", flush=True)
+        log.info("[supervisor node%d] %s", self.rank, text)
 
     def beat(self, state: RunState) -> None:
-        write_heartbeat(self.paths, self.rank, self.attempt, state)
+        write_heartbeat(self.paths, self.rank, self.attempt, state, self.plan.run_id)
 
     def _lost_peer(self) -> int | None:
         """A peer whose heartbeat went stale while it had not ended."""
@@ -128,16 +124,13 @@ class Supervisor:
     def _start_torchrun(self) -> subprocess.Popen:
         shutil.rmtree(self.progress_dir, ignore_errors=True)
         self.progress_dir.mkdir(parents=True)
-        env = {**self.plan.process_environment(self.node_env), PROGRESS_DIR_ENV: str(self.progress_dir),
-               ATTEMPT_ENV: str(self.attempt)}
-        if not any(name in env for name in FLIGHT_RECORDER_ENV):  # the collectives each rank issued, for the dumps
-            env[FLIGHT_RECORDER_ENV[0]] = str(FLIGHT_RECORDER_ENTRIES)
+        env = self.plan.process_environment(self.node_env, self.attempt)  # exactly the plan's (its per-attempt rule)
         with open(self.plan.log_path, "ab", buffering=0) as out:
             proc = subprocess.Popen(list(self.plan.argv), cwd=self.plan.cwd, env=env, stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT)
         record = processes.new_record(self.plan.run, self.plan.run_id, self.rank, self.plan.host, proc, self.plan.argv,
                                       Path(self.plan.log_path), supervisor_pid=os.getpid(), slurm_step=self.slurm_step)
-        processes.write_pid_file(self.plan.pid_file, record)
+        write_pid_file(self.plan.pid_file, record)
         return proc
 
     def _stop_torchrun(self, proc: subprocess.Popen, reason: str, hung: bool = False) -> None:
@@ -148,7 +141,7 @@ class Supervisor:
                     os.kill(pid, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
-        processes.stop_run(self.plan.run, self.rank, self.plan.host, self.plan.pid_file,
+        processes.stop_node(self.plan.run, self.rank, self.plan.host, self.plan.pid_file,
                            grace_s=HUNG_STOP_GRACE_S if hung else processes.DEFAULT_STOP_GRACE_S, signal_group=False)
         proc.poll()
 
@@ -186,7 +179,7 @@ class Supervisor:
                 return AttemptEnd(self.rank, self.attempt, RunState.PREEMPTED, "saved a checkpoint on request and ended")
             return AttemptEnd(self.rank, self.attempt, RunState.FINISHED, "torchrun exited with code 0")
         # torchrun is gone; its workers, in sessions of their own, may not be (torchrun SIGKILLed): sweep them
-        processes.stop_run(self.plan.run, self.rank, self.plan.host, self.plan.pid_file, grace_s=0.0, signal_group=False)
+        processes.stop_node(self.plan.run, self.rank, self.plan.host, self.plan.pid_file, grace_s=0.0, signal_group=False)
         if self.stopping:
             return AttemptEnd(self.rank, self.attempt, RunState.STOPPED, "stopped on request", requested=True)
         text = failure_summary(self.rank, self.plan.host, code, tail(Path(self.plan.log_path), LOG_TAIL_LINES))
@@ -215,7 +208,7 @@ class Supervisor:
     def run_attempt(self) -> AttemptEnd:
         checkpoint = latest_iteration(self.paths.checkpoints_dir)
         if self.leader:
-            attempts.begin_attempt(self.paths, self.attempt, self.plan.run_id, checkpoint)
+            begin_attempt(self.paths, self.attempt, self.plan.run_id, checkpoint)
         total = self.plan.first_attempt + self.policy.max_restarts
         self.say(f"attempt {self.attempt} of {total}: starting torchrun"
                  + (f" (the ranks resume from the checkpoint at iteration {checkpoint})" if checkpoint is not None else ""))
@@ -271,12 +264,12 @@ class Supervisor:
         failure = read_failure(self.paths) or end.reason
         cause = RunState.HUNG if " hung: " in failure else RunState.FAILED
         self._close_ledger(end)
-        ledger = attempts.read_ledger(self.paths)
+        ledger = read_ledger(self.paths)
         if self.stopping:
             ends[self.rank] = AttemptEnd(self.rank, self.attempt, RunState.STOPPED, "stopped on request", requested=True)
         decision = attempts.decide(self.attempt, ends, ledger, self.policy, self.restarts, cause, failure)
         if not decision.restart:  # the ledger's last word is how the run ended
-            attempts.end_attempt(self.paths, self.attempt, decision.state, decision.reason,
+            end_attempt(self.paths, self.attempt, decision.state, decision.reason,
                                  latest_iteration(self.paths.checkpoints_dir))
         if decision.restart:  # the next attempt starts without this one's failure (kept beside the ledger)
             if self.paths.failure_file.exists():
@@ -298,7 +291,7 @@ class Supervisor:
 
     def finish(self, state: RunState, reason: str, code: int | None = None) -> int:
         exit_code, sig = describe_returncode(code) if code is not None else (None, None)
-        write_exit(self.paths, NodeExit(self.rank, state, exit_code, sig, reason, time.time()))
+        write_exit(self.paths, NodeExit(self.rank, state, exit_code, sig, reason, time.time(), self.plan.run_id))
         self.say(f"{state}: {reason}")
         shutil.rmtree(self.progress_dir, ignore_errors=True)
         return 0
@@ -309,7 +302,7 @@ class Supervisor:
             return
         failure = read_failure(self.paths) if end.state not in (RunState.FINISHED, RunState.PREEMPTED) else None
         state = end.state if failure is None else RunState.HUNG if " hung: " in failure else RunState.FAILED
-        attempts.end_attempt(self.paths, self.attempt, state, failure or end.reason,
+        end_attempt(self.paths, self.attempt, state, failure or end.reason,
                              latest_iteration(self.paths.checkpoints_dir))
 
     def run(self) -> int:

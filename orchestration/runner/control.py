@@ -1,56 +1,45 @@
-"""A started run: stop it, ask how it stands, wait for its end.
+"""A started run: stop it, ask how it stands, wait until it has ended.
 
     python -m orchestration stop demo                 # every node (HOSTS, else the hosts its start recorded)
     DRY_RUN=1 python -m orchestration stop demo       # what each node would signal; signals nothing
     python -m orchestration status demo
 
 :func:`stop_run` and :func:`collect_status` return typed results the CLI prints and the sweep
-reads. A run submitted as a Slurm batch job is cancelled / asked through Slurm; ``stop PREFIX``
-of a live ZeRO sweep asks the sweep to stop and stops its current stage. Side effects: the node
-commands, Slurm's commands, the sweep's stop file.
+reads; :func:`wait_until_ended` is the one wait for a run's end (``start --wait``, batch jobs,
+``stop --save``, every stage of a sweep). A run submitted as a Slurm batch job is cancelled /
+asked through Slurm; ``stop PREFIX`` of a live ZeRO sweep asks the sweep to stop and stops its
+current stage. Side effects: the node commands, Slurm's commands, the save request and the
+sweep's stop file.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
+from megatron_ext.run_spec.errors import EXIT_GAVE_UP, EXIT_NODE_FAILED, EXIT_OK, EXIT_PREEMPTED
 from megatron_ext.run_spec.resolved import read_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.cluster import slurm
 from orchestration.cluster.fanout import NodeResult, call_nodes
-from orchestration.cluster.transports import is_this_machine
+from orchestration.cluster.transports import transport_for
 from orchestration.launch_env import LaunchEnv
-from orchestration.node import processes
-from orchestration.node.attempts import AttemptRecord, read_ledger
-from orchestration.node.commands import NodeStatus, node_status
-from orchestration.node.node_plan import DEFAULT_STOP_GRACE_S, status_call, stop_call
-from orchestration.node.processes import StopPreview, StopResult
-from orchestration.node.run_state import (NodeExit, SweepRecord, read_exit, read_sweep_record, request_save,
-                                          request_sweep_stop)
+from orchestration.node.run_state import AttemptRecord, RunState, read_ledger, read_pid_file, request_save
+from orchestration.node.local import answer_here
+from orchestration.node.wire import (DEFAULT_STOP_GRACE_S, NodeStatus, StopPreview, StopResult, decode_payload, status_call,
+                                     stop_call)
+from orchestration.runner.nodes import Nodes, run_nodes
+from orchestration.runner.sweep_state import SweepRecord, read_sweep_record, request_sweep_stop
 
 STATUS_TIMEOUT_S = 60.0
-
-
-def this_node(launch: LaunchEnv) -> list[tuple[int, str]]:
-    return [(launch.node_rank, "localhost")]
-
-
-def start_nodes(launch: LaunchEnv, only_this_node: bool) -> list[tuple[int, str]]:
-    """The nodes a start reaches: this one (``--this-node``), or every host."""
-    return this_node(launch) if only_this_node else list(enumerate(launch.hosts))
-
-
-def run_nodes(launch: LaunchEnv, run: str, only_this_node: bool) -> list[tuple[int, str]]:
-    """The nodes a run lives on: HOSTS/HOSTFILE when given, else the hosts its start recorded."""
-    if not only_this_node and not launch.hosts_explicit:
-        resolved = read_resolved(RunPaths(launch.artifact_root, run).params_path)
-        if resolved is not None:
-            return list(enumerate(resolved.runtime.hosts))
-    return start_nodes(launch, only_this_node)
+LOCAL_POLL_S = 1.0
+REMOTE_POLL_S = 5.0
+EXIT_RECORD_WAIT_S = 10.0
+"""After torchrun is gone on every node, how long to wait for the supervisors' records of how it ended."""
 
 
 def batch_job_of(launch: LaunchEnv, run: str, only_this_node: bool) -> str | None:
@@ -85,6 +74,13 @@ class StopOutcome:
         return all(r.ok for r in self.nodes) and all(r.value.ok for r in self.nodes if isinstance(r.value, StopResult))
 
 
+def stop_nodes(launch: LaunchEnv, run: str, nodes: Sequence[tuple[int, str]], grace_s: float = DEFAULT_STOP_GRACE_S,
+               dry_run: bool = False) -> list[NodeResult]:
+    """``node-stop`` on ``nodes`` in parallel (a start's roll-back, a run's stop)."""
+    return call_nodes(launch, nodes, lambda rank, host: stop_call(run, rank, host, launch.artifact_root, grace_s, dry_run),
+                      StopPreview if dry_run else StopResult, timeout_s=grace_s + 60)
+
+
 def stop_run(launch: LaunchEnv, run: str, only_this_node: bool = False, grace_s: float = DEFAULT_STOP_GRACE_S,
              dry_run: bool = False) -> StopOutcome:
     """Stop ``run`` everywhere it lives (or say what would be signalled, with ``dry_run``)."""
@@ -97,14 +93,12 @@ def stop_run(launch: LaunchEnv, run: str, only_this_node: bool = False, grace_s:
             request_sweep_stop(launch.artifact_root, run, f"stop {run}")
         stage = stop_run(launch, sweep.current_run, only_this_node, grace_s, dry_run) if sweep.current_run else None
         return StopOutcome(run, dry_run, sweep=sweep, stage=stage)
-    results = call_nodes(launch, run_nodes(launch, run, only_this_node),
-                         lambda rank, host: stop_call(run, rank, host, launch.artifact_root, grace_s, dry_run),
-                         StopPreview if dry_run else StopResult, timeout_s=grace_s + 60)
+    results = stop_nodes(launch, run, run_nodes(launch, run, only_this_node), grace_s, dry_run)
     cancelled = []
-    if launch.transport == "srun" and not dry_run:  # a node srun could not reach: cancel its step instead
+    if launch.use_srun and not dry_run:  # a node srun could not reach: cancel its step instead
         paths = RunPaths(launch.artifact_root, run)
         for r in results:
-            record = processes.read_pid_file(paths.node_pid_file(r.node_rank))
+            record = read_pid_file(paths.node_pid_file(r.node_rank))
             if not r.ok and record and record.slurm_step and slurm.cancel_step(record.slurm_step):
                 cancelled.append((r.node_rank, r.host, record.slurm_step))
     return StopOutcome(run, dry_run, nodes=tuple(results), cancelled_steps=tuple(cancelled))
@@ -133,20 +127,23 @@ class StatusReport:
         return next((r.value.run_failure for r in self.nodes if r.ok and r.value.run_failure), None)
 
 
-def _local_result(rank: int, host: str, status: NodeStatus) -> NodeResult[NodeStatus]:
-    return NodeResult(rank, host, [], 0, status, None, "")
+def _status_here(launch: LaunchEnv, run: str, rank: int, host: str, seq_length: int | None) -> NodeResult[NodeStatus]:
+    """A node's status read in this process from the shared run_state files (alive = its
+    supervisor's heartbeat is recent): for nodes this process cannot ask directly."""
+    call = status_call(run, rank, host, launch.artifact_root, seq_length, by_heartbeat=True)
+    code, line = answer_here(call, launch.environ)
+    value = decode_payload(NodeStatus, json.loads(line)) if code == 0 else None
+    return NodeResult(rank, host, [], code, value, None if value else line, "")
 
 
-def node_statuses(launch: LaunchEnv, run: str, nodes: Sequence[tuple[int, str]],
-                  seq_length: int | None) -> list[NodeResult[NodeStatus]]:
-    """Every node's status: in this process for this machine's nodes, else through the node command."""
-    paths = RunPaths(launch.artifact_root, run)
-    here = {rank: _local_result(rank, host, node_status(paths, rank, host, seq_length))
-            for rank, host in nodes if is_this_machine(launch, host)}
-    remote = [(rank, host) for rank, host in nodes if rank not in here]
-    there = {r.node_rank: r for r in call_nodes(launch, remote, lambda rank, host: status_call(
-        run, rank, host, launch.artifact_root, seq_length), NodeStatus, STATUS_TIMEOUT_S)} if remote else {}
-    return [here.get(rank) or there[rank] for rank, _ in nodes]
+def node_statuses(launch: LaunchEnv, run: str, nodes: Sequence[tuple[int, str]], seq_length: int | None,
+                  by_heartbeat: bool = False) -> list[NodeResult[NodeStatus]]:
+    """Every node's status: asked of each node (in this process for this machine), or, inside a
+    Slurm allocation or with ``by_heartbeat``, read from the shared files here (no srun task per poll)."""
+    if by_heartbeat or launch.use_srun:
+        return [_status_here(launch, run, rank, host, seq_length) for rank, host in nodes]
+    return call_nodes(launch, nodes, lambda rank, host: status_call(run, rank, host, launch.artifact_root, seq_length),
+                      NodeStatus, STATUS_TIMEOUT_S)
 
 
 def collect_status(launch: LaunchEnv, run: str, only_this_node: bool = False) -> StatusReport:
@@ -160,14 +157,83 @@ def collect_status(launch: LaunchEnv, run: str, only_this_node: bool = False) ->
     if job:  # a batch job, seen from outside it: its state, and each node from the shared run_state files
         state = slurm.job_state(job)
         hosts = resolved.runtime.hosts if resolved and state != "PENDING" else ()
-        nodes = tuple(_local_result(rank, host, node_status(paths, rank, host, seq, by_heartbeat=True))
-                      for rank, host in enumerate(hosts))
-        return StatusReport(run, nodes, job, state, ledger, max_attempts)
+        nodes = node_statuses(launch, run, list(enumerate(hosts)), seq, by_heartbeat=True)
+        return StatusReport(run, tuple(nodes), job, state, ledger, max_attempts)
     return StatusReport(run, tuple(node_statuses(launch, run, run_nodes(launch, run, only_this_node), seq)),
                         attempts=ledger, max_attempts=max_attempts)
 
 
 # -- the end --------------------------------------------------------------------------------------
+
+Statuses = Mapping[int, "NodeStatus | None"]
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """How a run ended on every node (None: a node that gave no status)."""
+
+    statuses: dict[int, NodeStatus | None] = field(default_factory=dict)
+    unreachable: tuple[int, ...] = ()
+    """Nodes that answered no status for the wait's ``unreachable_s``: the run was stopped from here."""
+
+    @property
+    def states(self) -> set[RunState | None]:
+        return {s.state if s else None for s in self.statuses.values()}
+
+    def describe(self) -> str:
+        return ", ".join(f"node{rank} {s.state if s else 'unreachable'}" for rank, s in sorted(self.statuses.items()))
+
+
+def poll_interval_s(launch: LaunchEnv, nodes: Nodes) -> float:
+    """How often a wait asks for statuses: every second where that costs no connection (this
+    machine, or the shared files inside an allocation), else every REMOTE_POLL_S."""
+    here = launch.use_srun or all(transport_for(launch, host).in_process for _, host in nodes)
+    return LOCAL_POLL_S if here else REMOTE_POLL_S
+
+
+def wait_until_ended(launch: LaunchEnv, run: str, nodes: Nodes, seq_length: int | None = None, poll_s: float | None = None,
+                     timeout_s: float | None = None, on_poll: Callable[[Statuses, float], None] | None = None,
+                     unreachable_s: float | None = None) -> RunEnd | None:
+    """Until the run has ended on every node: torchrun gone and each supervisor's record of how
+    (finished, failed, stopped, ...) written, or EXIT_RECORD_WAIT_S after torchrun went. None after
+    ``timeout_s``. ``on_poll(statuses, elapsed_s)`` sees every poll (progress lines; it may raise to
+    stop waiting). Each node's supervisor stops its node when another fails or goes silent; a node
+    that answers no status for ``unreachable_s`` gets the run stopped from here."""
+    t0 = time.monotonic()
+    poll_s = poll_interval_s(launch, nodes) if poll_s is None else poll_s
+    gone_since = unknown_since = None
+    while True:
+        results = node_statuses(launch, run, nodes, seq_length)
+        statuses = {r.node_rank: r.value if r.ok else None for r in results}
+        now = time.monotonic()
+        if on_poll is not None:
+            on_poll(statuses, now - t0)
+        known = [s for s in statuses.values() if s is not None]
+        gone = len(known) == len(statuses) and not any(s.alive for s in known)
+        gone_since = (gone_since or now) if gone else None
+        if gone and (all(s.exit for s in known) or now - gone_since > EXIT_RECORD_WAIT_S):
+            return RunEnd(statuses)
+        unknown_since = (unknown_since or now) if len(known) < len(statuses) else None
+        if unreachable_s is not None and unknown_since and now - unknown_since > unreachable_s:
+            missing = tuple(rank for rank, s in statuses.items() if s is None)
+            stop_run(launch, run)
+            after = {r.node_rank: r.value if r.ok else None for r in node_statuses(launch, run, nodes, seq_length)}
+            return RunEnd({**after, **{rank: None for rank in missing}}, missing)
+        if timeout_s is not None and now - t0 > timeout_s:
+            return None
+        time.sleep(poll_s)
+
+
+def end_exit_code(states: Iterable[RunState | None]) -> int:
+    """A waited-for run's exit code: 0 finished everywhere, 3 saved and ended on request
+    (preempted), 93 the restart breaker gave up, else 1."""
+    states = set(states)
+    if states == {RunState.FINISHED}:
+        return EXIT_OK
+    if states == {RunState.PREEMPTED}:
+        return EXIT_PREEMPTED
+    return EXIT_GAVE_UP if RunState.GAVE_UP in states else EXIT_NODE_FAILED
+
 
 @dataclass
 class SaveSignal:
@@ -183,7 +249,7 @@ class SaveSignal:
     def install(self) -> None:
         signal.signal(signal.SIGUSR1, lambda signum, frame: self._request("SIGUSR1 to the waiting start"))
 
-    def poll(self) -> None:
+    def poll(self, statuses: Statuses | None = None, elapsed_s: float = 0.0) -> None:
         if not self.received and self.mark is not None and self.mark.exists():
             self._request("SIGUSR1 to the batch job (its time limit or a preemption is near)")
 
@@ -192,24 +258,7 @@ class SaveSignal:
         request_save(self.paths, why)
 
 
-def wait_for_end(paths: RunPaths, ranks: Sequence[int], poll_s: float = 2.0, timeout_s: float | None = None,
-                 on_poll: Callable[[], None] | None = None) -> list[NodeExit] | None:
-    """Block until every node recorded how it ended (``start --wait``, batch jobs, ``stop --save``);
-    None after ``timeout_s``. ``on_poll`` runs at every poll."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        if on_poll is not None:
-            on_poll()
-        ended = [read_exit(paths, rank) for rank in ranks]
-        if all(ended):
-            return ended
-        if deadline is not None and time.monotonic() > deadline:
-            return None
-        time.sleep(poll_s)
-
-
-def save_and_wait(launch: LaunchEnv, run: str, only_this_node: bool, timeout_s: float) -> list[NodeExit] | None:
+def save_and_wait(launch: LaunchEnv, run: str, only_this_node: bool, timeout_s: float) -> RunEnd | None:
     """``stop --save``: ask every node to save at the next step and end; wait for their ends."""
-    paths = RunPaths(launch.artifact_root, run)
-    request_save(paths, "stop --save")
-    return wait_for_end(paths, [rank for rank, _ in run_nodes(launch, run, only_this_node)], 1.0, timeout_s)
+    request_save(RunPaths(launch.artifact_root, run), "stop --save")
+    return wait_until_ended(launch, run, run_nodes(launch, run, only_this_node), timeout_s=timeout_s)

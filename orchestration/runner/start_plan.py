@@ -1,35 +1,88 @@
-"""The start plan: what every node runs, built once, printed by ``DRY_RUN=1``, executed as printed.
+"""The start plan: what every node runs, built by one pure function from what the start read and
+what the nodes' preflight answered; ``DRY_RUN=1`` prints it, a start executes exactly it.
 
     DRY_RUN=1 HOSTS=node0,node1 python -m orchestration start gpt_smoke smoke demo
 
-Plan, then execute (torchx / NeMo-Run): :func:`plan_start` checks the parameters for the whole
-cluster, decides the program every rank runs and whether it resumes, and
-:func:`build_start_plan` returns a :class:`StartPlan`
-(the run id, and per node the host, the torchrun argv, the full environment the launcher sets
-for the node's processes including the run tags, the variables it removes, the working
-directory, the log and pid-file paths, the names of the secret variables, never their values). ``DRY_RUN=1`` prints each :class:`NodePlan` as one JSON
-line; ``start`` (orchestration/runner/start.py) sends each node its own plan, and the node side
-only checks, starts it detached and writes the pid file; ``train`` execs its node's plan in the
-foreground. Pure apart from reading the params, the checkpoints' markers and (ENGINE=megatron-lm)
-the checkout.
+Three parts (torchx: ``schedule(dryrun_info)`` runs the request it printed):
+
+- :func:`read_start_inputs` reads what a start depends on (the params with the global batch
+  applied, the latest checkpoint, the attempt ledger, a Megatron-LM checkout, where the data is
+  or will be prepared) into :class:`StartInputs`; every bad input is a UserError here;
+- the preflight (orchestration/runner/preflight.py) asks every node and answers with its
+  :class:`~orchestration.node.wire.NodeReport` (the free port node 0 picked, each node's interface
+  to MASTER_ADDR and its node-local directory, its software);
+- :func:`plan_start` (pure) turns inputs and answers into a :class:`StartPlan`: the run id, and per
+  node the host, the torchrun argv, every variable every process of the run gets from the
+  launcher and the supervisor (attempt 1's, with the rule for later attempts), the variables
+  removed, the working directory, the log and pid-file paths, the names of the secret variables
+  (never their values); and the named :class:`Step` s that have side effects (data preparation,
+  Megatron-LM's argument check, the parameters file, the nodes' start), which the start executes
+  in order (orchestration/runner/start.py). Without answers (the nodes could not be asked) the plan
+  is marked unsettled.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from megatron_ext.data.prepare import PreparedData, is_prepared, planned_prepared
 from megatron_ext.data.tokenizers import check_tokenizer
+from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.checkpoints import check_resumable, latest_iteration, read_meta
 from megatron_ext.run_spec.params import BatchGeometry, RunParams, load_run_params, with_batch_geometry
+from megatron_ext.run_spec.resilience import ATTEMPT_ENV, FLIGHT_RECORDER_ENTRIES, FLIGHT_RECORDER_ENV, PROGRESS_DIR_ENV
 from megatron_ext.run_spec.resolved import ResolvedRun, RunRuntime
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
-from orchestration.engines import ProgramPlan, plan_program
-from orchestration.launch_env import LaunchEnv
-from orchestration.node.attempts import first_attempt
-from orchestration.node.node_plan import NODE_TAG, RUN_ID_TAG, RUN_TAG, NodePlan
+from orchestration.launch_env import SOCKET_IFNAME_VARIABLES, LaunchEnv
+from orchestration.megatron_lm.checkout import Checkout, read_checkout
+from orchestration.megatron_lm.program import ProgramPlan, plan_program
+from orchestration.node.run_state import first_attempt
+from orchestration.node.wire import NODE_TAG, RUN_ID_TAG, RUN_TAG, NodePlan, NodeReport
+
+DEFAULT_LOCAL_DIR = "/dev/shm"
+"""A node's local directory for the ranks' progress files until its preflight says (tmpfs where there is one)."""
+PER_ATTEMPT = {ATTEMPT_ENV: "the attempt: the plan's first_attempt, then one more at each restart"}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One thing a start does beyond planning, in order."""
+
+    name: str
+    """prepare-data, check-arguments, write-params, start-nodes."""
+    description: str
+    check: bool = False
+    """A check (reads, changes nothing): a dry run runs it too. Else an action, which it only lists."""
+
+
+@dataclass(frozen=True)
+class StartInputs:
+    """What a start read before planning (:func:`read_start_inputs`)."""
+
+    model: str
+    data: str
+    run: str
+    nodes: tuple[tuple[int, str], ...]
+    """(node rank, host) of the nodes this start reaches."""
+    params: RunParams
+    """With the overrides and the global batch applied."""
+    geometry: BatchGeometry
+    run_id: str
+    resume_from: int | None = None
+    """The iteration of the run's latest checkpoint, which the ranks will resume from."""
+    resume_note: str | None = None
+    first_attempt: int = 1
+    """1, or the next attempt of a requeued Slurm job (its ledger continues)."""
+    prepared: PreparedData | None = None
+    """ENGINE=megatron-lm: where the data is (or will be) prepared (the launcher prepares it)."""
+    data_ready: bool = True
+    """The prepared data exists already (else the start prepares it first)."""
+    checkout: Checkout | None = None
+    """ENGINE=megatron-lm: the checkout's version and flags."""
 
 
 @dataclass(frozen=True)
@@ -41,23 +94,67 @@ class StartPlan:
     geometry: BatchGeometry
     nodes: tuple[NodePlan, ...] = field(default_factory=tuple)
     resume_from: int | None = None
-    """The iteration of the run's latest checkpoint, which the ranks will resume from."""
     program: ProgramPlan | None = None
     python: str = ""
     cwd: str = ""
     notes: tuple[str, ...] = ()
-    """What the user should know about this start (how the program was checked, a reshard)."""
+    """What the user should know about this start (how the program was checked, a reshard, what
+    the preflight settled)."""
     first_attempt: int = 1
-    """1, or the next attempt of a requeued Slurm job (its ledger continues)."""
+    steps: tuple[Step, ...] = ()
+    settled: bool = False
+    """Built with every node's preflight answers (else MASTER_PORT, the interfaces and the local
+    directories are what a start would settle)."""
+    master_port: int = 0
 
     @property
     def continues_attempts(self) -> bool:
         return self.first_attempt > 1
 
+    def header(self) -> dict:
+        """What the dry run prints before the nodes' plans."""
+        return {"run": self.run, "run_id": self.run_id, "settled": self.settled, "master_port": self.master_port,
+                "resume_from": self.resume_from, "steps": [dataclasses.asdict(s) for s in self.steps]}
+
+    def to_json_lines(self) -> list[str]:
+        """The plan as the dry run prints it: the header, then one line per node."""
+        return [json.dumps({"plan": self.header()}), *(n.to_json() for n in self.nodes)]
+
+
+# -- reading ---------------------------------------------------------------------------------------
+
+def read_start_inputs(launch: LaunchEnv, model: str, data: str, run: str, nodes: Sequence[tuple[int, str]]) -> StartInputs:
+    """Checked params for the whole cluster (world = NNODES x NPROC_PER_NODE) and everything else a
+    start depends on; a UserError before anything starts. Reads files only."""
+    check_run_name(run)
+    params = load_run_params(model, data, launch.overrides)
+    check_tokenizer(params.data.tokenizer)
+    params, geometry = with_batch_geometry(params, launch.world_size)
+    paths = RunPaths(launch.artifact_root, run)
+    resume_from = latest_iteration(paths.checkpoints_dir)
+    note = None
+    if resume_from is not None and params.training.engine == "megatron-core":
+        t = params.training
+        note = check_resumable(read_meta(paths.checkpoints_dir, resume_from), launch.world_size, t.zero_stage,
+                               t.global_batch_size, launch.device, paths.checkpoints_dir)
+    checkout = prepared = None
+    ready = True
+    if params.training.engine == "megatron-lm":
+        if not launch.megatron_lm_dir:
+            raise UserError("ENGINE=megatron-lm needs MEGATRON_LM_DIR, the Megatron-LM checkout holding pretrain_gpt.py")
+        checkout = read_checkout(launch.megatron_lm_dir)
+        prepared = planned_prepared(params.data, paths.data_cache_dir)
+        ready = is_prepared(params.data, paths.data_cache_dir)
+    return StartInputs(model, data, run, tuple(nodes), params, geometry, f"{run}-{uuid.uuid4().hex[:10]}", resume_from,
+                       note, first_attempt(paths, continue_ledger=launch.slurm_restart_count > 0), prepared, ready,
+                       checkout)
+
+
+# -- planning (pure) -------------------------------------------------------------------------------
 
 def render_torchrun_argv(launch: LaunchEnv, node_rank: int, python: str, program: Sequence[str]) -> list[str]:
     """torchrun with a fixed node rank (static rendezvous: stable ranks) running ``program``
-    (``-m megatron_ext.pretrain ...`` or ``pretrain_gpt.py ...``, see orchestration.engines)."""
+    (``-m megatron_ext.pretrain ...`` or ``pretrain_gpt.py ...``, see orchestration/megatron_lm/program.py)."""
     return [
         python, "-m", "torch.distributed.run",
         "--nnodes", str(launch.nnodes),
@@ -69,9 +166,11 @@ def render_torchrun_argv(launch: LaunchEnv, node_rank: int, python: str, program
     ]
 
 
-def node_environment(launch: LaunchEnv, node_rank: int, run: str, run_id: str,
-                     program_env: Mapping[str, str | None]) -> tuple[dict[str, str], tuple[str, ...]]:
-    """(variables set, variables removed) for every process of the run on node ``node_rank``."""
+def node_environment(launch: LaunchEnv, node_rank: int, run: str, run_id: str, program_env: Mapping[str, str | None],
+                     local_dir: str, first: int) -> tuple[dict[str, str], tuple[str, ...]]:
+    """(variables set, variables removed) for every process of the run on node ``node_rank``: the
+    forwarded ones, the program's, the launcher's, the run tags, and the supervisor's (the attempt,
+    the node-local progress directory, torch's flight recorder for the hang dumps)."""
     env = {k: v for k, v in launch.forwarded.items() if k not in program_env}
     env.update({k: v for k, v in program_env.items() if v is not None})
     env.update(
@@ -83,71 +182,83 @@ def node_environment(launch: LaunchEnv, node_rank: int, run: str, run_id: str,
         ARTIFACT_ROOT=str(launch.artifact_root),
         PYTHONUNBUFFERED="1",
         **{RUN_TAG: run, RUN_ID_TAG: run_id, NODE_TAG: str(node_rank)},
+        **{ATTEMPT_ENV: str(first), PROGRESS_DIR_ENV: f"{local_dir.rstrip('/')}/megatron_ext_{run_id}_node{node_rank}"},
     )
+    if not any(name in env for name in FLIGHT_RECORDER_ENV):  # every collective each rank issued, for the dumps
+        env[FLIGHT_RECORDER_ENV[0]] = str(FLIGHT_RECORDER_ENTRIES)
     unset = tuple(sorted(k for k, v in program_env.items() if v is None))
     return env, unset
 
 
-def build_start_plan(launch: LaunchEnv, params: RunParams, geometry: BatchGeometry, program: ProgramPlan,
-                     run: str, run_id: str, nodes: Sequence[tuple[int, str]], python: str, cwd: str,
-                     node_env: Mapping[int, Mapping[str, str]] | None = None, first_attempt: int = 1) -> StartPlan:
-    """The plan for ``nodes`` ((node rank, host) pairs) of a run of ``params`` (global batch
-    already applied) running ``program``; ``node_env`` adds variables per node (e.g. the socket
-    interface preflight found); ``first_attempt`` > 1 continues a requeued job's attempts."""
-    paths = RunPaths(launch.artifact_root, run)
+def settle(launch: LaunchEnv, answers: Sequence[NodeReport] | None) -> tuple[LaunchEnv, dict[int, dict[str, str]],
+                                                                               dict[int, str], list[str]]:
+    """What the preflight's answers decide: the port (node 0's pick, MASTER_PORT unset), each node's
+    interface to MASTER_ADDR (socket variables unset, several nodes), each node's local directory;
+    the notes that say so. Pure."""
+    if answers is None:
+        return launch, {}, {}, []
+    notes = []
+    node0 = next((r for r in answers if r.node_rank == 0), None)
+    if not launch.master_port_explicit and node0 and node0.free_port:
+        launch = dataclasses.replace(launch, master_port=node0.free_port)
+        notes.append(f"MASTER_PORT is not set: using {node0.free_port}, the first free port from 6000 on node 0")
+    unset = [v for v in SOCKET_IFNAME_VARIABLES if v not in launch.forwarded] if launch.nnodes > 1 else []
+    node_env = {}
+    if unset:
+        node_env = {r.node_rank: {v: r.interface for v in unset} for r in answers if r.interface}
+        if node_env:
+            where = ", ".join(f"node{r.node_rank} {r.interface}" for r in answers if r.interface)
+            notes.append(f"{' and '.join(unset)} not set: using the interface that routes to MASTER_ADDR on each node ({where})")
+    local_dirs = {r.node_rank: r.local_dir for r in answers if r.local_dir}
+    return launch, node_env, local_dirs, notes
+
+
+def plan_steps(inputs: StartInputs, program: ProgramPlan, nnodes: int) -> tuple[Step, ...]:
+    steps = []
+    if inputs.prepared is not None and not inputs.data_ready:
+        steps.append(Step("prepare-data", f"tokenize {inputs.params.data.source} into {inputs.prepared.prefixes[0]} "
+                                          "(Megatron-LM reads prepared prefixes)"))
+    steps += [Step(name, text, check=True) for name, text in program.checks]
+    steps.append(Step("write-params", "write the resolved parameters beside the logs"))
+    steps.append(Step("start-nodes", f"start {nnodes} node(s) in parallel: each node's supervisor starts its torchrun "
+                                     "(node 0 first clears the run's failure and attempt files)"))
+    return tuple(steps)
+
+
+def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeReport] | None = None) -> StartPlan:
+    """The plan of every node in ``inputs.nodes``, settled by ``answers`` (every node's preflight
+    report) when given. Pure."""
+    launch, interfaces, local_dirs, settled_notes = settle(launch, answers)
+    params, paths = inputs.params, RunPaths(launch.artifact_root, inputs.run)
+    program = plan_program(params, inputs.model, inputs.data, paths, launch, inputs.checkout, inputs.prepared, answers)
     node_plans = []
-    for rank, host in nodes:
-        env, unset = node_environment(launch, rank, run, run_id, program.env)
-        env.update((node_env or {}).get(rank, {}))
+    for rank, host in inputs.nodes:
+        env, unset = node_environment(launch, rank, inputs.run, inputs.run_id, program.env,
+                                      local_dirs.get(rank, DEFAULT_LOCAL_DIR), inputs.first_attempt)
+        env.update(interfaces.get(rank, {}))
         node_plans.append(NodePlan(
-            run=run, run_id=run_id, node_rank=rank, host=host,
-            argv=tuple(render_torchrun_argv(launch, rank, python, program.argv)), env=env, unset=unset, cwd=cwd,
-            log_path=str(paths.node_log(rank)), pid_path=str(paths.node_pid_file(rank)), engine=program.engine,
-            resilience=dataclasses.asdict(params.training.resilience), first_attempt=first_attempt,
-            save_signal=program.save_signal, secret_names=tuple(sorted(launch.secrets)),
+            run=inputs.run, run_id=inputs.run_id, node_rank=rank, host=host,
+            argv=tuple(render_torchrun_argv(launch, rank, launch.python, program.argv)), env=env, unset=unset,
+            cwd=launch.cwd, log_path=str(paths.node_log(rank)), pid_path=str(paths.node_pid_file(rank)),
+            engine=program.engine, resilience=dataclasses.asdict(params.training.resilience),
+            first_attempt=inputs.first_attempt, save_signal=program.save_signal,
+            secret_names=tuple(sorted(launch.secrets)), per_attempt=dict(PER_ATTEMPT), resets_run_state=rank == 0,
         ))
     runtime = RunRuntime(
-        run=run, run_id=run_id, engine=program.engine, nnodes=launch.nnodes, nproc_per_node=launch.nproc_per_node,
-        hosts=tuple(launch.hosts), gradient_accumulation_steps=geometry.accumulation_steps,
+        run=inputs.run, run_id=inputs.run_id, engine=program.engine, nnodes=launch.nnodes,
+        nproc_per_node=launch.nproc_per_node, hosts=tuple(launch.hosts),
+        gradient_accumulation_steps=inputs.geometry.accumulation_steps,
         program_argv=tuple(program.argv), program_env=dict(program.env),
     )
-    return StartPlan(run, run_id, ResolvedRun(params, runtime), geometry, tuple(node_plans), program=program,
-                     python=python, cwd=cwd, first_attempt=first_attempt)
-
-
-def rebuild_start_plan(launch: LaunchEnv, plan: StartPlan, node_env: Mapping[int, Mapping[str, str]]) -> StartPlan:
-    """``plan`` for another launch (e.g. the port preflight picked) with per-node variables; same run id."""
-    nodes = [(p.node_rank, p.host) for p in plan.nodes]
-    rebuilt = build_start_plan(launch, plan.resolved.params, plan.geometry, plan.program, plan.run, plan.run_id, nodes,
-                               plan.python, plan.cwd, node_env, plan.first_attempt)
-    return dataclasses.replace(rebuilt, resume_from=plan.resume_from, notes=plan.notes)
-
-
-def plan_start(launch: LaunchEnv, model: str, data: str, run: str, nodes: Sequence[tuple[int, str]],
-               prepare: bool) -> StartPlan:
-    """Checked params for the whole cluster (world = NNODES x NPROC_PER_NODE), the program every
-    rank runs (data prepared first when ``prepare``), whether it resumes, and the plan of every
-    node in ``nodes``; a UserError before anything starts."""
-    check_run_name(run)
-    params = load_run_params(model, data, launch.overrides)
-    check_tokenizer(params.data.tokenizer)
-    params, geometry = with_batch_geometry(params, launch.world_size)
-    paths = RunPaths(launch.artifact_root, run)
-    resume_from = latest_iteration(paths.checkpoints_dir)
-    notes = []
-    if resume_from is not None and params.training.engine == "megatron-core":
-        t = params.training
-        note = check_resumable(read_meta(paths.checkpoints_dir, resume_from), launch.world_size, t.zero_stage,
-                               t.global_batch_size, launch.device, paths.checkpoints_dir)
-        notes += [note] if note else []
-    program = plan_program(params, model, data, paths, launch, prepare=prepare)
-    run_id = f"{run}-{uuid.uuid4().hex[:10]}"
-    first = first_attempt(paths, continue_ledger=launch.slurm_restart_count > 0)
+    notes = [*program.notes, *([inputs.resume_note] if inputs.resume_note else []), *settled_notes]
     r = params.training.resilience
     if r.max_restarts and not params.training.save_interval:
         notes.append(f"MAX_RESTARTS={r.max_restarts} without checkpoints (training.save_interval is 0): a restart "
                      f"starts again from iteration 0, and the breaker ends the run after {r.attempts_without_progress} "
                      "attempts without a new checkpoint; set save_interval")
-    plan = build_start_plan(launch, params, geometry, program, run, run_id, nodes, launch.python, launch.cwd,
-                            first_attempt=first)
-    return dataclasses.replace(plan, resume_from=resume_from, notes=(*program.notes, *notes))
+    if answers is None:
+        notes.append("the nodes were not asked (no preflight): MASTER_PORT, the socket interfaces and the node-local "
+                     "directories are what a start would settle, not what it will use")
+    return StartPlan(inputs.run, inputs.run_id, ResolvedRun(params, runtime), inputs.geometry, tuple(node_plans),
+                     inputs.resume_from, program, launch.python, launch.cwd, tuple(notes), inputs.first_attempt,
+                     plan_steps(inputs, program, len(inputs.nodes)), answers is not None, launch.master_port)

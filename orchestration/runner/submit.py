@@ -22,8 +22,8 @@ from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.cluster import slurm
 from orchestration.launch_env import LaunchEnv
-from orchestration.node.node_plan import stop_command
-from orchestration.runner.start_plan import plan_start
+from orchestration.node.wire import stop_command
+from orchestration.runner.start_plan import plan_start, read_start_inputs
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ def plan_submit(launch: LaunchEnv, model: str, data: str, run: str, nodes: int |
     if signal_ahead_s < 0:
         raise UserError(f"--signal-ahead-s {signal_ahead_s} must be >= 0 (0: no save before the time limit)")
     job_launch = dataclasses.replace(launch, nnodes=nodes, nproc_per_node=nproc,
-                                     hosts=tuple(f"slurm-node{i}" for i in range(nodes)), transport="srun")
-    plan_start(job_launch, model, data, run, list(enumerate(job_launch.hosts)), prepare=False)  # checks only
+                                     hosts=tuple(f"slurm-node{i}" for i in range(nodes)), use_srun=True)
+    plan_start(job_launch, read_start_inputs(job_launch, model, data, run, list(enumerate(job_launch.hosts))))  # checks only
     paths = RunPaths(launch.artifact_root, run)
     earlier = slurm.recorded_job(paths)
     if earlier and slurm.job_state(earlier) in ("PENDING", "RUNNING"):
@@ -86,3 +86,11 @@ def submit_batch(launch: LaunchEnv, plan: BatchPlan) -> str:
     job = slurm.submit(plan.script_path)
     slurm.record_job(paths, job, plan.script_path)
     return job
+
+
+def requeue_after_save(launch: LaunchEnv, run: str) -> str:
+    """Inside a batch job that saved on SIGUSR1 (its time limit or a preemption): requeue it, so that
+    it starts again and resumes from that checkpoint. What happened, in one line."""
+    refused = slurm.requeue(launch.slurm_job_id)
+    return (f"run {run}: checkpoint saved; " + (f"slurm job {launch.slurm_job_id} requeued: it starts again and resumes "
+            "there" if refused is None else f"scontrol requeue {launch.slurm_job_id} failed: {refused}"))

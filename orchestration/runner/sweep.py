@@ -5,14 +5,14 @@
     bash training_scripts/stop_multinode_training.sh q32                             # or Ctrl-C: stops the current stage everywhere
 
 Each stage is an ordinary run, ``PREFIX_z<stage>``, planned and started by the start's own
-functions (:func:`~orchestration.runner.start_plan.plan_start`,
+functions (:func:`~orchestration.runner.start.plan_settled_start`,
 :func:`~orchestration.runner.start.start_run`: preflight, every node, rollback) with only
 ``ZERO_STAGE`` changed, so the seed, data and iterations are the data set's for every stage. The
 sweep waits until every node's supervisor has recorded how the stage ended (finished, failed,
-stopped), then compares the stages (:mod:`orchestration.analysis`, planned memory next to
-measured). A stage that fails is reported with the most telling line of its failed node's log
-(:func:`~orchestration.node.failure.failure_reason`) and the sweep goes on; so does a stage stopped
-on its own (``stop PREFIX_z1``).
+stopped: :func:`~orchestration.runner.control.wait_until_ended`), then compares the stages
+(:mod:`orchestration.analysis`, planned memory next to measured). A stage that fails is reported
+with the most telling line of its failed nodes' logs (each node's status names it) and the sweep
+goes on; so does a stage stopped on its own (``stop PREFIX_z1``).
 
 Stopping: Ctrl-C (or SIGTERM/SIGHUP to the sweep) stops the current stage on every node. The
 sweep's record (``run_state/PREFIX.sweep.json``, written when it starts and before each stage)
@@ -36,27 +36,19 @@ from typing import Callable, Sequence
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import load_run_params, with_batch_geometry
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
+from megatron_ext.run_spec.procfs import pid_is_alive, process_start_time
 from orchestration.analysis.compare import DEFAULT_WARMUP_ITERATIONS, RunOutcome, RunSummary, compare_runs, run_records
 from orchestration.analysis.report import ComparisonFiles, write_comparison
-from orchestration.cluster.fanout import NodeResult
-from orchestration.cluster.transports import is_this_machine
 from orchestration.launch_env import LaunchEnv
-from orchestration.node.commands import NodeStatus
-from orchestration.node.failure import failure_reason
-from orchestration.node.node_plan import stop_command
-from orchestration.node.processes import process_start_time, pid_is_alive
-from orchestration.node.run_state import (RunState, SweepRecord, clear_sweep_stop, read_sweep_record, sweep_stop_request,
-                                          tail, write_sweep_record)
-from orchestration.runner.control import node_statuses, stop_run
-from orchestration.runner.start import start_run
-from orchestration.runner.start_plan import StartPlan, plan_start
+from orchestration.node.run_state import RunState
+from orchestration.node.wire import NodeStatus, stop_command
+from orchestration.runner.control import Statuses, node_statuses, stop_run, wait_until_ended
+from orchestration.runner.start import plan_settled_start, start_run
+from orchestration.runner.start_plan import StartPlan, plan_start, read_start_inputs
+from orchestration.runner.preflight import run_preflight
+from orchestration.runner.sweep_state import (SweepRecord, clear_sweep_stop, read_sweep_record, sweep_stop_request,
+                                              write_sweep_record)
 
-POLL_S = 3.0
-"""Seconds between status polls of a running stage (each asks every node over its transport)."""
-LOCAL_POLL_S = 1.0
-"""The same when every node is this machine (read in this process: a few milliseconds)."""
-EXIT_RECORD_WAIT_S = 10.0
-"""After torchrun is gone on every node, how long to wait for the supervisors' records of how it ended."""
 UNREACHABLE_S = 300.0
 """A node that answers no status for this long: stop the stage and report it."""
 
@@ -137,12 +129,14 @@ def check_sweep(launch: LaunchEnv, model: str, data: str, prefix: str, stages: S
 
 
 def plan_sweep(launch: LaunchEnv, model: str, data: str, prefix: str, stages: Sequence[int]) -> SweepPlan:
-    """Every stage's start plan, nothing prepared or started (the dry run)."""
+    """Every stage's start plan, settled by one preflight of every node (the dry run: nothing
+    prepared or started)."""
     check_sweep(launch, model, data, prefix, stages)
     nodes = list(enumerate(launch.hosts))
-    return SweepPlan(prefix, tuple((s, stage_run_name(prefix, s), plan_start(_stage_launch(launch, s), model, data,
-                                                                             stage_run_name(prefix, s), nodes, prepare=False))
-                                   for s in stages))
+    inputs = [read_start_inputs(_stage_launch(launch, s), model, data, stage_run_name(prefix, s), nodes) for s in stages]
+    answers = run_preflight(launch, inputs[0]).answers if inputs else None
+    return SweepPlan(prefix, tuple((s, i.run, plan_start(_stage_launch(launch, s), i, answers))
+                                   for s, i in zip(stages, inputs)))
 
 
 def _raise_stopped(signum, frame):
@@ -156,7 +150,6 @@ class Sweep:
         self.launch, self.model, self.data, self.prefix, self.report = launch, model, data, prefix, report
         self.nodes = list(enumerate(launch.hosts))
         self.engine = launch.overrides.engine
-        self.poll_s = LOCAL_POLL_S if all(is_this_machine(launch, h) for _, h in self.nodes) else POLL_S
         pid = os.getpid()
         self.record = SweepRecord(prefix, pid, process_start_time(pid) or 0, socket.gethostname(), tuple(stages))
 
@@ -173,49 +166,36 @@ class Sweep:
 
     # one stage ----------------------------------------------------------------------------
 
-    def statuses(self, run: str, seq_length: int | None) -> dict[int, NodeStatus | None]:
-        """Every node's status (None = no answer)."""
-        results: list[NodeResult[NodeStatus]] = node_statuses(self.launch, run, self.nodes, seq_length)
-        return {r.node_rank: r.value if r.ok else None for r in results}
-
     def wait(self, stage: int, run: str, seq_length: int, train_iters: int, started: float) -> dict[int, NodeStatus | None]:
-        """Until the run has ended on every node: torchrun gone and its supervisor's record of how
-        (finished, failed, stopped) written, or EXIT_RECORD_WAIT_S after torchrun went. Each node's
-        supervisor stops its node when another fails or goes silent; a node that answers no status
-        for UNREACHABLE_S gets the stage stopped from here."""
-        gone_since = unknown_since = None
-        while True:
-            statuses = self.statuses(run, seq_length)
+        """Until the stage's run has ended on every node (control.wait_until_ended), with a progress
+        line at every poll and the sweep's stop request checked there; a node that answers no status
+        for UNREACHABLE_S gets the stage stopped."""
+        def on_poll(statuses: Statuses, elapsed_s: float) -> None:
             known = [s for s in statuses.values() if s is not None]
             last = max((s.last_iteration or 0 for s in known), default=0)
             self._check_stop_request(stage, run, f"at iteration {last}/{train_iters}")
-            now = time.monotonic()
-            gone = len(known) == len(statuses) and not any(s.alive for s in known)
-            gone_since = (gone_since or now) if gone else None
-            if gone and (all(s.exit for s in known) or now - gone_since > EXIT_RECORD_WAIT_S):
-                return statuses
             tps = next((s.tokens_per_s for s in known if s.tokens_per_s), None)
             progress = f"iteration {last}/{train_iters}" if last else "waiting for the first iteration"
             self.report(f"stage {stage} ({run}): {progress}" + (f", {tps:,.0f} tokens/s" if tps else "")
-                        + f", {now - started:.0f} s", False)
-            unknown_since = (unknown_since or now) if len(known) < len(statuses) else None
-            if unknown_since and now - unknown_since > UNREACHABLE_S:
-                stop_run(self.launch, run)
-                return {**self.statuses(run, seq_length), **{r: None for r, st in statuses.items() if st is None}}
-            time.sleep(self.poll_s)
+                        + f", {time.monotonic() - started:.0f} s", False)
 
-    def reason(self, run: str, statuses: dict[int, NodeStatus | None]) -> str:
-        """The most telling reason over the failed nodes' logs (all nodes' when none says failed):
-        this machine's copy of the log, else what the node's supervisor recorded."""
+        end = wait_until_ended(self.launch, run, self.nodes, seq_length, on_poll=on_poll, unreachable_s=UNREACHABLE_S)
+        return end.statuses
+
+    @staticmethod
+    def reason(statuses: dict[int, NodeStatus | None]) -> str:
+        """The most telling reason over the failed nodes' logs (all nodes' when none says failed),
+        as each node's status read it from its own log."""
         failed = [r for r, s in statuses.items() if s and s.state.failed] or sorted(statuses)
         best = (-1, "")
         for rank in failed:
-            log = RunPaths(self.launch.artifact_root, run).node_log(rank)
             s = statuses[rank]
-            if log.is_file():
-                score, text = failure_reason(tail(log, 400, max_bytes=262144))
+            if s is None:
+                score, text = 0, f"node {rank} gave no status"
+            elif s.failure_reason:
+                score, text = s.failure_score, s.failure_reason
             else:
-                score, text = 0, (s and (s.exit or s.run_failure or s.last_line)) or f"node {rank} gave no status"
+                score, text = 0, s.exit or s.run_failure or s.last_line or f"node {rank} gave no status"
             if score > best[0]:
                 best = (score, f"node {rank}: {text}" if len(statuses) > 1 else text)
         return best[1]
@@ -238,18 +218,16 @@ class Sweep:
         run = stage_run_name(self.prefix, stage)
         self._check_stop_request(stage, run, "before it started")
         stage_launch = _stage_launch(self.launch, stage)
-        params, _ = with_batch_geometry(load_run_params(self.model, self.data, stage_launch.overrides),
-                                        self.launch.world_size)
-        t = params.training
-        self.engine = t.engine
         started = time.monotonic()
         self.report(f"stage {stage} ({run}): starting on {len(self.nodes)} node(s) x {self.launch.nproc_per_node} processes",
                     False)
         self._write_record(current_run=run)
         try:
             try:
-                plan = plan_start(stage_launch, self.model, self.data, run, self.nodes, prepare=True)
-                result = start_run(stage_launch, plan, self.nodes)
+                planned = plan_settled_start(stage_launch, self.model, self.data, run, self.nodes)
+                t = planned.inputs.params.training
+                self.engine = t.engine
+                result = start_run(stage_launch, planned)
             except UserError as exc:
                 self._check_stop_request(stage, run, "while it started")
                 return StageResult(stage, run, self.outcome(RunState.FAILED, stage, f"did not start: error: {exc}"),
@@ -276,7 +254,7 @@ class Sweep:
             return StageResult(stage, run, self.outcome(RunState.STOPPED, stage, f"stopped on request at iteration {last}/"
                                                         f"{t.train_iters} (stop {run}); the sweep goes on"),
                                elapsed, last, t.train_iters, final_loss)
-        reason = self.reason(run, statuses)
+        reason = self.reason(statuses)
         self.stop_everywhere(run)
         return StageResult(stage, run, self.outcome(RunState.FAILED, stage, reason), elapsed, last, t.train_iters, final_loss)
 

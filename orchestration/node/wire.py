@@ -1,15 +1,20 @@
-"""The wire format between the launcher and a node: the node's plan, the node commands' argv and
-options, their typed answers, and the names both sides print.
+"""The contract between the launcher and a node: the node's plan, every node command as the
+launcher sends it, every answer, and their encoding. The launcher imports this module (and the
+run-state readers) from ``orchestration/node``, nothing else; the node side reads the same
+definitions.
 
     python -m orchestration node-status demo --node-rank 1 --host node1 --artifact-root /shared/runs
 
 A :class:`NodePlan` is everything one node runs for a start (``DRY_RUN=1`` prints it, the node's
-supervisor executes it); it names the secret variables the node's processes get but never holds
-their values, which travel as one JSON line on the node command's standard input
+supervisor executes it): the torchrun argv, every variable torchrun and the ranks get from the
+launcher and the supervisor (per-attempt ones as attempt 1 sees them, with the rule for later
+attempts in :attr:`NodePlan.per_attempt`), the names of the secret variables but never their
+values, which travel as one JSON line on the node command's standard input
 (:func:`encode_secrets` / :func:`decode_secrets`). A :class:`NodeCall` is one node command as the
 launcher sends it; :func:`build_node_parser` is the node side's reading of the same options, next
-to the functions that write them. Every node command prints one JSON line: a payload dataclass
-(:func:`encode_payload`, read back typed with :func:`decode_payload`) or ``{"error": ...}``. Pure.
+to the functions that write them. Every node command prints one JSON line: one of the answer
+dataclasses below (:func:`encode_payload`, read back typed with :func:`decode_payload`) or
+``{"error": ...}``. Pure.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TypeVar
+
+from orchestration.node.run_state import RunState
 
 RUN_TAG = "LAUNCHER_RUN"
 RUN_ID_TAG = "LAUNCHER_RUN_ID"
@@ -53,8 +60,9 @@ class NodePlan:
     argv: tuple[str, ...]
     """The torchrun command this node runs."""
     env: dict[str, str]
-    """Variables set for every process of the run on this node, on top of the node's own
-    environment (launcher variables, forwarded variables, the program's, the run tags)."""
+    """Every variable set for torchrun and the ranks on this node, on top of the node's own
+    environment: the launcher's, the forwarded ones, the program's, the run tags, and the
+    supervisor's (the attempt, the progress directory, the flight recorder), with attempt 1's values."""
     unset: tuple[str, ...]
     """Variables removed from the node's own environment (e.g. CUDA_DEVICE_MAX_CONNECTIONS for
     Megatron-FSDP)."""
@@ -74,16 +82,18 @@ class NodePlan:
     """Variables every process of the run gets whose values are secrets (WANDB_API_KEY, HF_TOKEN,
     ...): names only. The values reach ``node-start`` on its standard input (srun: the step's
     inherited environment) and go from there into the supervisor's environment, never into this plan."""
+    per_attempt: dict[str, str] = field(default_factory=dict)
+    """Variables of :attr:`env` whose value changes with each attempt -> the rule (``env`` holds attempt 1's)."""
+    resets_run_state: bool = False
+    """This node clears the run's failure and attempt files before its supervisor starts (node 0
+    of a start; the ledger is kept when :attr:`first_attempt` > 1, a requeued batch job)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> "NodePlan":
-        raw = json.loads(text)
-        raw["argv"], raw["unset"] = tuple(raw["argv"]), tuple(raw["unset"])
-        raw["secret_names"] = tuple(raw.get("secret_names", ()))
-        return cls(**raw)
+        return decode_payload(cls, json.loads(text))
 
     @property
     def pid_file(self) -> Path:
@@ -97,9 +107,17 @@ class NodePlan:
     def nnodes(self) -> int:
         return int(self.env["NNODES"])
 
-    def process_environment(self, node_env: Mapping[str, str]) -> dict[str, str]:
-        """The environment of torchrun on the node: the node's own, less ``unset``, plus ``env``."""
-        return {**{k: v for k, v in node_env.items() if k not in self.unset}, **self.env}
+    @property
+    def nproc_per_node(self) -> int:
+        return int(self.env["NPROC_PER_NODE"])
+
+    def process_environment(self, node_env: Mapping[str, str], attempt: int | None = None) -> dict[str, str]:
+        """The environment of torchrun on the node for ``attempt`` (default the first): the node's
+        own, less ``unset``, plus ``env`` with the per-attempt values of that attempt."""
+        env = {**{k: v for k, v in node_env.items() if k not in self.unset}, **self.env}
+        if attempt is not None:
+            env.update({name: str(attempt) for name in self.per_attempt})
+        return env
 
 
 # -- node commands, as the launcher sends them -------------------------------------------------
@@ -154,25 +172,43 @@ def stop_call(run: str, node_rank: int, host: str, artifact_root: Path, grace_s:
                                   *(["--dry-run"] if dry_run else [])))
 
 
-def status_call(run: str, node_rank: int, host: str, artifact_root: Path, seq_length: int | None = None) -> NodeCall:
+def status_call(run: str, node_rank: int, host: str, artifact_root: Path, seq_length: int | None = None,
+                by_heartbeat: bool = False) -> NodeCall:
+    """``by_heartbeat``: answered from another machine that shares the files (alive = the node's
+    supervisor beat recently), not from the node's process table."""
     return NodeCall("node-status", (*_run_args(run, node_rank, host, artifact_root),
-                                    *(["--seq-length", str(seq_length)] if seq_length else [])))
+                                    *(["--seq-length", str(seq_length)] if seq_length else []),
+                                    *(["--by-heartbeat"] if by_heartbeat else [])))
 
 
-def check_call(run: str, node_rank: int, host: str, artifact_root: Path, *, master_addr: str,
-               master_port: int | None, nproc_per_node: int, shared_token: Path,
-               required_paths: Sequence[str], tokenizer: tuple[str, str] | None = None,
-               required_modules: Sequence[str] = ()) -> NodeCall:
-    """``master_port`` None: node 0 picks the first free port (MASTER_PORT unset); ``tokenizer``
-    (type, path): the tokenizer every node must load."""
-    args = [*_run_args(run, node_rank, host, artifact_root), "--master-addr", master_addr,
-            "--nproc-per-node", str(nproc_per_node), "--shared-token", str(shared_token)]
+@dataclass(frozen=True)
+class CheckRequest:
+    """What ``node-check`` checks on a node (the same for every node but the port)."""
+
+    master_addr: str
+    nproc_per_node: int
+    shared_token: Path | None
+    """A file the launcher wrote under the artifact root: every node must see it."""
+    required_paths: tuple[str, ...] = ()
+    tokenizer: tuple[str, str] | None = None
+    """(type, path): the tokenizer every node must load."""
+    required_modules: tuple[str, ...] = ()
+    """Optional modules the run imports (wandb)."""
+
+
+def check_call(run: str, node_rank: int, host: str, artifact_root: Path, request: CheckRequest,
+               master_port: int | None) -> NodeCall:
+    """``master_port`` None: node 0 picks the first free port (MASTER_PORT unset)."""
+    args = [*_run_args(run, node_rank, host, artifact_root), "--master-addr", request.master_addr,
+            "--nproc-per-node", str(request.nproc_per_node)]
+    if request.shared_token is not None:
+        args += ["--shared-token", str(request.shared_token)]
     if master_port is not None:
         args += ["--master-port", str(master_port)]
-    args += [a for p in required_paths for a in ("--require-path", p)]
-    if tokenizer is not None:
-        args += ["--tokenizer-type", tokenizer[0], "--tokenizer-model", tokenizer[1]]
-    args += [a for m in required_modules for a in ("--require-module", m)]  # optional modules the run imports (wandb)
+    args += [a for p in request.required_paths for a in ("--require-path", p)]
+    if request.tokenizer is not None:
+        args += ["--tokenizer-type", request.tokenizer[0], "--tokenizer-model", request.tokenizer[1]]
+    args += [a for m in request.required_modules for a in ("--require-module", m)]
     return NodeCall("node-check", tuple(args))
 
 
@@ -207,10 +243,110 @@ def build_node_parser() -> argparse.ArgumentParser:
             p.add_argument("--dry-run", action="store_true", help="say what would be signalled, signal nothing")
         if name == "node-status":
             p.add_argument("--seq-length", type=int, help="tokens per sequence, for tokens/s")
+            p.add_argument("--by-heartbeat", action="store_true", help="alive = the supervisor beat recently (another "
+                           "machine sharing the artifact root answers)")
     return parser
 
 
-# -- typed answers ------------------------------------------------------------------------------
+# -- the answers ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NodeStarted:
+    """``node-start``'s answer: the node's torchrun runs."""
+
+    node_rank: int
+    host: str
+    pid: int
+    pgid: int
+    supervisor_pid: int
+    log: str
+    run_id: str
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """``node-status``'s answer."""
+
+    node_rank: int
+    host: str
+    alive: bool
+    state: RunState
+    exit: str | None
+    """How the node's run ended, as its supervisor recorded it."""
+    run_failure: str | None
+    """The run's failure file's first line (any node's)."""
+    pid: int | None
+    last_iteration: int | None
+    train_iters: int | None
+    tokens_per_s: float | None
+    last_line: str
+    log: str
+    attempt: int | None = None
+    """The supervisor's current (or last) attempt."""
+    failure_reason: str | None = None
+    """Once the node's run ended failed: the most telling line of its log (node/failure.py)."""
+    failure_score: int = 0
+    """How telling that line is (a rank's exception beats torchrun's summary beats the last line)."""
+
+
+@dataclass(frozen=True)
+class StopResult:
+    """What a stop did on one node (``node-stop``'s answer)."""
+
+    node_rank: int
+    host: str
+    was_running: bool
+    """The recorded process was alive and ours."""
+    signalled_group: int | None
+    """The process group SIGTERMed (None: only torchrun, or nothing)."""
+    swept: list[int] = field(default_factory=list)
+    """Leftover tagged processes SIGTERMed after the grace."""
+    killed: list[int] = field(default_factory=list)
+    """Those SIGKILLed after a few seconds more."""
+    left: list[int] = field(default_factory=list)
+    """Still alive after all that."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.left
+
+
+@dataclass(frozen=True)
+class StopPreview:
+    """What a stop would signal on one node (``node-stop --dry-run``'s answer); signals nothing."""
+
+    node_rank: int
+    host: str
+    recorded_pid: int | None
+    """torchrun's pid from the pid file (None: no pid file)."""
+    recorded_alive: bool
+    """That process still runs and is the one started (start time and run id)."""
+    group: int | None
+    """The process group a stop would SIGTERM (only when the recorded process is alive)."""
+    tagged: list[int] = field(default_factory=list)
+    """Every live process carrying the run's and node's tags: what the sweep after the grace would reach."""
+    grace_s: float = DEFAULT_STOP_GRACE_S
+
+
+@dataclass
+class NodeReport:
+    """``node-check``'s answer: every problem this node has, and the facts a plan settles on."""
+
+    node_rank: int
+    host: str
+    problems: list[str] = field(default_factory=list)
+    software: dict[str, str | None] = field(default_factory=dict)
+    """python, torch, megatron-core, transformer-engine, project (git revision): None = absent."""
+    interface: str | None = None
+    """The interface that routes to MASTER_ADDR here."""
+    free_port: int | None = None
+    """Node 0 with MASTER_PORT unset: the first free port from 6000."""
+    local_dir: str | None = None
+    """A node-local directory (tmpfs where there is one) for the ranks' progress files."""
+    visible_gpus: int = 0
+
+
+# -- encoding ---------------------------------------------------------------------------------------
 
 T = TypeVar("T")
 

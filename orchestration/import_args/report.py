@@ -17,7 +17,8 @@ import yaml
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import (DataParams, ModelPreset, RunParams, TokenizerParams, TrainingParams, build_dataclass,
                                           validate_run_params)
-from orchestration.engines.megatron_lm_import import FIXED, LAUNCHER, NOT_IMPORTED, ImportedArgs
+from orchestration.import_args.flag_reader import FIXED, LAUNCHER, NOT_IMPORTED
+from orchestration.import_args.mapping import ImportedArgs
 
 
 def _yaml_value(value: Any) -> str:

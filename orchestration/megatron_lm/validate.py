@@ -1,13 +1,13 @@
 """Megatron-LM's own ``parse_args`` + ``validate_args`` on a rendered ``pretrain_gpt.py`` argv, before launch.
 
-    python -m orchestration.engines.megatron_lm_validate /opt/Megatron-LM 32 9 -- --num-layers 28 ...
+    python -m orchestration.megatron_lm.validate /opt/Megatron-LM 32 9 -- --num-layers 28 ...
 
 :func:`validate_with_megatron` runs this module in a subprocess with the launcher's interpreter
 (node 0's: wherever ``pretrain_gpt.py`` will run, it imports), the checkout first on
 ``sys.path``, ``WORLD_SIZE`` = nodes x processes, ``RANK=0`` and the environment the ranks will
 get. The child prints one JSON line: accepted, refused (Megatron's own message), tokenizer (the run's tokenizer does not build as the ranks would build it), or unavailable
 (the checkout does not import here, e.g. a login node without torch) — then the launcher falls
-back to the source reader (:mod:`orchestration.engines.megatron_lm_checkout`) and says so.
+back to the source reader (:mod:`orchestration.megatron_lm.checkout`) and says so.
 
 Without a GPU, ``validate_args`` cannot ask the device for its compute capability (it does for
 Megatron-FSDP and tensor/context parallelism); the child then answers for a Hopper GPU
@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 VALIDATION_TIMEOUT_S = 120.0
+NO_TOKENIZER = "--no-tokenizer"
+"""The child's option: check the arguments only (the tokenizer file is made later, by the data preparation)."""
 DEFAULT_DEVICE_ARCH = 9
 """Compute capability assumed when node 0 has no GPU (Hopper: H100, H200)."""
 
@@ -47,12 +49,13 @@ class Validation:
 
 def validate_with_megatron(checkout: Path, argv: Sequence[str], world_size: int, env: Mapping[str, str],
                            device_arch: int = DEFAULT_DEVICE_ARCH, python: str = sys.executable,
-                           timeout_s: float = VALIDATION_TIMEOUT_S) -> Validation:
+                           timeout_s: float = VALIDATION_TIMEOUT_S, build_tokenizer: bool = True) -> Validation:
     """Run Megatron-LM's parse_args + validate_args on ``argv`` in a child process with ``env``
-    (``device_arch``: the compute capability assumed when the child sees no GPU)."""
+    (``device_arch``: the compute capability assumed when the child sees no GPU); then build the
+    tokenizer as the ranks will, unless ``build_tokenizer`` is False (its file does not exist yet)."""
     child_env = {**env, "WORLD_SIZE": str(world_size), "RANK": "0", "LOCAL_RANK": "0"}
-    cmd = [python, "-m", "orchestration.engines.megatron_lm_validate", str(checkout), str(world_size), str(device_arch),
-           "--", *argv]
+    cmd = [python, "-m", "orchestration.megatron_lm.validate", str(checkout), str(world_size), str(device_arch),
+           *([] if build_tokenizer else [NO_TOKENIZER]), "--", *argv]
     try:
         proc = subprocess.run(cmd, env=child_env, cwd=str(Path(__file__).resolve().parents[2]), capture_output=True,
                               text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
@@ -76,7 +79,7 @@ def _answer(status: str, message: str) -> int:
     return 0
 
 
-def _check(checkout: str, world_size: int, device_arch: int, argv: list[str]) -> int:
+def _check(checkout: str, world_size: int, device_arch: int, argv: list[str], build_tokenizer: bool = True) -> int:
     def parser_error(self, message):  # argparse would print usage and exit; keep its message
         raise ValueError(f"{self.prog}: error: {message}")
 
@@ -118,6 +121,8 @@ def _check(checkout: str, world_size: int, device_arch: int, argv: list[str]) ->
             return _answer("refused", f"Megatron-LM exited with code {exc.code} while checking the arguments")
         except Exception as exc:  # AssertionError / ValueError / RuntimeError raised by Megatron
             return _answer("refused", f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+        if not build_tokenizer:
+            return _answer("accepted", "; ".join(notes))
         try:
             notes += _build_tokenizers(checkout, args)
         except Exception as exc:  # whatever the tokenizer library raises (OSError, ValueError, ...)
@@ -148,10 +153,13 @@ def _build_tokenizers(checkout: str, args) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    build_tokenizer = not (len(argv) > 3 and argv[3] == NO_TOKENIZER)
+    if not build_tokenizer:
+        del argv[3]
     if len(argv) < 4 or argv[3] != "--":
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
-    return _check(argv[0], int(argv[1]), int(argv[2]), argv[4:])
+    return _check(argv[0], int(argv[1]), int(argv[2]), argv[4:], build_tokenizer)
 
 
 if __name__ == "__main__":

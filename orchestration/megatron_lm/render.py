@@ -4,14 +4,15 @@
 
 Pure: a :class:`RunParams`, the prepared data, a stage, a checkout version and the run's paths
 in; an argv list and the environment changes out. :func:`check_flags` compares a render with
-the flags a checkout defines (:mod:`orchestration.engines.megatron_lm_checkout`).
+the flags a checkout defines (:mod:`orchestration.megatron_lm.checkout`). The importer of argument
+files (:mod:`orchestration.import_args`) goes the other way.
 """
 
 from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Collection
+from typing import Collection, Mapping
 
 from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.run_spec.errors import UserError
@@ -21,6 +22,7 @@ from megatron_ext.data.prepare import PreparedData
 from megatron_ext.data.tokenizers import hf_tokenizer_file
 from megatron_ext.run_spec.flops import padded_vocab_size
 from megatron_ext.run_spec.zero import megatron_lm_flags_for_stage, stage_environment
+from orchestration.megatron_lm.flags import split_flags
 
 TOKENIZER_TYPES = {"sentencepiece": "SentencePieceTokenizer", "huggingface": "HuggingFaceTokenizer", "null": "NullTokenizer"}
 
@@ -204,25 +206,15 @@ def render_pretrain_gpt(p: RunParams, prepared: PreparedData, paths: RunPaths, v
     return MegatronLMRender(args, stage_environment(stage), save_signal)
 
 
-def split_flags(args: list[str]) -> list[tuple[str, list[str]]]:
-    """``[--flag, value, ...]`` -> ``[(--flag, [values])]``."""
-    out: list[tuple[str, list[str]]] = []
-    for a in args:
-        if a.startswith("--"):
-            out.append((a, []))
-        else:
-            out[-1][1].append(a)
-    return out
-
-
 FLAG_ALTERNATIVES = {
     "--use-megatron-fsdp": "--use-custom-fsdp (Megatron-LM 0.12-0.13)",
     "--use-custom-fsdp": "--use-megatron-fsdp (Megatron-LM 0.14+)",
 }
 
 
-def check_flags(args: list[str], known: dict[str, tuple[str, ...]], version_text: str) -> None:
-    """Refuse a flag the checkout does not define, or a value outside its choices."""
+def check_flags(args: list[str], known: Mapping[str, tuple[str, ...]], version_text: str) -> None:
+    """Refuse a flag the checkout does not define, or a value outside its choices; ``known``: option
+    string -> choices (empty = any), e.g. :attr:`Checkout.flags <orchestration.megatron_lm.checkout.Checkout.flags>`."""
     for flag, values in split_flags(args):
         if flag not in known:
             alternative = FLAG_ALTERNATIVES.get(flag) or next(iter(difflib.get_close_matches(flag, list(known), n=1, cutoff=0.85)), None)

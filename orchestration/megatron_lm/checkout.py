@@ -1,12 +1,17 @@
 """Read a Megatron-LM checkout without importing it: its version and every flag its parser has.
 
-    python -m orchestration.engines.megatron_lm_checkout /opt/Megatron-LM     # prints version and flag count
+    python -m orchestration.megatron_lm.checkout /opt/Megatron-LM     # prints version and flag count
+    python -m orchestration.megatron_lm.checkout /opt/Megatron-LM core_v0.16.1 > orchestration/megatron_lm/flags_core_v0.16.1.tsv
 
-Version: ``megatron/core/package_info.py`` (MAJOR, MINOR, PATCH). Flags: the literal
-``add_argument`` calls in ``megatron/training/arguments.py``, plus the ones generated from
-config dataclasses by ``ArgumentGroupFactory`` (0.16+): field ``foo_bar`` -> ``--foo-bar``; a bool
-defaulting to True -> ``--no-foo-bar`` and ``--disable-foo-bar``; ``Literal[...]`` -> choices;
-``metadata={"argparse_meta": {...}}`` overrides names and choices. Reads files; nothing else.
+Version: ``megatron/core/package_info.py`` (MAJOR, MINOR, PATCH). Flags, one pass over
+``megatron/training/arguments.py`` giving each its :class:`FlagSpec` (nargs, choices, optional):
+the literal ``add_argument`` calls (nargs from ``action=``/``nargs=``; a call under ``if HAVE_X:``
+is optional), plus the ones generated from config dataclasses by ``ArgumentGroupFactory`` (0.16+):
+field ``foo_bar`` -> ``--foo-bar``; a bool defaulting to True -> ``--no-foo-bar`` and
+``--disable-foo-bar``, no value; ``Literal[...]`` -> choices; ``list[...]`` -> one or more values;
+``metadata={"argparse_meta": {...}}`` overrides names, choices and nargs. Given a release name, the
+command writes the flags as a table (:func:`orchestration.megatron_lm.flags.format_flag_table`).
+Reads files; nothing else.
 """
 
 from __future__ import annotations
@@ -16,26 +21,37 @@ import enum
 import importlib
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_ext.run_spec.errors import UserError
+from orchestration.megatron_lm.flags import FlagSpec, FlagTable, format_flag_table
+
+_NO_VALUE_ACTIONS = {"store_true", "store_false", "store_const", "count", "help", "version"}
 
 
 @dataclass(frozen=True)
 class Checkout:
     root: Path
     version: tuple[int, int, int]
-    flags: dict[str, tuple[str, ...]]
-    """Every option string -> its choices (empty = any value)."""
+    table: FlagTable
+    """Every option string of its parser, optional ones included."""
     skipped: tuple[str, ...] = ()
     """Config fields whose annotation the reader could not read (their flags are missing)."""
-    optional_flags: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    """Flags the parser adds only when an optional package imports (``if HAVE_KITCHEN:``)."""
 
     @property
     def version_text(self) -> str:
         return ".".join(map(str, self.version))
+
+    @property
+    def flags(self) -> dict[str, tuple[str, ...]]:
+        """The option strings the parser always has -> their choices (empty = any value)."""
+        return {flag: spec.choices for flag, spec in self.table.flags.items() if not spec.optional}
+
+    @property
+    def optional_flags(self) -> dict[str, tuple[str, ...]]:
+        """The option strings it adds only when an optional package imports -> their choices."""
+        return {flag: spec.choices for flag, spec in self.table.flags.items() if spec.optional}
 
 
 def read_version(root: Path) -> tuple[int, int, int]:
@@ -93,35 +109,44 @@ def _is_boolean_optional(call: ast.Call) -> bool:
     return isinstance(action, ast.Attribute) and action.attr == "BooleanOptionalAction"
 
 
+def _call_nargs(call: ast.Call) -> str:
+    """How many values an ``add_argument`` call's flag takes."""
+    if _is_boolean_optional(call) or _literal(_keyword(call, "action")) in _NO_VALUE_ACTIONS:
+        return "0"
+    nargs = _literal(_keyword(call, "nargs"))
+    return "1" if nargs is None else str(nargs)
+
+
 def _guarded_by_optional_package(test: ast.AST) -> bool:
     """``if HAVE_KITCHEN:`` and the like: a block that exists only when an optional package imports."""
     return isinstance(test, ast.Name) and test.id.startswith("HAVE_")
 
 
-def literal_add_argument_flags(tree: ast.AST, index: "_ClassIndex | None" = None,
-                               optional: dict[str, tuple[str, ...]] | None = None) -> dict[str, tuple[str, ...]]:
+def literal_add_argument_flags(tree: ast.AST, index: "_ClassIndex | None" = None) -> dict[str, FlagSpec]:
     """Flags of the literal ``add_argument('--x', ...)`` calls (``BooleanOptionalAction`` adds
-    ``--no-x``). Flags added only when an optional package imports (``if HAVE_X:``) go to
-    ``optional`` instead: the parser has them only where that package is installed."""
-    flags: dict[str, tuple[str, ...]] = {}
+    ``--no-x``). Flags added only when an optional package imports (``if HAVE_X:``) are optional:
+    the parser has them only where that package is installed (one it also adds unconditionally is not)."""
+    flags: dict[str, FlagSpec] = {}
 
-    def visit(node: ast.AST, target: dict[str, tuple[str, ...]]) -> None:
-        if isinstance(node, ast.If) and _guarded_by_optional_package(node.test) and optional is not None:
+    def visit(node: ast.AST, optional: bool) -> None:
+        if isinstance(node, ast.If) and _guarded_by_optional_package(node.test):
             for child in node.body:
-                visit(child, optional)
+                visit(child, True)
             for child in node.orelse:
-                visit(child, target)
+                visit(child, optional)
             return
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
             names = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith("--")]
             if _is_boolean_optional(node):
                 names += [f"--no-{n[2:]}" for n in names]
+            spec = FlagSpec(_call_nargs(node), _choices(_keyword(node, "choices"), index), optional)
             for name in names:
-                target[name] = _choices(_keyword(node, "choices"), index)
+                if not (optional and name in flags and not flags[name].optional):
+                    flags[name] = spec
         for child in ast.iter_child_nodes(node):
-            visit(child, target)
+            visit(child, optional)
 
-    visit(tree, flags)
+    visit(tree, False)
     return flags
 
 
@@ -261,11 +286,34 @@ def annotation_kind(node: ast.AST | None, index: _ClassIndex | None = None) -> t
     raise UnknownAnnotation(ast.unparse(node))
 
 
+def _is_list(node: ast.AST | None) -> bool:
+    """``list[X]``, ``List[X]``, optional or annotated."""
+    members = _union_members(node) if node is not None else None
+    if members is not None:
+        inner = [m for m in members if not _is_none(m)]
+        return len(inner) == 1 and _is_list(inner[0])
+    if isinstance(node, ast.Subscript):
+        name = _subscript_name(node)
+        if name == "Annotated":
+            return _is_list(_slice_items(node)[0])
+        return name in ("list", "List")
+    return False
+
+
+def _field_nargs(kind: str, annotation: ast.AST | None, meta: dict) -> str:
+    """How many values the flag of a config field takes (``argparse_meta`` nargs or action first)."""
+    if "nargs" in meta:
+        return str(_literal(meta["nargs"]))
+    if _literal(meta.get("action")) in _NO_VALUE_ACTIONS or (kind == "bool" and "type" not in meta):
+        return "0"
+    return "+" if _is_list(annotation) else "1"
+
+
 def dataclass_flags(cls: ast.ClassDef, index: _ClassIndex, exclude: set[str],
-                    skipped: list[str] | None = None) -> dict[str, tuple[str, ...]]:
+                    skipped: list[str] | None = None) -> dict[str, FlagSpec]:
     """The flags ``ArgumentGroupFactory`` generates from ``cls`` (and its bases); fields whose
     annotation the reader cannot read are appended to ``skipped``."""
-    flags: dict[str, tuple[str, ...]] = {}
+    flags: dict[str, FlagSpec] = {}
     skipped = [] if skipped is None else skipped
     for base in cls.bases:
         base_cls = index.find(base.id) if isinstance(base, ast.Name) else None
@@ -301,26 +349,28 @@ def dataclass_flags(cls: ast.ClassDef, index: _ClassIndex, exclude: set[str],
             names = list(_literal(meta["arg_names"]))
         if "choices" in meta:
             choices = _choices(meta["choices"], index) or choices
+        spec = FlagSpec(_field_nargs(kind, stmt.annotation, meta), choices)
         for flag in names:
-            flags[flag] = choices
+            flags[flag] = spec
     return flags
 
 
-def read_flags(root: Path, skipped: list[str] | None = None,
-               optional: dict[str, tuple[str, ...]] | None = None) -> dict[str, tuple[str, ...]]:
+def read_flags(root: Path, skipped: list[str] | None = None) -> dict[str, FlagSpec]:
     """Every option string of the checkout's parser, from source; unreadable config fields are
-    appended to ``skipped``, flags that need an optional package go to ``optional``."""
+    appended to ``skipped``. A literal ``add_argument`` wins over a generated flag of the same name,
+    unless only an optional package adds it."""
     path = root / "megatron" / "training" / "arguments.py"
     if not path.is_file():
         raise UserError(f"MEGATRON_LM_DIR={root} has no megatron/training/arguments.py; is it a Megatron-LM checkout?")
     tree = ast.parse(path.read_text())
     index = _ClassIndex(root)
-    flags = literal_add_argument_flags(tree, index, optional)
+    flags = literal_add_argument_flags(tree, index)
     for name, exclude in _factory_calls(tree):
         cls = index.find(name)
         if cls is not None:
-            for flag, choices in dataclass_flags(cls, index, exclude, skipped).items():
-                flags.setdefault(flag, choices)
+            for flag, spec in dataclass_flags(cls, index, exclude, skipped).items():
+                if flag not in flags or flags[flag].optional:
+                    flags[flag] = spec
     return flags
 
 
@@ -329,12 +379,16 @@ def read_checkout(root: str | Path) -> Checkout:
     if not (root / "pretrain_gpt.py").is_file():
         raise UserError(f"MEGATRON_LM_DIR={root} has no pretrain_gpt.py; point it at a Megatron-LM checkout")
     skipped: list[str] = []
-    optional: dict[str, tuple[str, ...]] = {}
-    flags = read_flags(root, skipped, optional)
-    return Checkout(root, read_version(root), flags, tuple(skipped), optional)
+    flags = read_flags(root, skipped)
+    version = read_version(root)
+    return Checkout(root, version, FlagTable(f"{'.'.join(map(str, version))} ({root})", flags), tuple(skipped))
 
 
 if __name__ == "__main__":
     c = read_checkout(sys.argv[1])
-    print(f"Megatron-LM {c.version_text}: {len(c.flags)} flags"
-          + (f"; {len(c.skipped)} config field(s) skipped: {', '.join(c.skipped)}" if c.skipped else ""))
+    if len(sys.argv) > 2:  # the table, as shipped (flags_core_v0.16.1.tsv)
+        sys.stdout.write(format_flag_table(FlagTable(sys.argv[2], c.table.without_optional().flags),
+                                           "read from its arguments.py by orchestration/megatron_lm/checkout.py"))
+    else:
+        print(f"Megatron-LM {c.version_text}: {len(c.flags)} flags"
+              + (f"; {len(c.skipped)} config field(s) skipped: {', '.join(c.skipped)}" if c.skipped else ""))

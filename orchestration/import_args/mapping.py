@@ -1,0 +1,317 @@
+"""Megatron-LM flags -> the fields of :class:`ModelPreset`, :class:`DataParams` and :class:`TrainingParams`.
+
+    python -m orchestration import-megatron-args model.sh data.sh --model-out params/models/m.yaml --data-out params/data/d.yaml
+
+Each flag the files give (merged, :mod:`orchestration.import_args.given_flags`) either maps onto a
+field, or is listed (:class:`NotImported`, :mod:`orchestration.import_args.flag_reader`): without
+a counterpart, handled by the launcher, or fixed in this project. A field the files do not set
+gets Megatron-LM's default (:data:`MODEL_DEFAULTS`, :data:`TRAINING_DEFAULTS`), marked in the
+YAML, so the imported run means what the files meant. The renderer going the other way is
+:mod:`orchestration.megatron_lm.render`. Pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from megatron_ext.run_spec.errors import UserError
+from orchestration.import_args.flag_reader import (LAUNCHER, LAUNCHER_FLAGS, NOT_IMPORTED, FlagReader, NotImported,
+                                                   list_the_rest)
+from orchestration.import_args.given_flags import GivenFlag
+
+MODEL_DEFAULTS: dict[str, tuple[str, Any]] = {
+    "make_vocab_size_divisible_by": ("--make-vocab-size-divisible-by", 128),
+    "position_embedding_type": ("--position-embedding-type", "learned_absolute"),
+    "rotary_base": ("--rotary-base", 10000),
+    "rope_scaling_factor": ("--rope-scaling-factor", 8.0),
+    "normalization": ("--normalization", "LayerNorm"),
+    "norm_epsilon": ("--norm-epsilon", 1e-5),
+    "hidden_dropout": ("--hidden-dropout", 0.1),
+    "attention_dropout": ("--attention-dropout", 0.1),
+}
+"""Megatron-LM core_v0.16.1's argparse defaults for the model fields (field -> flag, default)."""
+TRAINING_DEFAULTS: dict[str, tuple[str, Any]] = {
+    "min_lr": ("--min-lr", 0.0),
+    "lr_warmup_iters": ("--lr-warmup-iters", 0),
+    "weight_decay": ("--weight-decay", 0.01),
+    "adam_beta1": ("--adam-beta1", 0.9),
+    "adam_beta2": ("--adam-beta2", 0.999),
+    "adam_eps": ("--adam-eps", 1e-8),
+    "clip_grad": ("--clip-grad", 1.0),
+    "seed": ("--seed", 1234),
+    "log_interval": ("--log-interval", 100),
+    "eval_iters": ("--eval-iters", 100),
+}
+"""The same for the schedule. (``--lr-decay-style`` defaults to linear, which has no counterpart:
+listed.)"""
+DEFAULT_SPLIT = "969,30,1"
+"""Megatron-LM's split when ``--data-path`` comes without ``--split`` ('969, 30, 1')."""
+
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+
+
+@dataclass(frozen=True)
+class ImportedArgs:
+    model: dict[str, Any]
+    """ModelPreset fields (without name)."""
+    data: dict[str, Any]
+    """DataParams fields (tokenizer as a dict)."""
+    training: dict[str, Any]
+    """TrainingParams fields."""
+    not_imported: tuple[NotImported, ...]
+    imported: tuple[tuple[str, tuple[str, ...]], ...]
+    """The flags that map onto a field, as the files give them."""
+    comments: dict[str, str]
+    """``model.hidden_dropout`` -> why the value is what it is (a default, a conversion)."""
+    sources: tuple[str, ...]
+    """``path (origin)`` per file."""
+    release: str
+    notes: tuple[str, ...] = ()
+    """Lines of the files the shell reader ignored on purpose."""
+    converted: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """Flags read into a field in another form (``--lr-warmup-fraction`` -> lr_warmup_iters)."""
+
+
+def _model(r: FlagReader) -> dict[str, Any]:
+    m: dict[str, Any] = {}
+    m["num_layers"] = r.required("--num-layers", int, "model.num_layers")
+    m["hidden_size"] = h = r.required("--hidden-size", int, "model.hidden_size")
+    swiglu = r.switch("--swiglu")
+    ffn = r.number("--ffn-hidden-size", int, "model.ffn_hidden_size")
+    if ffn is None:
+        ffn = int((4 * h * 2 / 3) / 64) * 64 if swiglu else 4 * h
+        r.default("model.ffn_hidden_size", ffn, "--ffn-hidden-size",
+                  ": int(4 x hidden x 2/3 / 64) x 64 with --swiglu" if swiglu else ": 4 x hidden_size")
+    m["ffn_hidden_size"] = ffn
+    m["num_attention_heads"] = r.required("--num-attention-heads", int, "model.num_attention_heads")
+    m["num_query_groups"] = None
+    if r.switch("--group-query-attention"):
+        groups = r.number("--num-query-groups", int, "model.num_query_groups")
+        m["num_query_groups"] = groups if groups is not None else r.default("model.num_query_groups", 1, "--num-query-groups")
+    else:
+        r.skip("--num-query-groups", "Megatron-LM ignores it without --group-query-attention (multi-head attention)", section="model")
+    m["kv_channels"] = r.number("--kv-channels", int, "model.kv_channels")
+    m["vocab_size"] = r.number("--padded-vocab-size", int, "model.vocab_size")
+    if m["vocab_size"] is None:
+        r.comments["model.vocab_size"] = "the tokenizer's, padded (no --padded-vocab-size in the files)"
+    m["make_vocab_size_divisible_by"] = _or_default(r, "model", "make_vocab_size_divisible_by", int)
+    m["max_position_embeddings"] = r.required("--max-position-embeddings", int, "model.max_position_embeddings")
+    position = _or_default(r, "model", "position_embedding_type", str)
+    if position not in ("rope", "learned_absolute"):
+        raise UserError(f"{r.flags['--position-embedding-type'].where}: --position-embedding-type {position} has no "
+                        "counterpart: this project builds rope or learned_absolute positions; change the file")
+    m["position_embedding_type"] = position
+    m["rotary_base"] = _or_default(r, "model", "rotary_base", int)
+    m["rope_scaling"] = r.switch("--use-rope-scaling")
+    m["rope_scaling_factor"] = _or_default(r, "model", "rope_scaling_factor", float)
+    if not m["rope_scaling"] and not r.given("--rope-scaling-factor"):
+        r.comments.pop("model.rope_scaling_factor")  # unused without the scaling
+    m["normalization"] = _or_default(r, "model", "normalization", str)
+    m["norm_epsilon"] = _or_default(r, "model", "norm_epsilon", float)
+    m["swiglu"] = swiglu
+    m["gelu_tanh"] = False
+    r.comments["model.gelu_tanh"] = "Megatron-LM's megatron-core GPT uses the exact GELU (--openai-gelu: legacy models only)"
+    m["qk_layernorm"] = r.switch("--qk-layernorm")
+    m["add_bias_linear"] = not r.switch("--disable-bias-linear")
+    m["add_qkv_bias"] = r.switch("--add-qkv-bias")
+    if m["add_qkv_bias"] and m["add_bias_linear"]:
+        r.converted("--add-qkv-bias")  # implied by the linear biases: the renderer leaves it out
+        r.comments["model.add_qkv_bias"] = "--add-qkv-bias, implied by the linear biases (no --disable-bias-linear)"
+    m["tie_embeddings"] = not r.switch("--untie-embeddings-and-output-weights")
+    m["hidden_dropout"] = _or_default(r, "model", "hidden_dropout", float)
+    m["attention_dropout"] = _or_default(r, "model", "attention_dropout", float)
+    r.skip("--openai-gelu", "Megatron-LM applies it to its legacy models only; its megatron-core GPT uses the exact GELU",
+           section="model")
+    return m
+
+
+def _or_default(r: FlagReader, section: str, key: str, kind: type) -> Any:
+    flag, default = (MODEL_DEFAULTS if section == "model" else TRAINING_DEFAULTS)[key]
+    value = r.number(flag, kind, f"{section}.{key}") if kind is not str else r.text(flag, f"{section}.{key}")
+    return r.default(f"{section}.{key}", default, flag) if value is None else value
+
+
+def _samples_to_iters(r: FlagReader, flag: str, global_batch: int | None, key: str) -> int | None:
+    samples = r.number(flag, int, f"training.{key}")
+    if samples is None:
+        return None
+    if global_batch is None:
+        raise UserError(f"{r.flags[flag].where}: {flag} {samples} counts samples; this project counts steps and needs "
+                        "--global-batch-size to convert them: add it to a file, or give the iteration flag instead")
+    r.converted(flag)
+    r.comments[f"training.{key}"] = f"from {flag} {samples} / --global-batch-size {global_batch}"
+    return samples // global_batch
+
+
+def _training(r: FlagReader) -> dict[str, Any]:
+    t: dict[str, Any] = {}
+    t["seq_length"] = r.required("--seq-length", int, "training.seq_length")
+    t["micro_batch_size"] = r.required("--micro-batch-size", int, "training.micro_batch_size")
+    gbs = t["global_batch_size"] = r.number("--global-batch-size", int, "training.global_batch_size")
+    if gbs is None:
+        r.comments["training.global_batch_size"] = "Megatron-LM default: micro x data-parallel (no --global-batch-size)"
+    if r.given("--rampup-batch-size") and r.given("--train-samples") and not r.given("--train-iters"):
+        raise UserError(f"{r.flags['--train-samples'].where}: --train-samples with --rampup-batch-size cannot become "
+                        "train_iters (the ramp-up has no counterpart); give --train-iters instead")
+    iters = r.number("--train-iters", int, "training.train_iters")
+    if iters is None:
+        iters = _samples_to_iters(r, "--train-samples", gbs, "train_iters")
+    if iters is None:
+        raise UserError("the files give no --train-iters (or --train-samples), which Megatron-LM needs; add one to a file")
+    t["train_iters"] = iters
+    t["lr"] = r.required("--lr", float, "training.lr")
+    t["min_lr"] = _or_default(r, "training", "min_lr", float)
+    decay = r.number("--lr-decay-iters", int, "training.lr_decay_iters")
+    if decay is None:
+        decay = _samples_to_iters(r, "--lr-decay-samples", gbs, "lr_decay_iters")
+    fraction = r.number("--lr-warmup-fraction", float, "training.lr_warmup_iters")
+    warmup = r.number("--lr-warmup-iters", int, "training.lr_warmup_iters")
+    if fraction is not None:
+        exact = fraction * (decay or iters)
+        warmup = round(exact)
+        r.converted("--lr-warmup-fraction")
+        r.comments["training.lr_warmup_iters"] = (f"from --lr-warmup-fraction {fraction:g} x lr_decay_iters {decay or iters}"
+                                                  + ("" if abs(exact - warmup) < 1e-6 else f" = {exact:g}, rounded"))
+    elif warmup is None:
+        warmup = _samples_to_iters(r, "--lr-warmup-samples", gbs, "lr_warmup_iters")
+    t["lr_warmup_iters"] = warmup if warmup is not None else r.default("training.lr_warmup_iters", 0, "--lr-warmup-iters")
+    t["lr_decay_iters"] = decay
+    style = r.flags.get("--lr-decay-style")
+    if style is not None and style.values and style.values[0].text == "cosine":
+        r.switch("--lr-decay-style")
+    elif style is not None:
+        r.skip("--lr-decay-style", "no counterpart: this project decays with cosine", section="training")
+    else:
+        r.skipped.append(NotImported("--lr-decay-style", ("linear",), "Megatron-LM's default, which has no counterpart: "
+                                     "this project decays with cosine (add --lr-decay-style cosine to mean that)",
+                                     "not in the files", NOT_IMPORTED, "training"))
+    for key in ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
+        t[key] = _or_default(r, "training", key, float)
+    t["grad_reduce_in_bf16"] = r.switch("--grad-reduce-in-bf16")
+    t["seed"] = _or_default(r, "training", "seed", int)
+    t["log_interval"] = _or_default(r, "training", "log_interval", int)
+    interval = r.number("--eval-interval", int, "training.eval_interval")
+    t["eval_interval"] = interval if interval is not None else 0
+    if interval is None:
+        r.comments["training.eval_interval"] = "Megatron-LM default: no validation during training, one at the end"
+    t["eval_iters"] = _or_default(r, "training", "eval_iters", int)
+    save = r.number("--save-interval", int, "training.save_interval")
+    t["save_interval"] = save if save is not None else 0
+    if save is None:
+        r.comments["training.save_interval"] = "no --save-interval in the files: no periodic checkpoints"
+    t["zero_stage"] = _zero_stage(r)
+    return t
+
+
+def _zero_stage(r: FlagReader) -> int:
+    reason = LAUNCHER_FLAGS["--use-distributed-optimizer"]
+    distributed = r.given("--use-distributed-optimizer")
+    fsdp = r.given("--use-megatron-fsdp")
+    strategy_flag = r.flags.get("--data-parallel-sharding-strategy")
+    strategy = strategy_flag.values[0].text if strategy_flag and strategy_flag.values else "no_shard"
+    if fsdp:
+        stage = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}[strategy]
+        source = f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy}"
+    else:
+        stage = 1 if distributed else 0
+        source = "--use-distributed-optimizer" if distributed else ""
+        if strategy_flag is not None:
+            r.skip("--data-parallel-sharding-strategy", "Megatron-LM reads it only with --use-megatron-fsdp "
+                   "(megatron_ext/run_spec/zero.py)", LAUNCHER, "training")
+    for flag in ("--use-distributed-optimizer", "--use-megatron-fsdp", "--data-parallel-sharding-strategy"):
+        r.skip(flag, f"imported as training.zero_stage {stage}; {reason}", LAUNCHER, "training")
+    if source:
+        r.comments["training.zero_stage"] = f"from {source}"
+    return stage
+
+
+def _data(r: FlagReader) -> dict[str, Any]:
+    d: dict[str, Any] = {}
+    kind = r.text("--tokenizer-type", "data.tokenizer.type")
+    if kind is None and r.given("--vocab-file") and r.given("--merge-file"):
+        kind = "GPT2BPETokenizer"
+        r.comments["data.tokenizer"] = "no --tokenizer-type in the files; --vocab-file and --merge-file mean GPT2BPETokenizer"
+    if kind is None:
+        raise UserError("the files give no --tokenizer-type, which Megatron-LM needs; add one to a file "
+                        "(HuggingFaceTokenizer, SentencePieceTokenizer, NullTokenizer, ...)")
+    tokenizer: dict[str, Any] = {}
+    if kind == "NullTokenizer":
+        tokenizer = {"type": "null", "vocab_size": r.required("--vocab-size", int, "data.tokenizer.vocab_size")}
+    elif kind == "HuggingFaceTokenizer" or kind in SENTENCEPIECE_TYPES:
+        model = r.text("--tokenizer-model", "data.tokenizer.model_path")
+        if model is None:
+            raise UserError(f"{r.flags['--tokenizer-type'].where}: --tokenizer-type {kind} needs --tokenizer-model; add it to a file")
+        if kind == "HuggingFaceTokenizer":  # a tokenizer directory, as Megatron-LM's AutoTokenizer reads it
+            tokenizer = {"type": "huggingface", "model_path": model}
+        else:
+            tokenizer = {"type": "sentencepiece", "model_path": model}
+            if kind != "SentencePieceTokenizer":
+                r.comments["data.tokenizer.type"] = (f"from {kind} (same ids and end-of-document as this project's "
+                                                     "sentencepiece; ENGINE=megatron-lm renders SentencePieceTokenizer)")
+                r.converted("--tokenizer-type")  # renders back as SentencePieceTokenizer
+    else:
+        fix = ("convert --vocab-file/--merge-file to a Hugging Face tokenizer.json (transformers: "
+               "GPT2TokenizerFast(vocab_file=..., merges_file=...).save_pretrained(DIR)) and set "
+               "data.tokenizer.model_path to DIR/tokenizer.json") if kind == "GPT2BPETokenizer" else \
+            "use HuggingFaceTokenizer, SentencePieceTokenizer or NullTokenizer"
+        r.untake("--tokenizer-type")
+        r.skip("--tokenizer-type", f"{kind} has no counterpart; {fix}", section="data")
+        if "--tokenizer-type" not in r.flags:
+            r.skipped.append(NotImported("--tokenizer-type", (kind,), f"{kind} has no counterpart; {fix}",
+                                         "not in the files, implied by --vocab-file and --merge-file", NOT_IMPORTED, "data"))
+        for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
+            r.skip(flag, f"{kind}'s files (see --tokenizer-type)", section="data")
+        tokenizer = {"type": "huggingface", "model_path": "TODO-tokenizer.json"}
+        r.comments["data.tokenizer.model_path"] = f"{kind} has no counterpart: {fix}"
+    for flag in ("--vocab-size", "--vocab-file", "--merge-file", "--tokenizer-model"):
+        r.skip(flag, f"Megatron-LM's {kind} does not read it", section="data")
+    mock = r.switch("--mock-data")
+    if mock:
+        if tokenizer["type"] != "null":
+            raise UserError(f"{r.flags['--mock-data'].where}: --mock-data with {kind}: this project's mock data uses the "
+                            "null tokenizer; add --tokenizer-type NullTokenizer --vocab-size N to a later file")
+        d["source"] = "mock"
+        r.skip("--data-path", "Megatron-LM ignores it with --mock-data", section="data")
+        r.skip("--split", "Megatron-LM ignores it with --mock-data", section="data")
+    else:
+        values = r.texts("--data-path", "data.paths")
+        if not values:
+            raise UserError("the files give no --data-path (nor --mock-data); this project reads data from --data-path "
+                            "prefixes (--train-data-path, --data-args-path and the like have no counterpart): add one")
+        d["source"] = "files"
+        d["paths"], d["weights"] = _blend(values, r.flags["--data-path"].where)
+        split = r.text("--split", "data.split")
+        d["split"] = split if split is not None else DEFAULT_SPLIT
+        if split is None:
+            r.comments["data.split"] = "Megatron-LM default with --data-path (no --split in the files)"
+    d["tokenizer"] = tokenizer
+    return d
+
+
+def _blend(values: list[str], where: str) -> tuple[list[str], list[float]]:
+    """``--data-path`` values: one prefix, prefixes, or weight-prefix pairs (Megatron's get_blend_from_list)."""
+    if len(values) == 1:
+        return values, []
+    try:
+        float(values[0])
+    except ValueError:
+        return values, []
+    if len(values) % 2:
+        raise UserError(f"{where}: --data-path {' '.join(values)}: weights and prefixes must come in pairs; fix the file")
+    try:
+        weights = [float(v) for v in values[0::2]]
+    except ValueError as exc:
+        raise UserError(f"{where}: --data-path {' '.join(values)}: {exc}; give weight-prefix pairs") from None
+    return values[1::2], weights
+
+
+def map_flags(flags: Mapping[str, GivenFlag], release: str, sources: Sequence[str], notes: Sequence[str] = (),
+              launcher: Sequence[NotImported] = ()) -> ImportedArgs:
+    """Map the merged flags onto the params; everything else is listed (``launcher``: torchrun's
+    own options, listed already)."""
+    r = FlagReader(dict(flags))
+    model, training, data = _model(r), _training(r), _data(r)
+    list_the_rest(r)
+    return ImportedArgs(model, data, training, tuple(r.skipped) + tuple(launcher), tuple(r.imported), dict(r.comments),
+                        tuple(sources), release, tuple(notes), tuple(r.conversions))

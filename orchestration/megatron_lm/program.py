@@ -1,0 +1,134 @@
+"""Which program torchrun runs on every rank: this project's (megatron-core) or Megatron-LM's.
+
+    ENGINE=megatron-lm MEGATRON_LM_DIR=/opt/Megatron-LM python -m orchestration start ...
+
+:func:`plan_program` (pure) returns the program part of the torchrun command line and the
+environment changes every rank needs (the ZeRO stage's, for both engines). For Megatron-LM it
+renders ``pretrain_gpt.py``'s arguments from the same params and ZeRO table for the checkout the
+start read (:mod:`orchestration.megatron_lm.checkout`), and names the check a start runs before
+anything starts: :func:`check_arguments`, Megatron-LM's own ``parse_args`` + ``validate_args`` at
+the run's world size (:mod:`orchestration.megatron_lm.validate`, a child process); where the
+checkout does not import here, every flag is checked against the checkout's source instead and
+the note says so. Either way a refusal is a :class:`UserError` before anything starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from megatron_ext.data.prepare import PreparedData
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.params import RunParams
+from megatron_ext.run_spec.run_paths import RunPaths
+from megatron_ext.run_spec.wandb_run import wandb_resume_env
+from megatron_ext.run_spec.zero import stage_environment
+from orchestration.launch_env import LaunchEnv
+from orchestration.megatron_lm.checkout import Checkout
+from orchestration.megatron_lm.render import check_flags, render_pretrain_gpt
+from orchestration.megatron_lm.validate import DEFAULT_DEVICE_ARCH, validate_with_megatron
+from orchestration.node.wire import NodeReport
+
+CHECK_ARGUMENTS = "check-arguments"
+
+
+@dataclass(frozen=True)
+class ProgramPlan:
+    engine: str
+    argv: tuple[str, ...]
+    """What follows torchrun's own options: ``-m module ...`` or ``script.py ...``."""
+    env: dict[str, str | None]
+    """Environment changes for every rank (None = unset)."""
+    notes: tuple[str, ...] = field(default=())
+    """What the user should know about the program (printed to stderr)."""
+    save_signal: str = "SIGUSR1"
+    """The signal that makes every rank save at the next step and end (the supervisor sends it to
+    each rank on a preemption, a time limit or ``stop --save``)."""
+    checks: tuple[tuple[str, str], ...] = ()
+    """(step name, what it checks): what a start (and its dry run) checks before anything starts."""
+    program_args: tuple[str, ...] = ()
+    """Megatron-LM: ``pretrain_gpt.py``'s arguments alone (what its own parser checks)."""
+
+
+def device_arch(launch: LaunchEnv) -> int:
+    """The compute capability Megatron-LM's argument check assumes without a GPU (MEGATRON_DEVICE_ARCH)."""
+    text = launch.megatron_device_arch_text
+    if text is None:
+        return DEFAULT_DEVICE_ARCH
+    if not text.isdigit():
+        raise UserError(f"MEGATRON_DEVICE_ARCH={text!r} must be a compute capability's major number, e.g. 9 (Hopper) "
+                        f"or 10 (Blackwell); unset it for {DEFAULT_DEVICE_ARCH}")
+    return int(text)
+
+
+def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, launch: LaunchEnv,
+                 checkout: Checkout | None = None, prepared: PreparedData | None = None,
+                 answers: Sequence[NodeReport] | None = None) -> ProgramPlan:
+    """The program of every rank; ENGINE=megatron-lm needs the ``checkout`` and where the data is
+    (or will be) ``prepared``. Pure."""
+    t = params.training
+    if t.engine == "megatron-core":
+        return ProgramPlan("megatron-core", (
+            "-m", "megatron_ext.pretrain", "--model", model, "--data", data, "--run-name", paths.run,
+            "--zero-stage", str(t.zero_stage), "--train-iters", str(t.train_iters),
+        ), stage_environment(t.zero_stage))
+    if checkout is None or prepared is None:
+        raise UserError("ENGINE=megatron-lm needs MEGATRON_LM_DIR, the Megatron-LM checkout holding pretrain_gpt.py")
+    if params.model.hf_checkpoint and t.init == "pretrained":
+        raise UserError(
+            f"ENGINE=megatron-lm cannot start from the Hugging Face weights in {params.model.hf_checkpoint} (its "
+            "pretrain_gpt.py reads Megatron checkpoints only; the architecture flags do come from config.json): convert "
+            "them first with Megatron-Bridge (python examples/conversion/convert_checkpoints.py import --hf-model "
+            f"{params.model.hf_checkpoint} --megatron-path DIR) and continue from DIR with Megatron-LM's "
+            "--pretrained-checkpoint, or use ENGINE=megatron-core (reads them directly), or set training.init: random"
+        )
+    render = render_pretrain_gpt(params, prepared, paths, checkout.version[:2], known=checkout.flags, wandb=launch.wandb)
+    signal_note = (f"a save request (preemption, time limit, stop --save) reaches Megatron-LM's "
+                   f"--exit-signal-handler as {render.save_signal}, sent to each rank directly"
+                   + ("" if "--exit-signal" in checkout.flags else " (this checkout has no --exit-signal: SIGTERM, its default)")
+                   if "--exit-signal-handler" in render.args else
+                   "this checkout has no --exit-signal-handler: a save request ends the run without a save")
+    wandb_env = wandb_resume_env(launch.wandb, paths) if launch.wandb else {}  # one W&B run across restarts
+    check = (CHECK_ARGUMENTS, f"Megatron-LM {checkout.version_text}'s own parse_args + validate_args on the arguments at "
+                              f"world size {launch.world_size}, and its tokenizer build (a child process)")
+    return ProgramPlan("megatron-lm", (str(checkout.root / "pretrain_gpt.py"), *render.args), {**render.env, **wandb_env},
+                       (signal_note,), save_signal=render.save_signal, checks=(check,), program_args=tuple(render.args))
+
+
+def check_arguments(program: ProgramPlan | None, launch: LaunchEnv, checkout: Checkout | None, tokenizer_path: str | None,
+                    data_ready: bool) -> tuple[str, ...]:
+    """Megatron-LM's own check of ``program``'s arguments (see the module docstring): its notes, or a
+    UserError. The tokenizer (``tokenizer_path``, the data set's) is built too, unless the data
+    preparation still has to make it (no path, data not ready)."""
+    if program is None or program.engine != "megatron-lm" or checkout is None:
+        return ()
+    rank_env = {k: v for k, v in launch.forwarded.items() if k not in program.env}
+    rank_env.update({k: v for k, v in program.env.items() if v is not None})
+    tokenizer_made_by_preparation = not data_ready and tokenizer_path is None
+    verdict = validate_with_megatron(checkout.root, program.program_args, launch.world_size, rank_env,
+                                     device_arch(launch), python=launch.python,
+                                     build_tokenizer=not tokenizer_made_by_preparation)
+    if verdict.status == "refused":
+        raise UserError(
+            f"Megatron-LM {checkout.version_text} ({checkout.root}) refuses the rendered arguments at world size "
+            f"{launch.world_size}: {verdict.message}; change the params, ZERO_STAGE or the cluster shape"
+        )
+    if verdict.status == "tokenizer":
+        raise UserError(
+            f"Megatron-LM {checkout.version_text} ({checkout.root}) cannot build the run's tokenizer "
+            f"{tokenizer_path} as its ranks would ({verdict.message}); give a tokenizer that "
+            "transformers' AutoTokenizer.from_pretrained loads (a directory with tokenizer.json and tokenizer_config.json)"
+        )
+    made = ("; the tokenizer is made by the data preparation: it is built when the start has prepared the data"
+            if tokenizer_made_by_preparation else "")
+    if verdict.status == "accepted":
+        note = (f"Megatron-LM {checkout.version_text}'s own parse_args + validate_args accept the arguments at world size "
+                f"{launch.world_size}")
+        return (note + (f" ({verdict.message})" if verdict.message else "") + made,)
+    fallback = (f"Megatron-LM's own argument check cannot run here ({verdict.message}); checked every flag "
+                f"against the checkout's source instead")
+    try:
+        check_flags(list(program.program_args), checkout.flags, checkout.version_text)
+    except UserError as exc:
+        raise UserError(f"{exc}\nnote: {fallback}") from None
+    return (fallback,)

@@ -1,0 +1,34 @@
+"""Which nodes a command reaches: (node rank, host) pairs.
+
+    HOSTS=node0,node1 python -m orchestration stop demo    # the hosts given
+    python -m orchestration stop demo                      # the hosts the run's start recorded
+
+Reads the run's resolved-parameters file (the hosts a start recorded); nothing else.
+"""
+
+from __future__ import annotations
+
+from megatron_ext.run_spec.resolved import read_resolved
+from megatron_ext.run_spec.run_paths import RunPaths
+from orchestration.launch_env import LaunchEnv
+
+Nodes = list[tuple[int, str]]
+
+
+def this_node(launch: LaunchEnv) -> Nodes:
+    """This machine, as node NODE_RANK."""
+    return [(launch.node_rank, "localhost")]
+
+
+def start_nodes(launch: LaunchEnv, only_this_node: bool) -> Nodes:
+    """The nodes a start reaches: this one (``--this-node``), or every host."""
+    return this_node(launch) if only_this_node else list(enumerate(launch.hosts))
+
+
+def run_nodes(launch: LaunchEnv, run: str, only_this_node: bool) -> Nodes:
+    """The nodes a run lives on: HOSTS/HOSTFILE when given, else the hosts its start recorded."""
+    if not only_this_node and not launch.hosts_explicit:
+        resolved = read_resolved(RunPaths(launch.artifact_root, run).params_path)
+        if resolved is not None:
+            return list(enumerate(resolved.runtime.hosts))
+    return start_nodes(launch, only_this_node)
