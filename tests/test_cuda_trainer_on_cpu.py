@@ -24,6 +24,8 @@ import pytest
 
 from conftest import REPO, clean_env, free_port
 
+pytestmark = pytest.mark.slow
+
 WORKER = REPO / "tests" / "cuda_on_cpu" / "worker.py"
 
 

@@ -16,7 +16,7 @@ from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.run_spec.procfs import process_environ
 from conftest import require, REPO, clean_env, free_port, last_iteration, run_script, tagged_pids, wait_for
 
-pytestmark = pytest.mark.docker
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -159,6 +159,7 @@ def train_and_export(tmp_path: Path, model_dir: Path, stage: str, run: str) -> t
     return export, out
 
 
+@pytest.mark.slow
 def test_hf_directory_as_model_trained_sharded_then_exported_loads_in_transformers(tmp_path):
     """MODEL = a Hugging Face directory (its tokenizer too), ZeRO stage 3 over 2 ranks (FSDP2 shards
     in the checkpoint), learning rate 0: the export loads in AutoModelForCausalLM with no missing or

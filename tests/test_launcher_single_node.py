@@ -11,6 +11,8 @@ import pytest
 
 from conftest import REPO, clean_env, free_port, last_iteration, run_script, tagged_pids, wait_for, write_data_set
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture()
 def env(artifact_root):

@@ -213,6 +213,7 @@ def validate_args(args, defaults):
 """
 
 
+@pytest.mark.slow
 def test_megatron_lm_validation_before_launch(tmp_path):
     """Megatron-LM's own parse_args + validate_args run on the rendered argv before anything
     starts (a stand-in parser here: Megatron-LM's real one needs its checkout, checked by hand on
@@ -258,6 +259,7 @@ def parse_args():
 """
 
 
+@pytest.mark.slow
 def test_megatron_lm_builds_the_run_s_tokenizer_before_launch(tmp_path):
     """ENGINE=megatron-lm: the validation child builds the tokenizer as the ranks will
     (initialize_megatron's global_vars._build_tokenizer, then the build_tokenizer pretrain_gpt.py
@@ -284,7 +286,7 @@ def test_megatron_lm_builds_the_run_s_tokenizer_before_launch(tmp_path):
     ok = subprocess.run(start, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "the tokenizer builds as initialize_megatron and pretrain_gpt.py (megatron.core.tokenizers" in ok.stderr
-    argv = json.loads(ok.stdout.splitlines()[0])["argv"]
+    argv = planned_nodes(ok.stdout)[0]["argv"]
     assert argv[argv.index("--tokenizer-model") + 1] == str(tokenizer)  # the directory AutoTokenizer reads
     config = json.loads((tokenizer / "tokenizer_config.json").read_text())
     (tokenizer / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "T5Tokenizer"}))
@@ -295,6 +297,7 @@ def test_megatron_lm_builds_the_run_s_tokenizer_before_launch(tmp_path):
     assert refused.stderr.count("error:") == 1 and "Traceback" not in refused.stderr
 
 
+@pytest.mark.slow
 def test_launcher_dry_run_renders_pretrain_gpt(tmp_path):
     checkout = write_checkout(tmp_path / "Megatron-LM", (0, 16, 1), all_rendered_flags())
     env = clean_env(DRY_RUN="1", ENGINE="megatron-lm", MEGATRON_LM_DIR=str(checkout), HOSTS="n0,n1", NPROC_PER_NODE="8",
@@ -383,6 +386,7 @@ for it in range(1, iters + 1):
 '''
 
 
+@pytest.mark.slow
 def test_launcher_runs_the_checkout_and_reads_its_logs(tmp_path):
     """Start -> node-start -> torchrun -> $MEGATRON_LM_DIR/pretrain_gpt.py with the rendered argv and
     environment, then status and compare from Megatron-LM's log lines (stand-in script, see above)."""
@@ -551,8 +555,10 @@ def test_megatron_lm_with_wandb_keeps_one_wandb_run_across_starts(tmp_path):
     """The launcher's WANDB_* reach the render, and Megatron-LM's ranks (whose wandb.init takes no id)
     get WANDB_RUN_ID and WANDB_RESUME=allow: the id the run's first start recorded under its run directory."""
     from megatron_ext.run_spec.wandb_run import WandbState, read_wandb_state, write_wandb_state
-    from orchestration.megatron_lm.program import plan_program
+    from megatron_ext.data.prepare import planned_prepared
     from orchestration.launch_env import read_launch_env
+    from orchestration.megatron_lm.checkout import read_checkout
+    from orchestration.megatron_lm.program import plan_program
 
     wandb_flags = ["--wandb-project", "--wandb-exp-name", "--wandb-save-dir", "--wandb-entity"]
     checkout = write_checkout(tmp_path / "Megatron-LM", (0, 16, 1), all_rendered_flags() + wandb_flags)
@@ -560,12 +566,13 @@ def test_megatron_lm_with_wandb_keeps_one_wandb_run_across_starts(tmp_path):
                               "ENGINE": "megatron-lm", "ARTIFACT_ROOT": str(tmp_path / "art")})
     params = with_batch_geometry(load_run_params("gpt_smoke", "smoke", launch.overrides), 2)[0]
     paths = RunPaths(launch.artifact_root, "lm_wandb")
-    first = plan_program(params, "gpt_smoke", "smoke", paths, launch)
+    read, prepared = read_checkout(checkout), planned_prepared(params.data, paths.data_cache_dir)
+    first = plan_program(params, "gpt_smoke", "smoke", paths, launch, read, prepared)
     rendered = dict(split_flags(first.argv[1:]))
     assert rendered["--wandb-project"] == ["zero"] and rendered["--wandb-entity"] == ["team"]
     assert first.env["WANDB_RESUME"] == "allow" and len(first.env["WANDB_RUN_ID"]) == 16
     assert read_wandb_state(paths) is None  # planning writes nothing; the start records the id
     write_wandb_state(paths, WandbState(first.env["WANDB_RUN_ID"]))
-    assert plan_program(params, "gpt_smoke", "smoke", paths, launch).env["WANDB_RUN_ID"] == first.env["WANDB_RUN_ID"]
-    assert "WANDB_RUN_ID" not in plan_program(params, "gpt_smoke", "smoke", paths,
-                                              read_launch_env({"MEGATRON_LM_DIR": str(checkout), "ENGINE": "megatron-lm"})).env
+    assert plan_program(params, "gpt_smoke", "smoke", paths, launch, read, prepared).env["WANDB_RUN_ID"] == first.env["WANDB_RUN_ID"]
+    assert "WANDB_RUN_ID" not in plan_program(params, "gpt_smoke", "smoke", paths, read_launch_env(
+        {"MEGATRON_LM_DIR": str(checkout), "ENGINE": "megatron-lm"}), read, prepared).env

@@ -21,7 +21,7 @@ from megatron_ext.run_spec.procfs import process_environ
 from netns_cluster import NamespaceCluster, missing_prerequisites
 from conftest import TEST_DATA, clean_env, last_iteration, plan_header, planned_nodes, require, run_script, run_torchrun, tagged_pids, wait_for, write_data_set
 
-pytestmark = pytest.mark.multinode
+pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ import pytest
 
 from conftest import REPO, clean_env
 
+pytestmark = pytest.mark.slow
+
 VENV_PYTHON = REPO / ".venv-py312" / "bin" / "python"
 
 

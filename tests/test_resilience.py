@@ -130,6 +130,7 @@ def status_of(run: str, env: dict) -> dict:
     return json.loads(run_script("status_training.sh", run, "--json", env=env).stdout.splitlines()[0])
 
 
+@pytest.mark.slow
 def test_a_killed_and_a_stopped_worker_with_restarts_finish_with_the_same_losses(env, artifact_root, unattended):
     """MAX_RESTARTS=3: SIGKILL of rank 1 after the first checkpoint -> attempt 2 resumes; SIGSTOP of
     rank 0 after the next one -> the watchdog (step floor 5 s) dumps the stacks and attempt 3
@@ -172,6 +173,7 @@ def test_a_killed_and_a_stopped_worker_with_restarts_finish_with_the_same_losses
     assert tagged_pids(run) == []
 
 
+@pytest.mark.slow
 def test_stop_save_saves_at_the_next_step_and_the_next_start_resumes(env, artifact_root, tmp_path):
     data = write_data_set(tmp_path / "long.yaml", train_iters=5000)
     run = "saved_on_request"
@@ -191,6 +193,7 @@ def test_stop_save_saves_at_the_next_step_and_the_next_start_resumes(env, artifa
     assert tagged_pids(run) == []
 
 
+@pytest.mark.slow
 def test_megatron_lm_log_watch_finds_a_stopped_last_rank(env, artifact_root, tmp_path):
     """ENGINE=megatron-lm writes no progress files: the supervisor of the last rank's node times the
     iteration lines (the stand-in checkout of test_megatron_lm.py prints one every 0.2 s)."""

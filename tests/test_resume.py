@@ -18,7 +18,7 @@ from megatron_ext.run_spec.iteration_log import parse_log
 from netns_cluster import NamespaceCluster, missing_prerequisites
 from conftest import clean_env, require, run_script, tagged_pids, wait_for
 
-pytestmark = pytest.mark.multinode
+pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
 ITERS = 20
 SAVE_EVERY = 5

@@ -104,6 +104,7 @@ def _scan_cmdlines(values: list[bytes], hits: list[str], stop: threading.Event) 
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_start_on_this_machine_gives_the_ranks_the_secrets_and_shows_them_nowhere(artifact_root, tmp_path):
     values = secret_env()
     run = "secrets_local"

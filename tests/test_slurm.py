@@ -15,7 +15,7 @@ from slurm_cluster import SlurmCluster, missing_prerequisites
 from conftest import (require, REPO, assert_same_losses, clean_env, last_iteration, run_script, tagged_pids, wait_for,
                       write_data_set)
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -168,3 +168,36 @@ def test_imports_inside_functions_are_the_few_that_must_be():
     unexplained = sorted(set(lazy) - set(LAZY_IMPORTS))
     assert unexplained == [], unexplained
     assert modules  # the walk found the sources
+
+
+PROCESS_HELPERS = {"run_torchrun", "wait_for", "tagged_pids", "wait_until_ended", "NamespaceCluster"}
+"""Test helpers that start or wait for training processes (tests/conftest.py, the cluster fixtures)."""
+PROCESS_FIXTURES = {"unattended", "cluster", "cluster_env", "slurm", "slurm_env", "docker_engine", "stage_runs", "sweep",
+                    "runs", "resumed"}
+"""Fixtures that start training runs, clusters or daemons."""
+
+
+def _marks(decorators) -> set[str]:
+    return {ast.unparse(d).split("pytest.mark.", 1)[-1].split("(")[0] for d in decorators}
+
+
+def test_every_test_that_starts_training_processes_is_marked_slow():
+    """The fast tier (``python3 -m pytest -q -m "not slow"``) runs no training but its one smoke: a
+    test (function or module) that calls a process helper or takes a process fixture is marked slow."""
+    unmarked = []
+    for path in sorted((REPO / "tests").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        module = set()
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in node.targets):
+                module = {ast.unparse(e).split("pytest.mark.", 1)[-1] for e in
+                          (node.value.elts if isinstance(node.value, ast.List) else [node.value])}
+        for fn in tree.body:
+            if not (isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_")):
+                continue
+            marks = module | _marks(fn.decorator_list)
+            calls = {getattr(c.func, "id", getattr(c.func, "attr", "")) for c in ast.walk(fn) if isinstance(c, ast.Call)}
+            fixtures = {a.arg for a in fn.args.args}
+            if (calls & PROCESS_HELPERS or fixtures & PROCESS_FIXTURES) and not marks & {"slow", "smoke"}:
+                unmarked.append(f"{path.name}::{fn.name}")
+    assert unmarked == [], unmarked

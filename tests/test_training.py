@@ -16,19 +16,31 @@ from conftest import REPO, clean_env, run_torchrun
 STAGE_ITERS = 12
 
 
-@pytest.fixture(scope="module")
-def stage_runs(artifact_root):
-    """gpt_smoke on the embedded corpus, 2 processes, under each ZeRO stage."""
-    runs = {}
-    for stage in range(4):
-        proc, records = run_torchrun(artifact_root, f"stages2_z{stage}", nproc=2, train_iters=STAGE_ITERS, ZERO_STAGE=str(stage))
+class StageRuns(dict):
+    """gpt_smoke on the embedded corpus, 2 processes, under a ZeRO stage: each stage run once, when
+    a test first asks for it (the fast tier asks for stage 0 only)."""
+
+    def __init__(self, artifact_root):
+        super().__init__()
+        self.artifact_root = artifact_root
+
+    def __missing__(self, stage: int):
+        proc, records = run_torchrun(self.artifact_root, f"stages2_z{stage}", nproc=2, train_iters=STAGE_ITERS,
+                                     ZERO_STAGE=str(stage))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert len(records) == STAGE_ITERS
-        runs[stage] = (proc, records)
-    return runs
+        self[stage] = (proc, records)
+        return self[stage]
 
 
+@pytest.fixture(scope="module")
+def stage_runs(artifact_root):
+    return StageRuns(artifact_root)
+
+
+@pytest.mark.smoke
 def test_two_processes_train_smoke_and_loss_falls(stage_runs):
+    """The fast tier's one torchrun (``-m "not slow"``): 2 processes, 12 iterations, the loss falls."""
     proc, records = stage_runs[0]
     losses = [r["lm_loss"] for r in records]
     first, last5 = losses[0], sum(losses[-5:]) / 5
@@ -40,6 +52,7 @@ def test_two_processes_train_smoke_and_loss_falls(stage_runs):
     assert records[-1]["tokens_per_s"] > 0 and records[-1]["tflops_per_gpu"] > 0
 
 
+@pytest.mark.slow
 def test_rank_0_writes_tensorboard_events(stage_runs, artifact_root):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -50,6 +63,7 @@ def test_rank_0_writes_tensorboard_events(stage_runs, artifact_root):
     assert {"learning-rate", "grad-norm", "throughput/tokens-per-s", "memory/model-state-bytes"} <= set(events.Tags()["scalars"])
 
 
+@pytest.mark.slow
 def test_every_stage_gives_the_same_loss(stage_runs):
     reference = [r["lm_loss"] for r in stage_runs[0][1]]
     for stage in (1, 2, 3):
@@ -58,6 +72,7 @@ def test_every_stage_gives_the_same_loss(stage_runs):
             assert abs(a - b) / abs(a) <= 1e-5, f"stage {stage} iteration {it}: {b} vs stage 0 {a}"
 
 
+@pytest.mark.slow
 def test_qwen3_shaped_smoke_trains_identically_under_stage_0_and_3(artifact_root):
     """RoPE (kept on the CPU on every megatron-core release, see training/compat.py), RMSNorm,
     QK-layernorm, SwiGLU and grouped-query attention through the SDPA core attention."""
@@ -100,10 +115,12 @@ def check_memory(records_by_stage: dict[int, list[dict]], d: int) -> None:
     assert peaks[0] > peaks[1] > peaks[2] > peaks[3], peaks
 
 
+@pytest.mark.slow
 def test_model_state_bytes_follow_the_stage_at_2_processes(stage_runs):
     check_memory({s: r for s, (_, r) in stage_runs.items()}, 2)
 
 
+@pytest.mark.slow
 def test_model_state_bytes_follow_the_stage_at_4_processes(artifact_root):
     runs = {}
     for stage in range(4):
@@ -122,6 +139,7 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,env,message", BAD_INPUTS)
 def test_bad_input_is_one_message(args, env, message, tmp_path):
     start = time.time()
@@ -133,6 +151,7 @@ def test_bad_input_is_one_message(args, env, message, tmp_path):
     assert time.time() - start < 30
 
 
+@pytest.mark.slow
 def test_unknown_yaml_key_and_missing_data_path(tmp_path):
     bad_key = tmp_path / "bad_key.yaml"
     bad_key.write_text("training:\n  global_batch: 16\n")

@@ -110,6 +110,7 @@ def read_offline_run(run_dir: Path) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_offline_run_logs_every_iteration_once_from_one_rank_and_resumes_the_same_run(artifact_root, tmp_path):
     """2 ranks, 6 iterations (checkpoints at 4 and 6), then the run resumed from iteration 4 to 8, as
     a restart after a failure at iteration 6 would: one W&B run, each iteration logged once."""

@@ -61,6 +61,18 @@ def device_arch(launch: LaunchEnv) -> int:
     return int(text)
 
 
+def check_megatron_lm_params(params: RunParams) -> None:
+    """What Megatron-LM's pretrain_gpt.py cannot do with these params, before its checkout is even read."""
+    if params.model.hf_checkpoint and params.training.init == "pretrained":
+        raise UserError(
+            f"ENGINE=megatron-lm cannot start from the Hugging Face weights in {params.model.hf_checkpoint} (its "
+            "pretrain_gpt.py reads Megatron checkpoints only; the architecture flags do come from config.json): convert "
+            "them first with Megatron-Bridge (python examples/conversion/convert_checkpoints.py import --hf-model "
+            f"{params.model.hf_checkpoint} --megatron-path DIR) and continue from DIR with Megatron-LM's "
+            "--pretrained-checkpoint, or use ENGINE=megatron-core (reads them directly), or set training.init: random"
+        )
+
+
 def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, launch: LaunchEnv,
                  checkout: Checkout | None = None, prepared: PreparedData | None = None,
                  answers: Sequence[NodeReport] | None = None) -> ProgramPlan:
@@ -72,16 +84,9 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
             "-m", "megatron_ext.pretrain", "--model", model, "--data", data, "--run-name", paths.run,
             "--zero-stage", str(t.zero_stage), "--train-iters", str(t.train_iters),
         ), stage_environment(t.zero_stage))
+    check_megatron_lm_params(params)
     if checkout is None or prepared is None:
         raise UserError("ENGINE=megatron-lm needs MEGATRON_LM_DIR, the Megatron-LM checkout holding pretrain_gpt.py")
-    if params.model.hf_checkpoint and t.init == "pretrained":
-        raise UserError(
-            f"ENGINE=megatron-lm cannot start from the Hugging Face weights in {params.model.hf_checkpoint} (its "
-            "pretrain_gpt.py reads Megatron checkpoints only; the architecture flags do come from config.json): convert "
-            "them first with Megatron-Bridge (python examples/conversion/convert_checkpoints.py import --hf-model "
-            f"{params.model.hf_checkpoint} --megatron-path DIR) and continue from DIR with Megatron-LM's "
-            "--pretrained-checkpoint, or use ENGINE=megatron-core (reads them directly), or set training.init: random"
-        )
     render = render_pretrain_gpt(params, prepared, paths, checkout.version[:2], known=checkout.flags, wandb=launch.wandb)
     signal_note = (f"a save request (preemption, time limit, stop --save) reaches Megatron-LM's "
                    f"--exit-signal-handler as {render.save_signal}, sent to each rank directly"

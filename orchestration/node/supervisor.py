@@ -62,6 +62,9 @@ HANG_REPORT_WAIT_S = 30.0
 HUNG_STOP_GRACE_S = 10.0
 """A hung attempt's stop: its ranks are sent SIGCONT, then torchrun SIGTERM; this long before SIGKILL."""
 PREEMPTED_LINE = "exiting program after receiving"
+ENDED_PHASES = ("done", "preempted")
+"""Phases after a rank's last step: a save request is not forwarded to it (it may be tearing down
+its handlers: SIGUSR1 would kill it)."""
 """Megatron-LM's line after a signal-triggered save (its exit code is 0, as for a finished run)."""
 
 
@@ -154,7 +157,8 @@ class Supervisor:
             ready = set(pids.values()) if parse_log(tail(Path(self.plan.log_path), 400))[0] else set()
         else:
             reported = read_progress(self.progress_dir)
-            ready = {pid for rank, pid in pids.items() if rank in reported and reported[rank].pid == pid}
+            ready = {pid for rank, pid in pids.items() if rank in reported and reported[rank].pid == pid
+                     and reported[rank].phase not in ENDED_PHASES}  # a rank past its last step has no handler left
         sig = signal.Signals[self.plan.save_signal]
         for pid in sorted(ready - signalled):
             try:

@@ -39,7 +39,7 @@ from megatron_ext.run_spec.resolved import ResolvedRun, RunRuntime
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
 from orchestration.launch_env import SOCKET_IFNAME_VARIABLES, LaunchEnv
 from orchestration.megatron_lm.checkout import Checkout, read_checkout
-from orchestration.megatron_lm.program import ProgramPlan, plan_program
+from orchestration.megatron_lm.program import ProgramPlan, check_megatron_lm_params, plan_program
 from orchestration.node.run_state import first_attempt
 from orchestration.node.wire import NODE_TAG, RUN_ID_TAG, RUN_TAG, NodePlan, NodeReport
 
@@ -140,6 +140,7 @@ def read_start_inputs(launch: LaunchEnv, model: str, data: str, run: str, nodes:
     checkout = prepared = None
     ready = True
     if params.training.engine == "megatron-lm":
+        check_megatron_lm_params(params)
         if not launch.megatron_lm_dir:
             raise UserError("ENGINE=megatron-lm needs MEGATRON_LM_DIR, the Megatron-LM checkout holding pretrain_gpt.py")
         checkout = read_checkout(launch.megatron_lm_dir)
