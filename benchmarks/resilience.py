@@ -2,6 +2,7 @@
 
     python benchmarks/resilience.py                  # the watchdog's default limits (30 s step floor)
     python benchmarks/resilience.py --floor-s 10     # a shorter floor
+    python benchmarks/resilience.py --only checksums,links   # parts 3 and 4 alone (a minute)
 
 1. The progress reporting's cost per step: the training program under torchrun with what the
    supervisor gives it (the progress directory: a progress file per phase, the per-step save-flag
@@ -11,6 +12,10 @@
    process of the attempt gone, and to the first iteration of the next attempt. Faults: a worker
    SIGKILLed, a worker SIGSTOPped (a hang: the watchdog's step limit, the stack dumps), torchrun
    SIGKILLed (orphaned workers), and ``stop --save`` (request to every process ended, saved).
+3. Checkpoint checksums: the seconds each save spends recording them (every rank a share of the
+   files, read back), against the save's whole time, from the program's own log lines.
+4. The link test a multi-node start runs first: its wall time for 3 processes on this machine
+   (loopback), from start to every report.
 """
 
 from __future__ import annotations
@@ -141,30 +146,73 @@ def fault(root: Path, data: str, kind: str, floor_s: float) -> tuple[float, floa
         script("stop_training.sh", run, env=env)
 
 
+def checksum_cost(root: Path, data: str) -> list[tuple[float, float, int]]:
+    """(save s, checksums s, bytes) of every save of one run (2 ranks, gpt_smoke)."""
+    import re
+
+    run = "bench_checksums"
+    env = clean_env(ARTIFACT_ROOT=str(root), MASTER_PORT=str(free_port()))
+    assert script("start_training.sh", "gpt_smoke", data, run, env=env).returncode == 0
+    wait(lambda: not tagged_pids(run), 600)
+    text = (root / "logs" / f"{run}_node0.log").read_text()
+    out = []
+    for m in re.finditer(r"saved checkpoint at iteration \d+ to (\S+) in ([\d.]+) s \(checksums ([\d.]+) s of it\)", text):
+        folder = Path(m.group(1))
+        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
+        out.append((float(m.group(2)), float(m.group(3)), size))
+    return out
+
+
+def linktest_seconds(nnodes: int = 3) -> float:
+    """Wall time of the link test for ``nnodes`` processes on loopback (gloo)."""
+    port = free_port()
+    started = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-m", "orchestration.node.linktest", "--rank", str(r), "--nnodes",
+                               str(nnodes), "--master-addr", "127.0.0.1", "--port", str(port), "--backend", "gloo"],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env())
+             for r in range(nnodes)]
+    for proc in procs:
+        proc.communicate(timeout=120)
+    return time.monotonic() - started
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--floor-s", type=float, default=30.0, help="HANG_STEP_FLOOR_S (default: the watchdog's own, 30)")
     p.add_argument("--repeats", type=int, default=6, help="runs with and without progress reporting (ABBA order)")
     p.add_argument("--progress-only", action="store_true", help="only the progress reporting's cost")
+    p.add_argument("--only", default="", help="comma-separated parts to run: progress, checksums, links, faults")
     p.add_argument("--per-step-work", action="store_true", help=argparse.SUPPRESS)  # a rank of per_step_work()
     args = p.parse_args()
     if args.per_step_work:
         return _per_step_work_rank()
     root = Path(tempfile.mkdtemp(prefix="bench_resilience_"))
+    parts = set(filter(None, args.only.split(","))) or ({"progress"} if args.progress_only else
+                                                         {"progress", "checksums", "links", "faults"})
     short = write_data_set(root / "short.yaml", train_iters=40)
     long = write_data_set(root / "long.yaml", train_iters=5000, save_interval=20)
-    without, with_ = progress_cost(root, short, args.repeats)
-    print("progress reporting (gpt_smoke, 1 node x 2 CPU processes, median step after 3 warm-up steps)")
-    print(f"  without {without * 1000:.1f} ms, with {with_ * 1000:.1f} ms per step: ratio {with_ / without:.3f} "
-          f"(medians of {args.repeats} runs each, ABBA order)")
-    print(f"  {per_step_work()}, against a {without * 1000:.1f} ms step")
-    if args.progress_only:
-        return
-    print(f"\nfaults (MAX_RESTARTS=1, HANG_STEP_FLOOR_S={args.floor_s:g}, checkpoint every 20 iterations)")
-    print(f"{'fault':<24} {'to every process gone s':>23} {'to next attempt first iteration s':>34}")
-    for kind in ("worker SIGKILL", "worker SIGSTOP (hang)", "torchrun SIGKILL", "stop --save"):
-        gone, next_first = fault(root, long, kind, args.floor_s)
-        print(f"{kind:<24} {gone:>23.1f} {'-' if next_first is None else f'{next_first:.1f}':>34}")
+    if "progress" in parts:
+        without, with_ = progress_cost(root, short, args.repeats)
+        print("progress reporting (gpt_smoke, 1 node x 2 CPU processes, median step after 3 warm-up steps)")
+        print(f"  without {without * 1000:.1f} ms, with {with_ * 1000:.1f} ms per step: ratio {with_ / without:.3f} "
+              f"(medians of {args.repeats} runs each, ABBA order)")
+        print(f"  {per_step_work()}, against a {without * 1000:.1f} ms step")
+    if "checksums" in parts:
+        saves = checksum_cost(root, write_data_set(root / "saving.yaml", train_iters=40, save_interval=5))
+        print("\ncheckpoint checksums (gpt_smoke, 2 CPU processes, a save every 5 iterations)")
+        for save_s, checksum_s, size in saves:
+            print(f"  save {save_s:.2f} s, checksums {checksum_s:.3f} s ({checksum_s / save_s:.1%} of it), "
+                  f"{size / 2**20:.1f} MiB")
+        if saves:
+            print(f"  median share: {statistics.median(c / s for s, c, _ in saves):.1%}")
+    if "links" in parts:
+        print(f"\nlink test, 3 processes on loopback (gloo): {linktest_seconds():.1f} s from start to every report")
+    if "faults" in parts:
+        print(f"\nfaults (MAX_RESTARTS=1, HANG_STEP_FLOOR_S={args.floor_s:g}, checkpoint every 20 iterations)")
+        print(f"{'fault':<24} {'to every process gone s':>23} {'to next attempt first iteration s':>34}")
+        for kind in ("worker SIGKILL", "worker SIGSTOP (hang)", "torchrun SIGKILL", "stop --save"):
+            gone, next_first = fault(root, long, kind, args.floor_s)
+            print(f"{kind:<24} {gone:>23.1f} {'-' if next_first is None else f'{next_first:.1f}':>34}")
 
 
 if __name__ == "__main__":

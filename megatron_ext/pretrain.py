@@ -47,6 +47,8 @@ def parse_args(argv):
     p.add_argument("--run-name", dest="run", help="run name (default MODEL_DATA)")
     p.add_argument("--zero-stage", help="ZeRO stage 0-3 (default $ZERO_STAGE, else the data set's)")
     p.add_argument("--train-iters", type=int, help="override training.train_iters")
+    p.add_argument("--global-batch-size", type=int, help="override training.global_batch_size (the launcher's: a run "
+                   "that continues on fewer nodes keeps its global batch)")
     return p.parse_args(argv)
 
 
@@ -96,7 +98,7 @@ def resolve(args, env: Mapping[str, str]):
     overrides = read_overrides(env)
     if args.zero_stage is not None:
         overrides = dataclasses.replace(overrides, zero_stage=int(parse_zero_stage(args.zero_stage, "--zero-stage")))
-    overrides = dataclasses.replace(overrides, train_iters=args.train_iters)
+    overrides = dataclasses.replace(overrides, train_iters=args.train_iters, global_batch_size=args.global_batch_size)
     ranks = read_rank_env(env)
     params, geometry = with_batch_geometry(load_run_params(args.model, args.data, overrides), ranks.world_size)
     _, warning = check_megatron_core(allow_untested=env.get(ALLOW_UNTESTED_ENV, "").strip() not in ("", "0"))

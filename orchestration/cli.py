@@ -34,11 +34,13 @@ from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_PREEMPT
 from megatron_ext.run_spec.params import COLLECTIVE_TIMEOUT_S
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name, runs_under
 from megatron_ext.run_spec.zero import parse_stages
+from orchestration.analysis.checkpoint_health import check_run_checkpoints, format_checkpoint_report
 from orchestration.analysis.compare import DEFAULT_WARMUP_ITERATIONS, compare_runs
 from orchestration.analysis.memory_plan import (DEFAULT_BUS_BANDWIDTH_GBS, DEFAULT_DEVICE, DEFAULT_HEADROOM, DEVICES,
                                                 MemoryRequest, plan_memory_request)
 from orchestration.analysis.report import comparison_name, describe_files, write_comparison
 from orchestration.analysis.tables import format_comparison, format_memory_plan
+from orchestration.runner.links import format_links
 from orchestration.cluster import slurm
 from orchestration.import_args.importer import import_arg_files
 from orchestration.import_args.outputs import check_outputs, write_outputs
@@ -93,9 +95,17 @@ def format_problems(problems: Sequence[Problem]) -> str:
 
 # -- start, train, preflight ----------------------------------------------------------------------
 
+def note_links(planned: PlannedStart) -> None:
+    """Several nodes: the links the preflight measured, as a table (stderr)."""
+    if planned.preflight.links:
+        note("links between the nodes (each node's exchanges with its ring neighbours, the run's backend):\n"
+             + format_links(planned.preflight.links))
+
+
 def print_plan(planned: PlannedStart, launch: LaunchEnv) -> int:
     """The dry run: the checks' notes, the plan (a header line, then one JSON line per node), and
     what a start would make of the preflight; the exit code a start would have up to there."""
+    note_links(planned)
     for text in run_checks(launch, planned):
         note(text)
     for line in planned.plan.to_json_lines():
@@ -111,6 +121,19 @@ def print_plan(planned: PlannedStart, launch: LaunchEnv) -> int:
     return EXIT_OK
 
 
+def _start(launch: LaunchEnv, planned):
+    """Start the settled plan: (the result, the exit code when the preflight refused it), the
+    refusal's table and the start's notes printed."""
+    result = start_run(launch, planned)
+    if result.refused:
+        print(f"error: preflight found {len(result.preflight.problems)} problem(s); nothing was started:\n"
+              f"{format_problems(result.preflight.problems)}", file=sys.stderr)
+        return result, EXIT_USER_ERROR if result.preflight.answered else EXIT_NODE_FAILED
+    for text in result.notes:
+        note(text)
+    return result, None
+
+
 def cmd_start(args, launch: LaunchEnv) -> int:
     nodes = start_nodes(launch, args.this_node)
     planned = plan_settled_start(launch, args.model, args.data, args.run, nodes)
@@ -118,13 +141,10 @@ def cmd_start(args, launch: LaunchEnv) -> int:
         note(text)
     if launch.dry_run:
         return print_plan(planned, launch)
-    result = start_run(launch, planned)
-    if result.refused:
-        print(f"error: preflight found {len(result.preflight.problems)} problem(s); nothing was started:\n"
-              f"{format_problems(result.preflight.problems)}", file=sys.stderr)
-        return EXIT_USER_ERROR if result.preflight.answered else EXIT_NODE_FAILED
-    for text in result.notes:
-        note(text)
+    note_links(planned)
+    result, refused = _start(launch, planned)
+    if refused is not None:
+        return refused
     for r in result.nodes:
         print(f"{r.label} started torchrun pid {r.value.pid}; log {r.value.log}" if r.ok else r.describe_failure(), flush=True)
     if not result.started:
@@ -167,13 +187,9 @@ def cmd_train(args, launch: LaunchEnv) -> int:
     if launch.dry_run:
         return print_plan(planned, launch)
     offset = log_size(planned.plan)
-    result = start_run(launch, planned)
-    if result.refused:
-        print(f"error: preflight found {len(result.preflight.problems)} problem(s); nothing was started:\n"
-              f"{format_problems(result.preflight.problems)}", file=sys.stderr)
-        return EXIT_USER_ERROR if result.preflight.answered else EXIT_NODE_FAILED
-    for text in result.notes:
-        note(text)
+    result, refused = _start(launch, planned)
+    if refused is not None:
+        return refused
     if not result.started:
         for r in result.nodes:
             print(r.describe_failure(), file=sys.stderr, flush=True)
@@ -192,6 +208,8 @@ def cmd_preflight(args, launch: LaunchEnv) -> int:
     """The start's checks on every node, on their own: nothing is started."""
     nodes = start_nodes(launch, args.this_node)
     planned = plan_settled_start(launch, args.model, args.data, args.run, nodes)
+    if planned.preflight.links:
+        print(format_links(planned.preflight.links))
     if planned.preflight.problems:
         print(format_problems(planned.preflight.problems))
         return EXIT_USER_ERROR if planned.preflight.answered else EXIT_NODE_FAILED
@@ -294,16 +312,21 @@ def cmd_status(args, launch: LaunchEnv) -> int:
 
 
 def describe_attempts(report: control.StatusReport) -> list[str]:
-    """``attempt 3 of 4``, and why each earlier attempt ended."""
+    """``attempt 3 of 4``, on how many of the nodes, and why each earlier attempt ended (and which
+    nodes it lost)."""
     if not report.attempts or (len(report.attempts) == 1 and (report.max_attempts or 1) == 1):
         return []
+    hosts = {r.node_rank: r.host for r in report.nodes}
     current = report.attempts[-1]
     of = f" of {report.max_attempts}" if report.max_attempts else ""
-    lines = [f"attempt {current.attempt}{of}" + (f": {current.state}" if current.state else ": running")]
+    on = (f" on {len(current.nodes)} of {len(hosts)} nodes" if current.nodes and len(current.nodes) < len(hosts) else "")
+    lines = [f"attempt {current.attempt}{of}{on}" + (f": {current.state}" if current.state else ": running")]
     for r in report.attempts[:-1]:
         checkpoints = f" (checkpoint {r.checkpoint_at_start if r.checkpoint_at_start is not None else '-'} -> " \
                       f"{r.checkpoint_at_end if r.checkpoint_at_end is not None else '-'})"
-        lines.append(f"  attempt {r.attempt} {r.state or 'ended'}{checkpoints}: {r.reason}")
+        names = ", ".join(f"{n} ({hosts.get(n, '?')})" for n in r.lost)
+        lost = f"; lost node(s) {names}" if r.lost else ""
+        lines.append(f"  attempt {r.attempt} {r.state or 'ended'}{checkpoints}{lost}: {r.reason}")
     return lines
 
 
@@ -399,6 +422,13 @@ def cmd_plan_memory(args, launch: LaunchEnv) -> int:
     return EXIT_OK
 
 
+def cmd_check_checkpoints(args, launch: LaunchEnv) -> int:
+    """``check-checkpoints RUN [--sizes]``: every checkpoint of the run, verified or damaged."""
+    report = check_run_checkpoints(require_run(launch, args.run), args.sizes)
+    print(format_checkpoint_report(report), flush=True)
+    return EXIT_OK if report.loadable or not report.checkpoints else EXIT_NODE_FAILED
+
+
 # -- import-megatron-args -------------------------------------------------------------------------
 
 def cmd_import_megatron_args(args, launch: LaunchEnv) -> int:
@@ -422,12 +452,13 @@ def cmd_import_megatron_args(args, launch: LaunchEnv) -> int:
 
 # -- export-hf ------------------------------------------------------------------------------------
 
-def cmd_export_hf(args, launch: LaunchEnv) -> int:
-    """``export-hf RUN OUT_DIR [--iteration N]``: a checkpoint of the run as a Hugging Face model
-    directory, written by megatron_ext/export_hf.py in a child process (the launcher imports no
-    torch); DRY_RUN=1 prints that command."""
+def cmd_export(args, launch: LaunchEnv) -> int:
+    """``export-hf RUN OUT_DIR [--iteration N]`` (a Hugging Face model directory) and
+    ``export-megatron-lm RUN SAVE_DIR`` (a Megatron-LM --save folder): a checkpoint of the run,
+    written by megatron_ext/export_hf.py or export_megatron_lm.py in a child process (the launcher
+    imports no torch); DRY_RUN=1 prints that command."""
     require_run(launch, args.run)
-    argv = export_argv(launch, args.run, Path(args.out), args.iteration, args.force)
+    argv = export_argv(launch, args.run, Path(args.out), args.iteration, args.force, args.command.removeprefix("export-"))
     if launch.dry_run:
         print(shlex.join(argv), flush=True)
         return EXIT_OK
@@ -517,17 +548,25 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a variable the files use but do not set, or a script argument (5=/data/x_text_document)")
     imp.add_argument("--force", action="store_true", help="overwrite existing outputs")
     imp.add_argument("--dry-run", action="store_true", help="print both YAML files and the list, write nothing (DRY_RUN=1)")
-    export = sub.add_parser("export-hf", help="a checkpoint of RUN (any stage, any data-parallel size) as a Hugging Face "
-                            "model directory: config.json, safetensors, generation_config.json, the tokenizer")
-    export.add_argument("run"), export.add_argument("out", help="the directory to write")
-    export.add_argument("--iteration", type=int, help="the checkpoint's iteration (default: the latest)")
-    export.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    check = sub.add_parser("check-checkpoints", help="every checkpoint of RUN, verified against the checksums recorded "
+                           "when it was written, or damaged (which file, how)")
+    check.add_argument("run")
+    check.add_argument("--sizes", action="store_true", help="compare sizes only (quick: no file read)")
+    for name, what in (("export-hf", "a Hugging Face model directory: config.json, safetensors, generation_config.json, "
+                                      "the tokenizer"),
+                       ("export-megatron-lm", "a Megatron-LM --save folder (torch_dist, weights only) that "
+                                              "--pretrained-checkpoint and training.init_checkpoint start from")):
+        export = sub.add_parser(name, help=f"a checkpoint of RUN (any stage, any data-parallel size) as {what}")
+        export.add_argument("run"), export.add_argument("out", help="the directory to write")
+        export.add_argument("--iteration", type=int, help="the checkpoint's iteration (default: the latest)")
+        export.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     return parser
 
 
 COMMANDS = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "train": cmd_train, "preflight": cmd_preflight,
             "submit": cmd_submit, "compare": cmd_compare, "sweep": cmd_sweep, "plan-memory": cmd_plan_memory,
-            "import-megatron-args": cmd_import_megatron_args, "export-hf": cmd_export_hf}
+            "import-megatron-args": cmd_import_megatron_args, "export-hf": cmd_export, "export-megatron-lm": cmd_export,
+            "check-checkpoints": cmd_check_checkpoints}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -57,6 +57,7 @@ class LaunchEnv:
     hosts: tuple[str, ...]
     """Node hosts in node-rank order (ssh names or aliases; ``localhost`` = this machine)."""
     nnodes: int
+    """The nodes a start reaches (NNODES, or MAX of NNODES=MIN:MAX)."""
     node_rank: int
     """NODE_RANK: this machine's node rank, for the commands that act on this node only
     (``train``, ``start --this-node``); a start from node 0 plans every node's rank itself."""
@@ -71,8 +72,17 @@ class LaunchEnv:
     """ZERO_STAGE and ENGINE (None = the data set's)."""
     artifact_root: Path
     """Logs, pid files, metrics, checkpoints, data cache."""
+    min_nodes: int | None = None
+    """MIN of NNODES=MIN:MAX (torchrun's form): a lost node's run goes on with at least this many
+    nodes (None: NNODES gave one number; the data set's training.resilience.min_nodes holds)."""
+    checkpoint_root: Path | None = None
+    """CHECKPOINT_ROOT: a run's checkpoints go to ``<CHECKPOINT_ROOT>/<run>/checkpoints`` (a parallel file
+    system, say) instead of under the artifact root, which links to them."""
     megatron_lm_dir: str | None = None
     """MEGATRON_LM_DIR: the Megatron-LM checkout for ENGINE=megatron-lm."""
+    megatron_lm_extra_args: tuple[str, ...] = ()
+    """MEGATRON_LM_EXTRA_ARGS (shell words): pretrain_gpt.py flags appended after the rendered ones
+    and the data set's training.megatron_lm_extra_args."""
     visible_gpus: int = 0
     """GPUs this machine shows (CUDA_VISIBLE_DEVICES or /dev/nvidia*): the run's device kind."""
     container_name: str | None = None
@@ -102,6 +112,8 @@ class LaunchEnv:
     megatron_device_arch_text: str | None = None
     """MEGATRON_DEVICE_ARCH as given: the compute capability Megatron-LM's argument check assumes
     without a GPU (the Megatron-LM engine checks it)."""
+    allow_slow_links: bool = False
+    """ALLOW_SLOW_LINKS=1: a start goes on although the preflight named a node with a slow link."""
     log_level: str = "INFO"
     """LOG_LEVEL (or ``--verbose``: DEBUG): how much the launcher says on standard error."""
     environ: dict[str, str] = field(default_factory=dict, repr=False)
@@ -198,7 +210,7 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: 
         if not slurm_hosts:
             raise UserError("the allocation lists no node (SLURM_JOB_NODELIST); run inside salloc or sbatch")
         hosts = tuple(slurm_hosts)
-        nnodes = _int(env, "NNODES", len(hosts), 1)
+        min_nodes, nnodes = _nodes(env, len(hosts))
         if nnodes > len(hosts):
             raise UserError(
                 f"NNODES={nnodes} but the Slurm allocation {env.get('SLURM_JOB_ID')} has {len(hosts)} node(s) "
@@ -215,10 +227,10 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: 
     else:
         hosts = ("localhost",)
     if transport != "srun":
-        nnodes = _int(env, "NNODES", len(hosts), 1)
+        min_nodes, nnodes = _nodes(env, len(hosts))
     if explicit_hosts and nnodes != len(hosts):
         raise UserError(
-            f"NNODES={nnodes} but {len(hosts)} hosts are listed ({', '.join(hosts)}); "
+            f"NNODES={env.get('NNODES', '').strip() or nnodes} but {len(hosts)} hosts are listed ({', '.join(hosts)}); "
             "unset NNODES or list one host per node"
         )
     node_rank = _int(env, "NODE_RANK", 0, 0)
@@ -243,8 +255,11 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: 
         master_port_explicit=bool(env.get("MASTER_PORT", "").strip()),
         hosts_explicit=explicit_hosts,
         overrides=read_overrides(env),
+        min_nodes=min_nodes,
         artifact_root=artifact_root(env),
         megatron_lm_dir=env.get("MEGATRON_LM_DIR", "").strip() or None,
+        checkpoint_root=Path(env["CHECKPOINT_ROOT"].strip()).expanduser().absolute() if _text(env, "CHECKPOINT_ROOT") else None,
+        megatron_lm_extra_args=_words(env, "MEGATRON_LM_EXTRA_ARGS"),
         visible_gpus=visible_gpus,
         container_name=env.get("CONTAINER_NAME", "").strip() or None,
         ssh_opts=tuple(shlex.split(env.get("SSH_OPTS", ""))),
@@ -261,10 +276,35 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: 
         gpu_memory_gb_text=_text(env, "GPU_MEMORY_GB"),
         megatron_device_arch_text=_text(env, "MEGATRON_DEVICE_ARCH"),
         log_level=read_log_level(env),
+        allow_slow_links=env.get("ALLOW_SLOW_LINKS", "").strip() not in ("", "0", "false", "no"),
         environ=dict(env),
         python=python,
         cwd=cwd,
     )
+
+
+def _words(env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    """A variable holding shell words (quotes as in a shell)."""
+    try:
+        return tuple(shlex.split(env.get(name, "")))
+    except ValueError as exc:
+        raise UserError(f"{name}={env[name]!r} is not valid shell words ({exc}); quote as in a shell, e.g. "
+                        f"{name}=\"--attention-backend flash --recompute-activations\"") from None
+
+
+def _nodes(env: Mapping[str, str], hosts: int) -> tuple[int | None, int]:
+    """(MIN, MAX) of NNODES=MIN:MAX, or (None, N) of NNODES=N; N = the hosts by default."""
+    text = env.get("NNODES", "").strip()
+    if ":" not in text:
+        return None, _int(env, "NNODES", hosts, 1)
+    low, _, high = text.partition(":")
+    try:
+        lo, hi = int(low), int(high)
+    except ValueError:
+        raise UserError(f"NNODES={text!r} must be a number of nodes or MIN:MAX (torchrun's form), e.g. NNODES=3:4") from None
+    if not 1 <= lo <= hi:
+        raise UserError(f"NNODES={text!r}: MIN must be at least 1 and at most MAX, e.g. NNODES={max(1, min(lo, hi))}:{max(lo, hi, 1)}")
+    return lo, hi
 
 
 def _text(env: Mapping[str, str], name: str) -> str | None:

@@ -122,15 +122,15 @@ def write_data_set(path: Path, train_iters: int, global_batch: int = 16, save_in
     return str(path)
 
 
-UNATTENDED_ITERS = 500
+UNATTENDED_ITERS = 200
 
 
 @pytest.fixture(scope="session")
 def unattended(artifact_root, tmp_path_factory) -> tuple[str, dict[int, float]]:
-    """A data set of 500 iterations with a checkpoint every 50, and the lm loss at every iteration
+    """A data set of 200 iterations with a checkpoint every 25, and the lm loss at every iteration
     of one uninterrupted run of it (2 processes): what a run that was killed, hung, preempted and
     restarted must reproduce. Computed once per session (the one-node restart and the Slurm tests)."""
-    data = write_data_set(tmp_path_factory.mktemp("unattended") / "unattended.yaml", UNATTENDED_ITERS, save_interval=50)
+    data = write_data_set(tmp_path_factory.mktemp("unattended") / "unattended.yaml", UNATTENDED_ITERS, save_interval=25)
     proc, records = run_torchrun(artifact_root, "unattended_reference", data=data, timeout=900)
     assert proc.returncode == 0 and len(records) == UNATTENDED_ITERS, proc.stderr[-3000:]
     return data, {r["iteration"]: r["lm_loss"] for r in records}
@@ -143,3 +143,45 @@ def assert_same_losses(metrics_path: Path, reference: dict[int, float], rel: flo
     for r in records:
         ref = reference[r["iteration"]]
         assert abs(r["lm_loss"] - ref) <= rel * abs(ref), (r["iteration"], r["lm_loss"], ref)
+
+
+MEGATRON_LM_TARBALL = REPO.parent / "shared" / "megatron-lm" / "core_v0.16.1.tar.gz"
+"""Megatron-LM core_v0.16.1 beside the checkout (the developers' machines and CI have it; a user's
+clone does not: MEGATRON_LM_DIR points the tests at any checkout instead)."""
+MEGATRON_LM_SHIM = REPO / "tests" / "megatron_lm_shim"
+
+
+@pytest.fixture(scope="session")
+def megatron_lm_checkout(tmp_path_factory) -> Path:
+    """A Megatron-LM checkout for the tests that run its pretrain_gpt.py: MEGATRON_LM_DIR, else the
+    core_v0.16.1 tarball extracted once per session (and byte-compiled: its imports are most of a
+    launch's time); skipped, saying why, without either, or without the packages its ranks import
+    on this machine (triton, pybind11: the test extra)."""
+    import importlib.util
+    import tarfile
+
+    missing = [m for m in ("triton", "pybind11") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"Megatron-LM's ranks import {', '.join(missing)}: pip install -e .[test]")
+    given = os.environ.get("MEGATRON_LM_DIR", "").strip()
+    if given:
+        return Path(given)
+    if not MEGATRON_LM_TARBALL.is_file():
+        pytest.skip(f"no Megatron-LM checkout: set MEGATRON_LM_DIR, or put core_v0.16.1.tar.gz at {MEGATRON_LM_TARBALL}")
+    root = tmp_path_factory.mktemp("megatron_lm")
+    with tarfile.open(MEGATRON_LM_TARBALL) as tar:
+        tar.extractall(root, filter="data")
+    checkout = next(root.iterdir())
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "2", str(checkout / "megatron"),
+                    str(checkout / "pretrain_gpt.py"), str(checkout / "gpt_builders.py"), str(checkout / "model_provider.py")],
+                   capture_output=True, timeout=600)
+    return checkout
+
+
+def megatron_lm_env(checkout: Path, **extra: str) -> dict[str, str]:
+    """What a test's launcher command needs to run Megatron-LM's ranks on this CPU: the engine, the
+    checkout, and the CUDA-on-CPU shim in every rank (tests/megatron_lm_shim; forwarded as PYTHON*
+    and MEGATRON_* variables are)."""
+    return clean_env(ENGINE="megatron-lm", MEGATRON_LM_DIR=str(checkout), MEGATRON_LM_CPU_SHIM="1",
+                     PYTHONPATH=f"{MEGATRON_LM_SHIM}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep),
+                     **extra)

@@ -77,15 +77,18 @@ class NamespaceCluster:
         _sh("ip", "addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)
         _sh("ip", "link", "set", self.bridge, "up")
         for i, node in enumerate(self.nodes):
-            host_end = f"{self.prefix}v{i}"
-            _sh("ip", "netns", "add", node.namespace)
-            _sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", self.interface, "netns", node.namespace)
-            _sh("ip", "link", "set", host_end, "master", self.bridge)
-            _sh("ip", "link", "set", host_end, "up")
-            inside = ("ip", "netns", "exec", node.namespace)
-            _sh(*inside, "ip", "addr", "add", f"{node.address}/24", "dev", self.interface)
-            _sh(*inside, "ip", "link", "set", self.interface, "up")
-            _sh(*inside, "ip", "link", "set", "lo", "up")
+            self._add_namespace(i, node)
+
+    def _add_namespace(self, i: int, node: Node) -> None:
+        host_end = f"{self.prefix}v{i}"
+        _sh("ip", "netns", "add", node.namespace)
+        _sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", self.interface, "netns", node.namespace)
+        _sh("ip", "link", "set", host_end, "master", self.bridge)
+        _sh("ip", "link", "set", host_end, "up")
+        inside = ("ip", "netns", "exec", node.namespace)
+        _sh(*inside, "ip", "addr", "add", f"{node.address}/24", "dev", self.interface)
+        _sh(*inside, "ip", "link", "set", self.interface, "up")
+        _sh(*inside, "ip", "link", "set", "lo", "up")
 
     def _ssh(self) -> None:
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation dir
@@ -177,6 +180,34 @@ class NamespaceCluster:
     def namespace_pids(self, node: Node) -> list[int]:
         proc = _sh("ip", "netns", "pids", node.namespace, check=False)
         return [int(p) for p in proc.stdout.split()]
+
+    def lose(self, node: Node) -> list[int]:
+        """The node is gone for good, as a dead board or a drained machine: every process in its
+        namespace (its supervisor, torchrun, its ranks, its sshd) SIGKILLed, then the namespace
+        deleted. The pids killed."""
+        pids = sorted(set(self.namespace_pids(node)) | set(self.kill_sshd(node)))
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _sh("ip", "netns", "del", node.namespace, check=False)
+        return pids
+
+    def restore(self, node: Node) -> None:
+        """A node :meth:`lose` removed, back (for the module's later tests)."""
+        self._add_namespace(self.nodes.index(node), node)
+        self.start_sshd(node)
+        self.wait_for_ssh(node)
+
+    def throttle(self, node: Node, rate: str) -> None:
+        """The node's outgoing traffic held to ``rate`` (tc's token bucket filter, e.g. ``20mbit``):
+        a slow link, as a port at a lower speed or a bad cable makes it."""
+        _sh("ip", "netns", "exec", node.namespace, "tc", "qdisc", "replace", "dev", self.interface, "root", "tbf",
+            "rate", rate, "burst", "64kb", "latency", "400ms")
+
+    def unthrottle(self, node: Node) -> None:
+        _sh("ip", "netns", "exec", node.namespace, "tc", "qdisc", "del", "dev", self.interface, "root", check=False)
 
     # -- teardown ------------------------------------------------------------------------------
     def close(self) -> None:

@@ -1,11 +1,14 @@
-"""The CUDA path, checked on CPU as far as it can be: kernel choices, construction of every preset
-with the CUDA path's configuration, Megatron's weight decay and learning-rate schedule, gradient
-norms, MFU peaks, and the SDPA attention against megatron-core's DotProductAttention.
+"""The CUDA path, checked on CPU as far as it can be: kernel choices (gradient-accumulation fusion,
+the fused bias + activation only where it computes the model's activation), construction of every
+preset with the CUDA path's configuration, Megatron's weight decay and learning-rate schedule,
+gradient norms, MFU peaks (BF16 and FP8), the FP8 refusal rule, manual garbage collection, the
+resharding rule, the SDPA attention (grouped key/value heads passed as they are, or repeated)
+against megatron-core's DotProductAttention, and the GPU check's preparation, preflight and plan.
 
 What cannot run here (no GPU on these machines): the transformer-engine layer spec itself (it
-needs transformer-engine, which needs CUDA), megatron-core's DDP / distributed optimizer /
-Megatron-FSDP at run time, and the Megatron-FSDP checkpoint preparation; tests/gpu runs those on a
-GPU (see README)."""
+needs transformer-engine, which needs CUDA), FP8, and GPU kernels; megatron-core's DDP /
+distributed optimizer / Megatron-FSDP run through the device shim in
+tests/test_cuda_trainer_on_cpu.py, and tests/gpu on a GPU (docs/training-program.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import math
 import pytest
 import torch
 
+from conftest import REPO
 from megatron_ext.run_spec.flops import peak_tflops_for
 from megatron_ext.run_spec.params import RunOverrides, TrainingParams, list_models, load_model, load_run_params
 from megatron_ext.training.loop import learning_rate
@@ -38,7 +42,16 @@ def test_kernel_choices_follow_what_is_installed():
     # ColumnParallelLinear) would raise at build with the fusion on, so it is off.
     assert not te.gradient_accumulation_fusion
     assert choose_kernels(True, True, 1, find_spec=lambda name: object()).gradient_accumulation_fusion  # NGC: TE + apex
-    assert not choose_kernels(True, True, 2, find_spec=_no_extensions).gradient_accumulation_fusion  # not with Megatron-FSDP
+    assert not choose_kernels(True, True, 2, find_spec=_no_extensions).gradient_accumulation_fusion  # no extension
+    # Megatron-FSDP: megatron-core's layers write the weight gradient with torch.matmul(out=main_grad),
+    # which needs bf16 main grads, and a tied embedding loses one of its two gradients
+    # (tests/test_cuda_trainer_on_cpu.py: fp32 raises, tied differs, untied bf16 equals the unfused run).
+    apex = lambda name: object()  # noqa: E731
+    for stage in (2, 3):
+        assert not choose_kernels(True, True, stage, find_spec=apex, tied_embeddings=False).gradient_accumulation_fusion
+        assert not choose_kernels(True, True, stage, find_spec=apex, grad_reduce_in_bf16=True).gradient_accumulation_fusion
+        assert choose_kernels(True, True, stage, find_spec=apex, grad_reduce_in_bf16=True,
+                              tied_embeddings=False).gradient_accumulation_fusion
     cpu = choose_kernels(False, True, 0)
     assert cpu == CPU_KERNELS and cpu.attention == "sdpa" and not any(
         getattr(cpu, f.name) for f in dataclasses.fields(cpu) if f.type in (bool, "bool"))
@@ -166,10 +179,15 @@ def test_stage_environment_for_the_megatron_core_engine_too(stage, value, tmp_pa
     assert program.argv[program.argv.index("--zero-stage") + 1] == str(stage)
 
 
+@pytest.mark.parametrize("takes_gqa", [True, False], ids=["enable_gqa", "repeated"])
 @pytest.mark.parametrize("groups,dropout", [(4, 0.0), (2, 0.0), (1, 0.0)])
-def test_sdpa_attention_equals_megatron_dot_product_attention(groups, dropout):
+def test_sdpa_attention_equals_megatron_dot_product_attention(groups, dropout, takes_gqa):
     """Outputs and gradients within 1e-5 of megatron-core's DotProductAttention (causal, fp32, CPU),
-    for multi-head, grouped-query and multi-query attention."""
+    for multi-head, grouped-query and multi-query attention: with the key/value heads passed to SDPA
+    as they are (``enable_gqa``, this torch) and repeated (torch before 2.5)."""
+    from megatron_ext.training.sdpa_attention import SDPA_TAKES_GQA
+
+    assert SDPA_TAKES_GQA  # torch 2.13 here: the grouped heads go to SDPA unrepeated
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
@@ -189,7 +207,9 @@ def test_sdpa_attention_equals_megatron_dot_product_attention(groups, dropout):
     causal_mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
     ref = DotProductAttention(config, 1, AttnMaskType.causal, "self")(q, k, v, causal_mask)
     ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
-    out = SdpaAttention(config, 1, AttnMaskType.causal, "self")(q, k, v, None)
+    attention = SdpaAttention(config, 1, AttnMaskType.causal, "self")
+    attention.takes_gqa = takes_gqa
+    out = attention(q, k, v, None)
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     assert out.shape == ref.shape == (s, b, heads * hn)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
@@ -229,3 +249,275 @@ def test_megatron_fsdp_that_cannot_run_on_this_torch_is_refused_at_the_edge():
     else:
         with pytest.raises(UserError, match="ZERO_STAGE=3 runs Megatron-FSDP on GPUs, but .*child_to_root_mapping"):
             check_megatron_fsdp(3, gpu)
+
+
+@pytest.mark.parametrize("model,fused", [("gpt_smoke", False), ("qwen3_smoke", True), ("gpt_smoke_tanh", True)])
+def test_bias_activation_fusion_only_where_it_computes_the_models_activation(model, fused):
+    """megatron-core's fused bias + GELU is the tanh approximation (fusions/fused_bias_gelu.py): the
+    CUDA configuration fuses SwiGLU and tanh-GELU models, whose logits then equal the unfused
+    model's, and not the exact-GELU presets, whose logits the fusion would change (Megatron-LM's
+    --bias-gelu-fusion default trains that other function)."""
+    import torch._dynamo
+
+    from megatron_ext.training.cpu_compat import install_cpu_compat
+    from megatron_ext.training.model import transformer_config
+
+    preset = (dataclasses.replace(load_model("gpt_smoke"), gelu_tanh=True) if model == "gpt_smoke_tanh"
+              else load_model(model))
+    cuda = choose_kernels(on_cuda=True, transformer_engine=False, zero_stage=0, find_spec=_no_extensions)
+    assert transformer_config(preset, torch.bfloat16, cuda, use_cpu_initialization=True).bias_activation_fusion == fused
+    ensure_model_parallel()
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).expand(2, 16)
+
+    def logits(fusion: bool) -> torch.Tensor:
+        install_cpu_compat(1234)
+        torch.manual_seed(0)
+        gpt = build_gpt_model(preset, 256, 16, kernels=dataclasses.replace(CPU_KERNELS, bias_activation_fusion=fusion),
+                              **({"bias_activation_fusion": True} if fusion else {}))
+        with torch._dynamo.config.patch(disable=True), torch.no_grad():  # megatron's jit_fuser is torch.compile
+            return gpt(tokens, positions, None)
+
+    unfused = logits(False)
+    assert torch.allclose(logits(fused), unfused, atol=2e-5, rtol=0)  # the configuration the CUDA path chooses
+    if not fused:  # megatron-core's fused bias-GELU forced on an exact-GELU model: another function
+        assert (logits(True) - unfused).abs().max() > 2e-5
+
+
+@pytest.mark.parametrize("setting,te,capability,problem", [
+    (None, None, None, None),
+    ("hybrid", "2.8.0", (9, 0), None),
+    ("e4m3", "1.13.0+abc", (8, 9), None),
+    ("hybrid", None, (9, 0), "transformer-engine is not installed"),
+    ("hybrid", "0.12.0", (9, 0), "needs transformer-engine 1.0 or later"),
+    ("hybrid", "2.8.0", (8, 0), "this GPU is 8.0"),
+    ("hybrid", None, None, "this run has none"),
+])
+def test_fp8_is_refused_with_one_message_where_it_cannot_run(setting, te, capability, problem):
+    from megatron_ext.run_spec.fp8 import fp8_config_fields, fp8_problem
+
+    said = fp8_problem(setting, te, capability)
+    if problem is None:
+        assert said is None
+    else:
+        assert problem in said and f"training.fp8={setting}" in said and "training.fp8: null" in said, said
+    fields = fp8_config_fields(setting, 1024, "max")
+    assert fields == ({} if setting is None else {
+        "fp8": setting, "fp8_recipe": "delayed", "fp8_amax_history_len": 1024, "fp8_amax_compute_algo": "max"})
+    if setting:  # megatron-core's TransformerConfig takes them (its fp8 context reads them on the GPU)
+        from megatron_ext.training.model import transformer_config
+
+        config = transformer_config(load_model("qwen3_1p7b"), torch.bfloat16, choose_kernels(True, False, 0, _no_extensions),
+                                    use_cpu_initialization=True, **fields)
+        assert (config.fp8, config.fp8_recipe, config.fp8_amax_history_len) == (setting, "delayed", 1024)
+
+
+def test_fp8_settings_load_and_are_checked():
+    from megatron_ext.run_spec.errors import UserError
+
+    t = load_run_params("qwen3_1p7b", "smoke").training
+    assert (t.fp8, t.fp8_amax_history_len, t.fp8_amax_compute_algo, t.manual_gc, t.manual_gc_interval) == (
+        None, 1, "most_recent", False, 0)  # Megatron-LM's defaults
+    from megatron_ext.run_spec.params import build_dataclass, validate_run_params
+
+    with pytest.raises(UserError, match=r"training.fp8='e5m2' is not one of \['hybrid', 'e4m3'\]"):
+        build_dataclass(TrainingParams, {"fp8": "e5m2"}, "training")
+    assert build_dataclass(TrainingParams, {"fp8": "hybrid"}, "training").fp8 == "hybrid"
+    params = load_run_params("gpt_smoke", "smoke")
+    for bad, message in (({"fp8_amax_history_len": 0}, "fp8_amax_history_len=0 must be > 0"),
+                         ({"manual_gc_interval": -1}, "manual_gc_interval=-1 must be >= 0")):
+        with pytest.raises(UserError, match=message):
+            validate_run_params(dataclasses.replace(params, training=dataclasses.replace(params.training, **bad)))
+
+
+def test_mfu_line_names_the_peak_it_divides_by():
+    from megatron_ext.run_spec.flops import describe_mfu_peak
+
+    assert peak_tflops_for("NVIDIA H200", fp8=True) == 1979.0 and peak_tflops_for("NVIDIA H200") == 989.0
+    assert peak_tflops_for("NVIDIA A100-SXM4-80GB", fp8=True) is None  # no FP8 tensor cores
+    assert describe_mfu_peak("NVIDIA H100 80GB HBM3") == "MFU against the dense BF16 peak of NVIDIA H100 80GB HBM3: 989 TFLOP/s"
+    assert describe_mfu_peak("NVIDIA H200", fp8=True) == "MFU against the dense FP8 peak of NVIDIA H200: 1979 TFLOP/s"
+    assert describe_mfu_peak("NVIDIA GeForce RTX 4090").startswith("no MFU: no dense BF16 peak is known")
+
+
+class _RecordingGc:
+    def __init__(self):
+        self.calls = []
+
+    def disable(self):
+        self.calls.append("disable")
+
+    def enable(self):
+        self.calls.append("enable")
+
+    def collect(self, generation=2):
+        self.calls.append(f"collect{generation}")
+
+
+@pytest.mark.parametrize("enabled,interval,expected", [
+    (False, 3, []),
+    (True, 0, ["disable", "collect2", "collect2", "collect0", "enable"]),
+    (True, 3, ["disable", "collect2", "collect2", "collect2", "collect0", "collect2", "enable"]),
+])
+def test_manual_gc_collects_on_every_rank_at_the_same_steps(enabled, interval, expected):
+    """Megatron-LM's --manual-gc: off at the start with one collection, every ``interval`` steps,
+    a full collection before an evaluation and a young one after it; the collector back on at the end."""
+    from megatron_ext.training.manual_gc import ManualGc
+
+    recorder = _RecordingGc()
+    gc = ManualGc(enabled, interval, recorder)
+    gc.start()
+    for step in (1, 2, 3):
+        gc.after_step(step)
+    with gc.around_evaluation():
+        pass
+    gc.after_step(6)
+    gc.stop()
+    assert recorder.calls == expected
+
+
+@pytest.mark.parametrize("device,stage,saved,now,allowed", [
+    ("cuda", 0, 2, 1, True), ("cuda", 0, 32, 64, True), ("cuda", 1, 2, 1, True), ("cuda", 1, 32, 24, True),
+    ("cuda", 1, 32, 64, False), ("cuda", 2, 32, 24, True), ("cuda", 3, 1, 2, True),
+    ("cpu", 1, 2, 4, False), ("cpu", 3, 2, 4, True), ("cpu", 1, 2, 2, True),
+])
+def test_resharding_rule(device, stage, saved, now, allowed):
+    """One pure rule for a resume at another data-parallel size (a lost node continues with fewer):
+    the distributed optimizer's dp_reshardable layout follows its buckets, max(4e7, 1e6 x dp) elements."""
+    from megatron_ext.run_spec.checkpoints import CheckpointMeta, check_resumable, reshard_problem
+    from megatron_ext.run_spec.errors import UserError
+
+    problem = reshard_problem(device, stage, saved, now)
+    assert (problem is None) == allowed, problem
+    meta = CheckpointMeta(iteration=5, consumed_samples=80, world_size=saved, zero_stage=stage, global_batch_size=16,
+                          device=device)
+    if allowed:
+        note = check_resumable(meta, now, stage, 16, device, "ckpt")
+        assert note is None if saved == now else note.startswith(f"resharding the checkpoint of {saved} ranks to {now}")
+    else:
+        with pytest.raises(UserError, match=f"resume with {saved} ranks"):
+            check_resumable(meta, now, stage, 16, device, "ckpt")
+
+
+# -- the GPU check ---------------------------------------------------------------------------------
+
+def _gpu_module(name: str):
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO / "tests" / "gpu"))
+
+
+def test_prepare_device_check_copies_the_wheel_where_it_travels(tmp_path):
+    """The wheel goes into .whl/ of the checkout, ignored through .git/info/exclude; the carry list
+    and the command are printed; a second run changes nothing; no wheel is one message, exit 2."""
+    import subprocess
+    import sys
+
+    repo, wheels = tmp_path / "checkout", tmp_path / "wheels"
+    repo.mkdir(), wheels.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "README.md").write_text("x\n")
+    script = REPO / "tests" / "gpu" / "prepare_device_check.py"
+    missing = subprocess.run([sys.executable, str(script), "--repo", str(repo), "--wheel-dir", str(wheels)],
+                             capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert missing.returncode == 2 and "no megatron_core-0.16.1-cp312-*.whl in" in missing.stderr, missing.stderr
+    (wheels / "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"wheel")
+    for _ in range(2):
+        done = subprocess.run([sys.executable, str(script), "--repo", str(repo), "--wheel-dir", str(wheels)],
+                              capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+        assert done.returncode == 0, done.stderr
+        assert 'carry: [".whl"]' in done.stdout and "command: bash tests/gpu/device_check.sh" in done.stdout
+    assert (repo / ".whl" / "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl").read_bytes() == b"wheel"
+    assert (repo / ".git" / "info" / "exclude").read_text().splitlines().count("/.whl/") == 1
+    ignored = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--ignored"], capture_output=True, text=True)
+    assert "!! .whl/" in ignored.stdout and ".gitignore" not in ignored.stdout
+
+
+def test_gpu_check_preflight_names_everything_missing_at_once():
+    gpu_check = _gpu_module("gpu_check")
+    fine = gpu_check.Facts(python=(3, 12), torch="2.11.0", cuda_devices=1, device_name="NVIDIA H200",
+                           megatron_core=None, wheel=".whl/megatron_core-0.16.1-cp312.whl", transformer_engine=None,
+                           free_gb=60.0, out_dir="/out")
+    assert gpu_check.preflight_problems(fine) == []
+    bare = dataclasses.replace(fine, torch="2.11.0", cuda_devices=0, wheel=None, free_gb=4.0)
+    problems = gpu_check.preflight_problems(bare)
+    assert len(problems) == 3 and "sees no CUDA device" in problems[0]
+    assert "prepare_device_check.py" in problems[1] and "carry" in problems[1] and "4.0 GB free" in problems[2]
+
+
+def test_gpu_check_plan_fits_its_budget_most_valuable_first():
+    gpu_check = _gpu_module("gpu_check")
+    rows = gpu_check.all_rows(transformer_engine=False)
+    expected, cut = gpu_check.plan_rows(rows, gpu_check.DEFAULT_BUDGET_S)
+    names = [r.name for r in expected]
+    assert names[:5] == ["full-z0", "full-z1", "full-z2", "full-z3", "checkpoint-z0"]
+    assert {"resume-z1", "resume-z3", "nan-z0", "nan-z2"} <= set(names)
+    assert sum(r.estimate_s for r in expected) <= gpu_check.DEFAULT_BUDGET_S <= 480  # with install: ~8 minutes
+    assert [r.name for r in cut] == ["resume-z0", "resume-z2", "gathers-z2"]  # the tail, if time is left
+    with_te = [r.name for r in gpu_check.all_rows(transformer_engine=True)]
+    assert {"full-z0-fp8", "full-z2-fp8"} <= set(with_te)
+    only, _ = gpu_check.plan_rows(rows, 60, {"nan-z2", "resume-z0"})
+    assert [r.name for r in only] == ["nan-z2", "resume-z0"]
+
+
+def test_device_check_fails_in_its_first_seconds_saying_what_is_missing():
+    """On this machine (no GPU) the one command stops at its preflight, naming the missing device."""
+    import subprocess
+    import time
+
+    started = time.monotonic()
+    proc = subprocess.run(["bash", str(REPO / "tests" / "gpu" / "device_check.sh")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "device check: missing: " in proc.stderr and "sees no CUDA device" in proc.stderr
+    assert "plan: " in proc.stdout and time.monotonic() - started < 60
+
+
+def test_gpu_check_writes_each_row_as_it_ends_and_kills_a_late_rows_group(tmp_path, monkeypatch):
+    """The run loop on CPU with stand-in rows: each line reaches $OUT/gpu_check.txt as its row ends, a
+    row past its limit has its whole process group killed (a child and its grandchild), and a row the
+    budget left cannot hold is not started."""
+    gpu_check, stages = _gpu_module("gpu_check"), _gpu_module("test_gpu_stages")
+    facts = gpu_check.Facts(python=(3, 12), torch="2.11.0", cuda_devices=1, device_name="NVIDIA H200",
+                            megatron_core="0.16.1", wheel=None, transformer_engine=None, free_gb=60.0, out_dir=str(tmp_path))
+    late_group = []
+
+    def late(out):
+        code, text = stages.run_in_own_group(["bash", "-c", "sleep 60 & sleep 60"], 1.0)
+        late_group.append(int(text.rsplit("process group ", 1)[1].split()[0]))
+        return f"late: exit {code}; in the file already: {'quick: done' in (tmp_path / 'gpu_check.txt').read_text()}"
+
+    rows = [gpu_check.Row("quick", 1, lambda out: "quick: done"), gpu_check.Row("late", 5, late),
+            gpu_check.Row("big", 1000, lambda out: "big: ran")]
+    monkeypatch.setattr(gpu_check, "gather_facts", lambda: facts)
+    monkeypatch.setattr(gpu_check, "all_rows", lambda transformer_engine: rows)
+    monkeypatch.setattr(gpu_check.signal, "signal", lambda *a: None)
+    assert gpu_check.main(["--budget-s", "60"]) == 0
+    text = (tmp_path / "gpu_check.txt").read_text()
+    assert "quick: done" in text and "late: exit 124; in the file already: True" in text, text
+    assert "big: ran" not in text and "1 row(s) not run (big)" in text, text
+    assert _running_in_group(late_group[0]) == []  # nothing of the late row's group runs on
+
+
+def _running_in_group(pgid: int) -> list[int]:
+    """Processes of process group ``pgid`` that are not zombies (from /proc: state, ppid, pgrp)."""
+    import time
+    from pathlib import Path
+
+    for _ in range(50):
+        running = []
+        for entry in Path("/proc").iterdir():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split() if entry.name.isdigit() else None
+            except OSError:
+                continue
+            if fields and int(fields[2]) == pgid and fields[0] != "Z":
+                running.append(int(entry.name))
+        if not running:
+            return []
+        time.sleep(0.1)
+    return running

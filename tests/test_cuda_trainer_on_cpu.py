@@ -1,17 +1,31 @@
 """The CUDA trainer's megatron-core objects, on the CPU: real megatron-core DDP, distributed optimizer
-and Megatron-FSDP, 2 gloo ranks under torchrun, with ``device='cuda'`` made the CPU
+and Megatron-FSDP, 1 and 2 gloo ranks under torchrun, with ``device='cuda'`` made the CPU
 (tests/cuda_on_cpu/shim.py says what that can and cannot prove; the GPU itself: tests/gpu/).
 
 - Resume is exact at every stage: a run stopped after step 3 and loaded into a new model and
-  optimizer gives the same loss at steps 4-6 as one never stopped. What this project did before
-  fails here: stage 1 saved only the distributed optimizer's state_dict (param groups and step:
-  the moments come back as uninitialised memory, the run goes NaN), stages 2-3 fed it back to
-  load_state_dict (KeyError 'param_groups' under Megatron-FSDP).
+  optimizer gives the same loss at steps 4-6 as one never stopped, bit for bit. Stages 0-1 are
+  Megatron-LM's torch_dist checkpoints written and read by every data-parallel rank (fully
+  parallel save and load); megatron-core's own load template fails without the Adam state this
+  project fills in (torch's Adam: ``assert len(steps) == 1``); stages 2-3 fed the optimizer's
+  state_dict back (what this project once did) fail with KeyError 'param_groups'.
+- Another data-parallel size continues at every stage: a checkpoint of 2 ranks loaded by 1, and
+  one of 1 loaded by 2, give the loss of the run never stopped at its own size: the first step
+  after the load within float reassociation of the mean (1e-6 relative), the next ones within
+  1e-3 (the gradients are reduced in another order).
+- Stage 1 runs the first step after a load with the forward pre-hook off (no parameter gather
+  dispatched), the next ones with it on.
+- Stage 2 with apex's and transformer-engine's FusedAdam (stand-ins with their state layout,
+  tests/cuda_on_cpu/fused_adam.py: ``step`` in the param group, no state for a parameter without a
+  gradient): the ranks hold parameters without Adam state (an empty Megatron-FSDP shard), the
+  save completes and the resume is exact.
 - A NaN gradient stops the run before the update, naming the rank: megatron-core DDP's own bucket
   check (stages 0-1), the global norm before the step (Megatron-FSDP, stages 2-3).
 - Stage 2 gathers the parameters once per step whatever the micro-batches (the adapter's default
-  units); with TransformerLayer as the unit, as passed before, it gathered each layer again in
-  forward and backward: ZeRO-3's traffic while running ZeRO-2.
+  units; TransformerLayer units, as passed before, gathered each layer again in forward and
+  backward) and computes the global gradient norm once per step.
+- Gradient-accumulation fusion under Megatron-FSDP: with fp32 reduction megatron-core's layers
+  raise in the first backward; with bf16 reduction an untied model's losses equal the unfused
+  run's, while tied embeddings lose one of their two gradients (another loss from the second step).
 """
 
 from __future__ import annotations
@@ -29,36 +43,69 @@ pytestmark = pytest.mark.slow
 WORKER = REPO / "tests" / "cuda_on_cpu" / "worker.py"
 
 
-def run_worker(mode: str, stage: int, out) -> subprocess.CompletedProcess:
+def run_worker(mode: str, stage: int, out, *extra: str, nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
     if stage >= 2:
         from megatron_ext.training.compat import megatron_fsdp_incompatibility
 
         if reason := megatron_fsdp_incompatibility():  # megatron-core 0.14 on this torch (the program refuses it)
             pytest.skip(reason)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+    out.mkdir(parents=True, exist_ok=True)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
                            "127.0.0.1", "--master-port", str(free_port()), str(WORKER), mode, "--stage", str(stage),
-                           "--out", str(out)], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
+                           "--out", str(out), *extra], cwd=REPO, env=clean_env(OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("stage", range(4))
-def test_resume_is_exact_at_every_stage(stage, tmp_path):
-    proc = run_worker("resume", stage, tmp_path)
+def result_of(proc, path) -> dict:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / f"resume_z{stage}.json").read_text())
-    uninterrupted = {int(k): v for k, v in result["uninterrupted"].items()}
-    resumed = {int(k): v for k, v in result["resumed"].items()}
-    assert resumed == {step: uninterrupted[step] for step in (4, 5, 6)}, (resumed, uninterrupted)
-    files = set(result["files"])
-    assert {"meta.json", "rank0.pt", "rank1.pt"} <= files
-    assert ("replicated.pt" in files) == (stage == 0)  # stage 0's optimizer state written once, not by every rank
+    return json.loads(path.read_text())
+
+
+def steps(losses: dict) -> dict[int, float]:
+    return {int(k): v for k, v in losses.items()}
+
+
+@pytest.fixture(scope="module", params=range(4), ids=lambda s: f"stage{s}")
+def runs(request, tmp_path_factory):
+    """One stage: 1 rank (never stopped, and resumed), then 2 ranks (never stopped, resumed, and
+    from the 1-rank checkpoint), then 1 rank from the 2-rank checkpoint."""
+    stage, root = request.param, tmp_path_factory.mktemp(f"z{request.param}")
+    one = result_of(run_worker("resume", stage, root / "one", nproc=1), root / "one" / f"resume_z{stage}.json")
+    two = result_of(run_worker("resume", stage, root / "two", "--reshard-from", str(root / "one" / f"checkpoints_z{stage}")),
+                    root / "two" / f"resume_z{stage}.json")
+    back = result_of(run_worker("resume", stage, root / "back", "--only-reshard", "--reshard-from",
+                                str(root / "two" / f"checkpoints_z{stage}"), nproc=1), root / "back" / f"resume_z{stage}.json")
+    return stage, root, one, two, back
+
+
+def test_resume_is_exact_at_every_stage(runs):
+    stage, root, one, two, _ = runs
+    for result in (one, two):
+        uninterrupted, resumed = steps(result["uninterrupted"]), steps(result["resumed"])
+        assert resumed == {step: uninterrupted[step] for step in (4, 5, 6)}, (resumed, uninterrupted)
+    files = set(two["files"])
+    assert {"meta.json", "rank0.pt", "rank1.pt"} <= files and "replicated.pt" not in files
+    if stage < 2:  # Megatron-LM's torch_dist: every rank wrote its part of the model and optimizer state
+        assert {"metadata.json", "common.pt", "__0_0.distcp", "__1_0.distcp"} <= files, files
     if stage == 1:
-        assert "NaN" in result["state_dict_only"] or result["state_dict_only"] != result["resumed"], result
+        assert two["unfilled_template"].startswith("AssertionError"), two
+        assert two["gathers_after_load"][0] == 0 < two["gathers_after_load"][1], two  # pre-hook off, then on
     if stage >= 2:
-        assert result["state_dict_roundtrip"] == "KeyError: 'param_groups'"
-    # export_hf reads this layout too: DDP's bf16 weights (stages 0-1), Megatron-FSDP's fp32 main
-    # weights under its module. prefix (stages 2-3), in one process, as GPT-2 tensors.
-    exported = exportable_weights(tmp_path / f"checkpoints_z{stage}" / "iter_0000003")
+        assert two["state_dict_roundtrip"] == "KeyError: 'param_groups'"
+    # export_hf reads these layouts too: megatron-core's torch_dist (stages 0-1: stacked layers),
+    # Megatron-FSDP's fp32 main weights under its module. prefix (stages 2-3), in one process.
+    exported = exportable_weights(root / "two" / f"checkpoints_z{stage}" / "iter_0000003")
     assert len(exported) == 52 and exported["transformer.wte.weight"].shape == (256, 128)
+
+
+def test_another_data_parallel_size_continues_at_every_stage(runs):
+    _, _, one, two, back = runs
+    for never_stopped, resharded in ((one["uninterrupted"], two["resharded"]), (two["uninterrupted"], back["resharded"])):
+        expected, got = steps(never_stopped), steps(resharded)
+        assert sorted(got) == [4, 5, 6]
+        assert got[4] == pytest.approx(expected[4], rel=1e-6), (got, expected)
+        for step in (5, 6):
+            assert got[step] == pytest.approx(expected[step], rel=1e-3), (got, expected)
 
 
 def exportable_weights(checkpoint):
@@ -77,6 +124,19 @@ def exportable_weights(checkpoint):
     return megatron_to_hf(read_model_weights(checkpoint, template), preset, "gpt2", 256)
 
 
+@pytest.mark.parametrize("optimizer", ["apex", "te"])
+def test_a_fused_adam_without_state_for_an_empty_shard_saves_and_resumes(optimizer, tmp_path):
+    """The stand-ins keep apex's / transformer-engine's layout (fused_adam.py): ``step`` in the param
+    group, no state for a parameter whose Megatron-FSDP shard is empty on a rank. Before, missing
+    state was filled only where a per-parameter ``step`` existed (torch's Adam): the ranks' DTensor
+    sets differed and the save's collectives hung."""
+    result = result_of(run_worker("resume", 2, tmp_path, "--optimizer", optimizer, timeout=300),
+                       tmp_path / "resume_z2.json")
+    assert max(result["without_state"]) > 0, result  # some rank holds parameters without Adam state
+    uninterrupted, resumed = steps(result["uninterrupted"]), steps(result["resumed"])
+    assert resumed == {step: uninterrupted[step] for step in (4, 5, 6)}, (resumed, uninterrupted)
+
+
 @pytest.mark.parametrize("stage", [0, 2])
 def test_a_nan_gradient_stops_before_the_update_naming_the_rank(stage, tmp_path):
     proc = run_worker("nan", stage, tmp_path)
@@ -91,9 +151,16 @@ def test_a_nan_gradient_stops_before_the_update_naming_the_rank(stage, tmp_path)
                    and b["unchanged"] for b in both), both
 
 
-def test_stage_2_gathers_the_parameters_once_per_step(tmp_path):
-    proc = run_worker("gathers", 2, tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    counts = json.loads((tmp_path / "gathers_z2.json").read_text())
-    assert counts["default"] == [1, 1], counts  # 1 or 4 micro-batches: one gather per step, after the update
-    assert min(counts["layers"]) > 1, counts  # layer units: gathered again in forward and backward (ZeRO-3's traffic)
+def test_stage_2_gathers_the_parameters_once_and_takes_one_norm_per_step(tmp_path):
+    counts = result_of(run_worker("gathers", 2, tmp_path), tmp_path / "gathers_z2.json")
+    assert counts["default"]["gathers"] == [1, 1], counts  # 1 or 4 micro-batches: one gather per step, after the update
+    assert min(counts["layers"]["gathers"]) > 1, counts  # layer units: gathered again in forward and backward (ZeRO-3's traffic)
+    assert counts["default"]["norms"] == [1, 1], counts  # checked, clipped and reported from one norm
+
+
+def test_gradient_accumulation_fusion_under_megatron_fsdp_needs_bf16_reduction_and_untied_embeddings(tmp_path):
+    result = result_of(run_worker("fusion", 2, tmp_path), tmp_path / "fusion_z2.json")
+    assert "Expected out tensor to have dtype" in result["fused_fp32"], result  # torch.matmul(out=fp32 main_grad)
+    assert steps(result["fused_bf16_untied"]) == steps(result["unfused_bf16_untied"]), result
+    fused, unfused = steps(result["fused_bf16"]), steps(result["unfused_bf16"])  # tied: a gradient is lost
+    assert fused[1] == unfused[1] and abs(fused[2] - unfused[2]) > 1e-3, result

@@ -134,6 +134,26 @@ def test_the_plan_settles_on_the_preflight_answers(tmp_path):
     assert plan.master_port == 6001 and "GLOO_SOCKET_IFNAME" not in plan.nodes[0].env
 
 
+def test_nnodes_min_max_is_checked_for_every_node_count_before_anything_starts(tmp_path):
+    """NNODES=MIN:MAX: the global batch must divide at every node count from MIN to MAX (a run that
+    loses nodes keeps it), and the stage's checkpoint must reshard; the program gets the global batch."""
+    launch, inputs = _inputs({"HOSTS": "a,b,c", "NNODES": "2:3", "NPROC_PER_NODE": "2"}, tmp_path, "smoke")
+    assert inputs.params.training.resilience.min_nodes == 2
+    node = plan_start(launch, inputs).nodes[0]
+    assert node.argv[node.argv.index("--global-batch-size") + 1] == str(inputs.params.training.global_batch_size)
+    assert node.per_attempt["NNODES"].startswith("the nodes of the attempt")
+    tmp = tmp_path / "odd.yaml"
+    tmp.write_text("data: {source: embedded, tokenizer: {type: sentencepiece, vocab_size: 2048}}\n"
+                   "training: {micro_batch_size: 4, global_batch_size: 24}\n")
+    with pytest.raises(UserError, match=r"NNODES=2:3: the global batch 24 does not divide into micro-batches of 4 on 2 "
+                                        r"node\(s\) x 2 processes.*\(e\.g\. 48\)"):
+        _inputs({"HOSTS": "a,b,c", "NNODES": "2:3", "NPROC_PER_NODE": "2"}, tmp_path, str(tmp))
+    with pytest.raises(UserError, match=r"ZERO_STAGE=1: the CPU path's stage-1 checkpoints.*use ZERO_STAGE=0 or 2 or 3"):
+        _inputs({"HOSTS": "a,b", "NNODES": "1:2", "ZERO_STAGE": "1"}, tmp_path)
+    launch, inputs = _inputs({"HOSTS": "a,b"}, tmp_path)  # without MIN: every node, nothing elastic
+    assert inputs.params.training.resilience.min_nodes == 0 and "--global-batch-size" not in plan_start(launch, inputs).nodes[0].argv
+
+
 def test_cluster_problems_put_every_node_s_problems_and_differing_software_in_one_list():
     base = {"torch": "2.13.0", "megatron-core": "0.16.1", "project": "abc"}
     reports = [NodeReport(0, "n0", ["MASTER_PORT=6000 is in use"], base),
@@ -197,7 +217,7 @@ def test_dry_run_prints_the_plan_and_one_json_line_per_node_and_starts_nothing(t
     assert [(l["node_rank"], l["host"]) for l in lines] == [(0, "node0"), (1, "node1")]
     assert set(lines[0]) == {"run", "run_id", "node_rank", "host", "argv", "env", "unset", "cwd", "log_path", "pid_path",
                              "engine", "resilience", "first_attempt", "save_signal", "secret_names", "per_attempt",
-                             "resets_run_state"}
+                             "resets_run_state", "resume_args", "hosts"}
     # Secrets are named, never shown: the plan says which variables the ranks get, not their values.
     assert lines[0]["secret_names"] == ["HF_TOKEN", "WANDB_API_KEY"] and lines[0]["env"]["WANDB_PROJECT"] == "p"
     assert key not in proc.stdout + proc.stderr and token not in proc.stdout + proc.stderr

@@ -3,6 +3,7 @@ checked against Megatron-LM's real flag lists (tests/data/megatron_lm) and again
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ from megatron_ext.run_spec.resolved import ResolvedRun, RunRuntime, read_resolve
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.megatron_lm.checkout import read_checkout
 from orchestration.megatron_lm.flags import split_flags
-from orchestration.megatron_lm.render import check_flags, render_pretrain_gpt
+from orchestration.megatron_lm.render import NodeKernels, check_flags, render_pretrain_gpt
 from megatron_ext.run_spec.iteration_log import parse_log
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import RunOverrides, list_models, load_run_params, with_batch_geometry
@@ -56,10 +57,12 @@ def reference_flags(path: Path) -> tuple[tuple[int, int], dict[str, tuple[str, .
     return version, flags
 
 
-def render(model: str, data: str, stage: int, version=(0, 16), tmp=Path("/tmp/artifacts"), run="r", world=2):
+def render(model: str, data: str, stage: int, version=(0, 16), tmp=Path("/tmp/artifacts"), run="r", world=2,
+           kernels=None, load=True):
     params = with_batch_geometry(load_run_params(model, data, RunOverrides(stage, "megatron-lm")), world)[0]
     paths = RunPaths(tmp, run)
-    return render_pretrain_gpt(params, planned_prepared(params.data, paths.data_cache_dir), paths, version)
+    return render_pretrain_gpt(params, planned_prepared(params.data, paths.data_cache_dir), paths, version,
+                               load=load, **({"kernels": kernels} if kernels is not None else {}))
 
 
 def test_flag_lists_cover_the_releases():
@@ -85,6 +88,44 @@ def test_render_uses_only_real_flags_and_the_stage_table(flag_list, model, data,
     assert r.env == {"CUDA_DEVICE_MAX_CONNECTIONS": None if stage >= 2 else "1"}
 
 
+@pytest.mark.parametrize("flag_list", FLAG_LISTS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("kernels", [NodeKernels(gpus=False, transformer_engine=False, apex=False),
+                                     NodeKernels(gpus=True, transformer_engine=False, apex=False),
+                                     NodeKernels(gpus=True, transformer_engine=True, apex=False),
+                                     NodeKernels(gpus=True, transformer_engine=False, apex=True)],
+                         ids=["cpu", "gpu-plain", "gpu-te", "gpu-apex"])
+def test_the_render_follows_what_the_nodes_have(flag_list, kernels):
+    """No GPU: gloo, local layers, every fusion off, fp32; GPUs without transformer-engine: local
+    layers and no rope fusion; without apex: no fused kernels of apex's (persistent norm, masked
+    softmax, gradient-accumulation fusion). Exact GELU (GPT models) always without the tanh bias-GELU
+    fusion. Every flag exists in every release."""
+    version, known = reference_flags(flag_list)
+    for model in ("gpt_smoke", "qwen3_smoke"):
+        params = with_batch_geometry(load_run_params(model, "smoke", RunOverrides(0, "megatron-lm")), 2)[0]
+        paths = RunPaths(Path("/tmp/artifacts"), "r")
+        args = render_pretrain_gpt(params, planned_prepared(params.data, paths.data_cache_dir), paths, version, kernels).args
+        check_flags(args, known, flag_list.stem)
+        pairs = dict(split_flags(args))
+        assert ("--bf16" in pairs) == kernels.gpus and (pairs.get("--distributed-backend") == ["gloo"]) == (not kernels.gpus)
+        assert pairs["--transformer-impl"] == ["transformer_engine" if kernels.transformer_engine else "local"]
+        assert ("--no-rope-fusion" in pairs) == (not kernels.transformer_engine)
+        assert ("--no-gradient-accumulation-fusion" in pairs) == (not kernels.apex)
+        assert ("--no-persist-layer-norm" in pairs) == (not kernels.transformer_engine and not kernels.apex)
+        assert ("--no-bias-gelu-fusion" in pairs) == (model == "gpt_smoke" or not kernels.gpus)
+
+
+def test_extra_arguments_come_last_and_load_only_with_a_checkpoint(tmp_path):
+    params = with_batch_geometry(load_run_params("gpt_smoke", "smoke", RunOverrides(0, "megatron-lm")), 2)[0]
+    paths = RunPaths(tmp_path, "r")
+    prepared = planned_prepared(params.data, paths.data_cache_dir)
+    fresh = render_pretrain_gpt(params, prepared, paths, (0, 16), extra_args=["--log-interval", "5"], load=False).args
+    assert fresh[-2:] == ["--log-interval", "5"] and "--load" not in fresh
+    assert "--save" not in fresh  # smoke: save_interval 0, no checkpoints (Megatron-LM would save at the end)
+    assert dict(split_flags(render_pretrain_gpt(params, prepared, paths, (0, 16)).args))["--load"] == [str(paths.checkpoints_dir)]
+    saving = dataclasses.replace(params, training=dataclasses.replace(params.training, save_interval=5))
+    assert dict(split_flags(render_pretrain_gpt(saving, prepared, paths, (0, 16)).args))["--save-interval"] == ["5"]
+
+
 def test_qwen3_render_holds_the_exact_model_flags():
     args = render("qwen3_1p7b", "qwen3_1p7b_smoke", 0).args
     expected = ("--num-layers 28 --hidden-size 2048 --ffn-hidden-size 6144 --num-attention-heads 16 --group-query-attention "
@@ -96,8 +137,9 @@ def test_qwen3_render_holds_the_exact_model_flags():
         assert (flag, values) in pairs
     assert "--untie-embeddings-and-output-weights" not in args and "--bf16" in args
     assert args[args.index("--tokenizer-type") + 1] == "SentencePieceTokenizer"
-    for flag in ("--save", "--load", "--save-interval", "--tensorboard-dir", "--log-interval", "--log-throughput", "--data-path", "--split"):
+    for flag in ("--load", "--tensorboard-dir", "--log-interval", "--log-throughput", "--data-path", "--split"):
         assert flag in args
+    assert "--save" not in args  # qwen3_1p7b_smoke keeps no checkpoints (save_interval 0)
 
 
 def test_gpt2_render_is_gpt2():
@@ -138,9 +180,11 @@ def write_checkout(root: Path, version: tuple[int, int, int], flags: list[str], 
 
 
 def all_rendered_flags(version=(0, 16)) -> list[str]:
+    """Every flag a render may give (every stage, and the kernel flags of every kind of node)."""
     flags = set()
     for stage in range(4):
-        flags |= {f for f, _ in split_flags(render("qwen3_1p7b", "qwen3_1p7b_smoke", stage, version).args)}
+        for kernels in (NodeKernels(), NodeKernels(gpus=False), NodeKernels(transformer_engine=False, apex=False)):
+            flags |= {f for f, _ in split_flags(render("qwen3_1p7b", "qwen3_1p7b_smoke", stage, version, kernels=kernels).args)}
     return sorted(flags)
 
 
@@ -280,7 +324,10 @@ def test_megatron_lm_builds_the_run_s_tokenizer_before_launch(tmp_path):
     build = "from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer\n"
     (checkout / "megatron" / "training" / "global_vars.py").write_text(build + "def _build_tokenizer(args):\n    return build_tokenizer(args)\n")
     (checkout / "pretrain_gpt.py").write_text(build)
-    env = clean_env(DRY_RUN="1", ENGINE="megatron-lm", MEGATRON_LM_DIR=str(checkout), ARTIFACT_ROOT=str(tmp_path / "art"),
+    from conftest import megatron_lm_env
+
+    # The shim answers the preflight's CUDA probe on this GPU-less machine (this checkout's ranks never start).
+    env = megatron_lm_env(checkout, DRY_RUN="1", ARTIFACT_ROOT=str(tmp_path / "art"),
                     NPROC_PER_NODE="2")
     start = [sys.executable, "-m", "orchestration", "start", "gpt_smoke", str(data), "tok"]
     ok = subprocess.run(start, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
@@ -310,7 +357,10 @@ def test_launcher_dry_run_renders_pretrain_gpt(tmp_path):
     assert argv[2] == "torch.distributed.run" and argv[argv.index("--node-rank") + 1] == "1"
     script = argv.index(str(checkout / "pretrain_gpt.py"))
     assert argv[script - 2:script] == ["--master-port", "6000"]
-    assert argv[script + 1:] == render("qwen3_1p7b", "qwen3_1p7b_smoke", 2, tmp=tmp_path / "art", run="qwen3_16gpu_z2").args
+    # No node answered (n0, n1 do not exist): rendered for what this GPU-less machine has, and said so.
+    assert argv[script + 1:] == render("qwen3_1p7b", "qwen3_1p7b_smoke", 2, tmp=tmp_path / "art", run="qwen3_16gpu_z2",
+                                       kernels=NodeKernels(False, False, False), load=False).args  # nothing to load yet
+    assert "(assumed: no node answered)" in proc.stderr
     assert "--use-megatron-fsdp" in argv and "optim_grads" in argv
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in nodes[0]["env"]  # Megatron-FSDP: unset, not 1
     assert not (tmp_path / "art" / "data_cache").exists()  # a dry run prepares nothing
@@ -397,7 +447,10 @@ def test_launcher_runs_the_checkout_and_reads_its_logs(tmp_path):
     data = tmp_path / "lm.yaml"
     data.write_text((REPO / "params" / "data" / "smoke.yaml").read_text().replace("train_iters: 30", "train_iters: 6"))
     root = tmp_path / "art"
-    env = clean_env(ENGINE="megatron-lm", MEGATRON_LM_DIR=str(checkout), ZERO_STAGE="3", ARTIFACT_ROOT=str(root),
+    from conftest import megatron_lm_env
+
+    # The shim answers the preflight's CUDA probe (and is inert in the stand-in's ranks, which import no torch).
+    env = megatron_lm_env(checkout, ZERO_STAGE="3", ARTIFACT_ROOT=str(root),
                     MASTER_PORT=str(free_port()), CUDA_DEVICE_MAX_CONNECTIONS="1")
     start = run_script("start_training.sh", "gpt_smoke", str(data), "lm_run", env=env)
     assert start.returncode == 0, start.stdout + start.stderr
@@ -406,7 +459,9 @@ def test_launcher_runs_the_checkout_and_reads_its_logs(tmp_path):
     params = with_batch_geometry(load_run_params("gpt_smoke", str(data), RunOverrides(3, "megatron-lm")), 2)[0]
     prepared = planned_prepared(params.data, root / "data_cache")
     assert Path(prepared.prefixes[0] + ".bin").is_file()  # the start command prepared the corpus
-    assert seen["argv"] == render_pretrain_gpt(params, prepared, RunPaths(root, "lm_run"), (0, 16)).args
+    # The node answered: no GPU (the shim's CUDA answers the probe, not the GPU count): the CPU's kernel flags.
+    assert seen["argv"] == render_pretrain_gpt(params, prepared, RunPaths(root, "lm_run"), (0, 16),
+                                               kernels=NodeKernels(False, False, False), load=False).args
     assert seen["CUDA_DEVICE_MAX_CONNECTIONS"] is None and seen["LAUNCHER_RUN"] == "lm_run"
     status = run_script("status_training.sh", "lm_run", "--json", env=env)
     node = json.loads(status.stdout.splitlines()[0])
@@ -576,3 +631,134 @@ def test_megatron_lm_with_wandb_keeps_one_wandb_run_across_starts(tmp_path):
     assert plan_program(params, "gpt_smoke", "smoke", paths, launch, read, prepared).env["WANDB_RUN_ID"] == first.env["WANDB_RUN_ID"]
     assert "WANDB_RUN_ID" not in plan_program(params, "gpt_smoke", "smoke", paths, read_launch_env(
         {"MEGATRON_LM_DIR": str(checkout), "ENGINE": "megatron-lm"}), read, prepared).env
+
+
+# -- what the nodes have, Megatron-LM's own limits, and reading its logs (pure) -------------------------
+
+def _plan_lm(tmp_path, stage: int, answers=None, has_checkpoint=False, env=None, **training):
+    from megatron_ext.data.prepare import planned_prepared
+    from orchestration.launch_env import read_launch_env
+    from orchestration.megatron_lm.checkout import read_checkout
+    from orchestration.megatron_lm.program import plan_program
+
+    checkout = tmp_path / "Megatron-LM"
+    if not checkout.exists():
+        write_checkout(checkout, (0, 16, 1), all_rendered_flags() + ["--exit-signal-handler", "--exit-signal"])
+    launch = read_launch_env({"ARTIFACT_ROOT": str(tmp_path / "art"), "MEGATRON_LM_DIR": str(checkout), **(env or {})})
+    overrides = dataclasses.replace(launch.overrides, zero_stage=stage, engine="megatron-lm")
+    params = with_batch_geometry(load_run_params("gpt_smoke", "smoke", overrides), 2)[0]
+    if training:
+        params = dataclasses.replace(params, training=dataclasses.replace(params.training, **training))
+    paths = RunPaths(launch.artifact_root, "r")
+    return plan_program(params, "gpt_smoke", "smoke", paths, launch, read_checkout(checkout),
+                        planned_prepared(params.data, paths.data_cache_dir), answers, has_checkpoint)
+
+
+def test_the_program_renders_for_what_the_preflight_says_the_nodes_have(tmp_path):
+    from orchestration.node.wire import NodeReport
+
+    cpu = _plan_lm(tmp_path, 0, [NodeReport(0, "n0", visible_gpus=0, software={"transformer-engine": None})])
+    args = dict(split_flags(list(cpu.program_args)))
+    assert args["--distributed-backend"] == ["gloo"] and "--bf16" not in args
+    assert any("no GPU: gloo, local layers" in n for n in cpu.notes)
+    te = {"transformer-engine": "2.8", "apex": "0.1"}
+    gpus = _plan_lm(tmp_path, 0, [NodeReport(0, "n0", visible_gpus=8, software=te),
+                                  NodeReport(1, "n1", visible_gpus=8, software={**te, "transformer-engine": None})])
+    args = dict(split_flags(list(gpus.program_args)))  # one node without transformer-engine: local layers for all
+    assert args["--transformer-impl"] == ["local"] and "--bf16" in args and "--no-rope-fusion" in args
+    # --load only where there is a checkpoint; else the supervisor adds it for an attempt that starts with one
+    assert "--load" not in gpus.program_args and gpus.resume_args[0] == "--load"
+    resumed = _plan_lm(tmp_path, 0, has_checkpoint=True)
+    assert "--load" in resumed.program_args and resumed.resume_args == ()
+
+
+def test_megatron_lm_s_own_limits_are_said_before_the_start(tmp_path):
+    """core_v0.16.1: Megatron-FSDP hangs at a save (upstream issue 4910); the distributed optimizer
+    cannot resume with torch's Adam (no apex, no transformer-engine)."""
+    with pytest.raises(UserError, match=r"ZERO_STAGE=2 with ENGINE=megatron-lm would hang at every checkpoint save.*"
+                                        r"issue 4910.*use ENGINE=megatron-core"):
+        _plan_lm(tmp_path, 2, save_interval=5)
+    assert "--save" not in _plan_lm(tmp_path, 2).program_args  # no checkpoints (save_interval 0): nothing to hang
+    allowed = _plan_lm(tmp_path, 3, env={"MEGATRON_LM_EXTRA_ARGS": "--no-save-optim"}, save_interval=5)
+    assert allowed.program_args[-1] == "--no-save-optim" and any("no optimizer state" in n for n in allowed.notes)
+    with pytest.raises(UserError, match=r"would resume the run's checkpoint at ZERO_STAGE=1.*distrib_optimizer.py:642"):
+        _plan_lm(tmp_path, 1, has_checkpoint=True, save_interval=5)
+    with pytest.raises(UserError, match=r"MAX_RESTARTS=2 restarts from the latest checkpoint"):
+        _plan_lm(tmp_path, 1, env={"MAX_RESTARTS": "2"}, save_interval=5)
+    fresh = _plan_lm(tmp_path, 1, save_interval=5)
+    assert any("cannot be resumed" in n for n in fresh.notes)
+    from orchestration.node.wire import NodeReport
+    te = _plan_lm(tmp_path, 1, [NodeReport(0, "n0", visible_gpus=8, software={"transformer-engine": "2.8", "apex": None})],
+                  has_checkpoint=True, save_interval=5)  # transformer-engine's Adam resumes
+    assert "--use-distributed-optimizer" in te.program_args
+
+
+def test_fp8_and_manual_gc_reach_megatron_lm_where_transformer_engine_is(tmp_path):
+    """training.fp8 and manual_gc render as Megatron-LM's own flags; FP8 without transformer-engine
+    on the nodes is refused before the start."""
+    from orchestration.node.wire import NodeReport
+
+    te = [NodeReport(0, "n0", visible_gpus=8, software={"transformer-engine": "2.8", "apex": None})]
+    plan = _plan_lm(tmp_path, 0, te, fp8="hybrid", fp8_amax_history_len=1024, fp8_amax_compute_algo="max",
+                    manual_gc=True, manual_gc_interval=100)
+    args = " ".join(plan.program_args)
+    assert "--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max" in args
+    assert "--manual-gc --manual-gc-interval 100" in args
+    for nodes, what in (([NodeReport(0, "n0", visible_gpus=8, software={"transformer-engine": None})], "no transformer-engine"),
+                        ([NodeReport(0, "n0", visible_gpus=0, software={"transformer-engine": None})], "no GPU")):
+        with pytest.raises(UserError, match=f"training.fp8=hybrid needs transformer-engine on GPUs.*the nodes have {what}"):
+            _plan_lm(tmp_path, 0, nodes, fp8="hybrid")
+
+
+def test_megatron_lm_s_second_line_after_a_start_is_made_that_iteration_s_own():
+    """Megatron-LM logs the first iteration after a start and keeps its totals: the next line is the
+    mean of both (measured with core_v0.16.1: printed 7.716387 for iteration 2 where TensorBoard holds
+    7.715153 and 7.717622). The supervisor's line starts each attempt in every node's log."""
+    def line(it: int, loss: float, ms: float) -> str:
+        return (f" [2026-12-01 20:00:00.000000] iteration {it:8d}/{10:8d} | consumed samples: {16 * it:12d} | elapsed time "
+                f"per iteration (ms): {ms:.1f} | learning rate: 1.0E-03 | global batch size:    16 | lm loss: {loss:.6E} | "
+                "loss scale: 1.0 | grad norm: 1.000 | number of skipped iterations:   0 | number of nan iterations:   0 |")
+    text = "\n".join(["[supervisor node0] attempt 1 of 1: starting torchrun", line(1, 7.715153, 1000.0),
+                      line(2, 7.716387, 800.0), line(3, 7.571443, 600.0),
+                      "[supervisor node0] attempt 2 of 2: starting torchrun (the ranks resume from the checkpoint at iteration 2)",
+                      line(3, 7.571443, 900.0), line(4, (7.571443 + 7.444283) / 2, 750.0)])
+    records, _ = parse_log(text, seq_length=128, engine="megatron-lm")
+    assert [r.iteration for r in records] == [1, 2, 3, 3, 4]
+    assert records[1].lm_loss == pytest.approx(7.717621, abs=2e-6) and records[1].step_time_s == pytest.approx(0.6)
+    assert records[2].lm_loss == pytest.approx(7.571443) and records[4].lm_loss == pytest.approx(7.444283, abs=2e-6)
+    assert records[1].tokens_per_s == pytest.approx(16 * 128 / 0.6)
+    plain, _ = parse_log(text, seq_length=128)  # this project's own lines are each iteration's already
+    assert plain[1].lm_loss == pytest.approx(7.716387)
+
+
+MEGATRON_LM_RANK_ERROR = """\
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "/tmp/megatron-lm-core_v0.16.1/pretrain_gpt.py", line 342, in <module>
+[rank0]:     pretrain(
+[rank0]: NameError: name 'TESpecProvider' is not defined. Did you mean: 'LocalSpecProvider'?
+[rank1]: NameError: name 'TESpecProvider' is not defined. Did you mean: 'LocalSpecProvider'?
+Stack (most recent call first):
+  <no Python frame>
+E1201 20:00:00.000000 100 site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1)
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+=======================================================
+pretrain_gpt.py FAILED
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_20:00:00
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 102)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+=======================================================
+"""
+
+
+def test_a_megatron_lm_rank_s_error_is_the_failure_s_reason():
+    from orchestration.node.failure import failure_summary
+
+    first = failure_summary(0, "n0", 1, MEGATRON_LM_RANK_ERROR).splitlines()[0]
+    assert first == ("node 0 (n0) failed: torchrun exit code 1; rank 1: NameError: name 'TESpecProvider' is not "
+                     "defined. Did you mean: 'LocalSpecProvider'?")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.run_spec.procfs import process_environ
 
 from netns_cluster import NamespaceCluster, missing_prerequisites
@@ -27,7 +28,7 @@ pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     require(missing_prerequisites(), "multi-node tests")
-    c = NamespaceCluster(2, tmp_path_factory.mktemp("cluster")).open()
+    c = NamespaceCluster(3, tmp_path_factory.mktemp("cluster")).open()  # node2 for the link tests (a ring of 3)
     yield c
     c.close()
 
@@ -162,8 +163,6 @@ def test_ssh_disconnect_does_not_stop_and_stop_spares_the_other_run(cluster, clu
 def test_a_worker_killed_on_node_1_stops_both_nodes(cluster_env, artifact_root, tmp_path):
     """SIGKILL one worker on node 1 of a 2 x 2 run: torchrun on node 1 tears its workers down and
     exits non-zero, node 1's supervisor writes the failure file, node 0's supervisor stops node 0."""
-    from megatron_ext.run_spec.procfs import process_environ
-
     data = write_data_set(tmp_path / "long.yaml", train_iters=5000)
     run = "mn_fail"
     env = {**cluster_env, "MASTER_PORT": "29653"}
@@ -393,4 +392,66 @@ def test_a_run_that_always_crashes_stops_at_the_breaker(cluster_env, artifact_ro
                                                                       "checkpoint)") for e in exits), exits
     finally:
         run_script("stop_multinode_training.sh", run, env=env)
+    assert tagged_pids(run) == []
+
+
+def test_links_are_measured_and_a_slow_one_is_named_and_refused(cluster, cluster_env, tmp_path):
+    """Three nodes, each exchanging with its ring neighbours over gloo before anything starts: equal
+    links are never named; node 1's outgoing traffic held to 20 Mbit/s (tc's token bucket filter on
+    its interface) makes it the node named, and the start refuses it unless ALLOW_SLOW_LINKS=1."""
+    data = write_data_set(tmp_path / "short.yaml", train_iters=2, global_batch=12)
+    env = {**cluster_env, "HOSTS": "node0,node1,node2", "NPROC_PER_NODE": "1", "MASTER_PORT": "29660"}
+    equal = run_script("preflight_training.sh", "gpt_smoke", data, "links", env=env)
+    assert equal.returncode == 0 and "<- slow" not in equal.stdout, equal.stdout + equal.stderr
+    rows = [l for l in equal.stdout.splitlines() if l[:1].isdigit()]
+    assert len(rows) == 3 and all("TCP (gloo)" in r and cluster.interface in r for r in rows), equal.stdout
+    cluster.throttle(cluster.nodes[1], "20mbit")
+    try:
+        slow = run_script("preflight_training.sh", "gpt_smoke", data, "links", env=env)
+        assert slow.returncode == 2, slow.stdout + slow.stderr
+        named = [l for l in slow.stdout.splitlines() if "slow link" in l]
+        assert len(named) == 1 and named[0].startswith("1 ") and "NCCL_SOCKET_IFNAME" in named[0], slow.stdout
+        assert [l for l in slow.stdout.splitlines() if l.endswith("<- slow")][0].startswith("1 "), slow.stdout
+        allowed = run_script("preflight_training.sh", "gpt_smoke", data, "links", env={**env, "ALLOW_SLOW_LINKS": "1"})
+        assert allowed.returncode == 0 and "<- slow" in allowed.stdout, allowed.stdout + allowed.stderr
+    finally:
+        cluster.unthrottle(cluster.nodes[1])
+
+
+def test_a_node_lost_for_good_leaves_the_run_going_on_with_the_others(cluster, cluster_env, artifact_root, tmp_path):
+    """NNODES=1:2 over 2 nodes x 2 processes: node 1's every process, its sshd and its namespace go
+    mid-run; node 0 notices (its heartbeat stops), leaves it out and goes on alone from the latest
+    checkpoint with the same global batch (2 ranks, 2 micro-batches each, where there were 4 x 1):
+    every iteration's loss as a run never interrupted, within float reassociation; status names the
+    lost node."""
+    iters = 40
+    data = tmp_path / "elastic.yaml"
+    data.write_text(Path(write_data_set(tmp_path / "base.yaml", train_iters=iters, save_interval=5)).read_text()
+                    + "  resilience: {max_restarts: 2, restart_backoff_s: 1, node_lost_s: 6, join_s: 30}\n")
+    run = "mn_lost"
+    env = {**cluster_env, "NNODES": "1:2", "MASTER_PORT": "29661"}
+    try:
+        start = run_script("start_multinode_training.sh", "gpt_smoke", str(data), run, env=env)
+        assert start.returncode == 0, start.stdout + start.stderr
+        checkpoints = artifact_root / "runs" / run / "checkpoints"
+        wait_for(lambda: (latest_iteration(checkpoints) or 0) >= 10, 240, what="a checkpoint")
+        cluster.lose(cluster.nodes[1])
+        wait_for(lambda: not tagged_pids(run), 400, what="the run to finish on node 0 alone")
+        log = (artifact_root / "logs" / f"{run}_node0.log").read_text()
+        assert "attempt 2 of 3: starting torchrun (the ranks resume from the checkpoint" in log, log[-3000:]
+        status = run_script("status_training.sh", run, env=cluster_env).stdout  # the run's own hosts: node 1 not asked
+        rows = [l.split() for l in status.splitlines() if l[:1].isdigit()]
+        assert [r[:3] for r in rows] == [["0", "node0", "finished"], ["1", "node1", "lost"]], status
+        assert "attempt 2 of 3 on 1 of 2 nodes: finished" in status, status
+        assert "lost node(s) 1 (node1)" in status and "the run goes on with 1 of 2 nodes" in status, status
+        records = [json.loads(l) for l in (artifact_root / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["iteration"] for r in records] == list(range(1, iters + 1)) and records[-1]["world_size"] == 2
+        proc, reference = run_torchrun(artifact_root, "lost_reference", nproc=2, data=str(data))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        for a, b in zip(records, reference, strict=True):  # the same samples per step: reduction order aside
+            assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-5 * abs(b["lm_loss"]), (a["iteration"], a["lm_loss"], b["lm_loss"])
+    finally:
+        run_script("stop_multinode_training.sh", run, env={**env, "HOSTS": "node0", "NNODES": "1"})
+        if not Path(f"/run/netns/{cluster.nodes[1].namespace}").exists():
+            cluster.restore(cluster.nodes[1])
     assert tagged_pids(run) == []

@@ -30,6 +30,8 @@ LAZY_IMPORTS = {
     ("orchestration/node/preflight.py", "megatron_ext.run_spec.params"): "the same",
     ("orchestration/__main__.py", "orchestration.node.commands"): "node commands load nothing of the launcher",
     ("orchestration/__main__.py", "orchestration.cli"): "the launcher's commands",
+    ("orchestration/node/linktest.py", "torch"): "the link test's own child process alone imports torch",
+    ("orchestration/node/linktest.py", "torch.distributed"): "the same",
     ("orchestration/node/local.py", "orchestration.node.commands"): "this machine's node commands answered in the "
                                                                      "launcher's own process, loaded at the first call",
 }

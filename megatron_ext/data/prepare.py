@@ -26,6 +26,7 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -129,6 +130,10 @@ _worker_dtype = None
 
 def _init_worker(tokenizer_type: str, tokenizer_path: str | None, vocab_size: int, dtype) -> None:
     global _worker_tokenizer, _worker_dtype
+    # A forked worker inherits the parent's Python signal handlers (a sweep raises on SIGTERM): the
+    # pool's terminate() SIGTERMs its workers, which must then simply end, not raise mid-send.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
     _worker_tokenizer = load_tokenizer(TokenizerParams(tokenizer_type, tokenizer_path, vocab_size))
     _worker_dtype = dtype
 

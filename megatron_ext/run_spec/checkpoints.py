@@ -59,6 +59,44 @@ def read_meta(checkpoints_dir: Path, iteration: int) -> CheckpointMeta:
     return CheckpointMeta(**json.loads((checkpoints_dir / iteration_dir_name(iteration) / "meta.json").read_text()))
 
 
+def ddp_bucket_elements(data_parallel_size: int) -> int:
+    """megatron-core DDP's gradient bucket size as Megatron-LM sets it: max(4e7, 1e6 x the
+    data-parallel size) elements (training.py ~L1316). The distributed optimizer's checkpoint
+    layout follows these buckets."""
+    return max(40_000_000, 1_000_000 * data_parallel_size)
+
+
+def reshard_problem(device: str, zero_stage: int, saved_world_size: int, world_size: int) -> str | None:
+    """Why a checkpoint saved by ``saved_world_size`` data-parallel ranks cannot be loaded by
+    ``world_size`` ranks (the same device and stage), or None when it can. Pure: the one rule
+    for a resume at another size, e.g. after a node is lost for good.
+
+    - CPU stages 0, 2, 3: torch.distributed.checkpoint reshards (replicated tensors, FSDP2 DTensors).
+    - CPU stage 1: torch's ZeroRedundancyOptimizer keeps a rank-local partition: never.
+    - CUDA stage 0: megatron-core's torch_dist format; everything in it is replicated over
+      data-parallel ranks: any size.
+    - CUDA stage 1: the distributed optimizer's ``dp_reshardable`` layout (megatron-core >= 0.15;
+      0.14's ``fully_sharded_model_space`` reshards likewise): each gradient bucket's state is one
+      global tensor of the bucket's unpadded size, read in slices by any number of ranks, as long
+      as the buckets are the same, i.e. :func:`ddp_bucket_elements` gives the same size at both
+      data-parallel sizes (both at most 40 ranks, or any equal pair).
+    - CUDA stages 2-3: Megatron-LM's ``fsdp_dtensor`` format: DTensors, resharded by
+      torch.distributed.checkpoint at any size."""
+    if saved_world_size == world_size:
+        return None
+    if device == "cpu" and zero_stage == 1:
+        return (f"holds ZeroRedundancyOptimizer partitions of {saved_world_size} ranks, which cannot be resharded to "
+                f"{world_size} ranks")
+    if device == "cuda" and zero_stage == 1:
+        saved, now = ddp_bucket_elements(saved_world_size), ddp_bucket_elements(world_size)
+        if saved != now:
+            return (f"holds the distributed optimizer's state in gradient buckets of {saved:,} elements "
+                    f"(max(4e7, 1e6 x {saved_world_size} ranks)), and {world_size} ranks use buckets of {now:,}: "
+                    "its dp_reshardable layout reshards only between sizes with the same buckets (both at most 40 "
+                    "ranks)")
+    return None
+
+
 def check_resumable(meta: CheckpointMeta, world_size: int, zero_stage: int, global_batch_size: int, device: str,
                     checkpoints_dir: Path) -> str | None:
     """A note when the checkpoint loads at another data-parallel size, None when it loads as saved;
@@ -80,11 +118,10 @@ def check_resumable(meta: CheckpointMeta, world_size: int, zero_stage: int, glob
                         f"{device}; resume it on {meta.device}, or {fresh}")
     if meta.world_size == world_size:
         return None
-    if device == "cuda" or zero_stage == 1:
-        layout = "megatron-core optimizer state per rank" if device == "cuda" else "ZeroRedundancyOptimizer partitions"
-        raise UserError(
-            f"the checkpoint at iteration {meta.iteration} holds {layout} of {meta.world_size} ranks, which cannot be "
-            f"resharded to {world_size} ranks; resume with {meta.world_size} ranks, or {fresh}"
-        )
-    return (f"resharding the checkpoint of {meta.world_size} ranks to {world_size} (torch.distributed.checkpoint); "
+    problem = reshard_problem(device, zero_stage, meta.world_size, world_size)
+    if problem:
+        raise UserError(f"the checkpoint at iteration {meta.iteration} {problem}; resume with {meta.world_size} ranks, "
+                        f"or {fresh}")
+    how = "megatron-core's torch_dist format" if device == "cuda" and zero_stage < 2 else "torch.distributed.checkpoint"
+    return (f"resharding the checkpoint of {meta.world_size} ranks to {world_size} ({how}); "
             f"the data continues at sample {meta.consumed_samples}")

@@ -21,5 +21,10 @@ EXIT_GAVE_UP = 93
 (NVIDIA's fault-tolerance launcher uses the same code for "do not requeue")."""
 
 
+FINAL = "a restart would meet the same"
+"""Said by a failure that no restart can mend (a full disk, no checkpoint that verifies): the
+supervisor ends the run instead of restarting it (orchestration/node/attempts.py ``decide``)."""
+
+
 class UserError(ValueError):
     """A user error: the message names the value, the rule and the fix."""

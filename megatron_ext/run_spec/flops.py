@@ -27,6 +27,14 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
 )
 """Device names matched exactly (the whole name): an unknown device gets no MFU rather than a wrong one."""
 
+PEAK_FP8_TFLOPS: dict[str, float] = {
+    # the same patterns, dense FP8 TFLOP/s from NVIDIA's datasheets (twice the BF16 peak); none before Hopper
+    r"NVIDIA H100 80GB HBM3": 1979.0, r"NVIDIA H100 PCIe": 1513.0, r"NVIDIA H100 NVL": 1671.0,
+    r"NVIDIA H800": 1979.0, r"NVIDIA H200": 1979.0, r"NVIDIA H200 NVL": 1671.0, r"NVIDIA GH200 (480|144)GB": 1979.0,
+    r"NVIDIA B200": 4500.0,
+}
+"""Used for MFU when ``training.fp8`` is set: FP8 runs its matrix multiplications at this peak."""
+
 
 def flops_per_token(m: ModelPreset, seq_length: int, padded_vocab: int) -> float:
     """Training FLOPs (forward + backward) per token."""
@@ -44,12 +52,23 @@ def tflops_per_gpu(flops_per_iteration: float, iteration_s: float, world_size: i
     return flops_per_iteration / (iteration_s * 1e12 * world_size)
 
 
-def peak_tflops_for(device_name: str) -> float | None:
-    """Dense BF16 peak of ``device_name`` (``torch.cuda.get_device_name()``), or None if unknown."""
+def peak_tflops_for(device_name: str, fp8: bool = False) -> float | None:
+    """Dense BF16 (or, with ``fp8``, FP8) peak of ``device_name`` (``torch.cuda.get_device_name()``),
+    or None if unknown."""
     for pattern, peak in PEAK_BF16_TFLOPS:
         if re.fullmatch(pattern, device_name.strip()):
-            return peak
+            return PEAK_FP8_TFLOPS.get(pattern) if fp8 else peak
     return None
+
+
+def describe_mfu_peak(device_name: str, fp8: bool = False) -> str:
+    """What MFU divides by, for the start line: ``MFU against the dense BF16 peak of NVIDIA H200:
+    989 TFLOP/s``, or why there is none."""
+    kind = "FP8" if fp8 else "BF16"
+    peak = peak_tflops_for(device_name, fp8)
+    if peak is None:
+        return f"no MFU: no dense {kind} peak is known for {device_name!r} (megatron_ext/run_spec/flops.py)"
+    return f"MFU against the dense {kind} peak of {device_name}: {peak:g} TFLOP/s"
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:

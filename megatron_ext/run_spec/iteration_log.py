@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import dataclasses
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
@@ -160,18 +161,52 @@ def parse_iteration_line(line: str, seq_length: int | None = None, world_size: i
     )
 
 
+ATTEMPT_STARTED = "starting torchrun"
+"""The supervisor's line at the start of every attempt (orchestration/node/supervisor.py), in every node log."""
+MEGATRON_LM_STARTS = (ATTEMPT_STARTED, "[before the start of training step]")
+"""Lines that mark a start of Megatron-LM's training in a node log: the supervisor's, before every
+attempt (every node's log has it), and Megatron-LM's own (rank 0's)."""
+
+
+def undo_first_interval_mean(first: IterationRecord, second: IterationRecord) -> IterationRecord:
+    """Megatron-LM's second iteration line after a start averages the first logged iteration in (its
+    training.py logs the first iteration and then does not reset its totals: the loss and time
+    totals of core_v0.16.1's training_log, ~L2064-2087, with is_first_iteration at ~L2577): this
+    line's own mean, of the iterations after the first line's."""
+    n = second.iteration - (first.iteration - 1)  # iterations the printed means cover
+    if n < 2:
+        return second
+    loss = (n * second.lm_loss - first.lm_loss) / (n - 1)
+    step_s = (n * second.step_time_s - first.step_time_s) / (n - 1)
+    if step_s <= 0:
+        step_s = second.step_time_s
+    scale = second.step_time_s / step_s
+    return dataclasses.replace(second, lm_loss=loss, step_time_s=step_s, tokens_per_s=second.tokens_per_s * scale,
+                               tflops_per_gpu=second.tflops_per_gpu * scale)
+
+
 def parse_log(text: str, seq_length: int | None = None, world_size: int = 0,
-              zero_stage: int = -1) -> tuple[list[IterationRecord], int]:
-    """(records, number of malformed iteration lines skipped)."""
+              zero_stage: int = -1, engine: str = "megatron-core") -> tuple[list[IterationRecord], int]:
+    """(records, number of malformed iteration lines skipped). ``engine`` megatron-lm: the second
+    line after each start (:data:`MEGATRON_LM_STARTS`) is that interval's own mean
+    (:func:`undo_first_interval_mean`), not Megatron-LM's printed one."""
     records, skipped = [], 0
+    since_start: list[IterationRecord] | None = None
     for line in text.splitlines():
+        if engine == "megatron-lm" and any(marker in line for marker in MEGATRON_LM_STARTS):
+            since_start = []
+            continue
         if not looks_like_iteration_line(line):
             continue
         record = parse_iteration_line(line, seq_length, world_size, zero_stage)
         if record is None:
             skipped += 1
-        else:
-            records.append(record)
+            continue
+        if since_start is not None and len(since_start) < 2:
+            if len(since_start) == 1:
+                record = undo_first_interval_mean(since_start[0], record)
+            since_start.append(record)
+        records.append(record)
     return records, skipped
 
 

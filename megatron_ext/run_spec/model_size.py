@@ -53,3 +53,14 @@ def count_model_parameters(preset: ModelPreset, vocab_size: int | None = None) -
     positions = preset.max_position_embeddings * h if preset.position_embedding_type == "learned_absolute" else 0
     total = embedding + positions + preset.num_layers * layer + norm * h
     return ParameterCount(total=total, embedding=embedding, padded_vocab=V)
+
+
+CHECKPOINT_BYTES_PER_PARAMETER = {"cpu": 12, "cuda": 14}
+"""What a checkpoint holds per parameter, every rank's shards together: fp32 weights and AdamW's two
+fp32 moments on the CPU (4 + 8); on GPUs bf16 weights, fp32 main weights and the moments (2 + 4 + 8),
+as both engines save them. RNG states, the schedule and the metadata are a rounding error."""
+
+
+def checkpoint_bytes(parameters: int, device: str) -> int:
+    """The size of one checkpoint of a model with ``parameters`` on ``device`` (cpu or cuda)."""
+    return parameters * CHECKPOINT_BYTES_PER_PARAMETER["cuda" if device == "cuda" else "cpu"]

@@ -173,6 +173,25 @@ class TrainingParams:
     grad_reduce_in_bf16: bool = False
     """GPUs: reduce gradients over data-parallel ranks in bf16 instead of fp32 (half the traffic;
     Megatron-LM's --grad-reduce-in-bf16)."""
+    fp8: Literal["hybrid", "e4m3"] | None = None
+    """GPUs with transformer-engine: matrix multiplications in FP8 through transformer-engine's
+    ``fp8_autocast`` (megatron-core's fp8 context, delayed scaling): ``hybrid`` = e4m3 forward, e5m2
+    gradients; ``e4m3`` = e4m3 throughout; None = BF16 (Megatron-LM's --fp8-format). Needs
+    transformer-engine and compute capability 8.9 or later (run_spec/fp8.py refuses it otherwise);
+    MFU is then against the device's dense FP8 peak."""
+    fp8_amax_history_len: int = 1
+    """Steps of amax history each FP8 scaling factor is computed from (Megatron-LM's
+    --fp8-amax-history-len; its default 1; NVIDIA's published recipes use 1024)."""
+    fp8_amax_compute_algo: Literal["most_recent", "max"] = "most_recent"
+    """Which amax of the history sets the scale: the latest or the largest (Megatron-LM's
+    --fp8-amax-compute-algo; its default most_recent; NVIDIA's recipes use max)."""
+    manual_gc: bool = False
+    """Turn Python's automatic garbage collector off and collect on every rank at the same steps
+    (Megatron-LM's --manual-gc): an automatic collection stalls one rank at a random step and every
+    other rank waits for it in the next collective."""
+    manual_gc_interval: int = 0
+    """With manual_gc: optimizer steps between collections (Megatron-LM's --manual-gc-interval;
+    0 = collect only around evaluations, as Megatron-LM's default)."""
     seed: int = 1234
     """Seed of initialisation, dropout and data order."""
     log_interval: int = 1
@@ -196,6 +215,15 @@ class TrainingParams:
     init: Literal["pretrained", "random"] = "pretrained"
     """With a Hugging Face model directory as MODEL: start from its weights (pretrained) or from
     megatron-core's random initialisation of the same architecture (random). Other models: random."""
+    init_checkpoint: str | None = None
+    """A Megatron-LM checkpoint whose model weights start the run (path: the folder Megatron-LM's
+    ``--save`` wrote, or one of its ``iter_NNNNNNN`` folders; torch_dist or torch format): iteration 0
+    with a fresh optimizer and learning-rate schedule. ENGINE=megatron-lm renders it as Megatron-LM's own
+    ``--pretrained-checkpoint``. A run that has checkpoints of its own resumes from those instead."""
+    megatron_lm_extra_args: tuple[str, ...] = ()
+    """ENGINE=megatron-lm: pretrain_gpt.py flags the launcher does not model, appended to its
+    arguments (they win over the rendered ones) and checked by Megatron-LM's own parser with the
+    rest; MEGATRON_LM_EXTRA_ARGS (one shell-quoted string) adds more after these."""
 
 
 @dataclass(frozen=True)
@@ -230,6 +258,9 @@ class RunOverrides:
     """ENGINE; None = the data set's."""
     train_iters: int | None = None
     """--train-iters; None = the data set's."""
+    global_batch_size: int | None = None
+    """--global-batch-size (the launcher's resolved one, which a run that loses a node keeps);
+    None = the data set's."""
     resilience: dict[str, Any] = field(default_factory=dict)
     """MAX_RESTARTS, HANG_*: changes to training.resilience."""
 
@@ -425,6 +456,9 @@ def load_run_params(
         engine=engine, train_iters=overrides.train_iters or training.train_iters,
         resilience=with_overrides(training.resilience, overrides.resilience),
     )
+    if overrides.global_batch_size:
+        training = dataclasses.replace(training, global_batch_size=overrides.global_batch_size,
+                                       gradient_accumulation_steps=None)
     if data.tokenizer.type == "huggingface" and not data.tokenizer.model_path and preset.hf_checkpoint:
         # The model directory's own tokenizer (a Hugging Face model directory holds one).
         data = dataclasses.replace(data, tokenizer=dataclasses.replace(data.tokenizer, model_path=preset.hf_checkpoint))
@@ -457,6 +491,9 @@ def validate_run_params(p: RunParams) -> None:
             f"data.weights has {len(d.weights)} entries for {len(d.paths)} paths; give one weight "
             "per path or none"
         )
+    if t.init_checkpoint and m.hf_checkpoint and t.init == "pretrained":
+        raise UserError(f"training.init_checkpoint={t.init_checkpoint} and the Hugging Face weights of {m.hf_checkpoint} "
+                        "both start the run; keep one (training.init: random keeps only init_checkpoint)")
     if d.source == "mock" and d.tokenizer.type != "null":
         raise UserError("data.source=mock needs data.tokenizer.type=null (synthetic token ids)")
     if d.tokenizer.type == "huggingface" and not d.tokenizer.model_path:
@@ -472,6 +509,12 @@ def validate_run_params(p: RunParams) -> None:
             f"training sets both global_batch_size={t.global_batch_size} and gradient_accumulation_steps="
             f"{t.gradient_accumulation_steps}; give one of them (global = micro x data-parallel x accumulation)"
         )
+    if t.fp8_amax_history_len <= 0:
+        raise UserError(f"training.fp8_amax_history_len={t.fp8_amax_history_len} must be > 0 (steps of amax history; "
+                        "1 is Megatron-LM's default, 1024 NVIDIA's recipes')")
+    if t.manual_gc_interval < 0:
+        raise UserError(f"training.manual_gc_interval={t.manual_gc_interval} must be >= 0 (optimizer steps between "
+                        "collections; 0 = only around evaluations)")
     check_resilience(t.resilience, f"{_where('data', p.data_set)}:training.resilience")
     if t.global_batch_size is not None and t.global_batch_size % t.micro_batch_size:
         raise UserError(

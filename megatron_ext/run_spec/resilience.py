@@ -69,6 +69,15 @@ class ResilienceParams:
     """The breaker: after this many attempts in a row whose latest checkpoint did not advance, the
     run ends as "gave up" instead of restarting (a run that crashes at iteration 1 every time
     must not loop)."""
+    min_nodes: int = 0
+    """A lost node (unreachable, its supervisor gone, its processes dead): the next attempt goes on
+    with the nodes left, if at least this many, with the same global batch (NNODES=MIN:MAX sets it);
+    0 = every node, a lost node ends the run. Node 0 (the rendezvous host and leader) cannot be lost."""
+    node_lost_s: float = 20.0
+    """A node whose supervisor's heartbeat is this old (seconds) is taken as lost."""
+    join_s: float = 120.0
+    """How long node 0 waits for every node's end of an attempt, and for the nodes of the next one
+    to be ready (seconds); a node later than that is lost."""
 
     def describe(self) -> str:
         """The start line's words for it."""
@@ -120,7 +129,10 @@ def check_resilience(p: ResilienceParams, where: str) -> None:
     for key in ("hang_step_floor_s", "hang_step_factor", "hang_setup_s", "hang_checkpoint_s", "hang_eval_s"):
         if getattr(p, key) <= 0:
             raise UserError(f"{where}.{key}={getattr(p, key)} must be > 0 (turn the watchdog off with hang_watchdog: false)")
-    for key in ("hang_warmup_steps", "max_restarts", "restart_backoff_s"):
+    for key in ("node_lost_s", "join_s"):
+        if getattr(p, key) <= 0:
+            raise UserError(f"{where}.{key}={getattr(p, key)} must be > 0 (seconds)")
+    for key in ("hang_warmup_steps", "max_restarts", "restart_backoff_s", "min_nodes"):
         if getattr(p, key) < 0:
             raise UserError(f"{where}.{key}={getattr(p, key)} must be >= 0")
     if p.attempts_without_progress < 1:

@@ -2,38 +2,54 @@
 
 Layout (``$ARTIFACT_ROOT/runs/<run>/checkpoints``)::
 
-    iter_0000010/            torch.distributed.checkpoint: every rank writes its own shards
-      .metadata, __0_0.distcp, ...
+    iter_0000010/            every rank writes its part (the trainer's save_state):
+      .metadata, __0_0.distcp, ...   torch.distributed.checkpoint (CPU; CUDA stages 2-3: fsdp_dtensor)
+      + common.pt, metadata.json     megatron-core's torch_dist format (CUDA stages 0-1)
       rank<R>.pt             each rank's RNG states (CPU, CUDA, megatron's model-parallel tracker) and
-                             its rank-local optimizer state (stage 1: ZeroRedundancyOptimizer's partition
-                             on CPU, the distributed optimizer's dp_reshardable shard on CUDA)
-      replicated.pt          optimizer state every rank holds alike, once (stage 0 on CUDA, rank 0)
+                             its rank-local optimizer state (CPU stage 1: ZeroRedundancyOptimizer's
+                             partition)
       meta.json              iteration, consumed samples, world size, stage, global batch (rank 0, last)
+      checksums/rank<R>.json size and CRC-32 of each file, every rank a share (run_spec/checksums.py)
     latest                   "iter_0000010": written last, atomically (tmp + rename)
 
 A crash during a save leaves ``latest`` naming the previous complete checkpoint. The newest
-``keep_checkpoints`` are kept. Optimizer state: full AdamW state per parameter (stage 0,
-replicated), FSDP2 DTensor shards (stages 2-3: torch.distributed.checkpoint reshards them for
-another data-parallel size), or each rank's ZeroRedundancyOptimizer partition (stage 1: only the
-same data-parallel size can load it). On CUDA (megatron_ext/training/cuda_trainer.py): stage 0's
-optimizer state once, stage 1's shard per rank, stages 2-3 in Megatron-LM's fsdp_dtensor layout
-inside the DCP checkpoint (same world size only, for now). :func:`megatron_ext.run_spec.checkpoints.check_resumable` refuses what cannot
-be resumed exactly, saying why (the launcher before anything starts, and every rank).
+``keep_checkpoints`` are kept. No rank writes or reads the whole state for the others: on CPU
+the full AdamW state per parameter (stage 0, each replicated tensor written by one rank:
+torch.distributed.checkpoint's de-duplication), FSDP2 DTensor shards (stages 2-3), or each
+rank's ZeroRedundancyOptimizer partition (stage 1: only the same data-parallel size can load
+it); on CUDA Megatron-LM's own formats (megatron_ext/training/cuda_checkpoint.py: torch_dist with
+fully parallel save and load, fsdp_dtensor), which reshard over data-parallel ranks.
+:func:`megatron_ext.run_spec.checkpoints.check_resumable` refuses what cannot be resumed exactly,
+saying why (the launcher before anything starts, and every rank). At another data-parallel size
+every rank takes rank 0's RNG states (they are the same on every rank: one seed; Megatron-LM
+saves data-parallel rank 0's alone).
+
+Faults (docs/faults.md): a resume verifies the checkpoint against its checksums first, every rank
+a share of the files; a damaged one (which file, why) is moved aside as ``iter_N.damaged`` and the
+newest that verifies is loaded instead; none is a UserError. A save that meets a full disk
+(ENOSPC, EDQUOT) on any rank removes its partial folder, leaves ``latest`` where it was and ends the
+run with the free space and the size a checkpoint needs (a restart would meet the same wall).
 Side effects: the checkpoint files; collectives (all ranks call save and load).
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import re
 import shutil
+import time
+import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from megatron_ext.run_spec.checkpoints import LATEST, CheckpointMeta, iteration_dir_name, read_meta
-
-REPLICATED = "replicated.pt"
+from megatron_ext.run_spec.checksums import CHECKSUMS_DIR, list_checkpoints, record_files, verify
+from megatron_ext.run_spec.errors import FINAL, UserError
 
 
 def rng_state() -> dict:
@@ -54,52 +70,192 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(trainer, checkpoints_dir: Path, meta: CheckpointMeta, keep: int) -> Path:
-    """Every rank writes its shards; then rank 0 writes meta.json and, last, the ``latest`` marker."""
-    import torch.distributed.checkpoint as dcp
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (a collective: every rank calls it)."""
+    on_cuda = dist.get_backend() == "nccl"
+    t = torch.tensor([int(flag)], device=torch.device("cuda", torch.cuda.current_device()) if on_cuda else "cpu")
+    dist.all_reduce(t)
+    return bool(t.item())
 
-    target = checkpoints_dir / iteration_dir_name(meta.iteration)
-    rank = dist.get_rank()
-    if rank == 0 and target.exists():  # an incomplete earlier attempt at this iteration
-        shutil.rmtree(target)
+
+def disk_full(exc: BaseException) -> bool:
+    """ENOSPC or EDQUOT, raised here or inside torch.distributed.checkpoint's CheckpointException
+    (which carries every failed rank's exception as text)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    failures = getattr(exc, "failures", None)  # CheckpointException: rank -> (exception, traceback)
+    if isinstance(failures, dict) and any(isinstance(f, tuple) and f and disk_full(f[0]) for f in failures.values()):
+        return True
+    text = str(exc)
+    return "No space left on device" in text or "Disk quota exceeded" in text
+
+
+def _folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
+def _collective_step(what: Callable[[], None], checkpoints_dir: Path, target: Path) -> None:
+    """Run this rank's part of a save; if the disk is full on any rank, every rank ends the save
+    together: rank 0 removes the partial folder (``latest`` stays on the previous checkpoint) and
+    every rank raises one UserError with the numbers."""
+    failure = None
+    try:
+        what()
+    except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if not disk_full(exc):
+            raise
+        failure = exc
+    if not _any_rank(failure is not None):
+        return
+    written = _folder_bytes(target)
+    if dist.get_rank() == 0:
+        shutil.rmtree(target, ignore_errors=True)
     dist.barrier()
-    with trainer.synced_parameters():
-        dcp.save(trainer.checkpoint_state(), checkpoint_id=str(target))
-    torch.save({"rng": rng_state(), "optimizer": trainer.rank_local_state()}, target / f"rank{rank}.pt")
-    replicated = trainer.replicated_state() if rank == 0 else None
-    if replicated is not None:
-        torch.save(replicated, target / REPLICATED)
-    dist.barrier()  # every shard is on disk before the checkpoint is declared complete
+    previous = [p for _, p in list_checkpoints(checkpoints_dir) if (p / "meta.json").is_file()]
+    need = _folder_bytes(previous[-1]) if previous else 0
+    free = shutil.disk_usage(checkpoints_dir).free
+    needs = (f"a checkpoint needs {need / 1e9:.2f} GB" if need else
+             f"a checkpoint needs more than the {written / 1e9:.2f} GB written before the disk filled")
+    kept = f"latest stays at {previous[-1].name}" if previous else "no checkpoint was kept"
+    raise UserError(f"disk full: {checkpoints_dir.resolve()}, {free / 1e9:.2f} GB free, {needs} ({FINAL}, so the "
+                    f"run ends); the partial {target.name} was removed, {kept}; free space, keep fewer checkpoints "
+                    f"(training.keep_checkpoints) or put them elsewhere (CHECKPOINT_ROOT)")
+
+
+def save(trainer, checkpoints_dir: Path, meta: CheckpointMeta, keep: int) -> tuple[Path, float]:
+    """Every rank writes its part and records the checksums of a share of the folder's files; then
+    rank 0 writes meta.json and, last, the ``latest`` marker. The folder, and this rank's seconds
+    spent on checksums."""
+    target = checkpoints_dir / iteration_dir_name(meta.iteration)
+    rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
-        (target / "meta.json").write_text(meta.to_json())
+        if target.exists():  # an incomplete earlier attempt at this iteration
+            shutil.rmtree(target)
+        target.mkdir(parents=True)
+    dist.barrier()
+
+    def write_state() -> None:
+        with trainer.synced_parameters():
+            trainer.save_state(target)
+        torch.save({"rng": rng_state(), "optimizer": trainer.rank_local_state()}, target / f"rank{rank}.pt")
+
+    _collective_step(write_state, checkpoints_dir, target)
+    dist.barrier()  # every shard is on disk before the checkpoint is declared complete
+
+    def write_meta_and_checksums() -> None:
+        if rank == 0:
+            (target / "meta.json").write_text(meta.to_json())
+        dist.barrier()
+        files = sorted(p for p in target.rglob("*") if p.is_file() and p.parent.name != CHECKSUMS_DIR)
+        record_files(target, files[rank::world], f"rank{rank}")  # read back while in the page cache
+
+    started = time.monotonic()
+    _collective_step(write_meta_and_checksums, checkpoints_dir, target)
+    checksum_s = time.monotonic() - started
+    dist.barrier()
+    if rank == 0:
         tmp = checkpoints_dir / f".{LATEST}.tmp"
         tmp.write_text(iteration_dir_name(meta.iteration))
         os.replace(tmp, checkpoints_dir / LATEST)
         _prune(checkpoints_dir, keep)
     dist.barrier()
-    return target
+    return target, checksum_s
 
 
 def _prune(checkpoints_dir: Path, keep: int) -> None:
-    saved = sorted(p for p in checkpoints_dir.glob("iter_*") if (p / "meta.json").is_file())
+    saved = [p for _, p in list_checkpoints(checkpoints_dir) if (p / "meta.json").is_file()]
     for old in saved[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load(trainer, checkpoints_dir: Path, iteration: int) -> CheckpointMeta:
-    """Load the checkpoint of ``iteration`` into ``trainer`` (all ranks)."""
-    import torch.distributed.checkpoint as dcp
+def newest_verified(checkpoints_dir: Path, latest: int) -> tuple[int, list[str]]:
+    """The newest complete checkpoint at or before ``latest`` whose files verify, and a note per
+    damaged one passed over (a collective: every rank checks a share of the files). A checkpoint
+    without checksums (written before they existed) is taken as it is. None that verifies is a
+    UserError. Rank 0 moves each damaged one aside (``iter_N.damaged``, kept for a look) and points
+    ``latest`` at the one chosen."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    complete = [(it, p) for it, p in list_checkpoints(checkpoints_dir) if it <= latest and (p / "meta.json").is_file()]
+    damaged: list[tuple[int, Path, list[str]]] = []
+    for iteration, path in reversed(complete):
+        mine = verify(path, share=(rank, world))
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, [d.describe() for d in mine or ()])
+        found = [what for part in everyone for what in part]
+        if found:
+            damaged.append((iteration, path, found))
+            continue
+        notes = [f"the checkpoint of iteration {it} is damaged ({'; '.join(found[:3])}"
+                 f"{' ...' if len(found) > 3 else ''}): moved aside as {p.name}.damaged" for it, p, found in damaged]
+        if damaged and rank == 0:
+            for _, p, _ in damaged:
+                os.replace(p, p.with_name(f"{p.name}.damaged"))
+            tmp = checkpoints_dir / f".{LATEST}.tmp"
+            tmp.write_text(iteration_dir_name(iteration))
+            os.replace(tmp, checkpoints_dir / LATEST)
+        dist.barrier()
+        return iteration, notes
+    what = "; ".join(f"iteration {it}: {'; '.join(found[:2])}" for it, _, found in damaged)
+    raise UserError(f"no checkpoint of this run verifies ({FINAL}): {what}; copy good checkpoints back into "
+                    f"{checkpoints_dir}, or start a new RUN (bash training_scripts/check_checkpoints.sh RUN lists them)")
 
+
+def load(trainer, checkpoints_dir: Path, iteration: int) -> CheckpointMeta:
+    """Load the checkpoint of ``iteration`` into ``trainer`` (all ranks), at the data-parallel size
+    it was saved at or another one that check_resumable allowed."""
     source = checkpoints_dir / iteration_dir_name(iteration)
     meta = read_meta(checkpoints_dir, iteration)
-    state = trainer.checkpoint_state(loading=True)
-    dcp.load(state, checkpoint_id=str(source))
-    trainer.load_checkpoint_state(state)  # the model first, then the optimizer (Megatron-LM's order)
-    if (source / REPLICATED).is_file():
-        trainer.load_replicated_state(torch.load(source / REPLICATED, weights_only=False))
-    if meta.world_size == dist.get_world_size():  # else check_resumable allowed only DCP-held state
-        local = torch.load(source / f"rank{dist.get_rank()}.pt", weights_only=False)
-        if local["optimizer"] is not None:
-            trainer.load_rank_local_state(local["optimizer"])
-        set_rng_state(local["rng"])
+    trainer.load_state(source)
+    same_size = meta.world_size == dist.get_world_size()
+    local = torch.load(source / f"rank{dist.get_rank() if same_size else 0}.pt", weights_only=False)
+    if same_size and local["optimizer"] is not None:  # else check_resumable allowed none
+        trainer.load_rank_local_state(local["optimizer"])
+    set_rng_state(local["rng"])
     return meta
+
+
+def is_torch_dist(checkpoint: Path) -> bool:
+    """Whether ``checkpoint`` is megatron-core's torch_dist format (CUDA stages 0-1): its
+    ``metadata.json`` names the backend."""
+    marker = checkpoint / "metadata.json"
+    return marker.is_file() and json.loads(marker.read_text()).get("sharded_backend") == "torch_dist"
+
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+def read_torch_dist_model_weights(checkpoint: Path, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model tensors of a torch_dist checkpoint in one process, by the names of ``template``
+    (a local-spec model's state dict). megatron-core stores the model's ``sharded_state_dict``:
+    every layer's tensor stacked on a leading layer axis under one key
+    (``decoder.layers.mlp.linear_fc1.weight`` is (L, F, h)), the norms under transformer-engine's
+    names whatever the spec; the files are torch.distributed.checkpoint's, read here without
+    megatron-core (``no_dist``). A name the checkpoint lacks is a ValueError naming it."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_ext.training.hf_weights import local_name
+
+    stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    where: dict[str, tuple[str, int | None]] = {}
+    for key, meta in stored.items():
+        if not hasattr(meta, "size") or key.startswith("optimizer."):
+            continue
+        if key.startswith("decoder.layers."):
+            rest = local_name(f"decoder.layers.0.{key.removeprefix('decoder.layers.')}").removeprefix("decoder.layers.0.")
+            for layer in range(meta.size[0]):
+                where[f"decoder.layers.{layer}.{rest}"] = (key, layer)
+        else:
+            where[local_name(key)] = (key, None)
+    missing = sorted(set(template) - set(where))
+    if missing:
+        raise ValueError(f"{checkpoint} holds no {missing[0]} ({len(missing)} model tensors missing)")
+    keys = sorted({where[name][0] for name in template})
+    state = {key: torch.empty(tuple(stored[key].size), dtype=stored[key].properties.dtype) for key in keys}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no_dist's note that it loads in one process
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    out = {}
+    for name in template:
+        key, layer = where[name]
+        out[name] = state[key] if layer is None else state[key][layer].clone()
+    return out

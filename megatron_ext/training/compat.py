@@ -4,10 +4,12 @@ itself rather than comparing version numbers.
 
 - RoPE's move of ``inv_freq`` to ``torch.cuda.current_device()`` (which the CPU path must avoid):
   in ``RotaryEmbedding.forward`` up to 0.15, in ``RotaryEmbedding.get_emb`` from 0.16.
-- The distributed optimizer's per-rank parameter state (``get_parameter_state_dp_reshardable``)
-  arrived in 0.15; 0.14 has only the one gathered on data-parallel rank 0
-  (``get_parameter_state_dp_zero`` / ``load_parameter_state_from_dp_zero``, Megatron-LM
-  core_v0.14.0's ``--ckpt-format torch``).
+- The distributed optimizer's ``dp_reshardable`` checkpoint layout (Megatron-LM's default for
+  ``--ckpt-format torch_dist`` from core_v0.15) arrived in 0.15; on 0.14 Megatron-LM's fully
+  parallel save wrote ``fully_sharded_model_space`` (core_v0.14.0 checkpointing.py
+  ``_build_sharded_state_dict_metadata``).
+- ``dist_checkpointing.save``'s ``content_metadata`` (the sharding type, read back on load) is
+  passed only where the release takes it.
 - Megatron-FSDP's ``get_mesh_names`` reads torch's DeviceMesh bookkeeping
   (``_mesh_resources.child_to_root_mapping``) unguarded in 0.14; from 0.15 it asks the root mesh
   first. Newer torch (2.13 here) has no such attribute: 0.14's Megatron-FSDP cannot start there.
@@ -52,10 +54,18 @@ def keep_rotary_on_module_device(rotary_cls) -> None:
     setattr(rotary_cls, name, on_module_device)
 
 
-def distributed_optimizer_state_layout(optimizer) -> str:
-    """``"dp_reshardable"`` (megatron-core >= 0.15: each rank saves and loads its own shard) or
-    ``"dp_zero"`` (0.14: gathered to and scattered from data-parallel rank 0)."""
-    return "dp_reshardable" if hasattr(optimizer, "get_parameter_state_dp_reshardable") else "dp_zero"
+def distributed_optimizer_sharding_type(optimizer) -> str:
+    """``"dp_reshardable"`` (megatron-core >= 0.15) or ``"fully_sharded_model_space"`` (0.14): the
+    distributed optimizer's torch_dist layout with Megatron-LM's fully parallel save."""
+    return "dp_reshardable" if hasattr(optimizer, "get_parameter_state_dp_reshardable") else "fully_sharded_model_space"
+
+
+def serializable_content_metadata(save, metadata: dict) -> dict:
+    """``{"content_metadata": ...}`` for ``dist_checkpointing.save`` where it takes one (without the
+    process group, as Megatron-LM's ``_clean_metadata_for_serialization``), else nothing."""
+    if "content_metadata" not in inspect.signature(save).parameters:
+        return {}
+    return {"content_metadata": {k: v for k, v in metadata.items() if k != "dp_cp_group"}}
 
 
 def megatron_fsdp_incompatibility() -> str | None:

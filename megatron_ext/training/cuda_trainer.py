@@ -1,6 +1,6 @@
 """The CUDA trainer: megatron-core DDP, its distributed optimizer and Megatron-FSDP, driven as
-Megatron-LM core_v0.16.1 drives them (megatron/training/training.py, checkpointing.py; the line
-numbers below are that tag's).
+Megatron-LM core_v0.16.1 drives them (megatron/training/training.py, checkpointing.py,
+megatron/core/optimizer/optimizer.py; the line numbers below are that tag's).
 
 - Stage 0: megatron-core DDP + its mixed-precision optimizer (bf16 params, fp32 main params and
   grads). Stage 1: + ``use_distributed_optimizer``. Stages 2-3: Megatron-FSDP ``optim_grads`` /
@@ -9,60 +9,36 @@ numbers below are that tag's).
   reduction, ``check_for_nan_in_grad`` on, ``bucket_size = max(4e7, 1e6 x dp)``); Megatron-FSDP
   gets no ``fsdp_unit_modules``, so the adapter's default applies (none for ``optim_grads``,
   TransformerLayer for ``optim_grads_params``: mcore_fsdp_adapter.py ~L93-99).
-- Checkpoints (what megatron_ext/training/checkpoint.py writes): stage 0's optimizer state is the
-  same on every rank, written once (:meth:`replicated_state`); stage 1's per rank in the
-  distributed optimizer's ``dp_reshardable`` layout (its state_dict holds param groups and step
-  only, distrib_optimizer.py ~L668: the fp32 main shard and both moments come from
-  ``get_parameter_state_dp_reshardable``, ~L942, and go back through ``load_state_dict`` with
-  ``param_state``, ~L863-877); stages 2-3 as Megatron-LM's ``fsdp_dtensor`` format
-  (checkpointing.py ~L911-934): the model's state dict as it is (the fp32 main weights as
-  DTensors), the optimizer's ``sharded_state_dict``, both in one torch.distributed.checkpoint.
+- The step: stages 0-1 call the optimizer's ``step()`` (the chained optimizer computes the global
+  norm once and clips by it, optimizer.py ~L1308-1340); stages 2-3 take its parts themselves
+  (``prepare_grads``, ``get_grad_norm``, ``clip_grad_by_total_norm_fp32``,
+  ``step_with_ready_grads``, as ``MixedPrecisionOptimizer.step``, ~L593-623) so that the one norm
+  also serves the NaN check: Megatron-FSDP checks no gradient bucket itself.
+- The first iteration of every start runs stage 1 with the forward pre-hook off (training.py
+  ~L2654-2663, on again after the step ~L2812-2827; ``should_disable_forward_pre_hook`` ~L3496): a
+  bad load or initialisation on one rank does not spread to all in the first all-gather.
+- Checkpoints: megatron_ext/training/cuda_checkpoint.py (torch_dist with fully parallel save and
+  load at stages 0-1, fsdp_dtensor at stages 2-3).
 - A non-finite gradient stops the run before the update is applied, naming the rank(s)
   (Megatron-LM's ``--check-for-nan-in-loss-and-grad`` default): DDP checks each bucket itself;
-  Megatron-FSDP has no such check, so the global norm is checked before the step.
+  under Megatron-FSDP the global norm is checked before the update.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from megatron_ext.run_spec.checkpoints import ddp_bucket_elements
 from megatron_ext.run_spec.params import TrainingParams
 from megatron_ext.run_spec.zero import ZeroStage, strategy_for
-from megatron_ext.training.compat import distributed_optimizer_state_layout, with_fsdp_shards_in_place
+from megatron_ext.training import cuda_checkpoint
+from megatron_ext.training.compat import with_fsdp_shards_in_place
 from megatron_ext.training.trainers import NonFiniteGradients, Trainer, name_non_finite_ranks
-
-FSDP_DTENSOR_METADATA = {"distrib_optim_sharding_type": "fsdp_dtensor", "singleton_local_shards": False,
-                         "chained_optim_avoid_prefix": True}
-"""What Megatron-LM's checkpointing passes the optimizer for ``--ckpt-format fsdp_dtensor``
-(``_build_sharded_state_dict_metadata``, checkpointing.py ~L401-434)."""
-
-
-def _host_copy(obj):
-    """Tensors copied to the host, compact (a view would otherwise save its whole buffer)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _host_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_host_copy(v) for v in obj)
-    return obj
-
-
-def _not_padding(param_state):
-    """``load_parameter_state_from_dp_reshardable`` keeps only elements whose ``padding`` is False
-    (distrib_optimizer.py ~L1790), a key that ``get_parameter_state_dp_reshardable`` does not write
-    (its sharded form adds it, ~L1657): add it."""
-    for key, per_dtype in param_state.items():
-        if isinstance(key, int):
-            for buckets in per_dtype.values():
-                for bucket in buckets:
-                    for element in bucket:
-                        element.setdefault("padding", False)
-    return param_state
 
 
 class CudaTrainer(Trainer):
@@ -77,9 +53,15 @@ class CudaTrainer(Trainer):
         get_megatron_optimizer returns without FSDP), or the bare DistributedOptimizer (with it)."""
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
+    @property
+    def _gathers_overlapped(self) -> bool:
+        """Megatron-LM's ``should_disable_forward_pre_hook``: the distributed optimizer with
+        overlapped parameter gathers and no Megatron-FSDP (training.py ~L3496)."""
+        return self.stage == ZeroStage.OPTIMIZER
+
     @contextlib.contextmanager
     def synced_parameters(self):
-        if self.stage != ZeroStage.OPTIMIZER:
+        if not self._gathers_overlapped:
             yield
             return
         self.model.disable_forward_pre_hook()  # gathers every parameter now, as Megatron-LM before eval and save
@@ -87,6 +69,15 @@ class CudaTrainer(Trainer):
             yield
         finally:
             self.model.enable_forward_pre_hook()
+
+    @contextlib.contextmanager
+    def first_iteration(self):
+        if not self._gathers_overlapped:
+            yield
+            return
+        self.model.disable_forward_pre_hook(param_sync=False)  # training.py ~L2657-2663
+        yield  # an exception ends the run: the hook stays off
+        self.model.enable_forward_pre_hook()  # after the step, ~L2825
 
     def sync_context(self, last_micro_step: bool):
         return contextlib.nullcontext() if last_micro_step else self.model.no_sync()
@@ -100,16 +91,31 @@ class CudaTrainer(Trainer):
         for group in self.optimizer.param_groups:  # what Megatron's OptimizerParamScheduler.step sets
             group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
-        checked = None
-        if self.stage >= ZeroStage.GRADIENTS:  # Megatron-FSDP checks no gradient for NaN: the norm, before the update
-            checked = float(self.optimizer.get_grad_norm())
-            if not math.isfinite(checked):
-                raise NonFiniteGradients(checked, name_non_finite_ranks(self.last_loss))
+        if self.stage >= ZeroStage.GRADIENTS:
+            return self._step_with_one_norm()
         success, grad_norm, _ = self.optimizer.step()
-        if checked is not None and self.clip_grad <= 0:
-            grad_norm = checked  # the bare distributed optimizer returns 0.0 without clipping (optimizer.py ~L605)
         # ChainedOptimizer.step returns the global norm whether or not it clips (optimizer.py ~L1314).
         return float(grad_norm if grad_norm is not None else float("nan")), not success
+
+    def _step_with_one_norm(self) -> tuple[float, bool]:
+        """``MixedPrecisionOptimizer.step`` (optimizer.py ~L593-623) in its parts, the norm taken
+        once: it is checked (Megatron-FSDP checks no bucket), clips (clip_grad_by_total_norm_fp32
+        with the total norm, as ChainedOptimizer.step ~L1318-1332) and is returned (the bare
+        distributed optimizer's step returns 0.0 without clipping, ~L605)."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        opt = self.optimizer
+        if opt.prepare_grads():  # a loss scaler's overflow (fp16 only): the step is skipped
+            return float("nan"), True
+        grad_norm = float(opt.get_grad_norm())
+        if not math.isfinite(grad_norm):
+            raise NonFiniteGradients(grad_norm, name_non_finite_ranks(self.last_loss))
+        params = opt.get_parameters()
+        if self.clip_grad > 0 and params:
+            decoupled = getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
+            clip_grad_by_total_norm_fp32(params, max_norm=self.clip_grad, total_norm=grad_norm,
+                                         use_decoupled_grad=decoupled)
+        return grad_norm, not opt.step_with_ready_grads()
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -123,46 +129,8 @@ class CudaTrainer(Trainer):
                 if isinstance(v, torch.Tensor) and not k.endswith("._extra_state")}  # handle_fp8_extra_state_case
 
     def checkpoint_state(self, loading: bool = False) -> dict:
-        state = {"model": self.model_state_dict()}
-        if self.stage >= ZeroStage.GRADIENTS:
-            from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
-                preprocess_state_dict_for_uneven_dtensor,
-            )
-
-            # Loading: sharded_state_dict(is_loading=True) first takes a dummy optimizer step to
-            # create the moments (distrib_optimizer.py ~L1356); the load that follows overwrites
-            # what it moved, as in Megatron-LM's load_checkpoint (~L1675-1710).
-            optimizer = self.optimizer.sharded_state_dict(state["model"], is_loading=loading,
-                                                          metadata=dict(FSDP_DTENSOR_METADATA))
-            state["optimizer"] = self._same_on_every_rank(optimizer)
-            # Megatron-LM also splits SwiGLU's fc1 into its two halves (handle_swiglu_in_state_dict,
-            # ~L958) so that a checkpoint can change tensor-parallel size; without tensor
-            # parallelism (this project's runs) the fused weight reshards as it is.
-            preprocess_state_dict_for_uneven_dtensor(state)  # the whole dict, as checkpointing.py ~L972
-        return state
-
-    def _same_on_every_rank(self, optimizer_state: dict) -> dict:
-        """Megatron-FSDP gives a parameter whose local shard is empty no gradient
-        (param_and_grad_buffer.py ~L2669), so Adam keeps no state for it on that rank: the ranks'
-        optimizer state dicts would hold different DTensors, in different orders, and
-        preprocess_state_dict_for_uneven_dtensor's collective per DTensor would pair unrelated
-        tensors or wait forever (uneven_dtensor.py ~L136 warns of it). Every parameter gets its
-        moments (empty where its shard is), and the state is ordered by the parameters'."""
-        inner = self.optimizer.optimizer
-        steps = [st["step"] for st in inner.state.values() if "step" in st]
-        params = [p for group in inner.param_groups for p in group["params"]]
-        for p in params:
-            if not inner.state.get(p) and steps:
-                inner.state[p] = {"step": steps[0].clone(), "exp_avg": torch.zeros_like(p),
-                                  "exp_avg_sq": torch.zeros_like(p)}
-        names = [self.optimizer._param_name(p) for p in params]
-        by_name = optimizer_state["state"]
-        missing = [n for n in names if n not in by_name and steps]
-        for p, name in zip(params, names):
-            if name in missing:
-                by_name[name] = inner.state[p]
-        optimizer_state["state"] = {n: by_name[n] for n in names if n in by_name}
-        return optimizer_state
+        """Stages 2-3: the fsdp_dtensor state (cuda_checkpoint.fsdp_dtensor_state)."""
+        return cuda_checkpoint.fsdp_dtensor_state(self, loading)
 
     def load_checkpoint_state(self, state: dict) -> None:
         # Megatron-LM's load_model_state_dict: strict, and non-strict only if that raises (the
@@ -173,83 +141,25 @@ class CudaTrainer(Trainer):
             self.model.load_state_dict(state["model"], strict=True)
         except RuntimeError:
             self.model.load_state_dict(state["model"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])  # {"state", "param_to_group_meta"} (~L719-726)
+
+    def save_state(self, directory: Path) -> None:
         if self.stage >= ZeroStage.GRADIENTS:
-            self.optimizer.load_state_dict(state["optimizer"])  # {"state", "param_to_group_meta"} (~L719-726)
+            super().save_state(directory)
+        else:
+            cuda_checkpoint.save_torch_dist(self, directory)
 
-    def replicated_state(self) -> list | None:
-        """Stage 0: every rank's optimizer state is the same (moments and fp32 main params of the
-        whole model): written once."""
-        return [_host_copy(opt.state_dict()) for opt in self.optimizers] if self.stage == ZeroStage.NONE else None
-
-    def load_replicated_state(self, state: list) -> None:
-        for opt, saved in zip(self.optimizers, state, strict=True):
-            opt.load_state_dict(saved)
-
-    def rank_local_state(self) -> list | None:
-        """Stage 1: each rank's distributed-optimizer state (a collective: every rank calls it)."""
-        if self.stage != ZeroStage.OPTIMIZER:
-            return None
-        return [_distributed_optimizer_state(opt) for opt in self.optimizers]
-
-    def load_rank_local_state(self, state: list) -> None:
-        for opt, saved in zip(self.optimizers, state, strict=True):
-            if saved.get("layout", "dp_reshardable") == "dp_reshardable":
-                opt.load_state_dict({**saved["optimizer"], "param_state": _not_padding(saved["param_state"]),
-                                     "param_state_sharding_type": "dp_reshardable"})
-            else:  # Megatron-LM core_v0.14.0's load_checkpoint for --ckpt-format torch (~L1625-1642)
-                opt.load_state_dict(saved["optimizer"])
-                with _steps_set_aside(opt):
-                    opt.load_parameter_state_from_dp_zero(saved["param_state"])
-        _unshare_steps(self.optimizers)
+    def load_state(self, directory: Path) -> None:
+        if self.stage >= ZeroStage.GRADIENTS:
+            super().load_state(directory)
+        else:
+            cuda_checkpoint.load_torch_dist(self, directory)
 
     def memory_values(self) -> list[int]:
         return [torch.cuda.max_memory_allocated()]
 
     def memory_columns(self, per_rank: list[list[int]]) -> dict:
         return {"cuda_peak_allocated_bytes": max(r[0] for r in per_rank)}
-
-
-def _distributed_optimizer_state(opt) -> dict:
-    """The distributed optimizer's state_dict (param groups, step) with its parameter state: the
-    rank's own shard (megatron-core >= 0.15), or, on 0.14, the whole state gathered on
-    data-parallel rank 0 (``None`` on the others), as Megatron-LM core_v0.14.0's
-    ``save_parameter_state`` keeps it (checkpointing.py ~L467)."""
-    layout = distributed_optimizer_state_layout(opt)
-    if layout == "dp_reshardable":
-        param_state = opt.get_parameter_state_dp_reshardable()
-    else:
-        gathered = opt.get_parameter_state_dp_zero()
-        param_state = gathered if opt.data_parallel_group.rank() == 0 else None
-    return {"optimizer": _host_copy(opt.state_dict()), "param_state": _host_copy(param_state), "layout": layout}
-
-
-@contextlib.contextmanager
-def _steps_set_aside(opt):
-    """megatron-core 0.14's ``load_parameter_state_from_dp_zero`` copies every entry of a
-    parameter's optimizer state from the gathered file, which holds ``param``, ``exp_avg`` and
-    ``exp_avg_sq`` only: torch's own Adam (no TE, no apex) also keeps ``step`` there, a KeyError
-    (distrib_optimizer.py ~L903-907). ``load_state_dict`` has set the step already: it waits aside."""
-    inner = getattr(opt, "optimizer", None)
-    states = getattr(inner, "state", {}).values()
-    steps = [(state, state.pop("step")) for state in states if "step" in state]
-    try:
-        yield
-    finally:
-        for state, step in steps:
-            state["step"] = step
-
-
-def _unshare_steps(optimizers) -> None:
-    """The distributed optimizer's load gives every parameter one shared ``step`` tensor when
-    torch's own Adam runs it (no TE, no apex: distrib_optimizer.py ~L818-825); torch's Adam adds 1
-    to each parameter's step in place, so a shared one would advance once per parameter per step:
-    each parameter gets its own."""
-    for opt in optimizers:
-        inner = getattr(opt, "optimizer", None)
-        for state in getattr(inner, "state", {}).values():
-            step = state.get("step")
-            if isinstance(step, torch.Tensor):
-                state["step"] = step.clone()
 
 
 def megatron_core_ddp_config(stage: int, grad_reduce_in_bf16: bool = False, data_parallel_size: int = 1,
@@ -264,7 +174,7 @@ def megatron_core_ddp_config(stage: int, grad_reduce_in_bf16: bool = False, data
 
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=not grad_reduce_in_bf16, overlap_grad_reduce=True, overlap_param_gather=stage >= 1,
-        check_for_nan_in_grad=True, bucket_size=max(40_000_000, 1_000_000 * data_parallel_size),
+        check_for_nan_in_grad=True, bucket_size=ddp_bucket_elements(data_parallel_size),
         gradient_reduce_div_fusion=premul_sum, **strategy_for(stage).megatron_core_ddp,
     )
 
@@ -297,6 +207,14 @@ def wrap_cuda(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams, devi
     config = module.config
     ddp_config = megatron_core_ddp_config(stage, t.grad_reduce_in_bf16, dist.get_world_size(),
                                           premul_sum=dist.get_backend() == "nccl")
+    if stage >= ZeroStage.GRADIENTS and dist.get_world_size() == 1:
+        # One rank has nothing to shard, and megatron-core 0.16.1's Megatron-FSDP then reduces every
+        # gradient bucket into itself: its unsharded buffer receives the reduce-scatter's copy on
+        # top (`local_grad += reduced_grad`, param_and_grad_buffer.py ~L3257; later releases add it
+        # only where the buffer is sharded), so the gradients double at every micro-batch (seen
+        # through the device shim: norm 12.2 against stage 0's 6.1 with one micro-batch, 34.3
+        # against 4.2 with four). `no_shard` reduces in place: the same memory at one rank.
+        ddp_config.data_parallel_sharding_strategy = "no_shard"
     wrapped = Float16Module(config, module) if config.bf16 else module
     if stage >= ZeroStage.GRADIENTS:
         from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel

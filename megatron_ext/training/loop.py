@@ -16,6 +16,7 @@ root, stdout.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -26,7 +27,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_ext.run_spec.flops import flops_per_token, padded_vocab_size, peak_tflops_for, tflops_per_gpu
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.flops import describe_mfu_peak, flops_per_token, padded_vocab_size, peak_tflops_for, tflops_per_gpu
+from megatron_ext.run_spec.fp8 import fp8_config_fields, fp8_problem
 from megatron_ext.run_spec.iteration_log import (
     IterationRecord, MetricsWriter, format_iteration_line, format_progress_line,
 )
@@ -36,6 +39,7 @@ from megatron_ext.run_spec.params import COLLECTIVE_TIMEOUT_S, BatchGeometry, Ru
 from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.run_spec.wandb_run import WandbSettings
 from megatron_ext.run_spec.zero import ZeroStage
+from megatron_ext.training.manual_gc import ManualGc
 from megatron_ext.training.progress import ProgressReporter, SaveRequest
 from megatron_ext.training.trainers import NonFiniteGradients
 
@@ -136,6 +140,7 @@ class Pretrain:
         self.device = torch.device("cuda", self.ranks.local_rank) if self.on_cuda else torch.device("cpu")
         self.progress = ProgressReporter(self.ranks.progress_dir, self.ranks.rank, self.ranks.local_rank, self.ranks.attempt)
         self.save_request = SaveRequest(self.progress.enabled)
+        self.gc = ManualGc(self.t.manual_gc, self.t.manual_gc_interval)
 
     # -- set up ---------------------------------------------------------------------------------
     def set_up(self) -> None:
@@ -145,6 +150,8 @@ class Pretrain:
         timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S["cuda" if self.on_cuda else "cpu"])
         if self.on_cuda:
             torch.cuda.set_device(self.ranks.local_rank)
+        self.check_fp8()  # before any process group: every rank refuses alike, rank 0 says why
+        if self.on_cuda:
             dist.init_process_group("nccl", device_id=self.device, timeout=timeout)
         else:
             dist.init_process_group("gloo", timeout=timeout)
@@ -162,6 +169,15 @@ class Pretrain:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.ranks.local_world_size))
         torch.manual_seed(self.t.seed)
 
+    def check_fp8(self) -> None:
+        """training.fp8 needs transformer-engine and FP8 tensor cores (run_spec/fp8.py)."""
+        from megatron_ext.training.model import transformer_engine_version
+
+        capability = torch.cuda.get_device_capability(self.device) if self.on_cuda else None
+        problem = fp8_problem(self.t.fp8, transformer_engine_version() if self.t.fp8 else None, capability)
+        if problem:
+            raise UserError(problem)
+
     # -- build ----------------------------------------------------------------------------------
     def build(self) -> None:
         """Data, the model, its trainer for the ZeRO stage, the datasets, the FLOPs per step."""
@@ -177,14 +193,20 @@ class Pretrain:
         self.progress.phase("setup")
         self.real_vocab = model_vocab_size(m, self.prepared.vocab_size)
         self.vocab = padded_vocab_size(self.real_vocab, m.make_vocab_size_divisible_by)
-        self.kernels = choose_kernels(self.on_cuda, transformer_engine_available(), t.zero_stage)
+        self.kernels = choose_kernels(self.on_cuda, transformer_engine_available(), t.zero_stage,
+                                      grad_reduce_in_bf16=t.grad_reduce_in_bf16, tied_embeddings=m.tie_embeddings)
         module = build_gpt_model(m, self.vocab, t.seq_length, params_dtype=torch.bfloat16 if self.on_cuda else torch.float32,
-                                 kernels=self.kernels)
+                                 kernels=self.kernels,
+                                 **fp8_config_fields(t.fp8, t.fp8_amax_history_len, t.fp8_amax_compute_algo))
         restrict_logits(module, self.real_vocab, self.vocab)  # the loss over the real vocabulary (hf_weights.py)
         if m.hf_checkpoint and t.init == "pretrained" and latest_iteration(self.paths.checkpoints_dir) is None:
             load_hf_weights(module, m, hf_model_type(m), self.vocab)  # before any wrapper, on every rank
             if self.ranks.rank == 0:
                 print(f"initialised from the Hugging Face weights in {m.hf_checkpoint}", flush=True)
+        if t.init_checkpoint and latest_iteration(self.paths.checkpoints_dir) is None:
+            from megatron_ext.training.megatron_lm_weights import load_init_checkpoint
+
+            load_init_checkpoint(module, t.init_checkpoint, m.name, announce=self.ranks.rank == 0)  # every rank
         if self.on_cuda:
             module.cuda()
         if self.on_cuda:
@@ -207,7 +229,9 @@ class Pretrain:
         if self.ranks.rank == 0:
             print(f"dataset index ready in {time.monotonic() - index_started:.1f} s", flush=True)
         self.flops_per_iteration = flops_per_token(m, t.seq_length, self.vocab) * t.global_batch_size * t.seq_length
-        self.peak_tflops = peak_tflops_for(torch.cuda.get_device_name(self.device)) if self.on_cuda else None
+        device_name = torch.cuda.get_device_name(self.device) if self.on_cuda else None
+        self.peak_tflops = peak_tflops_for(device_name, fp8=t.fp8 is not None) if self.on_cuda else None
+        self.mfu_note = describe_mfu_peak(device_name, fp8=t.fp8 is not None) if self.on_cuda else "no MFU on CPU"
         self.start_iteration = self.resume()
         self.writer = MetricsWriter(self.paths.metrics_path, self.start_iteration) if self.ranks.rank == 0 else None
         self.tensorboard = open_tensorboard(self.paths.tensorboard_dir, self.start_iteration) if self.ranks.rank == 0 else None
@@ -221,7 +245,8 @@ class Pretrain:
             print(
                 f"run {self.paths.run}: model {m.name} data {self.params.data_set} | world size {self.ranks.world_size} "
                 f"| ZERO_STAGE={t.zero_stage} | {'cuda/nccl/bf16' if self.on_cuda else 'cpu/gloo/fp32'} "
-                f"| vocab {self.vocab} | {self.geometry.describe()}\nkernels: {self.kernels.describe()}",
+                f"| vocab {self.vocab} | {self.geometry.describe()}\nkernels: {self.kernels.describe()}"
+                + (f", fp8 {t.fp8}" if t.fp8 else "") + f"\n{self.mfu_note}",
                 flush=True,
             )
 
@@ -320,7 +345,7 @@ class Pretrain:
         t, accumulation = self.t, self.geometry.accumulation_steps
         self.trainer.model.eval()
         total = torch.zeros(1, device=self.device)
-        with torch.no_grad(), self.trainer.synced_parameters():
+        with self.gc.around_evaluation(), torch.no_grad(), self.trainer.synced_parameters():
             for i in range(t.eval_iters):
                 for micro in range(accumulation):
                     total += self._loss(self._batch(self.valid_ds, i * t.global_batch_size, micro)).detach() / accumulation
@@ -338,12 +363,19 @@ class Pretrain:
         if latest is None:
             return 0
         t = self.t
+        started = time.monotonic()
+        latest, skipped = checkpoint.newest_verified(where, latest)
+        verified_s = time.monotonic() - started
         note = check_resumable(read_meta(where, latest), self.ranks.world_size, t.zero_stage, t.global_batch_size,
                                "cuda" if self.on_cuda else "cpu", where)
+        started = time.monotonic()
         meta = checkpoint.load(self.trainer, where, latest)
         if self.ranks.rank == 0:
-            print(f"resuming from iteration {meta.iteration} ({where}; consumed samples {meta.consumed_samples})"
-                  + (f"; {note}" if note else ""), flush=True)
+            for line in skipped:
+                print(f"warning: {line}", flush=True)
+            print(f"checkpoint of iteration {latest} verified against its checksums in {verified_s:.1f} s", flush=True)
+            print(f"resuming from iteration {meta.iteration} ({where}; consumed samples {meta.consumed_samples}; "
+                  f"loaded in {time.monotonic() - started:.1f} s)" + (f"; {note}" if note else ""), flush=True)
         return meta.iteration
 
     def save_checkpoint(self, iteration: int) -> None:
@@ -354,7 +386,11 @@ class Pretrain:
         meta = CheckpointMeta(iteration=iteration, consumed_samples=iteration * t.global_batch_size,
                               world_size=self.ranks.world_size, zero_stage=t.zero_stage,
                               global_batch_size=t.global_batch_size, device="cuda" if self.on_cuda else "cpu")
-        checkpoint.save(self.trainer, self.paths.checkpoints_dir, meta, t.keep_checkpoints)
+        started = time.monotonic()
+        target, checksum_s = checkpoint.save(self.trainer, self.paths.checkpoints_dir, meta, t.keep_checkpoints)
+        if self.ranks.rank == 0:
+            print(f"saved checkpoint at iteration {iteration} to {target} in {time.monotonic() - started:.1f} s "
+                  f"(checksums {checksum_s:.2f} s of it)", flush=True)
 
     # -- the whole run --------------------------------------------------------------------------
     def _logs_at(self, iteration: int) -> bool:
@@ -368,6 +404,7 @@ class Pretrain:
         self.set_up()
         self.build()
         t = self.t
+        self.gc.start()
         start = time.time()
         interval = _Interval()
         saved_at = None
@@ -376,7 +413,8 @@ class Pretrain:
             logs = self._logs_at(iteration)
             self.progress.phase("step", iteration)
             step_start = time.time()
-            loss, grad_norm, skipped = self.train_step(iteration, sample_memory=logs)
+            with self.trainer.first_iteration() if iteration == self.start_iteration + 1 else contextlib.nullcontext():
+                loss, grad_norm, skipped = self.train_step(iteration, sample_memory=logs)
             if self.on_cuda and logs:  # the step's time, at log intervals only (Megatron-LM: train_sync_interval)
                 torch.cuda.synchronize()
             step_s = time.time() - step_start
@@ -389,6 +427,7 @@ class Pretrain:
                 interval.loss_sum = loss if interval.loss_sum is None else interval.loss_sum + loss
                 interval.advanced += 1
             interval.iterations += 1
+            self.gc.after_step(iteration)
             last = iteration == t.train_iters
             valid_loss = None
             if t.eval_iters and ((t.eval_interval and iteration % t.eval_interval == 0) or last):
@@ -425,6 +464,7 @@ class Pretrain:
             self.tensorboard.close()
         if self.wandb:
             self.wandb.close()
+        self.gc.stop()
         dist.barrier()
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

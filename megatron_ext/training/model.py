@@ -68,12 +68,15 @@ class KernelChoices:
     bias_dropout_fusion: bool
     """Fused bias + dropout + residual add (megatron-core's jit function): any CUDA device."""
     bias_activation_fusion: bool
-    """Fused bias + GeLU / SwiGLU (megatron-core's jit functions): any CUDA device."""
+    """Fused bias + GeLU / SwiGLU (megatron-core's jit functions): any CUDA device, for the models
+    whose activation it computes exactly (:func:`fuses_bias_activation`)."""
     apply_rope_fusion: bool
     """Fused rotary embedding: transformer-engine's kernel."""
     gradient_accumulation_fusion: bool
-    """Weight-gradient accumulation into main_grad in the GEMM: transformer-engine or the
-    fused_weight_gradient_mlp_cuda extension, and megatron-core DDP (not Megatron-FSDP)."""
+    """Weight gradients written straight into the fp32 ``main_grad`` buffers by the GEMM (Megatron-LM's
+    default): needs apex's fused_weight_gradient_mlp_cuda (megatron-core's own linear layers check it
+    at construction); under Megatron-FSDP only with bf16 gradient reduction and untied embeddings
+    (see :func:`choose_kernels`)."""
     cross_entropy_loss_fusion: bool
     """Fused vocabulary-parallel cross entropy (megatron-core's native implementation): any CUDA device."""
 
@@ -84,7 +87,8 @@ class KernelChoices:
                 f"{self.attention}, fusions: {', '.join(fused) if fused else 'none'}")
 
 
-def choose_kernels(on_cuda: bool, transformer_engine: bool, zero_stage: int, find_spec=None) -> KernelChoices:
+def choose_kernels(on_cuda: bool, transformer_engine: bool, zero_stage: int, find_spec=None,
+                   grad_reduce_in_bf16: bool = False, tied_embeddings: bool = True) -> KernelChoices:
     """Pure apart from ``find_spec`` (``importlib.util.find_spec``: is a compiled extension installed)."""
     import importlib.util
 
@@ -107,9 +111,17 @@ def choose_kernels(on_cuda: bool, transformer_engine: bool, zero_stage: int, fin
         bias_activation_fusion=on_cuda,
         apply_rope_fusion=te,
         # apex's extension whether or not transformer-engine is there: the GPT output layer is always
-        # megatron-core's ColumnParallelLinear, which raises without it (tensor_parallel/layers.py ~L924);
-        # Megatron-FSDP: off (Megatron-LM only warns that TE must support it, arguments.py ~L677).
-        gradient_accumulation_fusion=on_cuda and zero_stage < 2 and extension("fused_weight_gradient_mlp_cuda"),
+        # megatron-core's ColumnParallelLinear, which raises without it (tensor_parallel/layers.py ~L924).
+        # Megatron-FSDP (stages 2-3): Megatron-LM keeps the fusion on and only warns (arguments.py ~L677),
+        # but megatron-core's own linear layers then write the weight gradient with
+        # torch.matmul(..., out=weight.main_grad) (layers.py ~L563), which needs main_grad in the
+        # activations' dtype, and Megatron-FSDP's gradient hook ignores the zero_out_wgrad that makes
+        # a tied embedding's two gradients add up under DDP (language_module.py ~L201,
+        # megatron_fsdp.py ~L561-590): through the device shim, fp32 reduction raises in the first
+        # backward, tied embeddings lose a gradient (another loss from the second step), and only
+        # untied embeddings with bf16 reduction equal the unfused run.
+        gradient_accumulation_fusion=on_cuda and extension("fused_weight_gradient_mlp_cuda")
+        and (zero_stage < 2 or (grad_reduce_in_bf16 and not tied_embeddings)),
         cross_entropy_loss_fusion=on_cuda,
     )
 
@@ -127,7 +139,7 @@ def transformer_config(preset: ModelPreset, params_dtype: torch.dtype, kernels: 
         normalization=preset.normalization,
         layernorm_epsilon=preset.norm_epsilon,
         gated_linear_unit=preset.swiglu,
-        activation_func=activation_function(preset),
+        activation_func=activation_function(preset, kernels.bias_activation_fusion),
         add_bias_linear=preset.add_bias_linear,
         add_qkv_bias=preset.add_qkv_bias,
         qk_layernorm=preset.qk_layernorm,
@@ -139,8 +151,7 @@ def transformer_config(preset: ModelPreset, params_dtype: torch.dtype, kernels: 
         persist_layer_norm=kernels.persist_layer_norm,
         masked_softmax_fusion=kernels.masked_softmax_fusion,
         bias_dropout_fusion=kernels.bias_dropout_fusion,
-        # megatron-core fuses bias + activation for F.gelu and SiLU only (its MLP raises otherwise).
-        bias_activation_fusion=kernels.bias_activation_fusion and not preset.gelu_tanh,
+        bias_activation_fusion=kernels.bias_activation_fusion and fuses_bias_activation(preset),
         apply_rope_fusion=kernels.apply_rope_fusion,
         gradient_accumulation_fusion=kernels.gradient_accumulation_fusion,
         cross_entropy_loss_fusion=kernels.cross_entropy_loss_fusion,
@@ -154,10 +165,25 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(x, approximate="tanh")
 
 
-def activation_function(preset: ModelPreset):
+def fuses_bias_activation(preset: ModelPreset) -> bool:
+    """Whether megatron-core's fused bias + activation computes this preset's activation.
+    megatron/core/transformer/mlp.py (~L171-213) picks the kernel by ``activation_func``: SiLU with
+    a gated unit -> ``bias_swiglu_impl`` (the same SwiGLU); ``F.gelu`` -> ``bias_gelu_impl``
+    (fusions/fused_bias_gelu.py), which is the *tanh approximation* of GELU. So the fusion serves
+    SwiGLU and tanh-GELU presets (with biases: bias_gelu asserts them), never the exact (erf) GELU
+    of gpt2 / gpt_smoke, where it would train another function than the model's (Megatron-LM's
+    --bias-gelu-fusion default does exactly that)."""
+    return preset.swiglu or (preset.gelu_tanh and preset.add_bias_linear)
+
+
+def activation_function(preset: ModelPreset, bias_activation_fusion: bool = False):
+    """The MLP's activation; with the fusion for a tanh-GELU preset, ``F.gelu`` (the name megatron-core's
+    MLP dispatches on to its tanh-approximated fused kernel)."""
     if preset.swiglu:
         return torch.nn.functional.silu
-    return gelu_tanh if preset.gelu_tanh else torch.nn.functional.gelu
+    if preset.gelu_tanh:
+        return torch.nn.functional.gelu if bias_activation_fusion and fuses_bias_activation(preset) else gelu_tanh
+    return torch.nn.functional.gelu
 
 
 def layer_spec(preset: ModelPreset, kernels: KernelChoices):
@@ -172,6 +198,15 @@ def layer_spec(preset: ModelPreset, kernels: KernelChoices):
 
         spec.submodules.self_attention.submodules.core_attention = SdpaAttention
     return spec
+
+
+def transformer_engine_version() -> str | None:
+    """The installed transformer-engine's version, or None where it does not import."""
+    if not transformer_engine_available():
+        return None
+    import transformer_engine
+
+    return str(getattr(transformer_engine, "__version__", "0"))
 
 
 def transformer_engine_available() -> bool:

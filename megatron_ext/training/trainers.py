@@ -13,6 +13,10 @@ norm), and the memory columns of the metrics.
   distributed optimizer, Megatron-FSDP ``optim_grads`` / ``optim_grads_params``. Memory = peak CUDA
   allocation.
 
+Checkpoints: every rank writes and reads its part (:meth:`Trainer.save_state`,
+:meth:`Trainer.load_state`): torch.distributed.checkpoint here and at stages 2-3 on CUDA,
+megatron-core's torch_dist format at stages 0-1 on CUDA (training/cuda_checkpoint.py).
+
 A non-finite gradient norm stops the run before the update is applied (:class:`NonFiniteGradients`,
 naming the ranks whose loss was not finite), at every stage on both devices: Megatron-LM's default
 (``--check-for-nan-in-loss-and-grad``). bf16 has no loss scaler, so a NaN is not an overflow to
@@ -26,6 +30,7 @@ import abc
 import contextlib
 import math
 import resource
+from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -118,18 +123,28 @@ class Trainer(abc.ABC):
     def load_checkpoint_state(self, state: dict) -> None:
         """Apply a loaded :meth:`checkpoint_state`."""
 
+    def save_state(self, directory: Path) -> None:
+        """Write the model and the optimizer state into ``directory``, every rank its part (a
+        collective): torch.distributed.checkpoint of :meth:`checkpoint_state` unless the trainer
+        says otherwise (megatron-core's torch_dist format on CUDA at stages 0-1)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.checkpoint_state(), checkpoint_id=str(directory))
+
+    def load_state(self, directory: Path) -> None:
+        """Read what :meth:`save_state` wrote, at this or another data-parallel size where the
+        format reshards (a collective): the model first, then the optimizer (Megatron-LM's order)."""
+        import torch.distributed.checkpoint as dcp
+
+        state = self.checkpoint_state(loading=True)
+        dcp.load(state, checkpoint_id=str(directory))
+        self.load_checkpoint_state(state)
+
     def rank_local_state(self):
         """Optimizer state that only this rank can load (saved as its own file), or None."""
         return None
 
     def load_rank_local_state(self, state) -> None:
-        raise NotImplementedError
-
-    def replicated_state(self):
-        """Optimizer state every rank holds alike (written once, by rank 0), or None."""
-        return None
-
-    def load_replicated_state(self, state) -> None:
         raise NotImplementedError
 
     def release_unsharded(self) -> None:
@@ -138,6 +153,11 @@ class Trainer(abc.ABC):
     def synced_parameters(self) -> contextlib.AbstractContextManager:
         """Parameters up to date for a forward outside training or a save (with overlapped
         parameter gathers, the next forward's hooks would otherwise gather them)."""
+        return contextlib.nullcontext()
+
+    def first_iteration(self) -> contextlib.AbstractContextManager:
+        """Around the first optimizer step of a start (fresh or resumed): Megatron-LM runs it with
+        the parameter gathers' forward pre-hook off where they overlap the forward."""
         return contextlib.nullcontext()
 
     def sample_memory(self) -> None:

@@ -105,7 +105,8 @@ class RunSummary:
 
 def run_records(paths: RunPaths) -> list[IterationRecord]:
     """The run's metrics records: ``metrics.jsonl`` (this project's program), else the
-    iteration lines Megatron-LM printed into the node logs (the last rank prints them)."""
+    iteration lines Megatron-LM printed into the node logs (the last rank prints them; its second
+    line after each start made the interval's own)."""
     records = read_metrics(paths.metrics_path)
     if records:
         return records
@@ -116,7 +117,7 @@ def run_records(paths: RunPaths) -> list[IterationRecord]:
         seq, world, stage = t.seq_length, resolved.runtime.world_size, t.zero_stage
     best: list[IterationRecord] = []
     for log in sorted(paths.logs_dir.glob(f"{paths.run}_node*.log")):
-        parsed, _ = parse_log(log.read_text(errors="replace"), seq, world, stage)
+        parsed, _ = parse_log(log.read_text(errors="replace"), seq, world, stage, "megatron-lm")
         best = parsed if len(parsed) > len(best) else best
     return best
 

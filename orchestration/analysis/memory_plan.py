@@ -26,6 +26,17 @@ bus bandwidth. The figures, with the sources they follow:
   0-2, 3 Psi for stage 3): gradients move in the reduction dtype (fp32 unless
   ``training.grad_reduce_in_bf16``), parameters in bf16; each collective carries the ring factor
   (d - 1)/d, so dividing by the NCCL *bus* bandwidth gives its time.
+- MFU estimate per stage (:func:`estimate_mfu`): the step's model FLOPs (Megatron's formula,
+  megatron_ext/run_spec/flops.py) over the dense peak (BF16, or FP8 with ``training.fp8``) give
+  the compute time at ``assumed_mfu`` (the kernels' share of the peak while they run); added to
+  it: the data-parallel traffic not hidden behind the compute it overlaps (forward = 1/3,
+  backward = 2/3 of the compute; gradient reduction overlaps backward at every stage, parameter
+  gathers overlap forward at stage 1 and forward + backward at stage 3, while Megatron-FSDP's
+  stage 2 gathers once after the update, not overlapped), and the optimizer step, which streams
+  26 bytes per parameter this GPU updates (fp32 main parameter, both moments and gradient read,
+  the three fp32 values written, the bf16 parameter written) at the device's memory bandwidth.
+  Not modelled: data loading, kernel launches, stragglers, and the gap between an NCCL ring's
+  bus bandwidth and what overlapped collectives get.
 
 Pure: takes presets and numbers, returns a :class:`MemoryPlan` (its text is
 :func:`orchestration.analysis.tables.format_memory_plan`). Parameter counts are computed from the
@@ -67,13 +78,31 @@ class Device:
     """Memory per device as sold (decimal GB); None = not checked (CPU)."""
     peak_tflops: float | None
     """Dense BF16 peak (TFLOP/s); None = unknown."""
+    fp8_peak_tflops: float | None = None
+    """Dense FP8 peak (TFLOP/s); None = no FP8."""
+    memory_bandwidth_gbs: float | None = None
+    """Memory bandwidth as sold (GB/s); None = unknown."""
 
 
-DEVICES: dict[str, Device] = {
-    "h200": Device("H200 141 GB", 141 * GB, 989.0),
-    "h100": Device("H100 80 GB", 80 * GB, 989.0),
+DEVICES: dict[str, Device] = {  # NVIDIA's datasheets (SXM)
+    "h200": Device("H200 141 GB", 141 * GB, 989.0, 1979.0, 4800.0),
+    "h100": Device("H100 80 GB", 80 * GB, 989.0, 1979.0, 3350.0),
     "cpu": Device("CPU", None, None),
 }
+OPTIMIZER_BYTES_PER_PARAMETER = 26
+"""What Adam's step streams per parameter it updates (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class MfuEstimate:
+    """One stage's step on paper (seconds per optimizer step) and the MFU it gives."""
+
+    stage: int
+    compute_s: float
+    exposed_traffic_s: float
+    optimizer_s: float
+    step_s: float
+    mfu: float
 
 
 @dataclass(frozen=True)
@@ -195,6 +224,11 @@ class MemoryPlan:
     compute_s: float | None
     """Paper compute time of one optimizer step at ``assumed_mfu`` (needs the global batch and the device peak)."""
     assumed_mfu: float
+    peak_tflops: float | None = None
+    """The dense peak MFU is against (BF16, or FP8 with ``fp8``)."""
+    fp8: bool = False
+    mfu_estimates: tuple[MfuEstimate, ...] = ()
+    """Per stage, with the global batch, the device's peak and its memory bandwidth (:func:`estimate_mfu`)."""
 
     @property
     def usable_bytes(self) -> float | None:
@@ -207,13 +241,31 @@ class MemoryPlan:
         return json.dumps(asdict(self))
 
 
+def estimate_mfu(stage: int, psi: int, d: int, flops_per_step: float, peak_tflops: float, assumed_mfu: float,
+                 grad_bytes: int, memory_bandwidth_gbs: float, bus_bandwidth_gbs: float) -> MfuEstimate:
+    """One stage's step time and MFU on paper (the module docstring states the assumptions)."""
+    compute = flops_per_step / (d * peak_tflops * 1e12 * assumed_mfu)
+    forward, backward = compute / 3, 2 * compute / 3
+    ring = (d - 1) / d
+    grads_s = psi * grad_bytes * ring * (2 if stage == 0 else 1) / (bus_bandwidth_gbs * GB)
+    params_s = psi * 2 * ring * (2 if stage == 3 else 1) / (bus_bandwidth_gbs * GB) if stage else 0.0
+    overlapped_by = {1: forward, 2: 0.0, 3: compute}.get(stage, 0.0)
+    exposed = max(0.0, grads_s - backward) + max(0.0, params_s - overlapped_by)
+    updated = psi if stage == 0 else psi / d
+    optimizer = updated * OPTIMIZER_BYTES_PER_PARAMETER / (memory_bandwidth_gbs * GB)
+    step = compute + exposed + optimizer
+    ideal = flops_per_step / (d * peak_tflops * 1e12)
+    return MfuEstimate(stage=stage, compute_s=compute, exposed_traffic_s=exposed, optimizer_s=optimizer, step_s=step,
+                       mfu=ideal / step)
+
+
 def plan_memory(preset: ModelPreset, *, vocab_size: int | None, nnodes: int, nproc_per_node: int, seq_length: int,
                 micro_batch_size: int, precision: Precision = "bf16", device: Device = DEVICES[DEFAULT_DEVICE],
                 device_bytes: float | None = None, headroom: float = DEFAULT_HEADROOM,
                 grad_reduce_in_bf16: bool = False, bus_bandwidth_gbs: float = DEFAULT_BUS_BANDWIDTH_GBS,
                 global_batch_size: int | None = None, gradient_accumulation_steps: int | None = None,
                 assumed_mfu: float = DEFAULT_ASSUMED_MFU, data_set: str | None = None,
-                stages: tuple[int, ...] = (0, 1, 2, 3)) -> MemoryPlan:
+                stages: tuple[int, ...] = (0, 1, 2, 3), fp8: bool = False) -> MemoryPlan:
     """Every stage's plan for ``nnodes x nproc_per_node`` data-parallel GPUs (TP = PP = 1)."""
     if not 0 <= headroom < 1:
         raise UserError(f"headroom={headroom} must be in [0, 1); e.g. 0.1 keeps 10% of the device free")
@@ -241,10 +293,14 @@ def plan_memory(preset: ModelPreset, *, vocab_size: int | None, nnodes: int, npr
             fits_recompute=None if usable is None else total_rc <= usable,
             traffic_bytes=traffic, traffic_s=traffic / (bus_bandwidth_gbs * GB),
         ))
-    compute_s = None
-    if global_batch_size and device.peak_tflops:
+    compute_s, estimates = None, ()
+    peak = device.fp8_peak_tflops if fp8 else device.peak_tflops
+    if global_batch_size and peak:
         flops = flops_per_token(preset, seq_length, count.padded_vocab) * global_batch_size * seq_length
-        compute_s = flops / (d * device.peak_tflops * 1e12 * assumed_mfu)
+        compute_s = flops / (d * peak * 1e12 * assumed_mfu)
+        if device.memory_bandwidth_gbs:
+            estimates = tuple(estimate_mfu(p.stage, psi, d, flops, peak, assumed_mfu, grad_bytes,
+                                           device.memory_bandwidth_gbs, bus_bandwidth_gbs) for p in plans)
     return MemoryPlan(
         model=preset.name, data_set=data_set, parameters=psi, embedding_parameters=count.embedding,
         padded_vocab=count.padded_vocab, num_gpus=d, nnodes=nnodes, nproc_per_node=nproc_per_node,
@@ -255,7 +311,7 @@ def plan_memory(preset: ModelPreset, *, vocab_size: int | None, nnodes: int, npr
         bus_bandwidth_gbs=bus_bandwidth_gbs, stages=tuple(plans),
         lowest_fitting_stage=next((p.stage for p in plans if p.fits), None),
         lowest_fitting_stage_recompute=next((p.stage for p in plans if p.fits_recompute), None),
-        compute_s=compute_s, assumed_mfu=assumed_mfu,
+        compute_s=compute_s, assumed_mfu=assumed_mfu, peak_tflops=peak, fp8=fp8, mfu_estimates=estimates,
     )
 
 
@@ -286,7 +342,7 @@ def plan_for_run(params: RunParams, nnodes: int, nproc_per_node: int, precision:
                        seq_length=t.seq_length, micro_batch_size=t.micro_batch_size, precision=precision,
                        device=DEVICES["cpu" if precision == "fp32" else DEFAULT_DEVICE],
                        grad_reduce_in_bf16=t.grad_reduce_in_bf16 if grad_reduce_in_bf16 is None else grad_reduce_in_bf16,
-                       global_batch_size=t.global_batch_size, data_set=params.data_set)
+                       global_batch_size=t.global_batch_size, data_set=params.data_set, fp8=t.fp8 is not None)
 
 
 # -- the command's request ------------------------------------------------------------------------
@@ -340,7 +396,7 @@ def plan_memory_request(r: MemoryRequest, nnodes: int, nproc_per_node: int, gpu_
     device = DEVICES[r.device or DEFAULT_DEVICE]
     precision: Precision = "fp32" if r.device == "cpu" else "bf16"
     preset = load_model(r.model)
-    vocab, seq, micro, gbs, accumulation, bf16_reduce = r.vocab_size, r.seq_length, r.micro_batch_size, None, None, False
+    vocab, seq, micro, gbs, accumulation, bf16_reduce, fp8 = r.vocab_size, r.seq_length, r.micro_batch_size, None, None, False, False
     if r.data:
         params = load_run_params(r.model, r.data, RunOverrides())
         t = params.training
@@ -348,10 +404,11 @@ def plan_memory_request(r: MemoryRequest, nnodes: int, nproc_per_node: int, gpu_
         vocab = vocab or run_vocab(params)
         seq, micro = seq or t.seq_length, micro or t.micro_batch_size
         gbs, accumulation, bf16_reduce = geometry.global_batch_size, geometry.accumulation_steps, t.grad_reduce_in_bf16
+        fp8 = t.fp8 is not None
     seq = min(seq or 4096, preset.max_position_embeddings)
     return plan_memory(preset, vocab_size=vocab, nnodes=nnodes, nproc_per_node=nproc, seq_length=seq,
                        micro_batch_size=micro or 1, precision=precision, device=device,
                        device_bytes=memory_gb * GB if memory_gb else None, headroom=r.headroom,
                        grad_reduce_in_bf16=bf16_reduce if r.grad_reduce_in_bf16 is None else r.grad_reduce_in_bf16,
                        bus_bandwidth_gbs=r.bus_bandwidth_gbs, global_batch_size=gbs,
-                       gradient_accumulation_steps=accumulation, data_set=r.data)
+                       gradient_accumulation_steps=accumulation, data_set=r.data, fp8=fp8)

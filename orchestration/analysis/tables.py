@@ -78,6 +78,17 @@ def format_memory_plan(plan: MemoryPlan) -> str:
                      f"(global batch {p.global_batch_size} x {p.seq_length} tokens); data-parallel traffic is "
                      + ", ".join(f"stage {s.stage} {s.traffic_s / p.compute_s:.1%}" for s in p.stages)
                      + " of it before any overlap")
+    if p.mfu_estimates:
+        kind = "FP8" if p.fp8 else "BF16"
+        lines.append(f"MFU estimate against the dense {kind} peak ({p.peak_tflops:g} TFLOP/s): "
+                     + ", ".join(f"stage {e.stage} {e.mfu:.1%} ({e.step_s * 1000:,.0f} ms/step: exposed traffic "
+                                 f"{e.exposed_traffic_s * 1000:,.0f} ms, optimizer {e.optimizer_s * 1000:,.0f} ms)"
+                                 for e in p.mfu_estimates))
+        lines.append(f"  assumes the kernels at {p.assumed_mfu:.0%} of the peak while they run, forward 1/3 and backward 2/3 "
+                     "of the compute, gradient reduction hidden behind backward, parameter gathers behind forward "
+                     "(stage 1) or forward + backward (stage 3), stage 2's one gather after the update exposed, the "
+                     "optimizer streaming 26 bytes per updated parameter at the device's memory bandwidth; not "
+                     "modelled: data loading, launches, stragglers")
     lines += [
         "model states: stages 0-1 Megatron's bytes per parameter (18, 6 + 12/d with bf16 params, fp32 grads and "
         "main params), stages 2-3 the ZeRO paper's (2 + 14/d, 16/d)" if p.precision == "bf16" else

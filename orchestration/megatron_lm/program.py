@@ -25,7 +25,7 @@ from megatron_ext.run_spec.wandb_run import wandb_resume_env
 from megatron_ext.run_spec.zero import stage_environment
 from orchestration.launch_env import LaunchEnv
 from orchestration.megatron_lm.checkout import Checkout
-from orchestration.megatron_lm.render import check_flags, render_pretrain_gpt
+from orchestration.megatron_lm.render import NodeKernels, check_flags, load_flags, render_pretrain_gpt
 from orchestration.megatron_lm.validate import DEFAULT_DEVICE_ARCH, validate_with_megatron
 from orchestration.node.wire import NodeReport
 
@@ -48,6 +48,9 @@ class ProgramPlan:
     """(step name, what it checks): what a start (and its dry run) checks before anything starts."""
     program_args: tuple[str, ...] = ()
     """Megatron-LM: ``pretrain_gpt.py``'s arguments alone (what its own parser checks)."""
+    resume_args: tuple[str, ...] = ()
+    """Megatron-LM: appended for an attempt that starts with a checkpoint the plan's argv does not load
+    (a run that started afresh and restarts: ``--load``)."""
 
 
 def device_arch(launch: LaunchEnv) -> int:
@@ -73,21 +76,72 @@ def check_megatron_lm_params(params: RunParams) -> None:
         )
 
 
+FSDP_SAVE_HANG = ("Megatron-LM {version}'s Megatron-FSDP hangs at the first checkpoint save when a data-parallel "
+                  "rank holds an empty shard of a parameter, which a real model at data-parallel size 2 and more "
+                  "always has (ranks build different sets of optimizer-state DTensors: upstream NVIDIA/Megatron-LM "
+                  "issue 4910, open at core_v0.16.1)")
+STAGE1_NO_RESUME = ("Megatron-LM {version}'s distributed optimizer cannot resume on nodes without transformer-engine "
+                    "or apex: it falls back to torch's Adam, whose state is empty when the checkpoint loads "
+                    "(distrib_optimizer.py:642 `assert len(steps) == 1`, or KeyError 'step')")
+KNOWN_LIMITS_UP_TO = (0, 16)
+"""The newest Megatron-LM release these limits were read in and measured on (core_v0.16.1)."""
+
+
+def known_limits(params: RunParams, version: tuple[int, ...], kernels: NodeKernels, has_checkpoint: bool,
+                 extra_args: Sequence[str]) -> list[str]:
+    """Megatron-LM's own limits for this run, before it starts: a UserError where the run would
+    hang or cannot resume, notes where it is only worth knowing. Pure."""
+    t, notes = params.training, []
+    if t.fp8 and not (kernels.gpus and kernels.transformer_engine):
+        raise UserError(f"training.fp8={t.fp8} needs transformer-engine on GPUs (Megatron-LM's --fp8-format runs in its "
+                        f"layers), and the nodes have {'no transformer-engine' if kernels.gpus else 'no GPU'}; remove "
+                        "training.fp8 (BF16), or start on nodes with transformer-engine")
+    if tuple(version[:2]) > KNOWN_LIMITS_UP_TO:
+        return notes
+    v = ".".join(map(str, version))
+    saves = t.save_interval > 0  # the render gives --save only then (training.save_interval: 0 = no checkpoints)
+    if t.zero_stage >= 2 and saves and "--no-save-optim" not in extra_args:
+        raise UserError(
+            f"ZERO_STAGE={t.zero_stage} with ENGINE=megatron-lm would hang at every checkpoint save: "
+            + FSDP_SAVE_HANG.format(version=v) + "; use ENGINE=megatron-core (its stage 2-3 checkpoints save and "
+            "resume), ZERO_STAGE=0 or 1, or save without the optimizer state (MEGATRON_LM_EXTRA_ARGS=--no-save-optim: "
+            "a resume then starts the optimizer afresh, not exactly where it stopped)")
+    if t.zero_stage >= 2 and saves:
+        notes.append("--no-save-optim: checkpoints hold no optimizer state (the Megatron-FSDP save hang avoided); a "
+                     "resume starts the optimizer afresh")
+    if t.zero_stage == 1 and saves and not (kernels.gpus and (kernels.transformer_engine or kernels.apex)):
+        why = STAGE1_NO_RESUME.format(version=v)
+        if has_checkpoint:
+            raise UserError(f"this start would resume the run's checkpoint at ZERO_STAGE=1, and {why}; resume on nodes "
+                            "with transformer-engine or apex, or start afresh (another RUN name), or use ENGINE=megatron-core")
+        if t.resilience.max_restarts:
+            raise UserError(f"MAX_RESTARTS={t.resilience.max_restarts} restarts from the latest checkpoint, and {why}; set "
+                            "MAX_RESTARTS=0, use ZERO_STAGE=0, nodes with transformer-engine or apex, or ENGINE=megatron-core")
+        notes.append(f"the checkpoints of this run cannot be resumed: {why}")
+    return notes
+
+
 def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, launch: LaunchEnv,
                  checkout: Checkout | None = None, prepared: PreparedData | None = None,
-                 answers: Sequence[NodeReport] | None = None) -> ProgramPlan:
-    """The program of every rank; ENGINE=megatron-lm needs the ``checkout`` and where the data is
-    (or will be) ``prepared``. Pure."""
+                 answers: Sequence[NodeReport] | None = None, has_checkpoint: bool = False) -> ProgramPlan:
+    """The program of every rank; ENGINE=megatron-lm needs the ``checkout``, where the data is (or
+    will be) ``prepared``, and renders for what the nodes ``answers`` say they have (without them:
+    GPUs with transformer-engine and apex where this machine has GPUs, else the CPU). Pure."""
     t = params.training
     if t.engine == "megatron-core":
+        elastic = ("--global-batch-size", str(t.global_batch_size)) if t.resilience.min_nodes else ()
         return ProgramPlan("megatron-core", (
             "-m", "megatron_ext.pretrain", "--model", model, "--data", data, "--run-name", paths.run,
-            "--zero-stage", str(t.zero_stage), "--train-iters", str(t.train_iters),
+            "--zero-stage", str(t.zero_stage), "--train-iters", str(t.train_iters), *elastic,
         ), stage_environment(t.zero_stage))
     check_megatron_lm_params(params)
     if checkout is None or prepared is None:
         raise UserError("ENGINE=megatron-lm needs MEGATRON_LM_DIR, the Megatron-LM checkout holding pretrain_gpt.py")
-    render = render_pretrain_gpt(params, prepared, paths, checkout.version[:2], known=checkout.flags, wandb=launch.wandb)
+    kernels = NodeKernels.from_answers(answers) if answers else NodeKernels(*(launch.visible_gpus > 0,) * 3)
+    extra = (*t.megatron_lm_extra_args, *launch.megatron_lm_extra_args)
+    limits = known_limits(params, checkout.version, kernels, has_checkpoint, extra)
+    render = render_pretrain_gpt(params, prepared, paths, checkout.version[:2], kernels, known=checkout.flags,
+                                 wandb=launch.wandb, extra_args=extra, load=has_checkpoint)
     signal_note = (f"a save request (preemption, time limit, stop --save) reaches Megatron-LM's "
                    f"--exit-signal-handler as {render.save_signal}, sent to each rank directly"
                    + ("" if "--exit-signal" in checkout.flags else " (this checkout has no --exit-signal: SIGTERM, its default)")
@@ -96,8 +150,10 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
     wandb_env = wandb_resume_env(launch.wandb, paths) if launch.wandb else {}  # one W&B run across restarts
     check = (CHECK_ARGUMENTS, f"Megatron-LM {checkout.version_text}'s own parse_args + validate_args on the arguments at "
                               f"world size {launch.world_size}, and its tokenizer build (a child process)")
+    kernel_note = f"Megatron-LM renders for the nodes: {kernels.describe()}" + ("" if answers else " (assumed: no node answered)")
     return ProgramPlan("megatron-lm", (str(checkout.root / "pretrain_gpt.py"), *render.args), {**render.env, **wandb_env},
-                       (signal_note,), save_signal=render.save_signal, checks=(check,), program_args=tuple(render.args))
+                       (kernel_note, signal_note, *limits), save_signal=render.save_signal, checks=(check,),
+                       program_args=tuple(render.args), resume_args=tuple(load_flags(paths)) if not has_checkpoint else ())
 
 
 def check_arguments(program: ProgramPlan | None, launch: LaunchEnv, checkout: Checkout | None, tokenizer_path: str | None,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Collection, Mapping
+from typing import Collection, Mapping, Sequence
 
 from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.run_spec.errors import UserError
@@ -21,10 +21,56 @@ from megatron_ext.run_spec.wandb_run import WandbSettings
 from megatron_ext.data.prepare import PreparedData
 from megatron_ext.data.tokenizers import hf_tokenizer_file
 from megatron_ext.run_spec.flops import padded_vocab_size
+from megatron_ext.run_spec.megatron_lm_checkpoints import pretrained_checkpoint_dir
 from megatron_ext.run_spec.zero import megatron_lm_flags_for_stage, stage_environment
 from orchestration.megatron_lm.flags import split_flags
+from orchestration.node.wire import NodeReport
 
 TOKENIZER_TYPES = {"sentencepiece": "SentencePieceTokenizer", "huggingface": "HuggingFaceTokenizer", "null": "NullTokenizer"}
+
+
+@dataclass(frozen=True)
+class NodeKernels:
+    """What every node offers Megatron-LM's ranks, as the render needs it: from the preflight's
+    answers (each node's GPUs and software), or what a start would assume without them."""
+
+    gpus: bool = True
+    transformer_engine: bool = True
+    apex: bool = True
+
+    @classmethod
+    def from_answers(cls, answers: Sequence[NodeReport]) -> "NodeKernels":
+        """What all of the nodes have (one node without it is all it takes to go without)."""
+        return cls(gpus=all(r.visible_gpus > 0 for r in answers),
+                   transformer_engine=all(r.software.get("transformer-engine") for r in answers),
+                   apex=all(r.software.get("apex") for r in answers))
+
+    def describe(self) -> str:
+        if not self.gpus:
+            return "no GPU: gloo, local layers, every fusion off, fp32"
+        return (f"GPUs, {'transformer-engine layers' if self.transformer_engine else 'local layers (no transformer-engine)'}"
+                f"{'' if self.apex else ', no apex (its fused kernels off)'}")
+
+
+def kernel_flags(k: NodeKernels, p: RunParams) -> list[str]:
+    """The layers and fusions the nodes can run (Megatron-LM enables fusions whose kernels may be
+    missing: it fails at the first step, not at its argument check). Without a GPU, Megatron-LM on
+    the CPU with gloo, as the tests run it through a CUDA-on-CPU shim (tests/megatron_lm_shim).
+    The exact GELU of a GELU model needs ``--no-bias-gelu-fusion`` everywhere: the fusion computes
+    the tanh approximation (megatron/core/fusions/fused_bias_gelu.py, used by mlp.py)."""
+    gelu = [] if p.model.swiglu else ["--no-bias-gelu-fusion"]
+    if not k.gpus:
+        return ["--distributed-backend", "gloo", "--transformer-impl", "local", "--no-masked-softmax-fusion",
+                "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion",
+                "--no-persist-layer-norm", "--no-rope-fusion", "--use-cpu-initialization"]
+    flags = ["--transformer-impl", "transformer_engine" if k.transformer_engine else "local"]
+    if not k.transformer_engine:
+        flags.append("--no-rope-fusion")  # transformer-engine's kernel (Megatron-LM raises without it)
+        if not k.apex:  # torch's norm (WrappedTorchNorm) has no persistent kernel; the fused softmax is apex's
+            flags += ["--no-persist-layer-norm", "--no-masked-softmax-fusion"]
+    if not k.apex:  # the GPT output layer is megatron-core's ColumnParallelLinear in every spec: apex's extension
+        flags.append("--no-gradient-accumulation-fusion")
+    return flags + gelu
 
 
 @dataclass(frozen=True)
@@ -100,6 +146,11 @@ def data_flags(p: RunParams, prepared: PreparedData) -> list[str]:
         # The preset's vocabulary, not the tokenizer's: Megatron-LM pads len(tokenizer) otherwise
         # (Qwen3: 151,669 -> 151,680, where the model has 151,936 rows).
         flags += ["--padded-vocab-size", str(padded_vocab_size(p.model.vocab_size, p.model.make_vocab_size_divisible_by))]
+    elif prepared.tokenizer_type == "sentencepiece" and prepared.vocab_size > 0:
+        # The model this program builds: Megatron-LM sizes it by its legacy SentencePieceTokenizer, which
+        # appends <CLS>, <SEP>, <EOD>, <MASK> (megatron/training/tokenizer/tokenizer.py L391-441) that the
+        # data never holds (2,048 pieces -> 2,176 rows), so a checkpoint of either engine fits the other.
+        flags += ["--padded-vocab-size", str(padded_vocab_size(prepared.vocab_size, p.model.make_vocab_size_divisible_by))]
     if p.data.source == "mock":
         flags.append("--mock-data")
     else:
@@ -137,11 +188,18 @@ def training_flags(p: RunParams, bf16: bool) -> list[str]:
         flags.append("--bf16")
     if t.grad_reduce_in_bf16:
         flags.append("--grad-reduce-in-bf16")
+    if t.fp8:  # transformer-engine's delayed scaling, as this program's fp8_autocast (known_limits needs TE)
+        flags += ["--fp8-format", t.fp8, "--fp8-amax-history-len", str(t.fp8_amax_history_len),
+                  "--fp8-amax-compute-algo", t.fp8_amax_compute_algo]
+    if t.manual_gc:  # Megatron-LM's own: gc frozen after setup, collected every N steps on every rank
+        flags.append("--manual-gc")
+        if t.manual_gc_interval:
+            flags += ["--manual-gc-interval", str(t.manual_gc_interval)]
     return flags
 
 
 def logging_and_checkpoint_flags(p: RunParams, paths: RunPaths, wandb: WandbSettings | None = None,
-                                 known: Collection[str] = ()) -> list[str]:
+                                 known: Collection[str] = (), load: bool = True) -> list[str]:
     t = p.training
     return [
         "--log-interval", str(t.log_interval),
@@ -149,10 +207,24 @@ def logging_and_checkpoint_flags(p: RunParams, paths: RunPaths, wandb: WandbSett
         "--tensorboard-dir", str(paths.tensorboard_dir),
         *wandb_flags(wandb, paths, known),
         "--data-cache-path", str(paths.data_cache_dir / "megatron_lm_index"),
-        "--save", str(paths.checkpoints_dir),
-        "--load", str(paths.checkpoints_dir),
-        "--save-interval", str(t.save_interval or t.train_iters),
+        *(["--save", str(paths.checkpoints_dir), "--save-interval", str(t.save_interval)] if t.save_interval else []),
+        *(load_flags(paths) if load else []),
+        *init_flags(p),
     ]
+
+
+def init_flags(p: RunParams) -> list[str]:
+    """``training.init_checkpoint`` as Megatron-LM's own start from a checkpoint's weights: its
+    load_checkpoint reads ``--pretrained-checkpoint`` while ``--load`` holds no checkpoint (iteration 0,
+    no optimizer, scheduler or RNG state: checkpointing.py L1494-1502), so it is rendered on every
+    start and a run with checkpoints of its own resumes from those."""
+    path = p.training.init_checkpoint
+    return ["--pretrained-checkpoint", pretrained_checkpoint_dir(path)] if path else []
+
+
+def load_flags(paths: RunPaths) -> list[str]:
+    """Resume from the run's checkpoints (``latest_checkpointed_iteration.txt``)."""
+    return ["--load", str(paths.checkpoints_dir)]
 
 
 def wandb_flags(wandb: WandbSettings | None, paths: RunPaths, known: Collection[str] = ()) -> list[str]:
@@ -188,20 +260,26 @@ def exit_signal_flags(known: Collection[str]) -> tuple[list[str], str]:
 
 
 def render_pretrain_gpt(p: RunParams, prepared: PreparedData, paths: RunPaths, version: tuple[int, int],
-                        bf16: bool = True, known: Collection[str] = (),
-                        wandb: WandbSettings | None = None) -> MegatronLMRender:
-    """``pretrain_gpt.py``'s arguments; ``known`` (the checkout's flags) adds the exit-signal handler
-    the checkout has; ``wandb`` (the launcher's WANDB_* settings) Megatron-LM's W&B flags."""
+                        kernels: NodeKernels = NodeKernels(), known: Collection[str] = (),
+                        wandb: WandbSettings | None = None, extra_args: Sequence[str] = (),
+                        load: bool = True) -> MegatronLMRender:
+    """``pretrain_gpt.py``'s arguments for nodes with ``kernels``; ``known`` (the checkout's flags)
+    adds the exit-signal handler the checkout has; ``wandb`` (the launcher's WANDB_* settings)
+    Megatron-LM's W&B flags; ``extra_args`` (MEGATRON_LM_EXTRA_ARGS, training.megatron_lm_extra_args)
+    come last, so a flag given there wins; ``load``: ``--load`` of the run's checkpoints (only when
+    there is one: Megatron-FSDP given an empty --load takes a dummy optimizer step that changes training)."""
     stage = p.training.zero_stage
     signal_flags, save_signal = exit_signal_flags(known)
     args = (
         model_flags(p, prepared)
         + data_flags(p, prepared)
-        + training_flags(p, bf16)
-        + logging_and_checkpoint_flags(p, paths, wandb, known)
+        + training_flags(p, kernels.gpus)
+        + kernel_flags(kernels, p)
+        + logging_and_checkpoint_flags(p, paths, wandb, known, load)
         + megatron_lm_flags_for_stage(stage, version)
         + overlap_flags(stage)
         + signal_flags
+        + list(extra_args)
     )
     return MegatronLMRender(args, stage_environment(stage), save_signal)
 

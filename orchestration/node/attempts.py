@@ -24,16 +24,12 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
+from megatron_ext.run_spec.errors import FINAL
 from megatron_ext.run_spec.resilience import ResilienceParams
 from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.run_spec.json_files import read_json, write_json_atomic
 from orchestration.node.run_state import AttemptRecord, RunState, state_dict
 from orchestration.node.watchdog import Hang
-
-JOIN_S = 120.0
-"""How long node 0 waits for every node's end of an attempt, and each node for the others to be
-ready for the next one; a node later than that ends the run."""
-
 
 @dataclass(frozen=True)
 class AttemptEnd:
@@ -60,6 +56,10 @@ class Decision:
     """restarting, or how the run ends (failed, hung, gave up, stopped)."""
     reason: str
     backoff_s: float = 0.0
+    members: tuple[int, ...] = ()
+    """The nodes (their ranks in the start's plan) the next attempt runs on."""
+    lost: tuple[int, ...] = ()
+    """Nodes that ended no attempt within training.resilience.join_s: left out from here on."""
 
     @property
     def next_attempt(self) -> int | None:
@@ -87,7 +87,8 @@ def write_decision(paths: RunPaths, decision: Decision) -> None:
 def read_decision(paths: RunPaths, attempt: int) -> Decision | None:
     raw = read_json(paths.attempt_file(attempt, "decision.json"))
     try:
-        return Decision(**{**raw, "state": RunState(raw["state"])}) if isinstance(raw, dict) else None
+        return Decision(**{**raw, "state": RunState(raw["state"]), "members": tuple(raw.get("members", ())),
+                           "lost": tuple(raw.get("lost", ()))}) if isinstance(raw, dict) else None
     except (TypeError, KeyError, ValueError):
         return None
 
@@ -121,30 +122,56 @@ def read_hang_claim(paths: RunPaths, attempt: int) -> HangClaim | None:
         return None
 
 
+def write_roster(paths: RunPaths, attempt: int, members: Sequence[int]) -> None:
+    """Node 0: the nodes attempt ``attempt`` runs on (those ready in time)."""
+    write_json_atomic(paths.attempt_file(attempt, "roster.json"), list(members))
+
+
+def read_roster(paths: RunPaths, attempt: int) -> tuple[int, ...] | None:
+    raw = read_json(paths.attempt_file(attempt, "roster.json"))
+    return tuple(int(r) for r in raw) if isinstance(raw, list) else None
+
+
 def mark_ready(paths: RunPaths, attempt: int, node_rank: int) -> None:
     path = paths.attempt_file(attempt, f"node{node_rank}.ready")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch()
 
 
-def ready_nodes(paths: RunPaths, attempt: int, nnodes: int) -> list[int]:
-    return [rank for rank in range(nnodes) if paths.attempt_file(attempt, f"node{rank}.ready").exists()]
+def ready_nodes(paths: RunPaths, attempt: int, members: Sequence[int]) -> list[int]:
+    return [rank for rank in members if paths.attempt_file(attempt, f"node{rank}.ready").exists()]
 
 
 # -- the decision (pure) ----------------------------------------------------------------------------
 
 def decide(attempt: int, ends: dict[int, AttemptEnd | None], ledger: Sequence[AttemptRecord], policy: ResilienceParams,
-           restarts_so_far: int, cause: RunState, cause_reason: str) -> Decision:
-    """Restart or end after ``attempt``: ``ends`` per node (None = no end within JOIN_S),
-    ``ledger`` with this attempt's record already closed, ``restarts_so_far`` in this start,
-    ``cause``/``cause_reason`` what ended the attempt (the failure file's first line)."""
+           restarts_so_far: int, cause: RunState, cause_reason: str, hosts: Sequence[str] = ()) -> Decision:
+    """Restart or end after ``attempt``: ``ends`` per node of the attempt (None = no end within
+    training.resilience.join_s: the node is lost), ``ledger`` with this attempt's record already
+    closed, ``restarts_so_far`` in this start, ``cause``/``cause_reason`` what ended the attempt (the
+    failure file's first line); ``hosts`` (by node rank) name the lost nodes. A lost node ends the
+    run, unless ``policy.min_nodes`` allows the next attempt on the nodes left (never without node 0,
+    the rendezvous host and leader)."""
     missing = sorted(rank for rank, end in ends.items() if end is None)
+    members = tuple(rank for rank in sorted(ends) if rank not in missing)
     if missing:
-        return Decision(attempt, False, RunState.FAILED,
-                        f"node(s) {', '.join(map(str, missing))} did not end attempt {attempt} within {JOIN_S:.0f} s "
-                        f"(machine or supervisor gone); the run ends ({cause_reason})")
-    if any(end.requested for end in ends.values()):
+        names = ", ".join(f"node {r}" + (f" ({hosts[r]})" if r < len(hosts) else "") for r in missing)
+        gone = (f"{names} gone (its machine or its supervisor: no end of attempt {attempt} and no heartbeat within "
+                f"{policy.join_s:.0f} s)")
+        if 0 in missing:
+            return Decision(attempt, False, RunState.FAILED,
+                            f"{gone}; node 0 is the rendezvous host and the leader, so the run ends: start it again without "
+                            f"that machine (another HOSTS, the latest checkpoint resumes) ({cause_reason})", lost=tuple(missing))
+        if not policy.min_nodes or len(members) < policy.min_nodes:
+            rule = (f"{len(members)} node(s) left, fewer than the {policy.min_nodes} it may go on with (NNODES=MIN:MAX)"
+                    if policy.min_nodes else "NNODES=MIN:MAX would let it go on with the nodes left")
+            return Decision(attempt, False, RunState.FAILED, f"{gone}: the run ends: {rule} ({cause_reason})",
+                            lost=tuple(missing))
+        cause_reason = f"{gone}: going on with {len(members)} of {len(ends)} nodes ({cause_reason})"
+    if any(end.requested for end in ends.values() if end is not None):
         return Decision(attempt, False, RunState.STOPPED, "stopped on request")
+    if FINAL in cause_reason:  # a full disk, no checkpoint that verifies: no restart mends it
+        return Decision(attempt, False, cause, cause_reason, lost=tuple(missing))
     streak = 0
     for record in reversed(ledger):
         if record.made_progress:
@@ -156,7 +183,7 @@ def decide(attempt: int, ends: dict[int, AttemptEnd | None], ledger: Sequence[At
     if restarts_so_far >= policy.max_restarts:
         limit = f"after {restarts_so_far} restart(s) (MAX_RESTARTS={policy.max_restarts})" if policy.max_restarts else \
             "(MAX_RESTARTS=0: no restarts)"
-        return Decision(attempt, False, cause, f"{cause_reason} {limit}".strip())
+        return Decision(attempt, False, cause, f"{cause_reason} {limit}".strip(), lost=tuple(missing))
     return Decision(attempt, True, RunState.RESTARTING,
                     f"restarting as attempt {attempt + 1} in {policy.restart_backoff_s:g} s: {cause_reason}",
-                    policy.restart_backoff_s)
+                    policy.restart_backoff_s, members, tuple(missing))

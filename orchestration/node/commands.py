@@ -26,11 +26,13 @@ from typing import Mapping, Sequence
 from megatron_ext.run_spec.devices import visible_gpu_count
 from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
 from megatron_ext.run_spec.iteration_log import parse_log
+from megatron_ext.run_spec.resilience import ResilienceParams
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
 from orchestration.node import processes
 from orchestration.node.failure import failure_reason
+from orchestration.node.linktest import run_linktest
 from orchestration.node.preflight import inspect_node
-from orchestration.node.run_state import (NODE_LOST_S, RunState, heartbeat_age_s, read_exit, read_failure, read_heartbeat,
+from orchestration.node.run_state import (RunState, heartbeat_age_s, read_exit, read_failure, read_heartbeat,
                                           read_pid_file, reset_node_files, reset_run_files, tail, wait_until_started,
                                           write_plan_file)
 from orchestration.node.supervisor import Supervisor
@@ -90,14 +92,16 @@ def refuse_if_running(pid_path: Path, run: str, node_rank: int) -> None:
         )
 
 
-def node_check(paths: RunPaths, args, visible_gpus: int):
+def node_check(paths: RunPaths, args, node: "NodeEnv"):
     """Preflight on this node (orchestration/node/preflight.py): the run is not live here, and
     every other check; the report lists every problem found."""
     refuse_if_running(paths.node_pid_file(args.node_rank), paths.run, args.node_rank)
     return inspect_node(args.node_rank, args.host, args.master_addr, args.master_port, args.nproc_per_node,
-                        args.require_path, args.shared_token, paths.run_state_dir, visible_gpus, Path.cwd(),
+                        args.require_path, args.shared_token, paths.run_state_dir, node.visible_gpus, Path.cwd(),
                         tokenizer=(args.tokenizer_type, args.tokenizer_model) if args.tokenizer_model else None,
-                        required_modules=args.require_module)
+                        required_modules=args.require_module, needs_cuda=args.needs_cuda, environ=node.environ,
+                        checkpoints=(args.checkpoint_dir, args.checkpoint_parameters, args.keep_checkpoints)
+                        if args.checkpoint_dir and args.checkpoint_parameters else None)
 
 
 def receive_secrets(plan: NodePlan, line: str, node_env: Mapping[str, str]) -> dict[str, str]:
@@ -167,6 +171,14 @@ def node_supervise(plan_file: str, node: NodeEnv) -> int:
     return Supervisor(plan, node.environ, node.slurm_step).run()
 
 
+def planned_engine(paths: RunPaths, node_rank: int) -> str:
+    """The engine the node's last plan ran (its log's iteration lines are that engine's)."""
+    try:
+        return NodePlan.from_json(paths.node_plan_file(node_rank).read_text()).engine
+    except (OSError, ValueError, TypeError, KeyError):
+        return "megatron-core"
+
+
 def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | None, by_heartbeat: bool = False) -> NodeStatus:
     """Alive or not, and the last iteration line of the node's log (either engine's), read
     with the one iteration-line parser; ``seq_length`` turns step time into tokens/s.
@@ -176,7 +188,7 @@ def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | No
     beat = read_heartbeat(paths, node_rank)
     if by_heartbeat:
         age = heartbeat_age_s(paths, node_rank)
-        alive = age is not None and age < NODE_LOST_S and not ended
+        alive = age is not None and age < ResilienceParams.node_lost_s and not ended  # the default: no plan here
         training = alive and beat is not None and beat.state == RunState.RUNNING
     else:
         training = bool(record and processes.record_is_alive(record))
@@ -186,7 +198,7 @@ def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | No
     else:
         state = ended.state if ended else RunState.STOPPED if paths.node_log(node_rank).exists() else RunState.NOT_STARTED
     text = tail(paths.node_log(node_rank), 200)
-    records, _ = parse_log(text, seq_length)
+    records, _ = parse_log(text, seq_length, engine=planned_engine(paths, node_rank))
     score, reason = failure_reason(tail(paths.node_log(node_rank), 400, max_bytes=262144)) \
         if not alive and state.ended and state != RunState.FINISHED else (0, None)
     last = records[-1] if records else None
@@ -207,7 +219,10 @@ def _answer(command: str, args, node: NodeEnv, stdin_line: str):
         return node_start(plan, node, sys.executable, receive_secrets(plan, stdin_line, node.environ))
     paths = RunPaths(args.artifact_root, check_run_name(args.run))
     if command == "node-check":
-        return node_check(paths, args, node.visible_gpus)
+        return node_check(paths, args, node)
+    if command == "node-linktest":
+        return run_linktest(args.node_rank, args.host, args.nnodes, args.master_addr, args.port, args.backend, node.environ,
+                            interface=args.interface)
     if command == "node-stop":
         stop = processes.preview_stop if args.dry_run else processes.stop_node
         return stop(paths.run, args.node_rank, args.host, paths.node_pid_file(args.node_rank), args.grace_s)

@@ -112,11 +112,16 @@ def describe_returncode(code: int) -> tuple[int | None, str | None]:
     return code, None
 
 
-def failure_summary(node_rank: int, host: str, code: int, log_tail: str) -> str:
-    """The failure file's text: node, rank (torchrun's root cause), exit, the log's end."""
+def failure_summary(node_rank: int, host: str, code: int, log_tail: str, excerpt_lines: int = 25) -> str:
+    """The failure file's text: node, rank (torchrun's root cause), exit and, where the log says it
+    (a rank's exception, a program error line, a signal), why — all on the first line, which status
+    and the supervisors show; then the log's last ``excerpt_lines`` lines."""
     exit_code, sig = describe_returncode(code)
     cause = root_cause(log_tail)
     what = f"exit code {exit_code}" if sig is None else f"signal {sig}"
     rank = f"rank {cause.rank}" if cause and cause.rank is not None else "rank unknown"
-    return (f"node {node_rank} ({host}) failed: torchrun {what}; {rank}\n"
-            f"--- last lines of node {node_rank}'s log ---\n{log_tail}\n")
+    score, reason = failure_reason(log_tail)
+    why = f": {reason.split(' (torchrun: ')[0]}" if score >= 2 and not (cause and cause.killed_by_signal) else ""
+    excerpt = "\n".join(log_tail.splitlines()[-excerpt_lines:])
+    return (f"node {node_rank} ({host}) failed: torchrun {what}; {rank}{why}\n"
+            f"--- last lines of node {node_rank}'s log ---\n{excerpt}\n")

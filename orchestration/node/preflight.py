@@ -20,14 +20,16 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.model_size import CHECKPOINT_BYTES_PER_PARAMETER, checkpoint_bytes
 from megatron_ext.run_spec.wandb_run import wandb_missing_message
 from megatron_ext.training.versions import check_megatron_core
 from orchestration.node.processes import port_is_free
@@ -35,7 +37,8 @@ from orchestration.node.wire import NodeReport
 
 DEFAULT_PORT_SEARCH = range(6000, 6100)
 CONNECT_TIMEOUT_S = 5.0
-SOFTWARE = ("torch", "megatron-core", "transformer-engine")
+SOFTWARE = ("torch", "megatron-core", "transformer-engine", "apex")
+"""The distributions whose versions every node reports (and must agree on)."""
 MODULE_PROBLEMS = {"wandb": wandb_missing_message}
 """An optional module the run imports -> its refusal where it is missing."""
 
@@ -133,10 +136,63 @@ def tokenizer_problem(kind: str, path: str) -> str | None:
     return None
 
 
+CUDA_PROBE_TIMEOUT_S = 120.0
+
+
+def cuda_problem(environ: Mapping[str, str]) -> str | None:
+    """Why a rank on this GPU-less node would find no CUDA device: torch asked in a child with the
+    node's environment and a rank's LOCAL_RANK (what a CUDA-on-CPU shim keys on), or None when torch sees one."""
+    code = "import torch; print('cuda' if torch.cuda.is_available() else 'none')"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], env={**environ, "LOCAL_RANK": "0"}, capture_output=True,
+                              text=True, timeout=CUDA_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return f"torch did not answer whether it sees a CUDA device within {CUDA_PROBE_TIMEOUT_S:.0f} s"
+    if proc.stdout.strip().endswith("cuda"):
+        return None
+    return ("ENGINE=megatron-lm needs a CUDA device on every rank (Megatron-LM's initialize_megatron asserts "
+            "torch.cuda.is_available()) and this node shows no GPU; run on GPU nodes, or use ENGINE=megatron-core, "
+            "which trains on the CPU too")
+
+
+def size_text(n: float) -> str:
+    """Bytes as people read them: 4.2 MB, 24.1 GB."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def disk_problem(checkpoint_dir: Path, parameters: int, keep: int, device: str) -> str | None:
+    """Why the run's checkpoints will not fit where they go on this node: ``keep`` of them and the one
+    being written, each ``checkpoint_bytes`` (the run's own checkpoints there already count), against
+    the free space; or None."""
+    one = checkpoint_bytes(parameters, device)
+    needed = one * (keep + 1)
+    where = nearest_existing(checkpoint_dir)
+    held = sum(f.stat().st_size for f in checkpoint_dir.rglob("*") if f.is_file()) if checkpoint_dir.is_dir() else 0
+    free = shutil.disk_usage(where).free
+    if free + held >= needed:
+        return None
+    return (f"the run's checkpoints will not fit: {checkpoint_dir} has {size_text(free)} free on this node "
+            f"({size_text(held)} held by the run's checkpoints already), and {keep} kept + the one being written need "
+            f"{size_text(needed)} ({size_text(one)} each: {parameters:,} parameters x "
+            f"{CHECKPOINT_BYTES_PER_PARAMETER[device]} bytes); keep fewer (training.keep_checkpoints) or put them on a "
+            "larger file system (CHECKPOINT_ROOT)")
+
+
 def inspect_node(node_rank: int, host: str, master_addr: str, master_port: int | None, nproc_per_node: int,
                  required_paths: list[str], shared_token: Path | None, run_state_dir: Path, visible_gpus: int,
                  project_dir: Path, tokenizer: tuple[str, str] | None = None,
-                 required_modules: Sequence[str] = ()) -> NodeReport:
+                 required_modules: Sequence[str] = (), needs_cuda: bool = False,
+                 environ: Mapping[str, str] | None = None,
+                 checkpoints: tuple[str, int, int] | None = None) -> NodeReport:
     """Every check for this node; ``master_port`` None = MASTER_PORT not set (node 0 picks one);
     ``tokenizer`` (type, path): the run's tokenizer, which must load here."""
     report = NodeReport(node_rank, host, software=installed_software(project_dir), local_dir=str(node_local_dir()),
@@ -188,6 +244,14 @@ def inspect_node(node_rank: int, host: str, master_addr: str, master_port: int |
         if problem:
             problems.append(problem)
     report.interface = route_interface(master_addr)
+    if checkpoints is not None:
+        problem = disk_problem(Path(checkpoints[0]), checkpoints[1], checkpoints[2], "cuda" if visible_gpus else "cpu")
+        if problem:
+            problems.append(problem)
+    if needs_cuda and not visible_gpus:
+        problem = cuda_problem(environ or {})
+        if problem:
+            problems.append(problem)
     if visible_gpus and nproc_per_node > visible_gpus:
         problems.append(f"NPROC_PER_NODE={nproc_per_node} but this node shows {visible_gpus} GPU(s); use at most "
                         f"{visible_gpus} (or check CUDA_VISIBLE_DEVICES)")

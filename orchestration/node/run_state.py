@@ -31,8 +31,6 @@ from megatron_ext.run_spec.run_paths import RunPaths
 
 HEARTBEAT_S = 2.0
 """How often a node's supervisor touches its heartbeat."""
-NODE_LOST_S = 20.0
-"""A peer whose heartbeat is this old is taken as lost (its machine, or its supervisor, is gone)."""
 
 
 class RunState(str, enum.Enum):
@@ -53,6 +51,9 @@ class RunState(str, enum.Enum):
     """The restart breaker: attempts in a row that made no progress (no new checkpoint)."""
     STOPPED = "stopped"
     """Stopped on request, or because another node failed."""
+    LOST = "lost"
+    """A node left out of the run after its machine or its supervisor was gone (NNODES=MIN:MAX): the
+    others went on without it."""
 
     def __str__(self) -> str:
         return self.value
@@ -298,6 +299,10 @@ class AttemptRecord:
     state: RunState | None = None
     reason: str | None = None
     checkpoint_at_end: int | None = None
+    nodes: tuple[int, ...] = ()
+    """The nodes (ranks in the start's plan) the attempt ran on; empty: every node."""
+    lost: tuple[int, ...] = ()
+    """Nodes lost during the attempt (left out from the next one on)."""
 
     @property
     def made_progress(self) -> bool:
@@ -315,7 +320,8 @@ def read_ledger(paths: RunPaths) -> list[AttemptRecord]:
     out = []
     for item in raw if isinstance(raw, list) else []:
         try:
-            out.append(AttemptRecord(**{**item, "state": RunState(item["state"]) if item.get("state") else None}))
+            out.append(AttemptRecord(**{**item, "state": RunState(item["state"]) if item.get("state") else None,
+                                        "nodes": tuple(item.get("nodes", ())), "lost": tuple(item.get("lost", ()))}))
         except (TypeError, ValueError):
             continue
     return out
@@ -325,15 +331,17 @@ def write_ledger(paths: RunPaths, records: Sequence[AttemptRecord]) -> None:
     write_json_atomic(paths.attempts_file, [state_dict(r) for r in records])
 
 
-def begin_attempt(paths: RunPaths, attempt: int, run_id: str, checkpoint: int | None) -> None:
-    """Node 0: attempt ``attempt`` starts now, with ``checkpoint`` the latest complete one."""
+def begin_attempt(paths: RunPaths, attempt: int, run_id: str, checkpoint: int | None, nodes: Sequence[int] = ()) -> None:
+    """Node 0: attempt ``attempt`` starts now on ``nodes``, with ``checkpoint`` the latest complete one."""
     records = [r for r in read_ledger(paths) if r.attempt != attempt]
-    write_ledger(paths, [*records, AttemptRecord(attempt, run_id, time.time(), checkpoint)])
+    write_ledger(paths, [*records, AttemptRecord(attempt, run_id, time.time(), checkpoint, nodes=tuple(nodes))])
 
 
-def end_attempt(paths: RunPaths, attempt: int, state: RunState, reason: str, checkpoint: int | None) -> list[AttemptRecord]:
-    """Node 0: attempt ``attempt`` ended so; the ledger as it now stands."""
-    records = [replace(r, ended_at=time.time(), state=state, reason=reason, checkpoint_at_end=checkpoint)
+def end_attempt(paths: RunPaths, attempt: int, state: RunState, reason: str, checkpoint: int | None,
+                lost: Sequence[int] = ()) -> list[AttemptRecord]:
+    """Node 0: attempt ``attempt`` ended so (``lost``: nodes lost in it); the ledger as it now stands."""
+    records = [replace(r, ended_at=time.time(), state=state, reason=reason, checkpoint_at_end=checkpoint,
+                       lost=tuple(lost) or r.lost)
                if r.attempt == attempt else r for r in read_ledger(paths)]
     write_ledger(paths, records)
     return records

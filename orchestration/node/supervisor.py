@@ -12,8 +12,9 @@ plan's per-attempt rule), writes the pid file, and then every :data:`POLL_S` sec
 - torchrun exits 0: the node ``finished`` (or ``preempted``, when it had asked its ranks to save);
   non-zero: the first failing node writes ``run_state/<run>_failure.txt`` (node, rank, exit code or
   signal, the log's end);
-- the failure file appears, or a peer's heartbeat is older than
-  :data:`~orchestration.node.run_state.NODE_LOST_S`: it stops its torchrun;
+- the failure file appears, or a peer's heartbeat is older than training.resilience.node_lost_s:
+  it stops its torchrun (a peer lost for good is left out of the next attempt when
+  training.resilience.min_nodes, NNODES=MIN:MAX, allows: the nodes left go on, node ranks compacted);
 - the watchdog (orchestration/node/watchdog.py) finds a rank past its phase's limit: it claims a
   hang; every node then dumps each of its ranks' stacks into ``runs/<run>/hangs/<attempt>/``, node 0
   names the suspects and writes the failure file ("node 1 (...) hung: rank 3 stopped ...");
@@ -40,13 +41,13 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from megatron_ext.run_spec.checkpoints import latest_iteration
-from megatron_ext.run_spec.iteration_log import parse_log
+from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED, parse_log
 from megatron_ext.run_spec.resilience import PROGRESS_DIR_ENV, ResilienceParams, read_progress
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.node import attempts, processes
-from orchestration.node.attempts import JOIN_S, AttemptEnd, Decision
+from orchestration.node.attempts import AttemptEnd, Decision
 from orchestration.node.failure import describe_returncode, failure_summary
-from orchestration.node.run_state import (HEARTBEAT_S, NODE_LOST_S, NodeExit, RunState, claim_failure, clear_failure,
+from orchestration.node.run_state import (HEARTBEAT_S, NodeExit, RunState, claim_failure, clear_failure,
                                           heartbeat_age_s, read_exit, read_failure, read_save_request, request_save, tail,
                                           write_exit, write_heartbeat)
 from orchestration.node.run_state import begin_attempt, end_attempt, read_ledger, write_pid_file
@@ -83,6 +84,9 @@ class Supervisor:
         self.attempt = plan.first_attempt
         self.restarts = 0
         self.progress_dir = Path(plan.env[PROGRESS_DIR_ENV])
+        self.members: tuple[int, ...] = tuple(range(self.nnodes))
+        """The nodes (ranks in the start's plan) of the current attempt: all, or those left after a lost one."""
+        self.decided = self.members
 
     # -- small steps --------------------------------------------------------------------------
 
@@ -98,16 +102,17 @@ class Supervisor:
     def beat(self, state: RunState) -> None:
         write_heartbeat(self.paths, self.rank, self.attempt, state, self.plan.run_id)
 
+    def _silent(self, rank: int, now: float | None = None) -> bool:
+        """Node ``rank``'s supervisor has not beaten for training.resilience.node_lost_s (never beat: since ours started)."""
+        now = time.time() if now is None else now
+        age = heartbeat_age_s(self.paths, rank, now)
+        return rank != self.rank and (now - self.started if age is None else age) > self.policy.node_lost_s
+
     def _lost_peer(self) -> int | None:
-        """A peer whose heartbeat went stale while it had not ended."""
+        """A node of this attempt whose heartbeat went stale while it had not ended."""
         now = time.time()
-        for rank in range(self.nnodes):
-            if rank == self.rank or read_exit(self.paths, rank):
-                continue
-            age = heartbeat_age_s(self.paths, rank, now)
-            if (now - self.started if age is None else age) > NODE_LOST_S:  # never beat: NODE_LOST_S from our start
-                return rank
-        return None
+        return next((rank for rank in self.members
+                     if self._silent(rank, now) and not read_exit(self.paths, rank, self.plan.run_id)), None)
 
     def _wait(self, seconds: float, done: Callable[[], object], state: RunState) -> object:
         """Poll ``done`` until it gives something or ``seconds`` pass, beating meanwhile; None on
@@ -124,14 +129,16 @@ class Supervisor:
 
     # -- one attempt --------------------------------------------------------------------------
 
-    def _start_torchrun(self) -> subprocess.Popen:
+    def _start_torchrun(self, checkpoint: int | None) -> subprocess.Popen:
         shutil.rmtree(self.progress_dir, ignore_errors=True)
         self.progress_dir.mkdir(parents=True)
-        env = self.plan.process_environment(self.node_env, self.attempt)  # exactly the plan's (its per-attempt rule)
+        # exactly the plan's, by its per-attempt rules (the attempt, its nodes, the resume flag)
+        env = self.plan.process_environment(self.node_env, self.attempt, self.members)
+        argv = self.plan.attempt_argv(checkpoint is not None, self.members)
         with open(self.plan.log_path, "ab", buffering=0) as out:
-            proc = subprocess.Popen(list(self.plan.argv), cwd=self.plan.cwd, env=env, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(list(argv), cwd=self.plan.cwd, env=env, stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT)
-        record = processes.new_record(self.plan.run, self.plan.run_id, self.rank, self.plan.host, proc, self.plan.argv,
+        record = processes.new_record(self.plan.run, self.plan.run_id, self.rank, self.plan.host, proc, argv,
                                       Path(self.plan.log_path), supervisor_pid=os.getpid(), slurm_step=self.slurm_step)
         write_pid_file(self.plan.pid_file, record)
         return proc
@@ -186,7 +193,8 @@ class Supervisor:
         processes.stop_node(self.plan.run, self.rank, self.plan.host, self.plan.pid_file, grace_s=0.0, signal_group=False)
         if self.stopping:
             return AttemptEnd(self.rank, self.attempt, RunState.STOPPED, "stopped on request", requested=True)
-        text = failure_summary(self.rank, self.plan.host, code, tail(Path(self.plan.log_path), LOG_TAIL_LINES))
+        text = failure_summary(self.rank, self.plan.host, code, tail(Path(self.plan.log_path), 400, max_bytes=262144),
+                               LOG_TAIL_LINES)
         claim_failure(self.paths, text)
         return AttemptEnd(self.rank, self.attempt, RunState.FAILED, text.splitlines()[0])
 
@@ -201,10 +209,10 @@ class Supervisor:
             return reported
         if not reported:
             dump_node(self.plan.run, self.rank, self.plan.host, self.nproc, self.progress_dir, self.policy,
-                      self.paths.hangs_dir(self.attempt), self.attempt, claim.detail)
+                      self.paths.hangs_dir(self.attempt), self.attempt, claim.detail, place=self.members.index(self.rank))
             reported = True
         if self.leader and read_failure(self.paths) is None:
-            reports = {n: read_node_report(self.paths.hangs_dir(self.attempt), n) for n in range(self.nnodes)}
+            reports = {n: read_node_report(self.paths.hangs_dir(self.attempt), n) for n in self.members}
             if all(r is not None for r in reports.values()) or time.time() - claim.claimed_at > HANG_REPORT_WAIT_S:
                 claim_failure(self.paths, hang_summary(self.paths, self.attempt, claim, reports, self.plan))
         return reported
@@ -212,13 +220,13 @@ class Supervisor:
     def run_attempt(self) -> AttemptEnd:
         checkpoint = latest_iteration(self.paths.checkpoints_dir)
         if self.leader:
-            begin_attempt(self.paths, self.attempt, self.plan.run_id, checkpoint)
+            begin_attempt(self.paths, self.attempt, self.plan.run_id, checkpoint, self.members)
         total = self.plan.first_attempt + self.policy.max_restarts
-        self.say(f"attempt {self.attempt} of {total}: starting torchrun"
+        self.say(f"attempt {self.attempt} of {total}: {ATTEMPT_STARTED}"
                  + (f" (the ranks resume from the checkpoint at iteration {checkpoint})" if checkpoint is not None else ""))
-        proc = self._start_torchrun()
-        watchdog = Watchdog(self.policy, self.rank, self.nnodes, self.nproc, self.progress_dir, self.plan.engine,
-                            Path(self.plan.log_path), time.time())
+        proc = self._start_torchrun(checkpoint)
+        watchdog = Watchdog(self.policy, self.rank, len(self.members), self.nproc, self.progress_dir, self.plan.engine,
+                            Path(self.plan.log_path), time.time(), place=self.members.index(self.rank))
         saving, signalled, reported, last_beat = None, set(), False, 0.0
         while True:
             code = proc.poll()
@@ -239,8 +247,9 @@ class Supervisor:
                     return AttemptEnd(self.rank, self.attempt, RunState.HUNG if hung else RunState.STOPPED, why)
                 lost = self._lost_peer()
                 if lost is not None:
-                    claim_failure(self.paths, f"node {lost} lost: no heartbeat for {NODE_LOST_S:.0f} s (its machine or "
-                                              f"its supervisor is gone); noticed by node {self.rank}\n")
+                    claim_failure(self.paths, f"node {lost}{self._host(lost)} lost: no heartbeat for "
+                                              f"{self.policy.node_lost_s:.0f} s (its machine or its supervisor is gone); "
+                                              f"noticed by node {self.rank}\n")
                     continue
                 if saving is None:
                     reported = self._hang(watchdog, reported)
@@ -251,47 +260,79 @@ class Supervisor:
 
     # -- between attempts ---------------------------------------------------------------------
 
+    def _host(self, rank: int) -> str:
+        return f" ({self.plan.hosts[rank]})" if rank < len(self.plan.hosts) else ""
+
     def decide(self, end: AttemptEnd) -> Decision:
-        """Node 0: every node's end of this attempt, then the decision (restart or end); the others
-        read it."""
+        """Node 0: every node's end of this attempt, then the decision (restart, on which nodes, or
+        end); the others read it."""
+        join_s = self.policy.join_s
         if not self.leader:
-            decision = self._wait(2 * JOIN_S + HANG_REPORT_WAIT_S, lambda: attempts.read_decision(self.paths, self.attempt),
+            decision = self._wait(2 * join_s + HANG_REPORT_WAIT_S, lambda: attempts.read_decision(self.paths, self.attempt),
                                   RunState.RESTARTING)
             if decision is None:
                 state = RunState.STOPPED if self.stopping else RunState.FAILED
-                why = "stopped on request" if self.stopping else f"node 0 made no decision after attempt {self.attempt}"
+                why = ("stopped on request" if self.stopping else f"node 0 (the leader) made no decision after attempt "
+                       f"{self.attempt} within {2 * join_s + HANG_REPORT_WAIT_S:.0f} s: the run ends here")
                 return Decision(self.attempt, False, state, why)
             return decision
-        everyone = lambda: all(attempts.read_end(self.paths, self.attempt, n) for n in range(self.nnodes))  # noqa: E731
-        self._wait(JOIN_S, everyone, RunState.RESTARTING)
-        ends = {n: attempts.read_end(self.paths, self.attempt, n) for n in range(self.nnodes)}
+        # Every node's end, or its heartbeat gone stale (lost: it will write none), within join_s.
+        settled = lambda: all(attempts.read_end(self.paths, self.attempt, n) or self._silent(n)  # noqa: E731
+                              for n in self.members)
+        self._wait(join_s, settled, RunState.RESTARTING)
+        ends = {n: attempts.read_end(self.paths, self.attempt, n) for n in self.members}
         failure = read_failure(self.paths) or end.reason
         cause = RunState.HUNG if " hung: " in failure else RunState.FAILED
         self._close_ledger(end)
         ledger = read_ledger(self.paths)
         if self.stopping:
             ends[self.rank] = AttemptEnd(self.rank, self.attempt, RunState.STOPPED, "stopped on request", requested=True)
-        decision = attempts.decide(self.attempt, ends, ledger, self.policy, self.restarts, cause, failure)
+        decision = attempts.decide(self.attempt, ends, ledger, self.policy, self.restarts, cause, failure, self.plan.hosts)
         if not decision.restart:  # the ledger's last word is how the run ended
             end_attempt(self.paths, self.attempt, decision.state, decision.reason,
-                                 latest_iteration(self.paths.checkpoints_dir))
+                        latest_iteration(self.paths.checkpoints_dir), lost=decision.lost)
         if decision.restart:  # the next attempt starts without this one's failure (kept beside the ledger)
+            if decision.lost:
+                end_attempt(self.paths, self.attempt, cause, f"{failure}; the run goes on with {len(decision.members)} of "
+                                                             f"{self.nnodes} nodes", latest_iteration(self.paths.checkpoints_dir),
+                            lost=decision.lost)
             if self.paths.failure_file.exists():
                 os.replace(self.paths.failure_file, self.paths.attempt_file(self.attempt, "failure.txt"))
             clear_failure(self.paths)
         attempts.write_decision(self.paths, decision)
         return decision
 
-    def join(self) -> bool:
-        """Before a restart: say this node is ready and wait for every other node."""
+    def join(self, decided: tuple[int, ...]) -> bool:
+        """Before a restart: say this node is ready; node 0 waits for the nodes ``decided`` and names
+        the attempt's nodes (those ready in time, if still enough: training.resilience.min_nodes);
+        every other node waits for that roster. Whether this node runs the attempt."""
         attempts.mark_ready(self.paths, self.attempt, self.rank)
-        ready = self._wait(JOIN_S, lambda: len(attempts.ready_nodes(self.paths, self.attempt, self.nnodes)) == self.nnodes,
-                           RunState.RESTARTING)
-        if not ready and not self.stopping:
-            missing = sorted(set(range(self.nnodes)) - set(attempts.ready_nodes(self.paths, self.attempt, self.nnodes)))
-            claim_failure(self.paths, f"node(s) {', '.join(map(str, missing))} did not join attempt {self.attempt} within "
-                                      f"{JOIN_S:.0f} s; noticed by node {self.rank}\n")
-        return bool(ready)
+        join_s = self.policy.join_s
+        if self.leader:
+            self._wait(join_s, lambda: len(attempts.ready_nodes(self.paths, self.attempt, decided)) == len(decided),
+                       RunState.RESTARTING)
+            ready = tuple(attempts.ready_nodes(self.paths, self.attempt, decided))
+            missing = sorted(set(decided) - set(ready))
+            enough = not missing or (self.policy.min_nodes and len(ready) >= self.policy.min_nodes)
+            if self.stopping or not enough:
+                if not self.stopping:
+                    claim_failure(self.paths, f"node(s) {', '.join(f'{r}{self._host(r)}' for r in missing)} did not join "
+                                              f"attempt {self.attempt} within {join_s:.0f} s; noticed by node {self.rank}\n")
+                return False
+            if missing:
+                self.say(f"node(s) {', '.join(f'{r}{self._host(r)}' for r in missing)} did not join attempt {self.attempt} "
+                         f"within {join_s:.0f} s: it runs on {len(ready)} of {self.nnodes} nodes")
+            attempts.write_roster(self.paths, self.attempt, ready)
+            self.members = ready
+            return True
+        roster = self._wait(join_s + 2 * HEARTBEAT_S, lambda: attempts.read_roster(self.paths, self.attempt),
+                            RunState.RESTARTING)
+        if roster is None or self.rank not in roster:
+            if roster is not None and not self.stopping:
+                self.say(f"left out of attempt {self.attempt} (not ready in time): this node ends here")
+            return False
+        self.members = roster
+        return True
 
     def finish(self, state: RunState, reason: str, code: int | None = None) -> int:
         exit_code, sig = describe_returncode(code) if code is not None else (None, None)
@@ -313,7 +354,7 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         signal.signal(signal.SIGUSR1, self._on_sigusr1)
         while True:
-            if self.attempt > self.plan.first_attempt and not self.join():
+            if self.attempt > self.plan.first_attempt and not self.join(self.decided):
                 return self.finish(RunState.STOPPED if self.stopping else RunState.FAILED,
                                    "stopped on request" if self.stopping else read_failure(self.paths) or "a node did not join")
             end = self.run_attempt()
@@ -325,6 +366,7 @@ class Supervisor:
             decision = self.decide(end)
             if not decision.restart:
                 return self.finish(decision.state, decision.reason)
+            self.decided = decision.members or self.members
             self.say(decision.reason)
             self.beat(RunState.RESTARTING)
             if self._wait(decision.backoff_s, lambda: read_save_request(self.paths), RunState.RESTARTING):

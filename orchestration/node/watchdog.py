@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatron_ext.run_spec.iteration_log import parse_log
+from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED, parse_log
 from megatron_ext.run_spec.resilience import DUMP_REQUEST, RankProgress, ResilienceParams, phase_limit_s, read_progress
 from orchestration.node.processes import parent_pid, process_environ, process_start_time, tagged_processes
 from megatron_ext.run_spec.json_files import write_json_atomic
@@ -64,10 +64,14 @@ def local_ranks(node_rank: int, nproc_per_node: int) -> range:
 
 class Watchdog:
     def __init__(self, params: ResilienceParams, node_rank: int, nnodes: int, nproc_per_node: int, progress_dir: Path,
-                 engine: str, log_path: Path, started_at: float):
+                 engine: str, log_path: Path, started_at: float, place: int | None = None):
+        """``node_rank`` names the node (its rank in the start's plan); ``place`` is its torchrun node
+        rank in this attempt (default the same: it differs once a lost node was left out) and ``nnodes``
+        the attempt's nodes."""
         self.params, self.node_rank, self.nproc = params, node_rank, nproc_per_node
+        self.place = node_rank if place is None else place
         self.progress_dir, self.engine, self.log_path, self.started_at = progress_dir, engine, log_path, started_at
-        self.prints_iterations = node_rank == nnodes - 1
+        self.prints_iterations = self.place == nnodes - 1
         """Megatron-LM prints its iteration lines on the last rank, which is on the last node."""
         self._log_iteration, self._log_seen_at = 0, started_at
         self._log_checked = 0.0
@@ -79,7 +83,7 @@ class Watchdog:
 
     def _check_progress(self, now: float) -> Hang | None:
         reports = read_progress(self.progress_dir)
-        for rank in local_ranks(self.node_rank, self.nproc):
+        for rank in local_ranks(self.place, self.nproc):
             p = reports.get(rank)
             if p is None:
                 if now - self.started_at > self.params.hang_setup_s:
@@ -101,8 +105,10 @@ class Watchdog:
         if not self.prints_iterations or now - self._log_checked < LOG_CHECK_S:
             return None
         self._log_checked = now
-        text = tail(self.log_path, 400)
-        records, _ = parse_log(text)
+        # This attempt's lines only: the node log holds every earlier start's and attempt's too, and
+        # their last iteration line is not this attempt's progress (its setup limit applies until its own).
+        text = tail(self.log_path, 400).rpartition(ATTEMPT_STARTED)[2]
+        records, _ = parse_log(text, engine="megatron-lm")
         if not records:
             if now - self.started_at > self.params.hang_setup_s:
                 return Hang(self.node_rank, None, "setup", 0, now - self.started_at, self.params.hang_setup_s,
@@ -268,7 +274,7 @@ def last_collective(flight_recorder: dict) -> tuple[int | None, str | None, str]
 
 
 def dump_node(run: str, node_rank: int, host: str, nproc_per_node: int, progress_dir: Path, params: ResilienceParams,
-              out_dir: Path, attempt: int, why: str) -> list[RankReport]:
+              out_dir: Path, attempt: int, why: str, place: int | None = None) -> list[RankReport]:
     """Every local rank's stack, state and flight recorder into ``out_dir``; this node's report
     written last."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -276,9 +282,10 @@ def dump_node(run: str, node_rank: int, host: str, nproc_per_node: int, progress
     progress = read_progress(progress_dir)
     pids = worker_pids(run, node_rank)
     stopped = {rank for rank, pid in pids.items() if process_state(pid) == "T"}
-    recorders = request_flight_recorders(progress_dir, list(local_ranks(node_rank, nproc_per_node)), stopped)
+    ranks = local_ranks(node_rank if place is None else place, nproc_per_node)  # the attempt's global ranks here
+    recorders = request_flight_recorders(progress_dir, list(ranks), stopped)
     reports = []
-    for rank in local_ranks(node_rank, nproc_per_node):
+    for rank in ranks:
         p: RankProgress | None = progress.get(rank)
         pid = pids.get(rank) or (p.pid if p and process_start_time(p.pid) is not None else None)
         state = process_state(pid) if pid else "gone"

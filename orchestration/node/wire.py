@@ -29,14 +29,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TypeVar
 
+from megatron_ext.run_spec.resilience import ATTEMPT_ENV
 from orchestration.node.run_state import RunState
 
+MEMBERSHIP_RULE = ("the nodes of the attempt: every node, or, after a node is lost, the nodes left (at least "
+                   "training.resilience.min_nodes), ranked in the order of the hosts")
 RUN_TAG = "LAUNCHER_RUN"
 RUN_ID_TAG = "LAUNCHER_RUN_ID"
 NODE_TAG = "LAUNCHER_NODE_RANK"
 DEFAULT_STOP_GRACE_S = 40.0
 """torchrun forwards SIGTERM to its workers and waits 30 s before SIGKILL; allow for that."""
-NODE_COMMANDS = ("node-start", "node-supervise", "node-stop", "node-status", "node-check")
+NODE_COMMANDS = ("node-start", "node-supervise", "node-stop", "node-status", "node-check", "node-linktest")
 
 
 def node_label(node_rank: int, host: str) -> str:
@@ -87,6 +90,21 @@ class NodePlan:
     resets_run_state: bool = False
     """This node clears the run's failure and attempt files before its supervisor starts (node 0
     of a start; the ledger is kept when :attr:`first_attempt` > 1, a requeued batch job)."""
+    hosts: tuple[str, ...] = ()
+    """Every node's host, by node rank (how the supervisors name a lost node)."""
+    resume_args: tuple[str, ...] = ()
+    """Appended to :attr:`argv` for an attempt that starts with a checkpoint in the run's folder
+    (Megatron-LM's ``--load``, which must be absent while there is none)."""
+
+    def attempt_argv(self, has_checkpoint: bool, members: Sequence[int] | None = None) -> tuple[str, ...]:
+        """The torchrun command of an attempt: :attr:`argv` on the nodes ``members`` (default all:
+        torchrun's --nnodes and this node's --node-rank among them), plus :attr:`resume_args` once
+        there is a checkpoint."""
+        argv = list(self.argv)
+        if members is not None:
+            argv[argv.index("--nnodes") + 1] = str(len(members))
+            argv[argv.index("--node-rank") + 1] = str(list(members).index(self.node_rank))
+        return (*argv, *self.resume_args) if has_checkpoint else tuple(argv)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -111,12 +129,16 @@ class NodePlan:
     def nproc_per_node(self) -> int:
         return int(self.env["NPROC_PER_NODE"])
 
-    def process_environment(self, node_env: Mapping[str, str], attempt: int | None = None) -> dict[str, str]:
-        """The environment of torchrun on the node for ``attempt`` (default the first): the node's
-        own, less ``unset``, plus ``env`` with the per-attempt values of that attempt."""
+    def process_environment(self, node_env: Mapping[str, str], attempt: int | None = None,
+                            members: Sequence[int] | None = None) -> dict[str, str]:
+        """The environment of torchrun on the node for ``attempt`` (default the first) on the nodes
+        ``members`` (default all): the node's own, less ``unset``, plus ``env`` with that attempt's
+        values (:attr:`per_attempt`)."""
         env = {**{k: v for k, v in node_env.items() if k not in self.unset}, **self.env}
-        if attempt is not None:
-            env.update({name: str(attempt) for name in self.per_attempt})
+        if attempt is not None and ATTEMPT_ENV in self.per_attempt:
+            env[ATTEMPT_ENV] = str(attempt)
+        if members is not None:
+            env.update(NNODES=str(len(members)), NODE_RANK=str(list(members).index(self.node_rank)))
         return env
 
 
@@ -194,6 +216,15 @@ class CheckRequest:
     """(type, path): the tokenizer every node must load."""
     required_modules: tuple[str, ...] = ()
     """Optional modules the run imports (wandb)."""
+    needs_cuda: bool = False
+    """The ranks need CUDA (Megatron-LM's pretrain_gpt.py): a node without GPUs checks that torch sees one
+    in the ranks' environment."""
+    checkpoint_dir: str | None = None
+    """Where the run's checkpoints go (with ``checkpoint_parameters``: the free space there is checked)."""
+    checkpoint_parameters: int | None = None
+    """The model's parameters, for the size of a checkpoint (None: no checkpoints, or not known)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept on disk: with the one being written, keep + 1 must fit."""
 
 
 def check_call(run: str, node_rank: int, host: str, artifact_root: Path, request: CheckRequest,
@@ -209,7 +240,24 @@ def check_call(run: str, node_rank: int, host: str, artifact_root: Path, request
     if request.tokenizer is not None:
         args += ["--tokenizer-type", request.tokenizer[0], "--tokenizer-model", request.tokenizer[1]]
     args += [a for m in request.required_modules for a in ("--require-module", m)]
+    args += ["--needs-cuda"] if request.needs_cuda else []
+    if request.checkpoint_dir and request.checkpoint_parameters:
+        args += ["--checkpoint-dir", request.checkpoint_dir, "--checkpoint-parameters", str(request.checkpoint_parameters),
+                 "--keep-checkpoints", str(request.keep_checkpoints)]
     return NodeCall("node-check", tuple(args))
+
+
+LINKTEST_TIMEOUT_S = 90.0
+"""A node's link test: rendezvous, the measurement and the teardown, at most (seconds)."""
+
+
+def linktest_call(run: str, node_rank: int, host: str, artifact_root: Path, nnodes: int, master_addr: str, port: int,
+                  backend: str, interface: str | None = None) -> NodeCall:
+    """``node-linktest``: this node's exchanges with its ring neighbours (all nodes at once), over
+    ``interface`` (the one its ranks will get: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) when given."""
+    return NodeCall("node-linktest", (*_run_args(run, node_rank, host, artifact_root), "--nnodes", str(nnodes),
+                                      "--master-addr", master_addr, "--port", str(port), "--backend", backend,
+                                      *(("--interface", interface) if interface else ())))
 
 
 def supervise_argv(python: str, plan_file: str) -> list[str]:
@@ -223,7 +271,7 @@ def build_node_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("node-start").add_argument("--plan", required=True, help="this node's NodePlan as JSON")
     sub.add_parser("node-supervise").add_argument("--plan-file", required=True)
-    for name in ("node-check", "node-stop", "node-status"):
+    for name in ("node-check", "node-stop", "node-status", "node-linktest"):
         p = sub.add_parser(name)
         p.add_argument("run")
         p.add_argument("--node-rank", type=int, required=True)
@@ -238,9 +286,19 @@ def build_node_parser() -> argparse.ArgumentParser:
             p.add_argument("--require-module", action="append", default=[], help="an optional module the run imports (wandb)")
             p.add_argument("--tokenizer-type", help="the run's tokenizer type (with --tokenizer-model): it must load here")
             p.add_argument("--tokenizer-model", help="the run's tokenizer file or directory")
+            p.add_argument("--needs-cuda", action="store_true", help="the ranks need torch to see a CUDA device")
+            p.add_argument("--checkpoint-dir", help="where the run's checkpoints go: its free space is checked")
+            p.add_argument("--checkpoint-parameters", type=int, help="the model's parameters (a checkpoint's size)")
+            p.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (+1 being written)")
         if name == "node-stop":
             p.add_argument("--grace-s", type=float, default=DEFAULT_STOP_GRACE_S)
             p.add_argument("--dry-run", action="store_true", help="say what would be signalled, signal nothing")
+        if name == "node-linktest":
+            p.add_argument("--nnodes", type=int, required=True)
+            p.add_argument("--master-addr", required=True)
+            p.add_argument("--port", type=int, required=True)
+            p.add_argument("--backend", choices=("gloo", "nccl"), required=True)
+            p.add_argument("--interface", help="the socket interface the ranks will use (unset: the node's own setting)")
         if name == "node-status":
             p.add_argument("--seq-length", type=int, help="tokens per sequence, for tokens/s")
             p.add_argument("--by-heartbeat", action="store_true", help="alive = the supervisor beat recently (another "
@@ -336,7 +394,7 @@ class NodeReport:
     host: str
     problems: list[str] = field(default_factory=list)
     software: dict[str, str | None] = field(default_factory=dict)
-    """python, torch, megatron-core, transformer-engine, project (git revision): None = absent."""
+    """python, torch, megatron-core, transformer-engine, apex, project (git revision): None = absent."""
     interface: str | None = None
     """The interface that routes to MASTER_ADDR here."""
     free_port: int | None = None
@@ -344,6 +402,22 @@ class NodeReport:
     local_dir: str | None = None
     """A node-local directory (tmpfs where there is one) for the ranks' progress files."""
     visible_gpus: int = 0
+
+
+@dataclass
+class LinkReport:
+    """``node-linktest``'s answer: this node's exchanges with its ring neighbours."""
+
+    node_rank: int
+    host: str
+    rates_gbs: dict[str, float] = field(default_factory=dict)
+    """Neighbour node rank (as text) -> GB/s of the exchange with it (both directions at once)."""
+    transport: str = ""
+    """gloo's TCP, or what NCCL chose (NET/IB, NET/Socket, P2P): empty when unknown."""
+    seconds: float = 0.0
+    """The measurement's wall time on this node, rendezvous included."""
+    error: str | None = None
+
 
 
 # -- encoding ---------------------------------------------------------------------------------------

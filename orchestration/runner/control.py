@@ -159,8 +159,18 @@ def collect_status(launch: LaunchEnv, run: str, only_this_node: bool = False) ->
         hosts = resolved.runtime.hosts if resolved and state != "PENDING" else ()
         nodes = node_statuses(launch, run, list(enumerate(hosts)), seq, by_heartbeat=True)
         return StatusReport(run, tuple(nodes), job, state, ledger, max_attempts)
-    return StatusReport(run, tuple(node_statuses(launch, run, run_nodes(launch, run, only_this_node), seq)),
-                        attempts=ledger, max_attempts=max_attempts)
+    nodes = run_nodes(launch, run, only_this_node)
+    lost = {n: r for r in this_start for n in r.lost}  # not asked: their machines are gone
+    asked = {r.node_rank: r for r in node_statuses(launch, run, [(k, h) for k, h in nodes if k not in lost], seq)}
+    results = tuple(asked.get(k) or _lost_node(k, h, lost[k]) for k, h in nodes)
+    return StatusReport(run, results, attempts=ledger, max_attempts=max_attempts)
+
+
+def _lost_node(rank: int, host: str, record: AttemptRecord) -> NodeResult[NodeStatus]:
+    """A node the ledger says was lost, as its status (no connection is tried)."""
+    why = f"lost in attempt {record.attempt}: {record.reason or 'its machine or supervisor was gone'}"
+    status = NodeStatus(rank, host, False, RunState.LOST, why, None, None, None, None, None, why[:160], "")
+    return NodeResult(rank, host, [], 0, status, None, "")
 
 
 # -- the end --------------------------------------------------------------------------------------

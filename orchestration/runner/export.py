@@ -15,9 +15,12 @@ from pathlib import Path
 from orchestration.launch_env import LaunchEnv
 
 
-def export_argv(launch: LaunchEnv, run: str, out: Path, iteration: int | None, force: bool) -> list[str]:
-    """The exporter's command line (what the dry run prints). Pure."""
-    return [launch.python, "-m", "megatron_ext.export_hf", "--artifact-root", str(launch.artifact_root), "--run", run,
+EXPORTERS = {"hf": "megatron_ext.export_hf", "megatron-lm": "megatron_ext.export_megatron_lm"}
+
+
+def export_argv(launch: LaunchEnv, run: str, out: Path, iteration: int | None, force: bool, to: str = "hf") -> list[str]:
+    """The exporter's command line (what the dry run prints); ``to``: hf or megatron-lm. Pure."""
+    return [launch.python, "-m", EXPORTERS[to], "--artifact-root", str(launch.artifact_root), "--run", run,
             "--out", str(out.expanduser().resolve()),
             *(["--iteration", str(iteration)] if iteration is not None else []), *(["--force"] if force else [])]
 

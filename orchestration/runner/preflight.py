@@ -1,5 +1,5 @@
-"""Preflight, the launcher side: every node's checks at once, one list of every problem, and the
-answers a plan settles on (the port node 0 picked, each node's interface to MASTER_ADDR and
+"""Preflight, the launcher side: every node's checks at once, one list of every problem, the links
+between the nodes (several nodes: orchestration/runner/links.py), and the answers a plan settles on (the port node 0 picked, each node's interface to MASTER_ADDR and
 node-local directory: :func:`orchestration.runner.start_plan.plan_start` takes them).
 
     python -m orchestration preflight gpt_smoke smoke demo       # the checks start runs, on their own
@@ -15,12 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from megatron_ext.run_spec.errors import EXIT_USER_ERROR
+from megatron_ext.run_spec.errors import EXIT_USER_ERROR, UserError
+from megatron_ext.run_spec.model_size import count_model_parameters
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.cluster.fanout import call_nodes
 from orchestration.launch_env import LaunchEnv
-from orchestration.node.wire import CheckRequest, NodeReport, check_call
-from orchestration.runner.start_plan import StartInputs
+from orchestration.node.wire import LINKTEST_TIMEOUT_S, CheckRequest, LinkReport, NodeReport, check_call, linktest_call
+from orchestration.runner.links import LinkRow, link_rows, slow_link_problems
+from orchestration.runner.start_plan import StartInputs, checkpoint_target
 
 Problem = tuple[int, str, str]
 """(node rank, host, what is wrong and how to fix it)."""
@@ -33,6 +35,8 @@ class Preflight:
     problems: tuple[Problem, ...]
     answered: bool
     """Every node answered (else a problem is a node failure, not the user's input)."""
+    links: tuple[LinkRow, ...] = ()
+    """Several nodes: every node's links to its ring neighbours, measured with the run's backend."""
 
     @property
     def answers(self) -> tuple[NodeReport, ...] | None:
@@ -70,7 +74,22 @@ def check_request(launch: LaunchEnv, inputs: StartInputs, shared_token: Path | N
     required = [*params.data.paths, *([tok.model_path] if tok.model_path else []),
                 *([params.model.hf_checkpoint] if params.model.hf_checkpoint else [])]  # MODEL = a Hugging Face directory
     return CheckRequest(launch.master_addr, launch.nproc_per_node, shared_token, tuple(required),
-                        (tok.type, tok.model_path) if tok.model_path else None, required_modules(launch))
+                        (tok.type, tok.model_path) if tok.model_path else None, required_modules(launch),
+                        needs_cuda=params.training.engine == "megatron-lm",
+                        checkpoint_dir=str(checkpoint_target(launch, inputs.run)),
+                        checkpoint_parameters=parameters_to_save(params),
+                        keep_checkpoints=params.training.keep_checkpoints)
+
+
+def parameters_to_save(params) -> int | None:
+    """The model's parameter count when the run keeps checkpoints (its vocabulary known), else None."""
+    if not params.training.save_interval:
+        return None
+    vocab = params.model.vocab_size or params.data.tokenizer.vocab_size
+    try:
+        return count_model_parameters(params.model, vocab).total
+    except UserError:
+        return None
 
 
 def run_preflight(launch: LaunchEnv, inputs: StartInputs) -> Preflight:
@@ -97,4 +116,23 @@ def run_preflight(launch: LaunchEnv, inputs: StartInputs) -> Preflight:
     problems = cluster_problems(reports)
     problems += [(r.node_rank, r.host, r.error if r.error is not None else r.describe_failure())
                  for r in results if not r.ok]
-    return Preflight(reports, tuple(sorted(problems)), all(r.returncode in (0, EXIT_USER_ERROR) for r in results))
+    answered = all(r.returncode in (0, EXIT_USER_ERROR) for r in results)
+    links: tuple[LinkRow, ...] = ()
+    if launch.nnodes > 1 and len(reports) == len(inputs.nodes) == launch.nnodes and not problems:
+        links = tuple(measure_links(launch, inputs, reports))
+        problems += [p for p in slow_link_problems(links) if not (launch.allow_slow_links and "slow link" in p[2])]
+    return Preflight(reports, tuple(sorted(problems)), answered, links)
+
+
+def measure_links(launch: LaunchEnv, inputs: StartInputs, reports: Sequence[NodeReport]) -> list[LinkRow]:
+    """Every node's links, all nodes at once, with the run's backend, at the port the run will take
+    (free on node 0: the run's torchrun binds it after this test has closed it)."""
+    node0 = next(r for r in reports if r.node_rank == 0)
+    port = launch.master_port if launch.master_port_explicit or not node0.free_port else node0.free_port
+    backend = "nccl" if all(r.visible_gpus for r in reports) else "gloo"
+    interfaces = {r.node_rank: r.interface for r in reports}
+    results = call_nodes(launch, inputs.nodes, lambda rank, host: linktest_call(
+        inputs.run, rank, host, launch.artifact_root, launch.nnodes, launch.master_addr, port, backend,
+        interfaces.get(rank)), LinkReport, timeout_s=LINKTEST_TIMEOUT_S + 30)
+    answers = [r.value if r.ok else LinkReport(r.node_rank, r.host, error=r.error or r.describe_failure()) for r in results]
+    return link_rows(answers, interfaces)

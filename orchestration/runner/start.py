@@ -33,7 +33,7 @@ from orchestration.node.run_state import read_exit, wait_until_started, write_pl
 from orchestration.node.wire import NodeStarted, StopResult, start_call
 from orchestration.runner.control import RunEnd, stop_nodes, wait_until_ended
 from orchestration.runner.preflight import Preflight, run_preflight
-from orchestration.runner.start_plan import StartInputs, StartPlan, plan_start, read_start_inputs
+from orchestration.runner.start_plan import StartInputs, StartPlan, checkpoint_target, plan_start, read_start_inputs
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,13 @@ def start_run(launch: LaunchEnv, planned: PlannedStart) -> StartResult:
             data_ready = True
         elif step.name == CHECK_ARGUMENTS:
             notes += _check_arguments(launch, plan, planned.inputs, data_ready)
+        elif step.name == "link-checkpoints":
+            target = checkpoint_target(launch, plan.run)
+            target.mkdir(parents=True, exist_ok=True)
+            paths.run_dir.mkdir(parents=True, exist_ok=True)
+            if paths.checkpoints_dir.is_dir() and not paths.checkpoints_dir.is_symlink():
+                paths.checkpoints_dir.rmdir()  # empty (checked when the plan was made)
+            paths.checkpoints_dir.symlink_to(target, target_is_directory=True)
         elif step.name == "write-params":
             write_resolved(paths.params_path, plan.resolved)
             wandb_id = plan.program.env.get("WANDB_RUN_ID") if plan.program else None  # Megatron-LM with WANDB_PROJECT

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Mapping, Sequence
 
 from megatron_ext.data.prepare import PreparedData, is_prepared, planned_prepared
@@ -41,11 +43,13 @@ from orchestration.launch_env import SOCKET_IFNAME_VARIABLES, LaunchEnv
 from orchestration.megatron_lm.checkout import Checkout, read_checkout
 from orchestration.megatron_lm.program import ProgramPlan, check_megatron_lm_params, plan_program
 from orchestration.node.run_state import first_attempt
-from orchestration.node.wire import NODE_TAG, RUN_ID_TAG, RUN_TAG, NodePlan, NodeReport
+from orchestration.node.wire import MEMBERSHIP_RULE, NODE_TAG, RUN_ID_TAG, RUN_TAG, NodePlan, NodeReport
 
 DEFAULT_LOCAL_DIR = "/dev/shm"
 """A node's local directory for the ranks' progress files until its preflight says (tmpfs where there is one)."""
 PER_ATTEMPT = {ATTEMPT_ENV: "the attempt: the plan's first_attempt, then one more at each restart"}
+PER_ATTEMPT_ELASTIC = {"NNODES": MEMBERSHIP_RULE, "NODE_RANK": "this node's place among the nodes of the attempt",
+                       "--nnodes": "as NNODES", "--node-rank": "as NODE_RANK"}
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,8 @@ class StartInputs:
     """The prepared data exists already (else the start prepares it first)."""
     checkout: Checkout | None = None
     """ENGINE=megatron-lm: the checkout's version and flags."""
+    link_checkpoints: bool = False
+    """CHECKPOINT_ROOT: the run's checkpoint folder is to be linked there (the start does it)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,7 @@ def read_start_inputs(launch: LaunchEnv, model: str, data: str, run: str, nodes:
     params = load_run_params(model, data, launch.overrides)
     check_tokenizer(params.data.tokenizer)
     params, geometry = with_batch_geometry(params, launch.world_size)
+    params = with_min_nodes(params, launch)
     paths = RunPaths(launch.artifact_root, run)
     resume_from = latest_iteration(paths.checkpoints_dir)
     note = None
@@ -148,7 +155,76 @@ def read_start_inputs(launch: LaunchEnv, model: str, data: str, run: str, nodes:
         ready = is_prepared(params.data, paths.data_cache_dir)
     return StartInputs(model, data, run, tuple(nodes), params, geometry, f"{run}-{uuid.uuid4().hex[:10]}", resume_from,
                        note, first_attempt(paths, continue_ledger=launch.slurm_restart_count > 0), prepared, ready,
-                       checkout)
+                       checkout, check_checkpoint_link(launch, run))
+
+
+def checkpoint_target(launch: LaunchEnv, run: str) -> Path:
+    """Where the run's checkpoints are written: ``<CHECKPOINT_ROOT>/<run>/checkpoints`` when set (the
+    run's folder under the artifact root links there), else that folder itself."""
+    if launch.checkpoint_root is not None:
+        return launch.checkpoint_root / run / "checkpoints"
+    return RunPaths(launch.artifact_root, run).checkpoints_dir
+
+
+def check_checkpoint_link(launch: LaunchEnv, run: str) -> bool:
+    """Whether the start must link the run's checkpoint folder to CHECKPOINT_ROOT; a UserError where it
+    cannot (the run keeps checkpoints elsewhere already). Reads the file system."""
+    if launch.checkpoint_root is None:
+        return False
+    link, target = RunPaths(launch.artifact_root, run).checkpoints_dir, checkpoint_target(launch, run)
+    if link.is_symlink():
+        if link.resolve() != target.resolve():
+            raise UserError(f"run {run}'s checkpoints are in {link.resolve()} (linked from {link}), not under "
+                            f"CHECKPOINT_ROOT={launch.checkpoint_root}; give that CHECKPOINT_ROOT, or another RUN name")
+        return False
+    if link.exists() and any(link.iterdir()):
+        raise UserError(f"run {run} keeps its checkpoints in {link} already: CHECKPOINT_ROOT={launch.checkpoint_root} "
+                        "cannot move them; unset CHECKPOINT_ROOT, move them there yourself, or use another RUN name")
+    return True
+
+
+def with_min_nodes(params: RunParams, launch: LaunchEnv) -> RunParams:
+    """``params`` with the fewest nodes the run may go on with (NNODES=MIN:MAX, else the data set's
+    training.resilience.min_nodes), checked for every node count from there to NNODES before
+    anything starts: the global batch divides at each, and the checkpoint can be resharded."""
+    r, t = params.training.resilience, params.training
+    low = launch.min_nodes if launch.min_nodes is not None else (r.min_nodes or launch.nnodes)
+    if low > launch.nnodes:
+        raise UserError(f"training.resilience.min_nodes={low} is more than the {launch.nnodes} node(s) of this start; "
+                        f"set it to at most {launch.nnodes} (or NNODES=MIN:MAX)")
+    params = dataclasses.replace(params, training=dataclasses.replace(
+        t, resilience=dataclasses.replace(r, min_nodes=low if low < launch.nnodes else 0)))
+    if low >= launch.nnodes:
+        return params
+    counts = range(low, launch.nnodes + 1)
+    uneven = [n for n in counts if t.global_batch_size % (t.micro_batch_size * n * launch.nproc_per_node)]
+    if uneven:
+        raise UserError(
+            f"NNODES={low}:{launch.nnodes}: the global batch {t.global_batch_size} does not divide into micro-batches of "
+            f"{t.micro_batch_size} on {', '.join(map(str, uneven))} node(s) x {launch.nproc_per_node} processes, so a run "
+            f"that loses nodes could not keep it; choose a global batch that every count from {low} to {launch.nnodes} "
+            f"divides (e.g. {t.micro_batch_size * launch.nproc_per_node * math.lcm(*counts)}), or another MIN")
+    why = reshard_refusal(t.zero_stage, launch.device, t.engine)
+    if why:
+        raise UserError(f"NNODES={low}:{launch.nnodes} at ZERO_STAGE={t.zero_stage}: {why}; a run that may lose a node "
+                        f"needs a checkpoint another data-parallel size can load: use {why_not_stages(launch.device, t.engine)}, "
+                        "or NNODES without MIN")
+    return params
+
+
+def reshard_refusal(stage: int, device: str, engine: str) -> str | None:
+    """Why a checkpoint of ``stage`` cannot be loaded at another data-parallel size, or None. Pure."""
+    if engine == "megatron-lm" and stage != 0:
+        return "Megatron-LM's checkpoints are resharded here at stage 0 only (stage 1 cannot resume without apex or " \
+               "transformer-engine, stages 2-3 cannot save: see docs/megatron-lm.md)"
+    if engine != "megatron-lm" and device == "cpu" and stage == 1:
+        return "the CPU path's stage-1 checkpoints hold torch's ZeroRedundancyOptimizer partitions of each rank"
+    return None
+
+
+def why_not_stages(device: str, engine: str) -> str:
+    stages = [s for s in range(4) if reshard_refusal(s, device, engine) is None]
+    return "ZERO_STAGE=" + " or ".join(map(str, stages))
 
 
 # -- planning (pure) -------------------------------------------------------------------------------
@@ -220,6 +296,8 @@ def plan_steps(inputs: StartInputs, program: ProgramPlan, nnodes: int) -> tuple[
         steps.append(Step("prepare-data", f"tokenize {inputs.params.data.source} into {inputs.prepared.prefixes[0]} "
                                           "(Megatron-LM reads prepared prefixes)"))
     steps += [Step(name, text, check=True) for name, text in program.checks]
+    if inputs.link_checkpoints:
+        steps.append(Step("link-checkpoints", "link the run's checkpoint folder under the artifact root to CHECKPOINT_ROOT"))
     steps.append(Step("write-params", "write the resolved parameters beside the logs"))
     steps.append(Step("start-nodes", f"start {nnodes} node(s) in parallel: each node's supervisor starts its torchrun "
                                      "(node 0 first clears the run's failure and attempt files)"))
@@ -231,7 +309,8 @@ def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeRep
     report) when given. Pure."""
     launch, interfaces, local_dirs, settled_notes = settle(launch, answers)
     params, paths = inputs.params, RunPaths(launch.artifact_root, inputs.run)
-    program = plan_program(params, inputs.model, inputs.data, paths, launch, inputs.checkout, inputs.prepared, answers)
+    program = plan_program(params, inputs.model, inputs.data, paths, launch, inputs.checkout, inputs.prepared, answers,
+                           has_checkpoint=inputs.resume_from is not None)
     node_plans = []
     for rank, host in inputs.nodes:
         env, unset = node_environment(launch, rank, inputs.run, inputs.run_id, program.env,
@@ -243,7 +322,9 @@ def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeRep
             cwd=launch.cwd, log_path=str(paths.node_log(rank)), pid_path=str(paths.node_pid_file(rank)),
             engine=program.engine, resilience=dataclasses.asdict(params.training.resilience),
             first_attempt=inputs.first_attempt, save_signal=program.save_signal,
-            secret_names=tuple(sorted(launch.secrets)), per_attempt=dict(PER_ATTEMPT), resets_run_state=rank == 0,
+            secret_names=tuple(sorted(launch.secrets)), resets_run_state=rank == 0,
+            per_attempt={**PER_ATTEMPT, **(PER_ATTEMPT_ELASTIC if params.training.resilience.min_nodes else {})},
+            resume_args=program.resume_args, hosts=tuple(launch.hosts),
         ))
     runtime = RunRuntime(
         run=inputs.run, run_id=inputs.run_id, engine=program.engine, nnodes=launch.nnodes,

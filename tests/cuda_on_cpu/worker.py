@@ -2,13 +2,25 @@
 
     python -m torch.distributed.run --nproc-per-node 2 tests/cuda_on_cpu/worker.py resume --stage 1 --out DIR
 
-``resume``: train ``--steps`` steps from a fixed initialisation and fixed batches, saving a
-checkpoint after ``--save-at``; then a new model and trainer load it and train on to ``--steps``
-(and the ways this project once did it, at stage 1 and stages 2-3); ``nan``: rank 1's loss (so
-its gradients) NaN at the second step, each rank that stops writing ``nan_rank<R>.json``;
-``gathers``: Megatron-FSDP's parameter all-gathers per step of 1 and of 4 micro-batches, with the
-adapter's default units and with TransformerLayer as the unit (what this project once passed at
-stage 2). Rank 0 writes ``DIR/<mode>_z<stage>.json``.
+Every step trains on the same global batch of 4 micro-batches of 2 sequences, whatever the number
+of ranks (rank r takes micro-batches r x a ... r x a + a - 1, a = 4 / ranks), so runs at different
+data-parallel sizes see the same data. The first step of every start runs inside the trainer's
+``first_iteration()``, as the training loop does.
+
+``resume``: train ``--steps`` steps, saving a checkpoint after ``--save-at``; then a new model and
+trainer load it and train on to ``--steps``; with ``--reshard-from DIR``, a new model and trainer
+also load that checkpoint, saved at another data-parallel size, and train on from there
+(``--only-reshard``: only that). With 2 ranks it also records what megatron-core leaves to its
+caller (stage 1: the load template without the Adam state filled; stages 2-3: the optimizer's
+state_dict round trip, the parameters without Adam state before the save), and at stage 1 the
+parameter gathers dispatched in the first and second step after the load. ``--optimizer apex|te``:
+megatron-core picks a stand-in of that FusedAdam (fused_adam.py). ``nan``: rank 1's loss (so its
+gradients) NaN at the second step, each rank that stops writing ``nan_rank<R>.json``;
+``gathers``: Megatron-FSDP's parameter all-gathers and gradient-norm computations per step of 1
+and of 4 micro-batches, with the adapter's default units and with TransformerLayer as the unit (what
+this project once passed at stage 2); ``fusion``: stage 2 with gradient-accumulation fusion on
+(a stand-in for apex's extension, which megatron-core's layers only check for), fp32 and bf16
+gradient reduction, tied and untied embeddings, against the unfused run. Rank 0 writes ``DIR/<mode>_z<stage>.json``.
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ import dataclasses
 import json
 import os
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -30,31 +43,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cuda_on_cpu.shim import cuda_on_cpu  # noqa: E402
 
 VOCAB, SEQ, MICRO = 256, 32, 2
-
-
-def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + 10 * micro + dist.get_rank())
-    tokens = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
-    return tokens.to(DEVICE), torch.arange(SEQ).unsqueeze(0).expand(MICRO, -1).to(DEVICE)
-
+MICRO_BATCHES = 4
+"""Micro-batches per optimizer step over all ranks."""
 
 DEVICE = torch.device("cpu")
 """The shim's CPU, or (``--device cuda``, a real GPU) this rank's GPU."""
 
 
-def build(stage: int, units: str = "default"):
+def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``index`` of the global batch of ``step``: the same at any data-parallel size."""
+    g = torch.Generator().manual_seed(1000 * step + index)
+    tokens = torch.randint(0, VOCAB, (MICRO, SEQ), generator=g)
+    return tokens.to(DEVICE), torch.arange(SEQ).unsqueeze(0).expand(MICRO, -1).to(DEVICE)
+
+
+def build(stage: int, units: str = "default", tied: bool = True, **training):
     from megatron_ext.run_spec.params import TrainingParams, load_model
     from megatron_ext.run_spec.zero import ZeroStage
     from megatron_ext.training.cuda_trainer import wrap_cuda
     from megatron_ext.training.model import CPU_KERNELS, build_gpt_model, choose_kernels, transformer_engine_available
 
-    torch.manual_seed(1234)
-    kernels = (dataclasses.replace(CPU_KERNELS, device="cuda") if DEVICE.type == "cpu" else
-               choose_kernels(True, transformer_engine_available(), stage))
-    module = build_gpt_model(load_model("gpt_smoke"), VOCAB, SEQ, params_dtype=torch.bfloat16, kernels=kernels)
+    torch.manual_seed(1234)  # the same initialisation for every model a process builds:
+    if DEVICE.type == "cpu":  # the model-parallel RNG tracker too (the shim's, or megatron-core's own)
+        from megatron_ext.training.cpu_compat import install_cpu_compat
+
+        install_cpu_compat(1234)
+    else:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    fusion = training.pop("gradient_accumulation_fusion", False)
+    kernels = (dataclasses.replace(CPU_KERNELS, device="cuda", gradient_accumulation_fusion=fusion)
+               if DEVICE.type == "cpu" else choose_kernels(True, transformer_engine_available(), stage))
+    preset = load_model("gpt_smoke") if tied else dataclasses.replace(load_model("gpt_smoke"), tie_embeddings=False)
+    module = build_gpt_model(preset, VOCAB, SEQ, params_dtype=torch.bfloat16, kernels=kernels)
     if DEVICE.type == "cuda":
         module.cuda()
-    t = TrainingParams(lr=3e-3, clip_grad=1.0, weight_decay=0.01)
+    t = TrainingParams(**{"lr": 3e-3, "clip_grad": 1.0, "weight_decay": 0.01, **training})
     if units == "default":
         return wrap_cuda(module, ZeroStage(stage), t, DEVICE), t
     from megatron.core.distributed.fsdp import mcore_fsdp_adapter  # what this project once passed at stages 2 and 3
@@ -72,15 +97,18 @@ def build(stage: int, units: str = "default"):
         mcore_fsdp_adapter.FullyShardedDataParallel.__init__ = original
 
 
-def train_step(trainer, t, step: int, accumulation: int = 2, nan_on: int | None = None) -> float:
-    """One optimizer step; ``nan_on``: that rank's loss (so its gradients) is NaN."""
+def train_step(trainer, t, step: int, accumulation: int | None = None, nan_on: int | None = None) -> float:
+    """One optimizer step on this rank's micro-batches of the global batch; ``nan_on``: that
+    rank's loss (so its gradients) is NaN. Returns the mean loss over all micro-batches."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    accumulation = accumulation or MICRO_BATCHES // world
     trainer.zero_grad()
     total = torch.zeros(1, device=DEVICE)
     for micro in range(accumulation):
         with trainer.sync_context(micro == accumulation - 1):
-            tokens, positions = batch(step, micro)
+            tokens, positions = batch(step, rank * accumulation + micro)
             loss = trainer.model(tokens, positions, None, labels=tokens).float().mean()
-            if nan_on is not None and nan_on % dist.get_world_size() == dist.get_rank():
+            if nan_on is not None and nan_on % world == rank:
                 loss = loss * float("nan")
             total += loss.detach() / accumulation
             (loss / accumulation).backward()
@@ -88,7 +116,18 @@ def train_step(trainer, t, step: int, accumulation: int = 2, nan_on: int | None 
     trainer.step(t.lr, t.weight_decay)
     mean = total.clone()
     dist.all_reduce(mean)
-    return float(mean.cpu()) / dist.get_world_size()
+    return float(mean.cpu()) / world
+
+
+def run_steps(trainer, t, steps, each=None) -> dict[int, float]:
+    """``steps`` in order, the first inside ``first_iteration()`` (the loop's first step of a
+    start); ``each(step)``: a context around each step."""
+    losses = {}
+    for i, step in enumerate(steps):
+        with trainer.first_iteration() if i == 0 else contextlib.nullcontext(), \
+                each(step) if each else contextlib.nullcontext():
+            losses[step] = train_step(trainer, t, step)
+    return losses
 
 
 def main_params(trainer) -> list[torch.Tensor]:
@@ -97,13 +136,153 @@ def main_params(trainer) -> list[torch.Tensor]:
             for group in opt.optimizer.param_groups for p in group["params"]]
 
 
+@contextlib.contextmanager
+def counting(owner, name: str, counts: list[int]):
+    """Count the calls of ``owner.name`` inside the block into a new entry of ``counts``."""
+    original = getattr(owner, name)
+    counts.append(0)
+
+    def counted(*a, **k):
+        counts[-1] += 1
+        return original(*a, **k)
+
+    setattr(owner, name, counted)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def every_rank(value):
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def resume(args) -> dict:
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+    from megatron_ext.run_spec.checkpoints import CheckpointMeta, iteration_dir_name
+    from megatron_ext.training import checkpoint
+
+    stage, world = args.stage, dist.get_world_size()
+    result: dict = {}
+    checkpoints = args.out / f"checkpoints_z{stage}"
+    after = range(args.save_at + 1, args.steps + 1)
+    if not args.only_reshard:
+        trainer, t = build(stage)
+        meta = CheckpointMeta(iteration=args.save_at, consumed_samples=0, world_size=world, zero_stage=stage,
+                              global_batch_size=MICRO * MICRO_BATCHES, device="cuda")
+        result["uninterrupted"] = run_steps(trainer, t, range(1, args.save_at + 1))
+        if stage >= 2:  # Megatron-FSDP: parameters whose local shard got no gradient, so no Adam state
+            inner = trainer.optimizer.optimizer
+            result["without_state"] = every_rank(sum(1 for g in inner.param_groups for p in g["params"]
+                                                     if not inner.state.get(p)))
+        checkpoint.save(trainer, checkpoints, meta, keep=2)
+        result["uninterrupted"].update({s: train_step(trainer, t, s) for s in after})
+        result["files"] = sorted(f.name for f in (checkpoints / iteration_dir_name(args.save_at)).iterdir())
+        if world > 1:
+            result.update(probes(stage))
+        trainer, t = build(stage)  # a new model and optimizer, from the checkpoint on disk
+        checkpoint.load(trainer, checkpoints, args.save_at)
+        gathers: list[int] = []
+        result["resumed"] = run_steps(trainer, t, after,
+                                      lambda step: counting(_ParamAndGradBucketGroup, "start_param_sync", gathers))
+        result["gathers_after_load"] = gathers[:2]
+    if args.reshard_from:
+        trainer, t = build(stage)
+        checkpoint.load(trainer, args.reshard_from, args.save_at)
+        result["resharded"] = run_steps(trainer, t, after)
+    return result
+
+
+def probes(stage: int) -> dict:
+    """What megatron-core leaves to its caller, shown on a new model and optimizer."""
+    from megatron_ext.training import cuda_checkpoint
+
+    probe, t = build(stage)
+    if stage == 1:  # megatron-core's own template for a torch_dist load, as Megatron-LM builds it
+        metadata = cuda_checkpoint.torch_dist_metadata(probe.optimizers)
+        try:
+            probe.optimizer.sharded_state_dict({"model": probe.module.sharded_state_dict(metadata=metadata)},
+                                               is_loading=True, metadata=metadata)
+            return {"unfilled_template": None}
+        except Exception as exc:
+            return {"unfilled_template": f"{type(exc).__name__}: {exc}"}
+    if stage >= 2:  # what this project once did with the optimizer's state at stages 2-3
+        train_step(probe, t, 1)
+        try:
+            probe.optimizer.load_state_dict(probe.optimizer.state_dict())
+            return {"state_dict_roundtrip": None}
+        except Exception as exc:
+            return {"state_dict_roundtrip": f"{type(exc).__name__}: {exc}"}
+    return {}
+
+
+def nan_step(stage: int) -> dict:
+    """Rank 1's loss NaN at the second step: who stops, why, and whether the update was applied."""
+    trainer, t = build(stage)
+    run_steps(trainer, t, [1])
+    weights = main_params(trainer)
+    try:
+        train_step(trainer, t, 2, nan_on=1)
+        return {"error": None}
+    except RuntimeError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "unchanged": all(torch.equal(a, b) for a, b in
+                                                                          zip(weights, main_params(trainer)))}
+
+
+def gathers_per_step(stage: int, units: str) -> dict:
+    """Megatron-FSDP's parameter all-gathers and global gradient-norm computations in a step of 1
+    and of 4 micro-batches."""
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    trainer, t = build(stage, units)
+    run_steps(trainer, t, [1])
+    gathers, norms = [], []
+    for step, accumulation in ((2, 1), (3, 4)):
+        with counting(torch.distributed, "all_gather_into_tensor", gathers), \
+                counting(mcore_optimizer, "get_grad_norm_fp32", norms):
+            train_step(trainer, t, step, accumulation=accumulation)
+    return {"gathers": gathers, "norms": norms}
+
+
+def fusion(stage: int) -> dict:
+    """Gradient-accumulation fusion under Megatron-FSDP: megatron-core's layers check for apex's
+    extension at construction (a stand-in module here: Megatron-FSDP's path never calls it) and
+    write the weight gradient with torch.matmul(out=main_grad)."""
+    from megatron.core.tensor_parallel import layers
+
+    sys.modules.setdefault("fused_weight_gradient_mlp_cuda", types.ModuleType("fused_weight_gradient_mlp_cuda"))
+    layers._grad_accum_fusion_available = True
+    # The fused backward allocates its dummy weight gradient on torch.cuda.current_device() inside
+    # autograd's backward, where the shim's TorchFunctionMode does not reach: there it names the CPU.
+    current_device = torch.cuda.current_device
+    result = {}
+    for name, fused, bf16, tied in (("unfused_bf16", False, True, True), ("fused_bf16", True, True, True),
+                                    ("fused_fp32", True, False, True), ("unfused_bf16_untied", False, True, False),
+                                    ("fused_bf16_untied", True, True, False)):
+        trainer, t = build(stage, tied=tied, gradient_accumulation_fusion=fused, grad_reduce_in_bf16=bf16)
+        torch.cuda.current_device = lambda: "cpu"
+        try:
+            result[name] = run_steps(trainer, t, [1, 2, 3])
+        except RuntimeError as exc:
+            result[name] = f"{type(exc).__name__}: {exc}"
+        finally:
+            torch.cuda.current_device = current_device
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["resume", "nan", "gathers"])
+    p.add_argument("mode", choices=["resume", "nan", "gathers", "fusion"])
     p.add_argument("--stage", type=int, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--save-at", type=int, default=3)
+    p.add_argument("--reshard-from", type=Path, help="a checkpoints directory saved at another data-parallel size")
+    p.add_argument("--only-reshard", action="store_true")
+    p.add_argument("--optimizer", choices=["torch", "apex", "te"], default="torch")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: a real GPU, NCCL, no shim")
     args = p.parse_args()
     global DEVICE
@@ -117,90 +296,29 @@ def main() -> None:
     with cuda_on_cpu() if args.device == "cpu" else contextlib.nullcontext():
         from megatron.core import parallel_state
 
-        from megatron_ext.run_spec.checkpoints import CheckpointMeta, iteration_dir_name
-        from megatron_ext.training import checkpoint
         from megatron_ext.training.cpu_compat import install_cpu_compat
 
         parallel_state.initialize_model_parallel(1, 1)
-        install_cpu_compat(1234)
+        if args.device == "cpu":  # on a GPU megatron-core's own memory buffer and CUDA RNG tracker (build() seeds it)
+            install_cpu_compat(1234)
+        if args.optimizer != "torch":
+            from cuda_on_cpu import fused_adam
+
+            fused_adam.use(args.optimizer)
         if args.mode == "gathers":
             result = {units: gathers_per_step(args.stage, units) for units in ("default", "layers")}
+        elif args.mode == "fusion":
+            result = fusion(args.stage)
         elif args.mode == "nan":
             result = nan_step(args.stage)
             (args.out / f"nan_rank{dist.get_rank()}.json").write_text(json.dumps(result))
             os._exit(1 if result["error"] else 0)  # none goes on to a collective its peers left
         else:
-            trainer, t = build(args.stage)
-            checkpoints = args.out / f"checkpoints_z{args.stage}"
-            meta = CheckpointMeta(iteration=args.save_at, consumed_samples=0, world_size=dist.get_world_size(),
-                                  zero_stage=args.stage, global_batch_size=MICRO * 2 * dist.get_world_size(), device="cuda")
-            uninterrupted = {}
-            for step in range(1, args.steps + 1):
-                uninterrupted[step] = train_step(trainer, t, step)
-                if step == args.save_at:
-                    checkpoint.save(trainer, checkpoints, meta, keep=2)
-            result = {"uninterrupted": uninterrupted,
-                      "files": sorted(f.name for f in (checkpoints / iteration_dir_name(args.save_at)).iterdir())}
-            if args.stage >= 2:  # what this project once did with the optimizer's state at stages 2-3
-                probe, t = build(args.stage)
-                train_step(probe, t, 1)
-                try:
-                    probe.optimizer.load_state_dict(probe.optimizer.state_dict())
-                    result["state_dict_roundtrip"] = None
-                except Exception as exc:
-                    result["state_dict_roundtrip"] = f"{type(exc).__name__}: {exc}"
-            trainer, t = build(args.stage)  # a new model and optimizer, from the checkpoint on disk
-            checkpoint.load(trainer, checkpoints, args.save_at)
-            result["resumed"] = {step: train_step(trainer, t, step) for step in range(args.save_at + 1, args.steps + 1)}
-            if args.stage == 1:  # what this project once did at stage 1: each optimizer's state_dict() alone
-                trainer, t = build(args.stage)
-                trainer.load_rank_local_state = lambda saved: [opt.load_state_dict(entry["optimizer"]) for opt, entry
-                                                               in zip(trainer.optimizers, saved)]
-                checkpoint.load(trainer, checkpoints, args.save_at)
-                try:
-                    result["state_dict_only"] = {step: train_step(trainer, t, step)
-                                                 for step in range(args.save_at + 1, args.steps + 1)}
-                except RuntimeError as exc:
-                    result["state_dict_only"] = f"{type(exc).__name__}: {exc}"
+            result = resume(args)
     if dist.get_rank() == 0:
         (args.out / f"{args.mode}_z{args.stage}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def nan_step(stage: int) -> dict:
-    """Rank 1's loss NaN at the second step: who stops, why, and whether the update was applied."""
-    trainer, t = build(stage)
-    train_step(trainer, t, 1)
-    weights = main_params(trainer)
-    try:
-        train_step(trainer, t, 2, nan_on=1)
-        return {"error": None}
-    except RuntimeError as exc:
-        return {"error": f"{type(exc).__name__}: {exc}", "unchanged": all(torch.equal(a, b) for a, b in
-                                                                          zip(weights, main_params(trainer)))}
-
-
-def gathers_per_step(stage: int, units: str) -> list[int]:
-    """Megatron-FSDP's parameter all-gathers in a step of 1 and of 4 micro-batches."""
-    trainer, t = build(stage, units)
-    train_step(trainer, t, 1)
-    counts = []
-    for step, accumulation in ((2, 1), (3, 4)):
-        counted = {"n": 0}
-        original = torch.distributed.all_gather_into_tensor
-
-        def counting(*a, **k):
-            counted["n"] += 1
-            return original(*a, **k)
-
-        torch.distributed.all_gather_into_tensor = counting
-        try:
-            train_step(trainer, t, step, accumulation=accumulation)
-        finally:
-            torch.distributed.all_gather_into_tensor = original
-        counts.append(counted["n"])
-    return counts
 
 
 if __name__ == "__main__":

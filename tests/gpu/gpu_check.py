@@ -1,114 +1,330 @@
-"""The GPU check for a lent machine (one GPU): what matters most first, inside a time budget.
+"""The GPU check for a lent machine (one GPU): a preflight of seconds, then what matters most
+first, row by row, inside a time budget.
 
-    python tests/gpu/gpu_check.py [--budget-s 450]      # what tests/gpu/device_check.sh runs
+    python3 tests/gpu/prepare_device_check.py   # here, first: the wheel into .whl/, the carry list, the command
+    bash tests/gpu/device_check.sh               # there: runs this file
+    python3 tests/gpu/gpu_check.py --dry-run     # anywhere: the preflight's findings and the row plan
 
-1. Throughput: Qwen3-1.7B's shape with 8 layers under ZERO_STAGE 0-3 (tests/gpu/test_gpu_stages.py):
-   TFLOP/s/GPU, MFU, peak memory, last loss, the kernels chosen.
-2. Resume at stages 1 and 3, then 0 and 2 (tests/cuda_on_cpu/worker.py on the GPU, NCCL, no shim):
-   6 steps, a checkpoint after 3, a new model and optimizer loading it and training on; the losses
-   of steps 4-6 against the run never stopped (bf16 on a GPU: equal, or within bf16 noise; no jump).
-3. A NaN loss at the second step: the run stops before the update (stages 0 and 2: megatron-core's
-   bucket check, and the norm check before the step under Megatron-FSDP).
-4. Megatron-FSDP's parameter all-gathers per step at stage 2 (1 and 4 micro-batches; the adapter's
-   default units against TransformerLayer units).
+Preflight (before anything slow): python3 3.12 (the carried wheel's), torch with a CUDA device,
+megatron-core importable or its wheel in .whl/ (installed then into /tmp/gpu_check_site), free
+disk, $OUT; every problem is printed at once and the check exits 2.
 
-Each section prints its lines as it finishes; a section starts only if the budget still holds its
-estimate, so a slow machine cuts the tail, not the head. The table also goes to $OUT/gpu_check.txt.
+Rows (each a process tree in its own session, killed as a group past its limit; each line is
+appended to $OUT/gpu_check.txt as it finishes, so a timeout keeps what was done):
+
+1. Qwen3-1.7B at full depth (28 layers, sequence 4096, micro batch 4, DP=1) under ZERO_STAGE 0-3,
+   BF16: TFLOP/s/GPU, MFU (against the dense peak it names), peak memory, last loss
+   (tests/gpu/test_gpu_stages.py); the same in FP8 at stages 0 and 2 where transformer-engine is
+   installed.
+2. The full-size checkpoint at stage 0 (megatron-core's torch_dist, fully parallel): its size, the
+   save and the load timed by the program's own lines.
+3. Resume at stages 1 and 3, then 0 and 2 (tests/cuda_on_cpu/worker.py on the GPU, NCCL, one
+   rank): PASS when every resumed loss is within RESUME_TOLERANCE of the run never stopped.
+4. A NaN loss at the second step, stages 0 and 2: PASS when the run stops, the update was not
+   applied and the message names rank 0.
+5. Megatron-FSDP's all-gathers and gradient norms per step at stage 2 (1 and 4 micro-batches).
+
+A row starts only if the budget left holds its estimate; ``--only`` runs the named rows (for a
+second, shorter run). What only this check shows, next to what the CPU tests show:
+docs/training-program.md#what-the-device-shim-cannot-show.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "gpu"))
 
-from test_gpu_stages import HEADER, STAGE_TIMEOUT_S, format_row, run_stage  # noqa: E402
+from test_gpu_stages import (  # noqa: E402
+    HEADER, RUNNING, data_yaml, format_row, kill_group, pretrain_argv, run_in_own_group, run_stage,
+)
 
 WORKER = REPO / "tests" / "cuda_on_cpu" / "worker.py"
-WORKER_TIMEOUT_S = 120
+WHEEL_GLOB = "megatron_core-0.16.1-cp312-*.whl"
+SITE = Path("/tmp/gpu_check_site")
+RESUME_TOLERANCE = 1e-3
+"""Relative: bf16 kernels on a GPU need not be bitwise deterministic; a wrong optimizer state
+shows as a jump of 1e-2 or more from the second resumed step on."""
+CHECKPOINT_DISK_GB = 30.0
+"""Qwen3-1.7B at stage 0: bf16 weights and fp32 main params and moments, ~24 GB."""
+DEFAULT_BUDGET_S = 450.0
 
 
-def worker(mode: str, stage: int, out: Path) -> tuple[int, str]:
+# -- preflight ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Facts:
+    """What the preflight reads on the machine (gather_facts), checked by preflight_problems."""
+
+    python: tuple[int, int]
+    torch: str | None
+    cuda_devices: int
+    device_name: str | None
+    megatron_core: str | None
+    wheel: str | None
+    transformer_engine: str | None
+    free_gb: float
+    out_dir: str | None
+
+
+def preflight_problems(f: Facts) -> list[str]:
+    """Everything that would stop the check, each with its fix; [] when it can run."""
+    problems = []
+    if f.torch is None:
+        problems.append("torch does not import for python3 here: use the machine's python3 (the one with torch)")
+    elif f.cuda_devices == 0:
+        problems.append(f"torch {f.torch} sees no CUDA device: this check needs a GPU machine")
+    if f.megatron_core is None and f.wheel is None:
+        problems.append(f"megatron-core does not import and no {WHEEL_GLOB} is in .whl/: on the developer machine run "
+                        "python3 tests/gpu/prepare_device_check.py and send .whl along (carry)")
+    if f.megatron_core is None and f.wheel is not None and f.python != (3, 12):
+        problems.append(f"the carried wheel is for Python 3.12, python3 here is {f.python[0]}.{f.python[1]}")
+    if f.free_gb < 10:
+        problems.append(f"{f.free_gb:.1f} GB free in {tempfile.gettempdir()}: the rows need 10 GB (30 for the checkpoint row)")
+    return problems
+
+
+def _wheel() -> Path | None:
+    for directory in (REPO / ".whl", REPO / "shared" / "wheels"):
+        found = sorted(directory.glob(WHEEL_GLOB)) if directory.is_dir() else []
+        if found:
+            return found[-1]
+    return None
+
+
+def _version(module: str, *distributions: str) -> str | None:
+    """The installed version of ``module`` (from its distribution's metadata: nothing is imported,
+    so the preflight takes seconds), or None when it is not there."""
     try:
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
-                               str(29500 + stage), str(WORKER), mode, "--stage", str(stage), "--out", str(out),
-                               "--device", "cuda"], cwd=REPO, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S,
-                              env={**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"})
-    except subprocess.TimeoutExpired:
-        return 124, f"timed out after {WORKER_TIMEOUT_S} s"
-    return proc.returncode, (proc.stdout + proc.stderr)[-1200:]
+        if importlib.util.find_spec(module) is None:
+            return None
+    except ImportError:
+        return None
+    for name in distributions:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "?"
 
 
-def resume_row(stage: int, out: Path) -> str:
-    code, tail = worker("resume", stage, out)
+def gather_facts() -> Facts:
+    torch_version = _version("torch", "torch")
+    devices, name = 0, None
+    if torch_version:
+        import torch
+
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        name = torch.cuda.get_device_name(0) if devices else None
+    wheel = _wheel()
+    return Facts(python=sys.version_info[:2], torch=torch_version, cuda_devices=devices, device_name=name,
+                 megatron_core=_version("megatron.core", "megatron-core", "megatron_core"), wheel=str(wheel) if wheel else None,
+                 transformer_engine=_version("transformer_engine", "transformer-engine", "transformer_engine"),
+                 free_gb=shutil.disk_usage(tempfile.gettempdir()).free / 1e9, out_dir=os.environ.get("OUT"))
+
+
+def install_wheel(wheel: str) -> str:
+    """pip-install the carried wheel (no index, no dependencies) into SITE; returns its version."""
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--no-cache-dir", "--upgrade", "--target", str(SITE), wheel], check=True)
+    sys.path.insert(0, str(SITE))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), os.environ.get("PYTHONPATH")]))
+    import megatron.core  # noqa: F401  (it imports: the rows' children get the same PYTHONPATH)
+
+    return _version("megatron.core", "megatron-core", "megatron_core") or "?"
+
+
+# -- rows -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    estimate_s: float
+    """Expected wall time on an H200 (a row starts only if the budget left holds it)."""
+    run: Callable[[Path], str] = field(compare=False, repr=False)
+    """Writes under the folder it is given; returns its line (its own limit kills its process group)."""
+
+
+def plan_rows(rows: list[Row], budget_s: float, only: set[str] | None = None) -> tuple[list[Row], list[Row]]:
+    """(the rows expected to run, in order, by their estimates within ``budget_s``; the rows that
+    would be cut by the budget). ``only``: just those rows. While running, each row is checked
+    against the time actually left."""
+    chosen = [r for r in rows if not only or r.name in only]
+    expected, spent = [], 0.0
+    for row in chosen:
+        if spent + row.estimate_s > budget_s:
+            break
+        expected.append(row)
+        spent += row.estimate_s
+    return expected, chosen[len(expected):]
+
+
+def worker(mode: str, stage: int, out: Path, limit_s: float) -> tuple[int, str]:
+    return run_in_own_group([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
+                             str(29600 + stage), str(WORKER), mode, "--stage", str(stage), "--out", str(out),
+                             "--device", "cuda"], limit_s, cwd=REPO)
+
+
+def resume_row(stage: int, out: Path, limit_s: float = 120) -> str:
+    code, tail = worker("resume", stage, out, limit_s)
     path = out / f"resume_z{stage}.json"
     if code or not path.exists():
-        return f"resume z{stage}: failed ({code}): {tail}"
+        return f"resume z{stage}: FAIL (exit {code}): {tail[-1200:]}"
     r = json.loads(path.read_text())
     steps = sorted(r["resumed"], key=int)
     diffs = [abs(r["resumed"][s] - r["uninterrupted"][s]) / abs(r["uninterrupted"][s]) for s in steps]
+    verdict = "PASS" if max(diffs) <= RESUME_TOLERANCE else "FAIL"
     resumed = ", ".join(f"{r['resumed'][s]:.5f}" for s in steps)
     never = ", ".join(f"{r['uninterrupted'][s]:.5f}" for s in steps)
-    return (f"resume z{stage}: steps {', '.join(steps)} resumed {resumed} vs never stopped {never}: max relative "
-            f"difference {max(diffs):.2e}; files {', '.join(r['files'])}")
+    return (f"resume z{stage}: {verdict} (threshold {RESUME_TOLERANCE:g} relative): steps {', '.join(steps)} resumed "
+            f"{resumed} vs never stopped {never}, max difference {max(diffs):.2e}; files {', '.join(r['files'])}")
 
 
-def nan_row(stage: int, out: Path) -> str:
-    code, tail = worker("nan", stage, out)
+def nan_row(stage: int, out: Path, limit_s: float = 90) -> str:
+    code, tail = worker("nan", stage, out, limit_s)
     told = out / "nan_rank0.json"
     if not told.exists():
-        return f"NaN z{stage}: no answer ({code}): {tail}"
+        return f"NaN z{stage}: FAIL (no answer, exit {code}): {tail[-1200:]}"
     r = json.loads(told.read_text())
-    return f"NaN z{stage}: exit {code}, update applied: {'no' if r.get('unchanged') else 'YES'}; {r['error'][:240]}"
+    named = "Rank 0" in (r["error"] or "") or "rank(s) 0" in (r["error"] or "")
+    verdict = "PASS" if code != 0 and r.get("unchanged") and named else "FAIL"
+    return (f"NaN z{stage}: {verdict} (threshold: exit != 0, update not applied, rank 0 named): exit {code}, update "
+            f"applied: {'no' if r.get('unchanged') else 'YES'}; {(r['error'] or '')[:240]}")
 
 
-def gathers_row(out: Path) -> str:
-    code, tail = worker("gathers", 2, out)
+def gathers_row(out: Path, limit_s: float = 90) -> str:
+    code, tail = worker("gathers", 2, out, limit_s)
     path = out / "gathers_z2.json"
     if code or not path.exists():
-        return f"gathers z2: failed ({code}): {tail}"
+        return f"gathers z2: FAIL (exit {code}): {tail[-1200:]}"
     r = json.loads(path.read_text())
-    return (f"gathers z2 per step (1 / 4 micro-batches): default units {r['default'][0]} / {r['default'][1]}, "
-            f"TransformerLayer units {r['layers'][0]} / {r['layers'][1]}")
+    return (f"gathers z2 per step (1 / 4 micro-batches): default units {r['default']['gathers']}, TransformerLayer units "
+            f"{r['layers']['gathers']}; gradient norms {r['default']['norms']} (PASS when [1, 1] and [1, 1])")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--budget-s", type=float, default=450.0)
-    args = p.parse_args()
+def checkpoint_row(out: Path, limit_s: float = 240) -> str:
+    """Stage 0 at full size: 2 iterations and a save, then a start that loads it and trains one more."""
+    free = shutil.disk_usage(out).free / 1e9
+    if free < CHECKPOINT_DISK_GB:
+        return f"checkpoint z0: skipped ({free:.0f} GB free, {CHECKPOINT_DISK_GB:.0f} needed)"
+    env = {**os.environ, "ARTIFACT_ROOT": str(out)}
     started = time.monotonic()
-    lines: list[str] = []
+    code, log = run_in_own_group(pretrain_argv(data_yaml(out, "ckpt_save", iters=2, micro=1, save_interval=2),
+                                               "gpu_ckpt", 0), limit_s, cwd=REPO, env=env)
+    saved = next((line for line in log.splitlines() if line.startswith("saved checkpoint")), None)
+    if code or saved is None:
+        return f"checkpoint z0: FAIL (save run, exit {code}): {log[-1200:]}"
+    folder = next((out / "runs" / "gpu_ckpt" / "checkpoints").glob("iter_*"))
+    size_gb = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 1e9
+    left = limit_s - (time.monotonic() - started)
+    code, log = run_in_own_group(pretrain_argv(data_yaml(out, "ckpt_load", iters=3, micro=1), "gpu_ckpt", 0), left,
+                                 cwd=REPO, env=env)
+    loaded = next((line for line in log.splitlines() if line.startswith("resuming from iteration")), None)
+    shutil.rmtree(folder, ignore_errors=True)
+    if code or loaded is None:
+        return f"checkpoint z0: FAIL (load run, exit {code}): {log[-1200:]}"
+    return f"checkpoint z0 ({size_gb:.1f} GB, torch_dist): {saved}; {loaded}"
 
-    def left() -> float:
-        return args.budget_s - (time.monotonic() - started)
+
+def all_rows(transformer_engine: bool) -> list[Row]:
+    rows = [Row(f"full-z{s}", 70 if s == 0 else 40, lambda out, s=s: format_row(run_stage(s, out))) for s in range(4)]
+    if transformer_engine:
+        rows += [Row(f"full-z{s}-fp8", 45, lambda out, s=s: format_row(run_stage(s, out, fp8="hybrid"))) for s in (0, 2)]
+    rows.append(Row("checkpoint-z0", 110, checkpoint_row))
+    rows += [Row(f"resume-z{s}", 35, lambda out, s=s: resume_row(s, out)) for s in (1, 3)]
+    rows += [Row(f"nan-z{s}", 25, lambda out, s=s: nan_row(s, out)) for s in (0, 2)]
+    rows += [Row(f"resume-z{s}", 35, lambda out, s=s: resume_row(s, out)) for s in (0, 2)]
+    rows.append(Row("gathers-z2", 30, gathers_row))
+    return rows
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="wall time for the rows (default %(default)s)")
+    p.add_argument("--only", help="comma list of row names to run (see --dry-run)")
+    p.add_argument("--dry-run", action="store_true", help="print the preflight's findings and the row plan, run nothing")
+    args = p.parse_args(argv)
+    started = time.monotonic()
+    facts = gather_facts()
+    problems = preflight_problems(facts)
+    only = set(args.only.split(",")) if args.only else None
+    expected, cut = plan_rows(all_rows(facts.transformer_engine is not None), args.budget_s, only)
+    rows = expected + cut
+    if only and (unknown := only - {r.name for r in all_rows(True)}):
+        problems.append(f"--only names unknown rows {sorted(unknown)}; see --dry-run")
+    print(f"preflight: python {facts.python[0]}.{facts.python[1]}, torch {facts.torch}, {facts.cuda_devices} CUDA "
+          f"device(s) {facts.device_name or ''}, megatron-core {facts.megatron_core or 'not importable'}"
+          f"{f' (wheel {Path(facts.wheel).name})' if facts.wheel and not facts.megatron_core else ''}, "
+          f"transformer-engine {facts.transformer_engine or 'none (no FP8 rows)'}, {facts.free_gb:.0f} GB free, "
+          f"OUT={facts.out_dir or '(unset: /tmp)'}", flush=True)
+    total = sum(r.estimate_s for r in expected)
+    print(f"plan: {len(expected)} rows expected in {total:.0f} s of the {args.budget_s:.0f} s budget: "
+          + ", ".join(f"{r.name} ~{r.estimate_s:.0f} s" for r in expected)
+          + (f"; then, if time is left: {', '.join(r.name for r in cut)}" if cut else ""), flush=True)
+    if problems:
+        for problem in problems:
+            print(f"device check: missing: {problem}", file=sys.stderr, flush=True)
+        return 2
+    if args.dry_run:
+        return 0
+    if facts.megatron_core is None:
+        print(f"installed megatron-core {install_wheel(facts.wheel)} from {Path(facts.wheel).name} "
+              f"({time.monotonic() - started:.0f} s)", flush=True)
+    out_dir = Path(facts.out_dir or "/tmp")
+    report = out_dir / "gpu_check.txt"
+    report.write_text("")
 
     def say(line: str) -> None:
-        lines.append(line)
         print(line, flush=True)
+        with report.open("a") as f:
+            f.write(line + "\n")
 
+    def stopped(*_):  # device_check.sh's timeout: the running row's group goes too
+        for proc in list(RUNNING):
+            kill_group(proc)
+        say("stopped (SIGTERM): the rows above are what was done")
+        sys.exit(124)
+
+    signal.signal(signal.SIGTERM, stopped)
+    say(f"{facts.device_name}; megatron-core {_version('megatron.core', 'megatron-core', 'megatron_core')}; "
+        f"torch {facts.torch}")
+    if facts.transformer_engine is None:
+        say("FP8 rows: skipped: transformer-engine is not installed here")
+    say(HEADER)
     with tempfile.TemporaryDirectory() as d:
-        root = Path(d)
-        say(HEADER)
-        sections = [(lambda s=s: format_row(run_stage(s, root)), STAGE_TIMEOUT_S) for s in range(4)]
-        sections += [(lambda s=s: resume_row(s, root), WORKER_TIMEOUT_S) for s in (1, 3, 0, 2)]
-        sections += [(lambda s=s: nan_row(s, root), WORKER_TIMEOUT_S) for s in (0, 2)]
-        sections += [(lambda: gathers_row(root), WORKER_TIMEOUT_S)]
-        for i, (section, estimate_s) in enumerate(sections):
-            if left() < estimate_s * 0.6:
-                say(f"budget spent ({args.budget_s:.0f} s): {len(sections) - i} section(s) not run")
+        for i, row in enumerate(rows):
+            budget_left = args.budget_s - (time.monotonic() - started)
+            if budget_left < row.estimate_s:
+                say(f"budget: {budget_left:.0f} s left, {row.name} needs ~{row.estimate_s:.0f} s: "
+                    f"{len(rows) - i} row(s) not run ({', '.join(r.name for r in rows[i:])})")
                 break
-            say(section())
+            row_dir = Path(d) / row.name
+            row_dir.mkdir()
+            t0 = time.monotonic()
+            try:
+                line = row.run(row_dir)
+            except Exception as exc:  # a row's own failure is its line; the next row runs
+                line = f"{row.name}: FAIL ({type(exc).__name__}: {exc})"
+            say(f"{line}  [{row.name} {time.monotonic() - t0:.0f} s]")
     say(f"total {time.monotonic() - started:.0f} s")
-    Path(os.environ.get("OUT", "/tmp"), "gpu_check.txt").write_text("\n".join(lines) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

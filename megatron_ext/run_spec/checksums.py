@@ -1,0 +1,139 @@
+"""What a checkpoint should contain, recorded as it is written, and whether it still does.
+
+    bash training_scripts/check_checkpoints.sh demo          # every checkpoint of the run: verified or damaged
+
+Each rank, right after a save, records every file it wrote (size and CRC-32, read back while the
+bytes are still in the page cache) in ``checksums/rank<R>.json`` inside the checkpoint folder; the
+``latest`` marker is written after every rank did (torch.distributed.checkpoint carries no
+checksum of its own). A checkpoint verifies when every recorded file is there with its size and
+CRC-32; a missing file, another size (a truncated copy, a quota hit) or other bytes make it
+damaged, naming the file. A checkpoint without records (written before this existed, or by
+Megatron-LM before the supervisor recorded it) is "unrecorded": loaded as before, never called
+verified. Reads and writes the checkpoint's files only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+CHECKSUMS_DIR = "checksums"
+CHUNK_BYTES = 8 * 2**20
+
+
+def crc32_of(path: Path) -> tuple[int, str]:
+    """(bytes, CRC-32 as 8 hex digits) of ``path``, read in chunks."""
+    crc, size = 0, 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK_BYTES):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return size, f"{crc:08x}"
+
+
+def record_files(checkpoint: Path, files: Iterable[Path], writer: str) -> Path:
+    """Record ``files`` (inside ``checkpoint``) as ``writer`` wrote them: ``checksums/<writer>.json``."""
+    entries = {}
+    for path in sorted(files):
+        size, crc = crc32_of(path)
+        entries[str(path.relative_to(checkpoint))] = {"bytes": size, "crc32": crc}
+    out = checkpoint / CHECKSUMS_DIR / f"{writer}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps({"algorithm": "crc32", "files": entries}, indent=0, sort_keys=True))
+    os.replace(tmp, out)
+    return out
+
+
+def recorded_files(checkpoint: Path) -> dict[str, dict]:
+    """Every file the checkpoint's writers recorded: relative path -> {bytes, crc32}."""
+    entries: dict[str, dict] = {}
+    for record in sorted((checkpoint / CHECKSUMS_DIR).glob("*.json")):
+        try:
+            entries.update(json.loads(record.read_text())["files"])
+        except (OSError, ValueError, KeyError, TypeError):
+            entries[f"{CHECKSUMS_DIR}/{record.name}"] = {"bytes": -1, "crc32": "unreadable record"}
+    return entries
+
+
+@dataclass(frozen=True)
+class Damage:
+    """One file that is not as it was written."""
+
+    file: str
+    why: str
+    """missing, truncated (N of M bytes), other bytes (CRC-32 ...), unreadable record."""
+
+    def describe(self) -> str:
+        return f"{self.file}: {self.why}"
+
+
+def check_file(checkpoint: Path, name: str, entry: dict, sizes_only: bool = False) -> Damage | None:
+    path = checkpoint / name
+    if entry.get("crc32") == "unreadable record":
+        return Damage(name, "its checksum record does not read")
+    if not path.is_file():
+        return Damage(name, "missing")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        return Damage(name, f"{size:,} bytes where {entry['bytes']:,} were written"
+                            + (" (truncated)" if size < entry["bytes"] else ""))
+    if sizes_only:
+        return None
+    crc = crc32_of(path)[1]
+    return None if crc == entry["crc32"] else Damage(name, f"other bytes (CRC-32 {crc}, written {entry['crc32']})")
+
+
+def verify(checkpoint: Path, share: tuple[int, int] = (0, 1), sizes_only: bool = False) -> list[Damage] | None:
+    """Damage in the checkpoint's recorded files (``share`` = (k, n): only every n-th file from the
+    k-th, so that n ranks verify a checkpoint together, each reading its share once); None when
+    nothing was recorded."""
+    entries = recorded_files(checkpoint)
+    if not entries:
+        return None
+    k, n = share
+    names = sorted(entries)[k::n]
+    return [d for d in (check_file(checkpoint, name, entries[name], sizes_only) for name in names) if d is not None]
+
+
+@dataclass(frozen=True)
+class CheckpointHealth:
+    iteration: int
+    path: Path
+    state: str
+    """verified, damaged, or unrecorded (no checksums: written before they existed)."""
+    damage: tuple[Damage, ...] = ()
+
+    def describe(self) -> str:
+        what = "; ".join(d.describe() for d in self.damage[:3]) + (" ..." if len(self.damage) > 3 else "")
+        return f"iteration {self.iteration}: {self.state}" + (f" ({what})" if what else "")
+
+
+def health(checkpoint: Path, iteration: int, sizes_only: bool = False) -> CheckpointHealth:
+    damage = verify(checkpoint, sizes_only=sizes_only)
+    if damage is None:
+        return CheckpointHealth(iteration, checkpoint, "unrecorded")
+    return CheckpointHealth(iteration, checkpoint, "damaged" if damage else "verified", tuple(damage))
+
+
+def list_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
+    """Every checkpoint folder of a run (``iter_NNNNNNN``, either engine's), oldest first."""
+    out = []
+    for path in checkpoints_dir.glob("iter_*") if checkpoints_dir.is_dir() else ():
+        digits = path.name.removeprefix("iter_")
+        if path.is_dir() and digits.isdigit():
+            out.append((int(digits), path))
+    return sorted(out)
+
+
+def newest_verified(checkpoints: Sequence[tuple[int, Path]]) -> CheckpointHealth | None:
+    """The newest checkpoint that verifies (or has no records), of (iteration, folder) pairs."""
+    for iteration, path in sorted(checkpoints, reverse=True):
+        h = health(path, iteration)
+        if h.state != "damaged":
+            return h
+    return None

@@ -1,0 +1,204 @@
+"""The CUDA trainer's model and optimizer state on disk, as Megatron-LM core_v0.16.1's
+megatron/training/checkpointing.py writes and reads it for the same megatron-core objects (the
+line numbers are that tag's).
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/cuda_on_cpu/worker.py resume --stage 1 --out DIR
+
+- Stages 0-1 (megatron-core DDP with its mixed-precision or distributed optimizer): Megatron-LM's
+  default ``--ckpt-format torch_dist``. ``generate_state_dict`` (~L877-952) takes the bare model's
+  ``sharded_state_dict`` and the optimizer's, with the metadata of
+  ``_build_sharded_state_dict_metadata`` (~L401-434: ``dp_reshardable`` for the distributed
+  optimizer); ``dist_checkpointing.save`` writes it through ``FullyParallelSaveStrategyWrapper``
+  over the data-parallel group (~L593-639; ``--ckpt-fully-parallel-save`` is on by default): every
+  data-parallel rank writes a distinct part of what all ranks hold alike (stage 0's whole
+  optimizer state, every weight) and its own shard of the distributed optimizer. Loading
+  (``_load_global_dist_base_checkpoint``, ~L1103-1131, with ``--ckpt-fully-parallel-load``: each
+  rank reads its part and the ranks exchange the rest) builds the same sharded state dict with
+  ``is_loading=True`` and the checkpoint's own content metadata (~L1570-1625), then loads the model
+  and the optimizer (~L1759-1800). Both formats reshard over data-parallel ranks: what all hold
+  alike is read by any number of ranks, ``dp_reshardable`` keeps each bucket's state as one global
+  tensor of its unpadded size that each rank reads its slice of
+  (distrib_optimizer.py ~L1539-1687; the buckets must be the same: run_spec/checkpoints.py).
+- Stages 2-3 (Megatron-FSDP): ``--ckpt-format fsdp_dtensor`` (~L643-655, ~L911-934): the model's
+  state dict as it is (the fp32 main weights as DTensors) and the optimizer's ``fsdp_dtensor``
+  sharded state dict in one torch.distributed.checkpoint, which reshards DTensors by itself.
+
+What megatron-core leaves to its caller, found running its objects (tests/test_cuda_trainer_on_cpu.py):
+Adam's per-parameter state is made only for parameters that have a gradient and, with torch's
+Adam (no transformer-engine, no apex), only with a per-parameter ``step`` that the distributed
+optimizer's ``state_dict`` asserts on (``assert len(steps) == 1``, ~L642): a fresh optimizer
+cannot even build the template a load fills, and under Megatron-FSDP a rank whose shard of a
+parameter is empty holds no state for it, so the ranks' checkpoints would hold different
+DTensors (:func:`fill_missing_adam_state`).
+Side effects: the checkpoint files, collectives over the data-parallel group.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megatron_ext.training.compat import (
+    distributed_optimizer_sharding_type, serializable_content_metadata, with_fsdp_shards_in_place,
+)
+
+FSDP_DTENSOR_METADATA = {"distrib_optim_sharding_type": "fsdp_dtensor", "singleton_local_shards": False,
+                         "chained_optim_avoid_prefix": True}
+"""What Megatron-LM's checkpointing passes the optimizer for ``--ckpt-format fsdp_dtensor``
+(``_build_sharded_state_dict_metadata``, checkpointing.py ~L401-434)."""
+
+
+def _dp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+def torch_dist_metadata(optimizers, saved: dict | None = None) -> dict:
+    """``_build_sharded_state_dict_metadata`` for ``--ckpt-format torch_dist`` (~L401-434): the
+    distributed optimizer's sharding type (the checkpoint's own when loading one, ~L1572), and the
+    data-parallel group."""
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True, "dp_cp_group": _dp_group()}
+    distributed = [opt for opt in optimizers if hasattr(opt, "get_parameter_state_dp_zero")]
+    if distributed:
+        sharding = (saved or {}).get("distrib_optim_sharding_type") or distributed_optimizer_sharding_type(distributed[0])
+        metadata["distrib_optim_sharding_type"] = sharding
+    return metadata
+
+
+def torch_dist_state(trainer, metadata: dict, loading: bool) -> dict:
+    """``generate_state_dict`` (~L877-952): the bare model's sharded state dict (Megatron-LM
+    unwraps DDP and Float16Module, ~L533) and the optimizer's, built on it."""
+    if loading:  # the distributed optimizer with torch's Adam: its state_dict needs a state per parameter
+        for opt in trainer.optimizers:
+            if hasattr(opt, "get_parameter_state_dp_zero"):
+                fill_missing_adam_state(opt.optimizer)
+    state = {"model": trainer.module.sharded_state_dict(metadata=metadata)}
+    state["optimizer"] = trainer.optimizer.sharded_state_dict(state, is_loading=loading, metadata=metadata)
+    return state
+
+
+def save_torch_dist(trainer, directory: Path) -> None:
+    """Every rank: Megatron-LM's torch_dist save with the fully parallel strategy (~L593-639)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    metadata = torch_dist_metadata(trainer.optimizers)
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), _dp_group())
+    dist_checkpointing.save(torch_dist_state(trainer, metadata, loading=False), str(directory), strategy,
+                            **serializable_content_metadata(dist_checkpointing.save, metadata))
+
+
+def load_torch_dist(trainer, directory: Path) -> None:
+    """Every rank: Megatron-LM's torch_dist load with the fully parallel strategy (~L1103-1131),
+    then the model (strict, non-strict if that raises: ``load_model_state_dict``, ~L1759-1767) and
+    the optimizer (~L1794)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    saved = dist_checkpointing.load_content_metadata(checkpoint_dir=str(directory))
+    metadata = torch_dist_metadata(trainer.optimizers, saved)
+    template = torch_dist_state(trainer, metadata, loading=True)
+    strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(directory)), _dp_group())
+    state = dist_checkpointing.load(template, str(directory), strategy)
+    try:
+        trainer.model.load_state_dict(state["model"], strict=True)
+    except RuntimeError:
+        trainer.model.load_state_dict(state["model"], strict=False)
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    restore_adam_steps(trainer.optimizers, state["optimizer"])
+
+
+def fsdp_dtensor_state(trainer, loading: bool) -> dict:
+    """Megatron-LM's fsdp_dtensor state (~L911-934, ~L955-980): the model's state dict as it is
+    and the optimizer's ``sharded_state_dict``, the same DTensors in the same order on every rank,
+    prepared with ``preprocess_state_dict_for_uneven_dtensor`` (the whole dict, ~L972). Loading:
+    ``sharded_state_dict(is_loading=True)`` first takes a dummy optimizer step to create the
+    moments (distrib_optimizer.py ~L1356); the load that follows overwrites what it moved, as in
+    Megatron-LM's load_checkpoint (~L1675-1710)."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
+
+    with_fsdp_shards_in_place(trainer.model)
+    state = {"model": trainer.model_state_dict()}
+    optimizer = trainer.optimizer.sharded_state_dict(state["model"], is_loading=loading,
+                                                     metadata=dict(FSDP_DTENSOR_METADATA))
+    inner = trainer.optimizer.optimizer
+    fill_missing_adam_state(inner)
+    params = [p for group in inner.param_groups for p in group["params"]]
+    # The optimizer's entries refer to inner.state's own dicts: rebuilt from it, in parameter order.
+    optimizer["state"] = {trainer.optimizer._param_name(p): inner.state[p] for p in params}
+    state["optimizer"] = optimizer
+    # Megatron-LM also splits SwiGLU's fc1 into its two halves (handle_swiglu_in_state_dict, ~L958)
+    # so that a checkpoint can change tensor-parallel size; without tensor parallelism (this
+    # project's runs) the fused weight reshards as it is.
+    preprocess_state_dict_for_uneven_dtensor(state)
+    return state
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    return getattr(p, "_local_tensor", p).numel()
+
+
+def fill_missing_adam_state(inner) -> int:
+    """Give every parameter of the Adam ``inner`` optimizer its state, as megatron-core may pick it
+    (transformer-engine's or apex's FusedAdam: ``step`` in the param group, ``exp_avg`` and
+    ``exp_avg_sq`` per parameter, made at its first gradient; torch's Adam/AdamW: the same plus a
+    per-parameter ``step`` tensor). Keyed on missing state, whatever the optimizer: a parameter
+    with no state, or whose local shard is empty (Megatron-FSDP gives such a shard no gradient, so
+    its state never steps), gets the layout of the others' (zeros shaped like it, in their dtypes;
+    the common ``step`` where the optimizer keeps one per parameter; ``exp_avg`` and
+    ``exp_avg_sq`` when no parameter has state yet, plus a zero ``step`` for torch's Adam).
+    Under Megatron-FSDP every rank's shard of the flat buffer holds elements of some parameter, so
+    the step comes from a parameter that stepped. Returns how many parameters were filled."""
+    params = [p for group in inner.param_groups for p in group["params"]]
+    stepped = [inner.state[p] for p in params if inner.state.get(p) and _local_numel(p)]
+    template = stepped[0] if stepped else next((inner.state[p] for p in params if inner.state.get(p)), None)
+    if template is None:
+        template = {"exp_avg": None, "exp_avg_sq": None}
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            template["step"] = torch.tensor(0.0)
+    filled = 0
+    for p in params:
+        if inner.state.get(p) and _local_numel(p):
+            continue
+        entry = {}
+        for key, value in template.items():
+            if key == "step" or (isinstance(value, torch.Tensor) and value.dim() == 0):
+                entry[key] = value.detach().clone()
+            else:
+                entry[key] = torch.zeros_like(p, dtype=value.dtype if isinstance(value, torch.Tensor) else None)
+        inner.state[p] = entry
+        filled += 1
+    return filled
+
+
+def _saved_steps(tree) -> set:
+    """The ``step`` values of every param group in a loaded optimizer state (nested dicts)."""
+    if not isinstance(tree, dict):
+        return set()
+    found = {g["step"] for g in tree.get("param_groups", []) if isinstance(g, dict) and "step" in g}
+    for value in tree.values():
+        found |= _saved_steps(value)
+    return found
+
+
+def restore_adam_steps(optimizers, loaded: dict) -> None:
+    """torch's Adam (no TE, no apex) keeps a ``step`` per parameter; the distributed optimizer saves
+    it in its param groups and its ``load_state_dict`` puts it back (distrib_optimizer.py
+    ~L817-825), but the ``dp_reshardable`` parameter state loaded after it copies each state's
+    entries from the load template, ``step`` included (``_set_main_param_and_optimizer_states``,
+    ~L911-940): the template's step, not the checkpoint's (seen: 0 after a load of step 3, the loss
+    off from the second step on). Every parameter gets the saved step, as a tensor of its own
+    (a shared one would advance once per parameter per step)."""
+    steps = _saved_steps(loaded)
+    if len(steps) != 1:
+        return
+    step = float(next(iter(steps)))
+    for opt in optimizers:
+        inner = getattr(opt, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = torch.tensor(step, dtype=state["step"].dtype, device=state["step"].device)

@@ -1,0 +1,46 @@
+"""A run's checkpoints, each verified or damaged: ``check_checkpoints.sh RUN``.
+
+    bash training_scripts/check_checkpoints.sh demo            # CRC-32 of every recorded file
+    bash training_scripts/check_checkpoints.sh demo --sizes    # sizes only: a quick look
+
+Reads the checkpoints under the artifact root (megatron_ext/run_spec/checksums.py says what they
+record); nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_ext.run_spec.checksums import CheckpointHealth, health, list_checkpoints
+from megatron_ext.run_spec.run_paths import RunPaths
+
+
+@dataclass(frozen=True)
+class CheckpointReport:
+    run: str
+    folder: str
+    checkpoints: tuple[CheckpointHealth, ...]
+
+    @property
+    def loadable(self) -> CheckpointHealth | None:
+        """The newest checkpoint a start would resume from (not damaged)."""
+        return next((h for h in reversed(self.checkpoints) if h.state != "damaged"), None)
+
+
+def check_run_checkpoints(paths: RunPaths, sizes_only: bool = False) -> CheckpointReport:
+    folder = paths.checkpoints_dir
+    return CheckpointReport(paths.run, str(folder.resolve() if folder.exists() else folder),
+                            tuple(health(path, it, sizes_only) for it, path in list_checkpoints(folder)))
+
+
+def format_checkpoint_report(report: CheckpointReport) -> str:
+    if not report.checkpoints:
+        return f"run {report.run}: no checkpoint in {report.folder}"
+    lines = [f"{'iteration':>10}  {'state':<11} damage"]
+    for h in report.checkpoints:
+        damage = "; ".join(d.describe() for d in h.damage) or "-"
+        lines.append(f"{h.iteration:>10}  {h.state:<11} {damage}")
+    best = report.loadable
+    lines.append(f"a start resumes from iteration {best.iteration} ({best.state})" if best else
+                 "no checkpoint verifies: a start would refuse to resume (exit 2)")
+    return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""The links between the nodes, measured before a multi-node start: what each node moves to and
+from its ring neighbours with the backend the run will use (gloo on CPU, NCCL on GPUs).
+
+    python -m orchestration.node.linktest --rank 1 --nnodes 3 --master-addr 10.0.0.1 --port 6001 --backend gloo
+
+Every node runs one process (``node-linktest`` starts this module as a child, so a node command
+never holds a process group); they meet at MASTER_ADDR:port (a TCP store on node 0), then each
+exchanges a buffer with both ring neighbours at once — sends to the next and the previous, receives
+from both — for a bounded time, and reports the bytes per second of each exchange (the slower
+direction of the pair bounds it, as it bounds a ring all-reduce). With NCCL the transport each
+peer uses is read from NCCL_DEBUG=INFO's lines (IB, Socket, P2P). The launcher puts the nodes'
+answers side by side (orchestration/runner/preflight.py). Side effects: a process group, a TCP
+store on node 0, the network, for a few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from typing import Mapping, Sequence
+
+from orchestration.node.wire import LINKTEST_TIMEOUT_S, LinkReport
+
+DEFAULT_BYTES = {"gloo": 8 * 2**20, "nccl": 256 * 2**20}
+"""The buffer each exchange moves (CPU: 8 MiB; GPUs: 256 MiB, large enough for the link's rate)."""
+MEASURE_S = 1.5
+"""How long each node keeps exchanging (the first exchange is a warm-up, not counted)."""
+_TRANSPORT = re.compile(r"\bvia (NET/[A-Za-z0-9_]+|P2P/[A-Za-z0-9_/]+|SHM)")
+
+
+def neighbours(rank: int, nnodes: int) -> tuple[int, ...]:
+    """The ring neighbours of ``rank`` (one for two nodes, none alone)."""
+    return tuple(sorted({(rank + 1) % nnodes, (rank - 1) % nnodes} - {rank}))
+
+
+def measure(rank: int, nnodes: int, master_addr: str, port: int, backend: str, nbytes: int,
+            seconds: float = MEASURE_S) -> dict[int, float]:
+    """Neighbour -> GB/s, in this process (a process group of one process per node)."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    store = dist.TCPStore(master_addr, port, nnodes, rank == 0, timeout=datetime.timedelta(seconds=LINKTEST_TIMEOUT_S))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=nnodes,
+                            timeout=datetime.timedelta(seconds=LINKTEST_TIMEOUT_S))
+    try:
+        peers = neighbours(rank, nnodes)
+        send = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        recv = {peer: torch.empty_like(send) for peer in peers}
+        moved = {peer: 0 for peer in peers}
+        busy = {peer: 0.0 for peer in peers}
+
+        def exchange() -> dict[int, float]:
+            """One exchange with every neighbour at once: each pair's own time (each pair waited for in
+            a thread of its own, so that a slow neighbour does not stretch a fast one's figure)."""
+            t0 = time.perf_counter()
+            pending = {peer: (dist.isend(send, peer), dist.irecv(recv[peer], peer)) for peer in peers}
+            took: dict[int, float] = {}
+
+            def finish(peer: int) -> None:
+                for work in pending[peer]:
+                    work.wait()
+                took[peer] = time.perf_counter() - t0
+
+            threads = [threading.Thread(target=finish, args=(peer,)) for peer in peers]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return took
+
+        exchange()  # warm-up: connections, allocations
+        dist.barrier()
+        deadline = time.perf_counter() + seconds
+        while True:
+            for peer, took in exchange().items():
+                moved[peer] += 2 * nbytes  # both directions
+                busy[peer] += took
+            done = torch.tensor([1.0 if time.perf_counter() > deadline else 0.0], device=device)
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)  # every node stops at the same exchange
+            if done.item() > 0:
+                break
+        return {peer: moved[peer] / busy[peer] / 1e9 for peer in peers if busy[peer] > 0}
+    finally:
+        dist.destroy_process_group()
+
+
+def run_linktest(node_rank: int, host: str, nnodes: int, master_addr: str, port: int, backend: str,
+                 environ: Mapping[str, str], python: str = sys.executable, interface: str | None = None) -> LinkReport:
+    """This node's part, in a child process (NCCL_DEBUG=INFO read for the transport), over
+    ``interface`` where the preflight chose one (the ranks get the same: without it gloo may take
+    the address the host name resolves to, 127.0.0.1 on many machines)."""
+    t0 = time.monotonic()
+    env = {**environ, **({"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"} if backend == "nccl" else {})}
+    if interface:
+        env.setdefault("GLOO_SOCKET_IFNAME", interface)
+        env.setdefault("NCCL_SOCKET_IFNAME", interface)
+    argv = [python, "-m", "orchestration.node.linktest", "--rank", str(node_rank), "--nnodes", str(nnodes),
+            "--master-addr", master_addr, "--port", str(port), "--backend", backend]
+    try:
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=LINKTEST_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return LinkReport(node_rank, host, seconds=time.monotonic() - t0,
+                          error=f"no link measurement within {LINKTEST_TIMEOUT_S:.0f} s (a peer unreachable on port {port}?)")
+    line = next((l for l in reversed(proc.stdout.splitlines()) if l.startswith("{")), None)
+    if proc.returncode != 0 or line is None:
+        tail = " ".join((proc.stderr or proc.stdout).strip().splitlines()[-2:])[-300:]
+        return LinkReport(node_rank, host, seconds=time.monotonic() - t0, error=f"the link test failed: {tail}")
+    rates = {str(k): v for k, v in json.loads(line).items()}
+    transports = sorted(set(_TRANSPORT.findall(proc.stderr)))
+    transport = ", ".join(transports) if transports else ("TCP (gloo)" if backend == "gloo" else "")
+    return LinkReport(node_rank, host, rates, transport, time.monotonic() - t0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--nnodes", type=int, required=True)
+    p.add_argument("--master-addr", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--backend", choices=sorted(DEFAULT_BYTES), required=True)
+    p.add_argument("--bytes", type=int, help="buffer per exchange (default by backend)")
+    args = p.parse_args(argv)
+    rates = measure(args.rank, args.nnodes, args.master_addr, args.port, args.backend,
+                    args.bytes or DEFAULT_BYTES[args.backend])
+    print(json.dumps(rates), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

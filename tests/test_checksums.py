@@ -1,0 +1,96 @@
+"""Checkpoint checksums (megatron_ext/run_spec/checksums.py) and the program's choice of the newest
+checkpoint that verifies (megatron_ext/training/checkpoint.py ``newest_verified``), in this process
+on a one-rank gloo group: a byte overwritten, a file truncated or gone is named; a damaged
+checkpoint is moved aside and ``latest`` points at the newest that verifies; none is one error
+that says a restart would not help. The same through real runs: tests/test_resume.py (a damaged
+latest checkpoint on the namespace cluster) and tests/test_resilience.py (a full disk)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_ext.run_spec.checkpoints import LATEST, latest_iteration
+from megatron_ext.run_spec.checksums import health, list_checkpoints, record_files, verify
+from megatron_ext.run_spec.errors import FINAL, UserError
+from orchestration.analysis.checkpoint_health import check_run_checkpoints, format_checkpoint_report
+from megatron_ext.run_spec.run_paths import RunPaths
+
+
+def _checkpoint(root, iteration: int, recorded: bool = True):
+    folder = root / f"iter_{iteration:07d}"
+    folder.mkdir(parents=True)
+    (folder / "__0_0.distcp").write_bytes(bytes(range(256)) * 64)
+    (folder / ".metadata").write_bytes(b"m" * 100)
+    (folder / "meta.json").write_text(json.dumps({"iteration": iteration}))
+    if recorded:
+        files = sorted(p for p in folder.rglob("*") if p.is_file())
+        record_files(folder, files[0::2], "rank0")  # two writers, each a share
+        record_files(folder, files[1::2], "rank1")
+    (root / LATEST).write_text(folder.name)
+    return folder
+
+
+def _flip(path, at: int = 100):
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_changed_byte_a_truncated_file_and_a_missing_one_are_named(tmp_path):
+    ckpt = _checkpoint(tmp_path, 10)
+    assert verify(ckpt) == [] and health(ckpt, 10).state == "verified"
+    assert verify(ckpt, share=(0, 2)) == [] and verify(ckpt, share=(1, 2)) == []
+    _flip(ckpt / "__0_0.distcp")
+    [damage] = verify(ckpt)
+    assert damage.file == "__0_0.distcp" and damage.why.startswith("other bytes (CRC-32 ")
+    assert verify(ckpt, sizes_only=True) == []  # the quick look sees only sizes
+    (ckpt / ".metadata").write_bytes(b"m" * 10)
+    assert "10 bytes where 100 were written (truncated)" in [d.why for d in verify(ckpt)]
+    (ckpt / "meta.json").unlink()
+    assert health(ckpt, 10).state == "damaged" and "meta.json: missing" in health(ckpt, 10).describe()
+    old = _checkpoint(tmp_path, 5, recorded=False)
+    assert health(old, 5).state == "unrecorded"
+
+
+def test_the_report_names_the_checkpoint_a_start_resumes_from(tmp_path):
+    paths = RunPaths(tmp_path, "r")
+    root = paths.checkpoints_dir
+    _checkpoint(root, 5)
+    _flip(_checkpoint(root, 10) / "__0_0.distcp")
+    text = format_checkpoint_report(check_run_checkpoints(paths))
+    assert "damaged" in text and "__0_0.distcp: other bytes" in text and "a start resumes from iteration 5 (verified)" in text
+
+
+@pytest.fixture()
+def group():
+    from megatron_ext.training.model import ensure_model_parallel
+
+    ensure_model_parallel()  # a one-rank gloo group in this process
+
+
+def test_the_newest_checkpoint_that_verifies_is_loaded_and_the_damaged_moved_aside(tmp_path, group):
+    from megatron_ext.training.checkpoint import newest_verified
+
+    _checkpoint(tmp_path, 5)
+    _checkpoint(tmp_path, 10)
+    _flip(_checkpoint(tmp_path, 15) / "__0_0.distcp")
+    assert newest_verified(tmp_path, 15)[0] != 15
+    assert latest_iteration(tmp_path) == 10
+    assert [it for it, _ in list_checkpoints(tmp_path)] == [5, 10]
+    assert (tmp_path / "iter_0000015.damaged" / "__0_0.distcp").is_file()  # kept for a look
+    assert newest_verified(tmp_path, 10) == (10, [])
+
+
+def test_no_checkpoint_that_verifies_is_one_error_that_ends_the_run(tmp_path, group):
+    from megatron_ext.training.checkpoint import newest_verified
+
+    _flip(_checkpoint(tmp_path, 5) / "__0_0.distcp")
+    (_checkpoint(tmp_path, 10) / ".metadata").unlink()
+    with pytest.raises(UserError) as err:
+        newest_verified(tmp_path, 10)
+    text = str(err.value)
+    assert text.startswith(f"no checkpoint of this run verifies ({FINAL}): iteration 10: .metadata: missing; "
+                           "iteration 5: __0_0.distcp: other bytes") and "check_checkpoints.sh" in text
+    assert latest_iteration(tmp_path) == 10  # nothing moved when nothing can be loaded

@@ -1,0 +1,212 @@
+"""ENGINE=megatron-lm for real: NVIDIA Megatron-LM's own pretrain_gpt.py (core_v0.16.1, unmodified)
+trained through the launcher's own scripts, 2 CPU ranks, with a CUDA-on-CPU shim in every rank
+(tests/megatron_lm_shim: Megatron-LM asserts CUDA; the shim makes the CPU answer for it and gloo
+stand in for NCCL: what this cannot show is said there and in docs/megatron-lm.md).
+
+- Every ZeRO stage trains Qwen3-shaped qwen3_smoke with the same loss (compare_zero_stages.sh),
+  status shows its iterations, loss and tokens/s, compare_runs.sh puts the stages side by side,
+  and the loss status and compare read for Megatron-LM's second line after a start is that
+  iteration's own (TensorBoard's), not Megatron-LM's printed mean of the first two.
+- A SIGKILLed rank is restarted (MAX_RESTARTS) from latest_checkpointed_iteration.txt; a SIGSTOPped
+  rank is a hang the watchdog finds and dumps; a start after that resumes; ``stop --save`` saves at
+  the next step through --exit-signal-handler; nothing is left.
+- MEGATRON_LM_EXTRA_ARGS reach pretrain_gpt.py after the rendered flags (its own parser checks
+  them); a rank's error (transformer-engine layers asked for where none is installed) is the
+  run's failure reason, not only "torchrun exit code 1".
+
+Skipped, saying why, without a Megatron-LM checkout (MEGATRON_LM_DIR, or the core_v0.16.1 tarball
+beside the project) or without triton and pybind11 (the test extra). Each launch costs ~40 s here
+(Megatron-LM's imports): the runs are few and short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.run_spec.checkpoints import latest_iteration
+from megatron_ext.run_spec.iteration_log import parse_log
+
+from conftest import clean_env, free_port, megatron_lm_env, run_script, tagged_pids, wait_for
+
+pytestmark = pytest.mark.slow
+
+SWEEP_ITERS = 4
+
+
+def data_set(path: Path, train_iters: int, save_interval: int = 0, log_interval: int = 1) -> str:
+    path.write_text(
+        "data:\n  source: embedded\n  split: \"95,5,0\"\n  tokenizer: {type: sentencepiece, vocab_size: 2048}\n"
+        f"training:\n  seq_length: 128\n  micro_batch_size: 4\n  global_batch_size: 16\n  train_iters: {train_iters}\n"
+        f"  lr: 3.0e-3\n  min_lr: 3.0e-4\n  lr_warmup_iters: 3\n  weight_decay: 0.01\n  eval_iters: 1\n"
+        f"  log_interval: {log_interval}\n" + (f"  save_interval: {save_interval}\n" if save_interval else ""))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def lm_env(megatron_lm_checkout, artifact_root):
+    return megatron_lm_env(megatron_lm_checkout, ARTIFACT_ROOT=str(artifact_root), NPROC_PER_NODE="2",
+                           MASTER_PORT=str(free_port()))
+
+
+@pytest.fixture()
+def stop_after(lm_env):
+    """Runs to stop when the test ends, passed or not (a stopped rank continued first)."""
+    runs: list[str] = []
+    yield runs
+    for run in runs:
+        for pid in tagged_pids(run):
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        run_script("stop_training.sh", run, env=lm_env)
+
+
+@pytest.fixture(scope="module")
+def sweep(lm_env, artifact_root, tmp_path_factory):
+    """compare_zero_stages.sh qwen3_smoke, ENGINE=megatron-lm, stages 0-3, no checkpoints (Megatron-LM
+    core_v0.16.1's Megatron-FSDP would hang at a save: the launcher refuses that, see below)."""
+    data = data_set(tmp_path_factory.mktemp("lm_sweep") / "four.yaml", SWEEP_ITERS)
+    proc = run_script("compare_zero_stages.sh", "qwen3_smoke", data, "lmsweep", env=lm_env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc, artifact_root
+
+
+def _losses(root: Path, run: str) -> dict[int, float]:
+    records, skipped = parse_log((root / "logs" / f"{run}_node0.log").read_text(errors="replace"), engine="megatron-lm")
+    assert skipped == 0
+    return {r.iteration: r.lm_loss for r in records}
+
+
+def test_every_stage_trains_the_same_loss_and_the_comparison_reads_it(sweep):
+    proc, root = sweep
+    for stage in range(4):
+        assert any(l.startswith(f"stage {stage} (lmsweep_z{stage}): done in ") for l in proc.stdout.splitlines()), proc.stdout
+    losses = {stage: _losses(root, f"lmsweep_z{stage}") for stage in range(4)}
+    assert sorted(losses[0]) == list(range(1, SWEEP_ITERS + 1))
+    for stage in (1, 2, 3):  # Megatron-LM's own DDP, distributed optimizer and Megatron-FSDP: fp32 noise at most
+        for it, ref in losses[0].items():
+            assert abs(losses[stage][it] - ref) <= 1e-5 * abs(ref), (stage, it, losses[stage][it], ref)
+    table = [l for l in proc.stdout.splitlines() if l.startswith("lmsweep_z")]
+    assert len(table) == 4 and all("megatron-lm" in row for row in table), proc.stdout
+    compare = run_script("compare_runs.sh", "lmsweep_z0", "lmsweep_z3", "--name", "lm_stages", env=sweep_env_of(root))
+    assert compare.returncode == 0 and (root / "compare" / "lm_stages.json").is_file(), compare.stderr
+
+
+def sweep_env_of(root: Path) -> dict[str, str]:
+    return clean_env(ARTIFACT_ROOT=str(root))
+
+
+def test_status_shows_iterations_loss_and_throughput(sweep):
+    _, root = sweep
+    status = run_script("status_training.sh", "lmsweep_z0", "--json", env=sweep_env_of(root))
+    node = json.loads(status.stdout.splitlines()[0])
+    assert node["state"] == "finished" and node["last_iteration"] == SWEEP_ITERS == node["train_iters"], node
+    assert node["tokens_per_s"] > 0
+
+
+def test_the_second_line_after_a_start_is_that_iteration_s_own_loss(sweep):
+    """Megatron-LM prints, as iteration 2, the mean of iterations 1 and 2 (training.py logs the first
+    iteration and keeps its totals); TensorBoard gets each iteration's own loss: what the launcher reads."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, root = sweep
+    events = EventAccumulator(str(root / "runs" / "lmsweep_z0" / "tensorboard"))
+    events.Reload()
+    board = {e.step: e.value for e in events.Scalars("lm loss")}
+    parsed = _losses(root, "lmsweep_z0")
+    printed, _ = parse_log((root / "logs" / "lmsweep_z0_node0.log").read_text(errors="replace"))  # as printed
+    assert abs(printed[1].lm_loss - (board[1] + board[2]) / 2) <= 2e-6 * board[2]  # the quirk, as printed
+    for it in range(1, SWEEP_ITERS + 1):  # the printed lines round to 7 digits
+        assert abs(parsed[it] - board[it]) <= 3e-6 * abs(board[it]), (it, parsed[it], board[it])
+
+
+def _rank_pid(run: str, rank: int) -> int | None:
+    """The Megatron-LM rank process (its parent, torchrun, carries no RANK)."""
+    from orchestration.node.watchdog import worker_pids
+
+    return worker_pids(run, 0).get(rank)
+
+
+def _last_iteration(log: Path, after: str = "") -> int:
+    """The last iteration the log shows after the last line holding ``after`` (the whole log: "")."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    if after:
+        text = text.rpartition(after)[2] if after in text else ""
+    records, _ = parse_log(text, engine="megatron-lm")
+    return records[-1].iteration if records else 0
+
+
+def test_restart_hang_stop_save_and_resume(lm_env, artifact_root, tmp_path, stop_after):
+    """One run through everything a week meets: a SIGKILLed rank restarted from the latest checkpoint
+    (--load added for the attempt: the first started without one), a SIGSTOPped rank found by the
+    watchdog with its stack dumped, a start that resumes, and ``stop --save`` (SIGUSR1 to every
+    rank: Megatron-LM's --exit-signal-handler saves and exits 0) past that checkpoint. Each start
+    takes a free port (a stopped run's port may linger a while)."""
+    run, data = "lm_week", data_set(tmp_path / "week.yaml", train_iters=60, save_interval=3)
+    stop_after.append(run)
+    # A step may take 10 s, a save 60 s (a torch_dist save's first one starts its writer processes: ~20 s here).
+    env = {**lm_env, "MAX_RESTARTS": "1", "HANG_STEP_FLOOR_S": "10", "HANG_CHECKPOINT_S": "60"}
+    port = lambda: {"MASTER_PORT": str(free_port())}  # noqa: E731
+    log, checkpoints = artifact_root / "logs" / f"{run}_node0.log", artifact_root / "runs" / run / "checkpoints"
+    start = run_script("start_training.sh", "gpt_smoke", data, run, env={**env, **port()})
+    assert start.returncode == 0 and "fresh start" in start.stdout, start.stdout + start.stderr
+    argv = json.loads((artifact_root / "run_state" / f"{run}_node0.pid").read_text())["argv"]
+    assert "--load" not in argv  # nothing to load yet (an empty --load changes Megatron-FSDP's training)
+    wait_for(lambda: (latest_iteration(checkpoints) or 0) >= 3 and _rank_pid(run, 1), 300, what="a first checkpoint")
+    os.kill(_rank_pid(run, 1), signal.SIGKILL)
+    wait_for(lambda: "attempt 2 of 2: starting torchrun (the ranks resume from the checkpoint" in log.read_text(), 120,
+             what="the restart")
+    record = wait_for(lambda: (r := json.loads((artifact_root / "run_state" / f"{run}_node0.pid").read_text()))["argv"] != argv
+                      and r, 60, what="attempt 2's torchrun")
+    assert record["argv"][-2:] == ["--load", str(checkpoints)]  # the attempt's resume flag, by the plan's rule
+    resumed_at = latest_iteration(checkpoints)
+    attempt_2 = "attempt 2 of 2: starting torchrun"
+    saved_in_2 = lambda: "successfully saved" in log.read_text().rpartition(attempt_2)[2]  # noqa: E731
+    wait_for(lambda: saved_in_2() and _last_iteration(log, attempt_2) >= resumed_at + 4, 300,
+             what="attempt 2's iterations past its first save")
+    assert f"successfully loaded checkpoint from {checkpoints} " in log.read_text()
+    assert f"] at iteration {resumed_at}" in log.read_text()
+    stopped = _rank_pid(run, 1)
+    os.kill(stopped, signal.SIGSTOP)
+    wait_for(lambda: not tagged_pids(run), 300, what="the hang to be found and the run ended")
+    failure = (artifact_root / "run_state" / f"{run}_failure.txt").read_text()
+    assert failure.startswith("node 0 hung: rank 1 (node 0) stopped (process state T"), failure
+    dump = next((artifact_root / "runs" / run / "hangs").glob("*/node0_rank1.txt")).read_text()
+    assert f"pid {stopped}" in dump and "pretrain_gpt.py" in dump, dump[-2000:]  # the stopped rank's own stack
+    again = run_script("start_training.sh", "gpt_smoke", data, run, env={**env, **port(), "MAX_RESTARTS": "0"})
+    saved = latest_iteration(checkpoints)
+    assert again.returncode == 0 and f"resuming from iteration {saved}" in again.stdout, again.stdout + again.stderr
+    wait_for(lambda: _last_iteration(log, "attempt 1 of 1: starting torchrun") >= saved + 1, 300,
+             what="the resumed start's first iteration")
+    stop = run_script("stop_training.sh", run, "--save", env=env, timeout=400)
+    assert stop.returncode == 0 and "node0 preempted" in stop.stdout, stop.stdout + stop.stderr
+    assert "exiting program after receiving" in log.read_text() and tagged_pids(run) == []
+    assert latest_iteration(checkpoints) > saved  # the next start resumes there, as the one above did
+    status = json.loads(run_script("status_training.sh", run, "--json", env=env).stdout.splitlines()[0])
+    assert status["state"] == "preempted", status
+
+
+def test_extra_arguments_reach_the_ranks_and_a_rank_s_error_is_the_reason(lm_env, artifact_root, tmp_path, stop_after):
+    """MEGATRON_LM_EXTRA_ARGS come last (the dry run shows them; Megatron-LM's own parser accepted
+    them): here transformer-engine layers on a node without transformer-engine, which every rank
+    refuses with a NameError the failure names."""
+    run, data = "lm_extra", data_set(tmp_path / "two.yaml", train_iters=2)
+    stop_after.append(run)
+    env = {**lm_env, "MASTER_PORT": str(free_port()), "MEGATRON_LM_EXTRA_ARGS": "--transformer-impl transformer_engine"}
+    dry = run_script("start_training.sh", "gpt_smoke", data, run, env={**env, "DRY_RUN": "1"}, timeout=300)
+    assert dry.returncode == 0, dry.stderr
+    argv = next(json.loads(l) for l in dry.stdout.splitlines() if '"node_rank"' in l)["argv"]
+    assert argv[-2:] == ["--transformer-impl", "transformer_engine"] and "accept the arguments" in dry.stderr
+    start = run_script("start_training.sh", "gpt_smoke", data, run, env=env, timeout=300)
+    if start.returncode == 0:
+        wait_for(lambda: not tagged_pids(run), 300, what="the run to fail")
+    failure = (artifact_root / "run_state" / f"{run}_failure.txt").read_text().splitlines()[0]
+    assert "failed: torchrun exit code 1; rank " in failure and "NameError: name 'TESpecProvider' is not defined" in failure, failure
+    status = run_script("status_training.sh", run, env=env)
+    assert "NameError: name 'TESpecProvider' is not defined" in status.stdout, status.stdout
