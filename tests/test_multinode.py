@@ -20,7 +20,8 @@ from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.run_spec.procfs import process_environ
 
 from netns_cluster import NamespaceCluster, missing_prerequisites
-from conftest import TEST_DATA, clean_env, last_iteration, plan_header, planned_nodes, require, run_script, run_torchrun, tagged_pids, wait_for, write_data_set
+from conftest import (TEST_DATA, clean_env, last_iteration, megatron_lm_env, plan_header, planned_nodes, require, run_script,
+                      run_torchrun, tagged_pids, wait_for, write_data_set)
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
@@ -454,4 +455,30 @@ def test_a_node_lost_for_good_leaves_the_run_going_on_with_the_others(cluster, c
         run_script("stop_multinode_training.sh", run, env={**env, "HOSTS": "node0", "NNODES": "1"})
         if not Path(f"/run/netns/{cluster.nodes[1].namespace}").exists():
             cluster.restore(cluster.nodes[1])
+    assert tagged_pids(run) == []
+
+
+def test_megatron_lm_trains_across_two_nodes_over_ssh(cluster_env, artifact_root, tmp_path, megatron_lm_checkout):
+    """ENGINE=megatron-lm on the namespace cluster: Megatron-LM core_v0.16.1's own pretrain_gpt.py,
+    2 nodes x 1 rank over ssh (the checkout and the CUDA-on-CPU shim on the file system both nodes
+    see, forwarded as the MEGATRON_* and PYTHON* variables are), trains to its last iteration; its
+    iteration lines are on the last node's log, and status reads them there."""
+    from megatron_ext.run_spec.iteration_log import parse_log
+    from test_megatron_lm_loop import data_set
+
+    env = megatron_lm_env(megatron_lm_checkout, **{**cluster_env, "NPROC_PER_NODE": "1", "MASTER_PORT": "29671"})
+    data = data_set(tmp_path / "lm.yaml", train_iters=4)
+    run = "mn_lm"
+    try:
+        start = run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=env, timeout=300)
+        assert start.returncode == 0, start.stdout + start.stderr
+        assert "[node0 node0] started" in start.stdout and "[node1 node1] started" in start.stdout
+        wait_for(lambda: not tagged_pids(run), 400, what="Megatron-LM's run to finish on both nodes")
+    finally:
+        run_script("stop_multinode_training.sh", run, env=env)
+    records, _ = parse_log((artifact_root / "logs" / f"{run}_node1.log").read_text(errors="replace"), engine="megatron-lm")
+    assert [r.iteration for r in records] == [1, 2, 3, 4], (artifact_root / "logs" / f"{run}_node1.log").read_text()[-3000:]
+    status = run_script("status_training.sh", run, env=env).stdout
+    rows = [l.split() for l in status.splitlines() if l[:1].isdigit()]
+    assert [r[:3] for r in rows] == [["0", "node0", "finished"], ["1", "node1", "finished"]], status
     assert tagged_pids(run) == []
