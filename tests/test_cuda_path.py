@@ -312,6 +312,27 @@ def test_fp8_is_refused_with_one_message_where_it_cannot_run(setting, te, capabi
         assert (config.fp8, config.fp8_recipe, config.fp8_amax_history_len) == (setting, "delayed", 1024)
 
 
+def test_every_node_s_preflight_refuses_fp8_it_cannot_run(tmp_path, monkeypatch):
+    """The launcher asks every node (node-check --fp8): transformer-engine's version and the GPUs'
+    compute capability (nvidia-smi, no CUDA initialisation) against fp8_problem, before anything
+    starts; the same rule every rank applies at its edge."""
+    from orchestration.node import preflight
+    from orchestration.node.wire import CheckRequest, check_call
+
+    call = check_call("r", 0, "localhost", tmp_path, CheckRequest("localhost", 2, None, fp8="hybrid"), master_port=None)
+    assert call.args[-2:] == ("--fp8", "hybrid")
+    cpu = preflight.inspect_node(0, "localhost", "localhost", None, 2, [], None, tmp_path / "rs", 0, REPO, fp8="hybrid")
+    assert any(p.startswith("training.fp8=hybrid needs a GPU with FP8 tensor cores") for p in cpu.problems), cpu.problems
+    monkeypatch.setattr(preflight, "compute_capability", lambda: (8, 0))
+    a100 = preflight.inspect_node(0, "localhost", "localhost", None, 2, [], None, tmp_path / "rs", 8, REPO, fp8="e4m3")
+    assert any("this GPU is 8.0" in p for p in a100.problems), a100.problems
+    monkeypatch.setattr(preflight, "compute_capability", lambda: (9, 0))
+    h200 = preflight.inspect_node(0, "localhost", "localhost", None, 2, [], None, tmp_path / "rs", 8, REPO, fp8="hybrid")
+    assert any("transformer-engine is not installed" in p for p in h200.problems), h200.problems  # none here
+    bf16 = preflight.inspect_node(0, "localhost", "localhost", None, 2, [], None, tmp_path / "rs", 8, REPO)
+    assert not any("fp8" in p for p in bf16.problems)
+
+
 def test_fp8_settings_load_and_are_checked():
     from megatron_ext.run_spec.errors import UserError
 
@@ -448,6 +469,11 @@ def test_gpu_check_preflight_names_everything_missing_at_once():
     problems = gpu_check.preflight_problems(bare)
     assert len(problems) == 3 and "sees no CUDA device" in problems[0]
     assert "prepare_device_check.py" in problems[1] and "carry" in problems[1] and "4.0 GB free" in problems[2]
+    no_pip = gpu_check.preflight_problems(dataclasses.replace(fine, pip=False, missing_modules=("yaml",)))
+    assert len(no_pip) == 2 and "pip does not import" in no_pip[0] and no_pip[1].startswith("yaml does not import")
+    assert gpu_check.preflight_problems(dataclasses.replace(fine, pip=False, megatron_core="0.16.1")) == []  # no install
+    with pytest.raises(SystemExit, match=r"error: pip could not install nothing\.whl: "):
+        gpu_check.install_wheel("/nonexistent/nothing.whl")
 
 
 def test_gpu_check_plan_fits_its_budget_most_valuable_first():

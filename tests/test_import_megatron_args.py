@@ -512,3 +512,14 @@ def test_a_checkout_gives_the_flags_and_their_nargs(tmp_path):
                      "--normalization": "1", "--train-iters": "1", "--exit-on-nan": "0", "--no-overlap": "0",
                      "--disable-overlap": "0", "--ramp": "3", "--levels": "+"}
     assert table.flags["--normalization"].choices == ("LayerNorm", "RMSNorm")
+
+
+def test_manual_gc_and_fp8_are_imported_into_their_fields():
+    result = import_texts(MINIMAL + "--manual-gc --manual-gc-interval 100 --fp8-format hybrid --fp8-amax-history-len 1024 "
+                                    "--fp8-amax-compute-algo max\n")
+    t = result.training
+    assert (t["manual_gc"], t["manual_gc_interval"]) == (True, 100)
+    assert (t["fp8"], t["fp8_amax_history_len"], t["fp8_amax_compute_algo"]) == ("hybrid", 1024, "max")
+    assert not {"--manual-gc", "--manual-gc-interval", "--fp8-format"} & {n.flag for n in result.not_imported}
+    plain = import_texts(MINIMAL).training
+    assert plain["manual_gc"] is False and "fp8" not in plain  # BF16 and Python's own GC, as Megatron-LM's defaults

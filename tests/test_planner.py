@@ -151,3 +151,25 @@ def test_launcher_side_never_imports_torch():
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'matplotlib'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_mfu_estimate_for_the_users_geometry():
+    """qwen3_1p7b_gbs2048's geometry on 4 x 8 H200: compute dominates (~7.8 s a step at the assumed
+    40%), so every stage's estimate is near 40%; stage 2's gradient reduce-scatter is the exposed
+    traffic (no backward to hide behind in this model of it); FP8 divides by the FP8 peak."""
+    from orchestration.analysis.memory_plan import estimate_mfu
+    from orchestration.analysis.tables import format_memory_plan
+
+    kwargs = dict(vocab_size=None, nnodes=4, nproc_per_node=8, seq_length=4096, micro_batch_size=4, global_batch_size=2048)
+    plan = plan_memory(load_model("qwen3_1p7b"), **kwargs)
+    assert plan.peak_tflops == 989.0 and [e.stage for e in plan.mfu_estimates] == [0, 1, 2, 3]
+    for e in plan.mfu_estimates:
+        assert 0.39 < e.mfu <= plan.assumed_mfu and e.step_s == pytest.approx(e.compute_s + e.exposed_traffic_s + e.optimizer_s)
+    assert plan.mfu_estimates[2].exposed_traffic_s > 0 == plan.mfu_estimates[3].exposed_traffic_s
+    fp8 = plan_memory(load_model("qwen3_1p7b"), fp8=True, **kwargs)
+    assert fp8.peak_tflops == 1979.0 and fp8.mfu_estimates[0].compute_s < plan.mfu_estimates[0].compute_s / 1.9
+    text = format_memory_plan(plan)
+    assert "MFU estimate against the dense BF16 peak (989 TFLOP/s): stage 0 40.0%" in text, text
+    # The traffic shows once compute no longer hides it: one GPU's worth of work spread over 32.
+    small = estimate_mfu(0, plan.parameters, 32, 1e12, 989.0, 0.4, 4, 4800.0, 50.0)
+    assert small.exposed_traffic_s > 0 and small.mfu < 0.1

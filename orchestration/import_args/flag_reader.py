@@ -41,7 +41,7 @@ _LAUNCHER_REASONS = {
      "--cross-entropy-loss-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
      "--use-cpu-initialization"):
         "the engine picks kernels per device (megatron_ext/training/model.py, KernelChoices)",
-    ("--num-workers", "--manual-gc", "--manual-gc-interval"): "the engine sets up data loading and memory itself",
+    ("--num-workers",): "the engine sets up data loading itself",
 }
 LAUNCHER_FLAGS = {flag: reason for flags, reason in _LAUNCHER_REASONS.items() for flag in flags}
 _LAUNCHER_PREFIXES = ("--log-", "--tensorboard-", "--wandb-", "--timing-log-")

@@ -189,6 +189,19 @@ def _training(r: FlagReader) -> dict[str, Any]:
     for key in ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
         t[key] = _or_default(r, "training", key, float)
     t["grad_reduce_in_bf16"] = r.switch("--grad-reduce-in-bf16")
+    t["manual_gc"] = r.switch("--manual-gc")
+    gc_interval = r.number("--manual-gc-interval", int, "training.manual_gc_interval")
+    if gc_interval is not None:
+        t["manual_gc_interval"] = gc_interval
+    fp8 = r.text("--fp8-format", "training.fp8")
+    if fp8 is not None:  # transformer-engine's delayed scaling, as Megatron-LM's default --fp8-recipe
+        t["fp8"] = fp8
+        history = r.number("--fp8-amax-history-len", int, "training.fp8_amax_history_len")
+        if history is not None:
+            t["fp8_amax_history_len"] = history
+        algo = r.text("--fp8-amax-compute-algo", "training.fp8_amax_compute_algo")
+        if algo is not None:
+            t["fp8_amax_compute_algo"] = algo
     t["seed"] = _or_default(r, "training", "seed", int)
     t["log_interval"] = _or_default(r, "training", "log_interval", int)
     interval = r.number("--eval-interval", int, "training.eval_interval")

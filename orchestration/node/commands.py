@@ -101,7 +101,7 @@ def node_check(paths: RunPaths, args, node: "NodeEnv"):
                         tokenizer=(args.tokenizer_type, args.tokenizer_model) if args.tokenizer_model else None,
                         required_modules=args.require_module, needs_cuda=args.needs_cuda, environ=node.environ,
                         checkpoints=(args.checkpoint_dir, args.checkpoint_parameters, args.keep_checkpoints)
-                        if args.checkpoint_dir and args.checkpoint_parameters else None)
+                        if args.checkpoint_dir and args.checkpoint_parameters else None, fp8=args.fp8)
 
 
 def receive_secrets(plan: NodePlan, line: str, node_env: Mapping[str, str]) -> dict[str, str]:

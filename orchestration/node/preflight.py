@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.fp8 import fp8_problem
 from megatron_ext.run_spec.model_size import CHECKPOINT_BYTES_PER_PARAMETER, checkpoint_bytes
 from megatron_ext.run_spec.wandb_run import wandb_missing_message
 from megatron_ext.training.versions import check_megatron_core
@@ -155,6 +156,19 @@ def cuda_problem(environ: Mapping[str, str]) -> str | None:
             "which trains on the CPU too")
 
 
+def compute_capability() -> tuple[int, int] | None:
+    """The first visible GPU's compute capability from nvidia-smi (no CUDA initialisation in this
+    process), or None where it does not answer."""
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    first = proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else ""
+    major, _, minor = first.strip().partition(".")
+    return (int(major), int(minor or 0)) if major.isdigit() and (minor or "0").isdigit() else None
+
+
 def size_text(n: float) -> str:
     """Bytes as people read them: 4.2 MB, 24.1 GB."""
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -192,7 +206,7 @@ def inspect_node(node_rank: int, host: str, master_addr: str, master_port: int |
                  project_dir: Path, tokenizer: tuple[str, str] | None = None,
                  required_modules: Sequence[str] = (), needs_cuda: bool = False,
                  environ: Mapping[str, str] | None = None,
-                 checkpoints: tuple[str, int, int] | None = None) -> NodeReport:
+                 checkpoints: tuple[str, int, int] | None = None, fp8: str | None = None) -> NodeReport:
     """Every check for this node; ``master_port`` None = MASTER_PORT not set (node 0 picks one);
     ``tokenizer`` (type, path): the run's tokenizer, which must load here."""
     report = NodeReport(node_rank, host, software=installed_software(project_dir), local_dir=str(node_local_dir()),
@@ -250,6 +264,11 @@ def inspect_node(node_rank: int, host: str, master_addr: str, master_port: int |
             problems.append(problem)
     if needs_cuda and not visible_gpus:
         problem = cuda_problem(environ or {})
+        if problem:
+            problems.append(problem)
+    if fp8:
+        problem = fp8_problem(fp8, report.software.get("transformer-engine"),
+                              compute_capability() if visible_gpus else None)
         if problem:
             problems.append(problem)
     if visible_gpus and nproc_per_node > visible_gpus:

@@ -225,6 +225,8 @@ class CheckRequest:
     """The model's parameters, for the size of a checkpoint (None: no checkpoints, or not known)."""
     keep_checkpoints: int = 2
     """Checkpoints kept on disk: with the one being written, keep + 1 must fit."""
+    fp8: str | None = None
+    """training.fp8: every node checks transformer-engine and its GPUs' compute capability."""
 
 
 def check_call(run: str, node_rank: int, host: str, artifact_root: Path, request: CheckRequest,
@@ -244,6 +246,7 @@ def check_call(run: str, node_rank: int, host: str, artifact_root: Path, request
     if request.checkpoint_dir and request.checkpoint_parameters:
         args += ["--checkpoint-dir", request.checkpoint_dir, "--checkpoint-parameters", str(request.checkpoint_parameters),
                  "--keep-checkpoints", str(request.keep_checkpoints)]
+    args += ["--fp8", request.fp8] if request.fp8 else []
     return NodeCall("node-check", tuple(args))
 
 
@@ -290,6 +293,7 @@ def build_node_parser() -> argparse.ArgumentParser:
             p.add_argument("--checkpoint-dir", help="where the run's checkpoints go: its free space is checked")
             p.add_argument("--checkpoint-parameters", type=int, help="the model's parameters (a checkpoint's size)")
             p.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (+1 being written)")
+            p.add_argument("--fp8", help="training.fp8: check transformer-engine and the GPUs' compute capability")
         if name == "node-stop":
             p.add_argument("--grace-s", type=float, default=DEFAULT_STOP_GRACE_S)
             p.add_argument("--dry-run", action="store_true", help="say what would be signalled, signal nothing")

@@ -78,7 +78,7 @@ def check_request(launch: LaunchEnv, inputs: StartInputs, shared_token: Path | N
                         needs_cuda=params.training.engine == "megatron-lm",
                         checkpoint_dir=str(checkpoint_target(launch, inputs.run)),
                         checkpoint_parameters=parameters_to_save(params),
-                        keep_checkpoints=params.training.keep_checkpoints)
+                        keep_checkpoints=params.training.keep_checkpoints, fp8=params.training.fp8)
 
 
 def parameters_to_save(params) -> int | None:

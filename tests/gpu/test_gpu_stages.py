@@ -6,9 +6,10 @@ Skipped without CUDA (CI has none). Each stage runs this project's program (mega
 under torchrun, one process) on Megatron's mock data for ITERS iterations of one micro batch of
 MICRO_BATCH sequences, and its row gives TFLOP/s/GPU and MFU (medians after the first two
 iterations; MFU against the dense BF16 peak, or FP8 with ``fp8``), peak CUDA memory and the last
-loss. At data-parallel size 1 the stages' memory differs (what each keeps of the model states),
-while their speed is each mode's single-GPU cost: no data-parallel traffic is overlapped or paid
-(and stages 2-3 run Megatron-FSDP's ``no_shard`` at one rank: cuda_trainer.wrap_cuda says why).
+loss. At data-parallel size 1 nothing is sharded: stage 1's distributed optimizer holds the whole
+state, stages 2-3 run Megatron-FSDP's ``no_shard`` (cuda_trainer.wrap_cuda says why), so the
+rows' memory is about the same and the sharded memory comes from the planner (plan_memory.sh);
+their speed is each mode's single-GPU cost, with no data-parallel traffic overlapped or paid.
 A row that fails or runs past STAGE_TIMEOUT_S is reported as such (its process group killed) and
 the next one runs.
 """
