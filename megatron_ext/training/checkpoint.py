@@ -70,6 +70,18 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _complete(checkpoints_dir: Path) -> list[tuple[int, Path]]:
+    """(iteration, folder) of every checkpoint whose save finished (meta.json written), oldest first."""
+    return [(it, p) for it, p in list_checkpoints(checkpoints_dir) if (p / "meta.json").is_file()]
+
+
+def _point_latest(checkpoints_dir: Path, iteration: int) -> None:
+    """The ``latest`` marker names ``iteration``: written to a temporary file, then renamed (atomic)."""
+    tmp = checkpoints_dir / f".{LATEST}.tmp"
+    tmp.write_text(iteration_dir_name(iteration))
+    os.replace(tmp, checkpoints_dir / LATEST)
+
+
 def _any_rank(flag: bool) -> bool:
     """Whether ``flag`` holds on any rank (a collective: every rank calls it)."""
     on_cuda = dist.get_backend() == "nccl"
@@ -111,7 +123,7 @@ def _collective_step(what: Callable[[], None], checkpoints_dir: Path, target: Pa
     if dist.get_rank() == 0:
         shutil.rmtree(target, ignore_errors=True)
     dist.barrier()
-    previous = [p for _, p in list_checkpoints(checkpoints_dir) if (p / "meta.json").is_file()]
+    previous = [p for _, p in _complete(checkpoints_dir)]
     need = _folder_bytes(previous[-1]) if previous else 0
     free = shutil.disk_usage(checkpoints_dir).free
     needs = (f"a checkpoint needs {need / 1e9:.2f} GB" if need else
@@ -154,16 +166,14 @@ def save(trainer, checkpoints_dir: Path, meta: CheckpointMeta, keep: int) -> tup
     checksum_s = time.monotonic() - started
     dist.barrier()
     if rank == 0:
-        tmp = checkpoints_dir / f".{LATEST}.tmp"
-        tmp.write_text(iteration_dir_name(meta.iteration))
-        os.replace(tmp, checkpoints_dir / LATEST)
+        _point_latest(checkpoints_dir, meta.iteration)
         _prune(checkpoints_dir, keep)
     dist.barrier()
     return target, checksum_s
 
 
 def _prune(checkpoints_dir: Path, keep: int) -> None:
-    saved = [p for _, p in list_checkpoints(checkpoints_dir) if (p / "meta.json").is_file()]
+    saved = [p for _, p in _complete(checkpoints_dir)]
     for old in saved[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -175,7 +185,7 @@ def newest_verified(checkpoints_dir: Path, latest: int) -> tuple[int, list[str]]
     UserError. Rank 0 moves each damaged one aside (``iter_N.damaged``, kept for a look) and points
     ``latest`` at the one chosen."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    complete = [(it, p) for it, p in list_checkpoints(checkpoints_dir) if it <= latest and (p / "meta.json").is_file()]
+    complete = [(it, p) for it, p in _complete(checkpoints_dir) if it <= latest]
     damaged: list[tuple[int, Path, list[str]]] = []
     for iteration, path in reversed(complete):
         mine = verify(path, share=(rank, world))
@@ -190,9 +200,7 @@ def newest_verified(checkpoints_dir: Path, latest: int) -> tuple[int, list[str]]
         if damaged and rank == 0:
             for _, p, _ in damaged:
                 os.replace(p, p.with_name(f"{p.name}.damaged"))
-            tmp = checkpoints_dir / f".{LATEST}.tmp"
-            tmp.write_text(iteration_dir_name(iteration))
-            os.replace(tmp, checkpoints_dir / LATEST)
+            _point_latest(checkpoints_dir, iteration)
         dist.barrier()
         return iteration, notes
     what = "; ".join(f"iteration {it}: {'; '.join(found[:2])}" for it, _, found in damaged)
