@@ -120,10 +120,22 @@ def _quiet_megatron() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def skip_unused_wandb(env: Mapping[str, str], modules: dict = sys.modules) -> bool:
+    """megatron-core imports wandb, when installed, as it is imported (timers.py and the inference
+    contexts: ~1 s of a rank's start here); a run that does not log to W&B (no WANDB_PROJECT) blocks
+    that import, which megatron-core takes as "not installed": every site catches the ImportError.
+    Whether it was blocked."""
+    if env.get("WANDB_PROJECT", "").strip() or "wandb" in modules:
+        return False
+    modules["wandb"] = None  # `import wandb` raises ImportError; importlib.util.find_spec answers None
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_megatron()
     args = parse_args(argv)
     env = os.environ
+    skip_unused_wandb(env)  # before megatron-core is imported
     from megatron_ext.training.trainers import NonFiniteGradients
 
     try:

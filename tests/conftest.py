@@ -111,13 +111,15 @@ def last_iteration(log: Path) -> int:
     return records[-1].iteration if records else 0
 
 
-def write_data_set(path: Path, train_iters: int, global_batch: int = 16, save_interval: int = 0) -> str:
+def write_data_set(path: Path, train_iters: int, global_batch: int = 16, save_interval: int = 0,
+                   zero_stage: int = 0) -> str:
     """The smoke data set with another length (a YAML path works wherever a data set name does)."""
     path.write_text(
         "data:\n  source: embedded\n  split: \"95,5,0\"\n  tokenizer: {type: sentencepiece, vocab_size: 2048}\n"
         f"training:\n  seq_length: 128\n  micro_batch_size: 4\n  global_batch_size: {global_batch}\n"
         f"  train_iters: {train_iters}\n  lr: 3.0e-3\n  min_lr: 3.0e-4\n  lr_warmup_iters: 3\n  weight_decay: 0.01\n"
         "  eval_iters: 1\n" + (f"  save_interval: {save_interval}\n" if save_interval else "")
+        + (f"  zero_stage: {zero_stage}\n" if zero_stage else "")
     )
     return str(path)
 
@@ -127,10 +129,13 @@ UNATTENDED_ITERS = 200
 
 @pytest.fixture(scope="session")
 def unattended(artifact_root, tmp_path_factory) -> tuple[str, dict[int, float]]:
-    """A data set of 200 iterations with a checkpoint every 25, and the lm loss at every iteration
-    of one uninterrupted run of it (2 processes): what a run that was killed, hung, preempted and
-    restarted must reproduce. Computed once per session (the one-node restart and the Slurm tests)."""
-    data = write_data_set(tmp_path_factory.mktemp("unattended") / "unattended.yaml", UNATTENDED_ITERS, save_interval=25)
+    """A data set of 200 iterations with a checkpoint every 25, at ZeRO stage 1 (its checkpoints:
+    megatron-core's model state and ZeroRedundancyOptimizer's partitions; the multi-node resume
+    tests take stages 0 and 3), and the lm loss at every iteration of one uninterrupted run of it (2
+    processes): what a run that was killed, hung, preempted and restarted must reproduce. Computed
+    once per session (the one-node restart and the Slurm tests)."""
+    data = write_data_set(tmp_path_factory.mktemp("unattended") / "unattended.yaml", UNATTENDED_ITERS, save_interval=25,
+                          zero_stage=1)
     proc, records = run_torchrun(artifact_root, "unattended_reference", data=data, timeout=900)
     assert proc.returncode == 0 and len(records) == UNATTENDED_ITERS, proc.stderr[-3000:]
     return data, {r["iteration"]: r["lm_loss"] for r in records}

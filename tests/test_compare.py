@@ -6,6 +6,7 @@ current stage; compare_runs.sh writes a PNG, JSON and CSV that agree."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ from megatron_ext.run_spec.procfs import process_environ
 from megatron_ext.run_spec.zero import parse_stages
 from orchestration.node.failure import failure_reason
 
+from test_training import check_memory
 from conftest import REPO, clean_env, free_port, run_script, tagged_pids, wait_for, write_data_set
 
 ITERS = 6
@@ -78,6 +80,9 @@ def test_sweep_model_state_bytes_fall_with_the_stage_and_match_the_plan(sweep):
         for measured, planned in ((now[s], plan.stage(s).states_bytes), (peak[s], plan.stage(s).states_peak_bytes)):
             for rank_bytes in measured:
                 assert abs(rank_bytes - planned) <= 0.05 * planned, (s, rank_bytes, planned)
+    # And against facts.md's formula, every rank, between steps and at the peak (test_training.py
+    # checks it at 4 ranks).
+    check_memory({s: [dataclasses.asdict(r) for r in records[s]] for s in range(4)}, 2)
 
 
 @pytest.mark.slow

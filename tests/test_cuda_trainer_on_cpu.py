@@ -43,38 +43,51 @@ pytestmark = pytest.mark.slow
 WORKER = REPO / "tests" / "cuda_on_cpu" / "worker.py"
 
 
-def run_worker(mode: str, stage: int, out, *extra: str, nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
-    if stage >= 2:
-        from megatron_ext.training.compat import megatron_fsdp_incompatibility
+def fsdp_stages_or_skip(stages: str) -> str:
+    """``stages`` without 2 and 3 where Megatron-FSDP cannot run on this torch (megatron-core 0.14:
+    the program refuses it); a skip when nothing is left."""
+    from megatron_ext.training.compat import megatron_fsdp_incompatibility
 
-        if reason := megatron_fsdp_incompatibility():  # megatron-core 0.14 on this torch (the program refuses it)
+    if reason := megatron_fsdp_incompatibility():
+        stages = ",".join(s for s in stages.split(",") if int(s) < 2)
+        if not stages:
             pytest.skip(reason)
+    return stages
+
+
+def run_worker(mode: str, stages: str, out, *extra: str, nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
+    """worker.py under torchrun: ``mode`` may name several modes, ``stages`` several stages
+    ("0,1,2,3"), each run in turn in one launch."""
     out.mkdir(parents=True, exist_ok=True)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-                           "127.0.0.1", "--master-port", str(free_port()), str(WORKER), mode, "--stage", str(stage),
-                           "--out", str(out), *extra], cwd=REPO, env=clean_env(OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def result_of(proc, path) -> dict:
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(path.read_text())
+                           "127.0.0.1", "--master-port", str(free_port()), str(WORKER), *mode.split(), "--stage",
+                           fsdp_stages_or_skip(str(stages)), "--out", str(out), *extra], cwd=REPO,
+                          env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=timeout)
 
 
 def steps(losses: dict) -> dict[int, float]:
     return {int(k): v for k, v in losses.items()}
 
 
-@pytest.fixture(scope="module", params=range(4), ids=lambda s: f"stage{s}")
-def runs(request, tmp_path_factory):
-    """One stage: 1 rank (never stopped, and resumed), then 2 ranks (never stopped, resumed, and
-    from the 1-rank checkpoint), then 1 rank from the 2-rank checkpoint."""
-    stage, root = request.param, tmp_path_factory.mktemp(f"z{request.param}")
-    one = result_of(run_worker("resume", stage, root / "one", nproc=1), root / "one" / f"resume_z{stage}.json")
-    two = result_of(run_worker("resume", stage, root / "two", "--reshard-from", str(root / "one" / f"checkpoints_z{stage}")),
-                    root / "two" / f"resume_z{stage}.json")
-    back = result_of(run_worker("resume", stage, root / "back", "--only-reshard", "--reshard-from",
-                                str(root / "two" / f"checkpoints_z{stage}"), nproc=1), root / "back" / f"resume_z{stage}.json")
+@pytest.fixture(scope="module")
+def every_stage(tmp_path_factory):
+    """Every stage, one after another in each of three launches: 1 rank (never stopped, and
+    resumed), then 2 ranks (never stopped, resumed, and from the 1-rank checkpoints), then 1 rank
+    from the 2-rank checkpoints."""
+    root = tmp_path_factory.mktemp("every_stage")
+    for name, extra, nproc in (("one", (), 1), ("two", ("--reshard-from", str(root / "one")), 2),
+                               ("back", ("--only-reshard", "--reshard-from", str(root / "two")), 1)):
+        proc = run_worker("resume", "0,1,2,3", root / name, *extra, nproc=nproc, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root
+
+
+@pytest.fixture(params=range(4), ids=lambda s: f"stage{s}")
+def runs(request, every_stage):
+    stage, root = request.param, every_stage
+    if not (root / "one" / f"resume_z{stage}.json").is_file():
+        fsdp_stages_or_skip(str(stage))
+    one, two, back = (json.loads((root / name / f"resume_z{stage}.json").read_text()) for name in ("one", "two", "back"))
     return stage, root, one, two, back
 
 
@@ -124,14 +137,22 @@ def exportable_weights(checkpoint):
     return megatron_to_hf(read_model_weights(checkpoint, template), preset, "gpt2", 256)
 
 
+@pytest.fixture(scope="module")
+def fused_adams(tmp_path_factory):
+    """Stage 2 resumed with apex's FusedAdam, then transformer-engine's, in one launch."""
+    out = tmp_path_factory.mktemp("fused_adam")
+    proc = run_worker("resume", "2", out, "--optimizer", "apex,te", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
 @pytest.mark.parametrize("optimizer", ["apex", "te"])
-def test_a_fused_adam_without_state_for_an_empty_shard_saves_and_resumes(optimizer, tmp_path):
+def test_a_fused_adam_without_state_for_an_empty_shard_saves_and_resumes(optimizer, fused_adams):
     """The stand-ins keep apex's / transformer-engine's layout (fused_adam.py): ``step`` in the param
     group, no state for a parameter whose Megatron-FSDP shard is empty on a rank. Before, missing
     state was filled only where a per-parameter ``step`` existed (torch's Adam): the ranks' DTensor
     sets differed and the save's collectives hung."""
-    result = result_of(run_worker("resume", 2, tmp_path, "--optimizer", optimizer, timeout=300),
-                       tmp_path / "resume_z2.json")
+    result = json.loads((fused_adams / f"resume_z2_{optimizer}.json").read_text())
     assert max(result["without_state"]) > 0, result  # some rank holds parameters without Adam state
     uninterrupted, resumed = steps(result["uninterrupted"]), steps(result["resumed"])
     assert resumed == {step: uninterrupted[step] for step in (4, 5, 6)}, (resumed, uninterrupted)
@@ -151,15 +172,24 @@ def test_a_nan_gradient_stops_before_the_update_naming_the_rank(stage, tmp_path)
                    and b["unchanged"] for b in both), both
 
 
-def test_stage_2_gathers_the_parameters_once_and_takes_one_norm_per_step(tmp_path):
-    counts = result_of(run_worker("gathers", 2, tmp_path), tmp_path / "gathers_z2.json")
+@pytest.fixture(scope="module")
+def stage_2_probes(tmp_path_factory):
+    """Stage 2's gathers and gradient-accumulation fusion, one after the other in one launch."""
+    out = tmp_path_factory.mktemp("stage_2_probes")
+    proc = run_worker("gathers fusion", "2", out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_stage_2_gathers_the_parameters_once_and_takes_one_norm_per_step(stage_2_probes):
+    counts = json.loads((stage_2_probes / "gathers_z2.json").read_text())
     assert counts["default"]["gathers"] == [1, 1], counts  # 1 or 4 micro-batches: one gather per step, after the update
     assert min(counts["layers"]["gathers"]) > 1, counts  # layer units: gathered again in forward and backward (ZeRO-3's traffic)
     assert counts["default"]["norms"] == [1, 1], counts  # checked, clipped and reported from one norm
 
 
-def test_gradient_accumulation_fusion_under_megatron_fsdp_needs_bf16_reduction_and_untied_embeddings(tmp_path):
-    result = result_of(run_worker("fusion", 2, tmp_path), tmp_path / "fusion_z2.json")
+def test_gradient_accumulation_fusion_under_megatron_fsdp_needs_bf16_reduction_and_untied_embeddings(stage_2_probes):
+    result = json.loads((stage_2_probes / "fusion_z2.json").read_text())
     assert "Expected out tensor to have dtype" in result["fused_fp32"], result  # torch.matmul(out=fp32 main_grad)
     assert steps(result["fused_bf16_untied"]) == steps(result["unfused_bf16_untied"]), result
     fused, unfused = steps(result["fused_bf16"]), steps(result["unfused_bf16"])  # tied: a gradient is lost

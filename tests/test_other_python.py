@@ -33,8 +33,9 @@ def test_training_tests_on_python_312_with_megatron_core_019(tmp_path):
     env.pop("VIRTUAL_ENV", None)
     proc = subprocess.run([str(VENV_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "tests/test_training.py", "tests/test_cuda_path.py",
-                           # megatron-core's side only: the bad-input tests check the launcher and the params (no
-                           # megatron-core), and 4 processes repeat the 2-process bytes test's code path (CI time).
+                           # megatron-core's side only (stage 0, and stages 0 and 3 of the Qwen3 shape): the bad-input
+                           # tests check the launcher and the params (no megatron-core), and the 4-process run repeats
+                           # stage 2's code path at another size (CI time).
                            "-k", "not 4_processes and not bad_input and not unknown_yaml_key",
                            "--basetemp", str(tmp_path / "py312")], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=1500)

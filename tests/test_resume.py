@@ -1,10 +1,12 @@
 """Checkpoints and exact resume, through the multi-node start and stop scripts on the namespace
 cluster (2 nodes x 1 CPU process, over ssh; tests/netns_cluster.py): a run stopped after a
 checkpoint and started again gives the same lm loss at every iteration as a run that was never
-stopped, under ZeRO stages 0, 1 and 3; a crash during a save leaves the previous checkpoint as
+stopped, under ZeRO stages 0 and 3 (stage 1 in the restarts of tests/test_resilience.py and
+test_slurm.py, whose runs are stage 1); a crash during a save leaves the previous checkpoint as
 the one resumed, and a checkpoint with a changed byte is named, moved aside and passed over for the
-newest that verifies; another data-parallel size (2 nodes x 2) is resharded (stage 3) or refused with the reason
-(stage 1), before anything starts. MASTER_PORT is left unset: each start takes a free port."""
+newest that verifies; another data-parallel size (2 nodes x 2) is resharded (stage 3, the stage-3
+run's checkpoint) or refused with the reason (stage 1), before anything starts. MASTER_PORT is
+left unset: each start takes a free port."""
 
 from __future__ import annotations
 
@@ -114,9 +116,22 @@ def plant_a_crash_and_a_damaged_checkpoint(checkpoints, saved: int) -> tuple[str
     return damaged.name, shard.name
 
 
+def copy_stopped_run(root, run: str, copy: str) -> None:
+    """``run`` as it was stopped (checkpoints, metrics, node logs), under the name ``copy``:
+    another start of the same stopped run, without stopping one again."""
+    shutil.rmtree(root / "runs" / copy, ignore_errors=True)
+    shutil.copytree(root / "runs" / run, root / "runs" / copy)
+    for log in (root / "logs").glob(f"{run}_node*.log"):
+        shutil.copyfile(log, root / "logs" / log.name.replace(run, copy, 1))
+
+
+STOPPED: dict[str, int] = {}
+"""Copies of stopped runs made by the exact-resume test, and their checkpoint's iteration."""
+
+
 # Stage 2 saves and loads as stage 3 does on the CPU (FSDP2's DTensor state; only
 # reshard_after_forward differs), so it is left out here to spare CI a run.
-@pytest.mark.parametrize("stage", (0, 1, 3))
+@pytest.mark.parametrize("stage", (0, 3))
 def test_stop_and_start_again_resumes_exactly(stage, reference, resume_env, artifact_root):
     """Stage 0 also meets a crash during a save and a damaged latest checkpoint
     (:func:`plant_a_crash_and_a_damaged_checkpoint`): the start verifies, names the damaged file,
@@ -128,6 +143,9 @@ def test_stop_and_start_again_resumes_exactly(stage, reference, resume_env, arti
     env = {**resume_env, "ZERO_STAGE": str(stage)}
     saved = stop_after_a_checkpoint(run, data, env, artifact_root)
     checkpoints = artifact_root / "runs" / run / "checkpoints"
+    if stage == 3:  # the resharding test starts this stopped run again on 4 ranks
+        copy_stopped_run(artifact_root, run, "reshard_z3")
+        STOPPED["reshard_z3"] = saved
     if stage == 0:
         damaged, shard = plant_a_crash_and_a_damaged_checkpoint(checkpoints, saved)
     again = run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=env)
@@ -156,7 +174,7 @@ def test_another_data_parallel_size_reshards_stage_3_and_refuses_stage_1(referen
     data, expected_for = reference
     for stage, run in ((3, "reshard_z3"), (1, "reshard_z1")):
         env = {**resume_env, "ZERO_STAGE": str(stage)}
-        saved = stop_after_a_checkpoint(run, data, env, artifact_root)
+        saved = STOPPED.get(run) or stop_after_a_checkpoint(run, data, env, artifact_root)
         wider = {**env, "NPROC_PER_NODE": "2"}
         again = run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=wider)
         if stage == 1:

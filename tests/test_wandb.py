@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import secrets
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,28 @@ def test_wandb_settings_come_from_the_environment(tmp_path):
     assert not read_wandb_settings({"WANDB_PROJECT": "p", "WANDB_MODE": "disabled"}).enabled
     with pytest.raises(UserError, match=r"WANDB_MODE='ofline' is not a W&B mode; use one of online, offline"):
         read_wandb_settings({"WANDB_PROJECT": "p", "WANDB_MODE": "ofline"})
+
+
+def test_a_rank_without_wandb_project_blocks_megatron_core_s_wandb_import():
+    """megatron-core imports wandb as it is imported, when installed; a run not logging to W&B does
+    not pay for it (megatron_ext/pretrain.py), and one logging to it is left alone."""
+    import importlib.util
+
+    from megatron_ext.pretrain import skip_unused_wandb
+
+    modules: dict = {}
+    assert skip_unused_wandb({}, modules) and modules == {"wandb": None}
+    assert not skip_unused_wandb({"WANDB_PROJECT": "p"}, {}) and not skip_unused_wandb({}, {"wandb": object()})
+    saved = sys.modules.pop("wandb", "absent")
+    try:
+        assert skip_unused_wandb({})
+        with pytest.raises(ImportError):
+            import wandb  # noqa: F401
+        assert importlib.util.find_spec("wandb") is None
+    finally:
+        sys.modules.pop("wandb", None)
+        if saved != "absent":
+            sys.modules["wandb"] = saved
 
 
 def test_the_launcher_forwards_wandb_and_every_node_checks_it_imports(tmp_path, monkeypatch):

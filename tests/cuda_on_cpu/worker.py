@@ -1,6 +1,11 @@
 """One rank of the CUDA trainer on the CPU (see shim.py), under torchrun, for tests/test_cuda_trainer_on_cpu.py.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/cuda_on_cpu/worker.py resume --stage 1 --out DIR
+    python -m torch.distributed.run --nproc-per-node 2 tests/cuda_on_cpu/worker.py resume --stage 0,1,2,3 --out DIR
+
+Several stages (``--stage 0,1,2,3``), several modes (``gathers fusion``) and several optimizers
+(``--optimizer apex,te``) run one after another in one launch: every model is built anew, and the
+tests pay megatron-core's import once instead of once per combination (CI time).
 
 Every step trains on the same global batch of 4 micro-batches of 2 sequences, whatever the number
 of ranks (rank r takes micro-batches r x a ... r x a + a - 1, a = 4 / ranks), so runs at different
@@ -9,7 +14,8 @@ data-parallel sizes see the same data. The first step of every start runs inside
 
 ``resume``: train ``--steps`` steps, saving a checkpoint after ``--save-at``; then a new model and
 trainer load it and train on to ``--steps``; with ``--reshard-from DIR``, a new model and trainer
-also load that checkpoint, saved at another data-parallel size, and train on from there
+also load that checkpoint (``DIR/checkpoints_z<stage>``: the ``--out`` of a launch at another
+data-parallel size), and train on from there
 (``--only-reshard``: only that). With 2 ranks it also records what megatron-core leaves to its
 caller (stage 1: the load template without the Adam state filled; stages 2-3: the optimizer's
 state_dict round trip, the parameters without Adam state before the save), and at stage 1 the
@@ -20,7 +26,8 @@ gradients) NaN at the second step, each rank that stops writing ``nan_rank<R>.js
 and of 4 micro-batches, with the adapter's default units and with TransformerLayer as the unit (what
 this project once passed at stage 2); ``fusion``: stage 2 with gradient-accumulation fusion on
 (a stand-in for apex's extension, which megatron-core's layers only check for), fp32 and bf16
-gradient reduction, tied and untied embeddings, against the unfused run. Rank 0 writes ``DIR/<mode>_z<stage>.json``.
+gradient reduction, tied and untied embeddings, against the unfused run. Rank 0 writes
+``DIR/<mode>_z<stage>.json`` (``<mode>_z<stage>_<optimizer>.json`` with apex's or te's).
 """
 
 from __future__ import annotations
@@ -159,15 +166,15 @@ def every_rank(value):
     return values
 
 
-def resume(args) -> dict:
+def resume(args, stage: int, suffix: str = "") -> dict:
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
     from megatron_ext.run_spec.checkpoints import CheckpointMeta, iteration_dir_name
     from megatron_ext.training import checkpoint
 
-    stage, world = args.stage, dist.get_world_size()
+    world = dist.get_world_size()
     result: dict = {}
-    checkpoints = args.out / f"checkpoints_z{stage}"
+    checkpoints = args.out / f"checkpoints_z{stage}{suffix}"
     after = range(args.save_at + 1, args.steps + 1)
     if not args.only_reshard:
         trainer, t = build(stage)
@@ -191,7 +198,7 @@ def resume(args) -> dict:
         result["gathers_after_load"] = gathers[:2]
     if args.reshard_from:
         trainer, t = build(stage)
-        checkpoint.load(trainer, args.reshard_from, args.save_at)
+        checkpoint.load(trainer, args.reshard_from / f"checkpoints_z{stage}{suffix}", args.save_at)
         result["resharded"] = run_steps(trainer, t, after)
     return result
 
@@ -273,18 +280,25 @@ def fusion(stage: int) -> dict:
     return result
 
 
+def stages(text: str) -> list[int]:
+    return [int(s) for s in text.split(",")]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["resume", "nan", "gathers", "fusion"])
-    p.add_argument("--stage", type=int, required=True)
+    p.add_argument("modes", nargs="+", choices=["resume", "nan", "gathers", "fusion"], metavar="mode",
+                   help="resume, nan, gathers, fusion; several run in order (nan alone: its ranks exit)")
+    p.add_argument("--stage", type=stages, required=True, help="a ZeRO stage, or several: 0,1,2,3")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--save-at", type=int, default=3)
-    p.add_argument("--reshard-from", type=Path, help="a checkpoints directory saved at another data-parallel size")
+    p.add_argument("--reshard-from", type=Path, help="the --out of a launch at another data-parallel size")
     p.add_argument("--only-reshard", action="store_true")
-    p.add_argument("--optimizer", choices=["torch", "apex", "te"], default="torch")
+    p.add_argument("--optimizer", type=lambda t: t.split(","), default=["torch"], help="torch, apex, te, or several: apex,te")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: a real GPU, NCCL, no shim")
     args = p.parse_args()
+    if "nan" in args.modes and (len(args.modes) > 1 or len(args.stage) > 1):
+        p.error("nan runs alone, at one stage: its ranks exit")
     global DEVICE
     if args.device == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -301,22 +315,26 @@ def main() -> None:
         parallel_state.initialize_model_parallel(1, 1)
         if args.device == "cpu":  # on a GPU megatron-core's own memory buffer and CUDA RNG tracker (build() seeds it)
             install_cpu_compat(1234)
-        if args.optimizer != "torch":
-            from cuda_on_cpu import fused_adam
+        for optimizer in args.optimizer:
+            suffix = "" if optimizer == "torch" else f"_{optimizer}"
+            if optimizer != "torch":
+                from cuda_on_cpu import fused_adam
 
-            fused_adam.use(args.optimizer)
-        if args.mode == "gathers":
-            result = {units: gathers_per_step(args.stage, units) for units in ("default", "layers")}
-        elif args.mode == "fusion":
-            result = fusion(args.stage)
-        elif args.mode == "nan":
-            result = nan_step(args.stage)
-            (args.out / f"nan_rank{dist.get_rank()}.json").write_text(json.dumps(result))
-            os._exit(1 if result["error"] else 0)  # none goes on to a collective its peers left
-        else:
-            result = resume(args)
-    if dist.get_rank() == 0:
-        (args.out / f"{args.mode}_z{args.stage}.json").write_text(json.dumps(result))
+                fused_adam.use(optimizer)
+            for mode in args.modes:
+                for stage in args.stage:
+                    if mode == "gathers":
+                        result = {units: gathers_per_step(stage, units) for units in ("default", "layers")}
+                    elif mode == "fusion":
+                        result = fusion(stage)
+                    elif mode == "nan":
+                        result = nan_step(stage)
+                        (args.out / f"nan_rank{dist.get_rank()}.json").write_text(json.dumps(result))
+                        os._exit(1 if result["error"] else 0)  # none goes on to a collective its peers left
+                    else:
+                        result = resume(args, stage, suffix)
+                    if dist.get_rank() == 0:
+                        (args.out / f"{mode}_z{stage}{suffix}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
 
