@@ -34,7 +34,8 @@ from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_PREEMPT
 from megatron_ext.run_spec.params import COLLECTIVE_TIMEOUT_S
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name, runs_under
 from megatron_ext.run_spec.zero import parse_stages
-from orchestration.analysis.checkpoint_health import check_run_checkpoints, format_checkpoint_report
+from orchestration.analysis.checkpoint_health import (check_run_checkpoints, format_checkpoint_line,
+                                                      format_checkpoint_report, moved_aside)
 from orchestration.analysis.compare import DEFAULT_WARMUP_ITERATIONS, compare_runs
 from orchestration.analysis.memory_plan import (DEFAULT_BUS_BANDWIDTH_GBS, DEFAULT_DEVICE, DEFAULT_HEADROOM, DEVICES,
                                                 MemoryRequest, plan_memory_request)
@@ -306,6 +307,13 @@ def cmd_status(args, launch: LaunchEnv) -> int:
         print(f"{p.node_rank:<5} {p.host:<16} {p.state.value:<11} {p.pid or '-':>8} {it:>11} {tps:>10}  {p.last_line}")
     for line in describe_attempts(report):
         print(line)
+    slow = next((r.value.slow_ranks for r in report.nodes if r.ok and r.value.slow_ranks), None)
+    if slow:
+        print(slow)
+    paths = RunPaths(launch.artifact_root, args.run)
+    checkpoints = format_checkpoint_line(check_run_checkpoints(paths, sizes_only=True), moved_aside(paths))
+    if checkpoints:
+        print(checkpoints)
     if report.failure:
         print(f"run failed: {report.failure} (details: {RunPaths(launch.artifact_root, args.run).failure_file})")
     return EXIT_OK if report.ok else EXIT_NODE_FAILED

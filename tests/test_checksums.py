@@ -63,6 +63,21 @@ def test_the_report_names_the_checkpoint_a_start_resumes_from(tmp_path):
     assert "damaged" in text and "__0_0.distcp: other bytes" in text and "a start resumes from iteration 5 (verified)" in text
 
 
+def test_status_line_on_the_checkpoints_reads_sizes_only(tmp_path):
+    from orchestration.analysis.checkpoint_health import format_checkpoint_line, moved_aside
+
+    paths = RunPaths(tmp_path, "r")
+    root = paths.checkpoints_dir
+    assert format_checkpoint_line(check_run_checkpoints(paths, sizes_only=True), moved_aside(paths)) is None
+    _checkpoint(root, 5)
+    _flip(_checkpoint(root, 10) / "__0_0.distcp")  # other bytes, same size: only a full check sees it
+    (_checkpoint(root, 15) / ".metadata").write_bytes(b"m")
+    (root / "iter_0000020.damaged").mkdir()
+    line = format_checkpoint_line(check_run_checkpoints(paths, sizes_only=True), moved_aside(paths))
+    assert line == ("checkpoints: 5 sizes ok, 10 sizes ok, 15 damaged (.metadata: 1 bytes where 100 were written "
+                    "(truncated)); moved aside as damaged: 20 (check_checkpoints.sh r reads every byte)"), line
+
+
 @pytest.fixture()
 def group():
     from megatron_ext.training.model import ensure_model_parallel

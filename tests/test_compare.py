@@ -38,10 +38,13 @@ def sweep_env(root: Path, **extra: str) -> dict[str, str]:
 
 
 def start_sweep(root: Path, data: str, prefix: str, stages: str) -> subprocess.Popen:
-    """compare_zero_stages.sh in the background, as a user starts it."""
+    """compare_zero_stages.sh as a user starts it in a terminal: SIGINT at its default, as the
+    foreground job has it, even where pytest itself was started in the background with ``&``
+    (a shell without job control starts those with SIGINT ignored, and Python keeps that)."""
     return subprocess.Popen(["bash", str(REPO / "training_scripts" / "compare_zero_stages.sh"), "gpt_smoke", data, prefix],
                             env=sweep_env(root, STAGES=stages), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 @pytest.fixture(scope="module")

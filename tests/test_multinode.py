@@ -4,6 +4,7 @@ prerequisite is a failure, not a skip."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -182,18 +183,56 @@ def test_ssh_disconnect_does_not_stop_and_stop_spares_the_other_run(cluster, clu
     assert tagged_pids("mn_other") == []
 
 
-def test_a_worker_killed_on_node_1_stops_both_nodes(cluster_env, artifact_root, tmp_path):
-    """SIGKILL the worker on node 1 of a 2 x 1 run: torchrun on node 1 exits non-zero, node 1's
-    supervisor writes the failure file, node 0's supervisor stops node 0."""
+@contextlib.contextmanager
+def slowed(pid: int, stopped_s: float = 0.15, running_s: float = 0.05):
+    """``pid`` SIGSTOPped and SIGCONTed in a duty cycle (stopped 3/4 of the time) while in the
+    context: a rank that computes slower while its peers wait for it (a throttled GPU, a noisy
+    neighbour)."""
+    done = threading.Event()
+
+    def cycle():
+        while not done.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(stopped_s)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(running_s)
+
+    thread = threading.Thread(target=cycle, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_a_slow_rank_on_node_1_is_named_and_a_killed_one_stops_both_nodes(cluster_env, artifact_root, tmp_path):
+    """A 2 x 1 run. Node 1's worker slowed by a SIGSTOP/SIGCONT duty cycle: rank 0's log names it
+    (rank 1, node 1, its host, local rank 0, its forward time against the other's), status shows
+    that line and the metrics record it; running freely again, the log says it caught up. Then
+    SIGKILL of that worker: torchrun on node 1 exits non-zero, node 1's supervisor writes the
+    failure file, node 0's supervisor stops node 0."""
     data = write_data_set(tmp_path / "long.yaml", train_iters=5000)
     run = "mn_fail"
     env = {**cluster_env, "MASTER_PORT": "29653", "NPROC_PER_NODE": "1"}
+    log = artifact_root / "logs" / f"{run}_node0.log"
     try:
         assert run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=env).returncode == 0
         wait_for(lambda: last_iteration(artifact_root / "logs" / f"{run}_node1.log") >= 2, 240, what="node 1 to train")
         workers = [p for p in tagged_pids(run)
                    if process_environ(p).get("LAUNCHER_NODE_RANK") == "1" and "LOCAL_RANK" in process_environ(p)]
         assert len(workers) == 1, workers
+        with slowed(workers[0]):
+            wait_for(lambda: "warning: slow rank 1 (node 1, " in log.read_text(), 180, what="rank 1 to be named slow")
+            status = run_script("status_training.sh", run, env=env).stdout
+        named = next(l for l in log.read_text().splitlines() if l.startswith("warning: slow rank 1 (node 1, "))
+        assert ", local rank 0): forward " in named and "x the median of the other ranks (" in named, named
+        assert named in status, status
+        metrics = [json.loads(l) for l in (artifact_root / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+        assert any(r["slow_ranks"] == [1] for r in metrics) and all(len(r["forward_s_per_rank"]) == 2 for r in metrics)
+        wait_for(lambda: "note: no slow rank" in log.read_text(), 120, what="rank 1 to catch up")
+        assert "warning: slow rank" not in run_script("status_training.sh", run, env=env).stdout
         killed_at = time.monotonic()
         os.kill(workers[0], 9)
         wait_for(lambda: not tagged_pids(run), 30, interval_s=0.2, what="every process of the run on both nodes to end")

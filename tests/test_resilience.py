@@ -2,7 +2,7 @@
 runs through the scripts — a worker SIGKILLed and later another SIGSTOPped with MAX_RESTARTS=3
 finishes by itself with an uninterrupted run's loss at every iteration; ``stop --save`` saves and
 the next start resumes there; ENGINE=megatron-lm's log watch finds a stopped last rank. The
-2-node hang, restart and breaker tests are in test_multinode.py, the Slurm time limit in
+2-node hang, restart, breaker and slow-rank tests are in test_multinode.py, the Slurm time limit in
 test_slurm.py."""
 
 from __future__ import annotations
@@ -149,6 +149,36 @@ def test_phase_limits_and_their_overrides():
         "max_restarts": 3, "hang_step_floor_s": 60.0, "hang_watchdog": False}
     with pytest.raises(UserError, match=r"MAX_RESTARTS='many' must be a whole number >= 0, e.g. 3"):
         read_resilience_overrides({"MAX_RESTARTS": "many"})
+
+
+def test_a_rank_slower_than_the_others_in_every_recent_interval_is_named():
+    from megatron_ext.run_spec.resilience import SlowRank, check_resilience, describe_slow_ranks, slow_ranks
+
+    even = [[0.10, 0.11, 0.10, 0.12]] * 5
+    assert slow_ranks(even, 1.5, 3) == []  # equal ranks on a noisy machine: never named
+    slow = [[0.10, 0.40, 0.11, 0.10]] * 3
+    assert slow_ranks(slow, 1.5, 3) == [SlowRank(1, 0.40, 0.10)]
+    assert slow_ranks(slow[:2], 1.5, 3) == []  # not yet in 3 intervals in a row
+    assert slow_ranks([[0.1, 0.1, 0.1, 0.1]] + slow[:2], 1.5, 3) == []  # a pattern, not one hiccup
+    assert slow_ranks([[0.10, 0.30]] * 3, 1.5, 3)[0].rank == 1  # 2 ranks: against its peer (3x), not the median of both
+    assert slow_ranks([[0.10]] * 3, 1.5, 3) == []  # one rank: nobody to compare with
+    line = describe_slow_ranks(slow_ranks(slow, 1.5, 3), 2, ["node0", "node0", "node1", "node1"], 1.5, 3)
+    assert line.startswith("warning: slow rank 1 (node 0, node0, local rank 1): forward 0.400 s per step, 4.0x the "
+                           "median of the other ranks (0.100 s), in 3 log interval(s) in a row"), line
+    with pytest.raises(UserError, match=r"slow_rank_ratio=1.0 must be > 1"):
+        check_resilience(ResilienceParams(slow_rank_ratio=1.0), "training.resilience")
+    with pytest.raises(UserError, match=r"slow_rank_intervals=0 must be >= 1"):
+        check_resilience(ResilienceParams(slow_rank_intervals=0), "training.resilience")
+
+
+def test_status_shows_the_standing_slow_rank_warning_of_the_latest_attempt():
+    from orchestration.node.commands import standing_slow_ranks
+
+    warned = "warning: slow rank 1 (node 0, h, local rank 1): forward 0.4 s per step, 4.0x ..."
+    log = f"attempt 1 of 1: starting torchrun\n iteration 5\n{warned}\n iteration 6\n"
+    assert standing_slow_ranks(log) == warned
+    assert standing_slow_ranks(log + "note: no slow rank (iteration 9): rank(s) 1 caught up\n") is None
+    assert standing_slow_ranks(log + "attempt 2 of 2: starting torchrun\n iteration 7\n") is None  # an earlier attempt's
 
 
 # -- real runs on this machine ------------------------------------------------------------------------

@@ -157,6 +157,8 @@ def test_stop_and_start_again_resumes_exactly(stage, reference, resume_env, arti
     if stage == 0:
         assert f"warning: the checkpoint of iteration {saved + 1} is damaged ({shard}: other bytes (CRC-32 " in text, text[-3000:]
         assert f"moved aside as {damaged}.damaged" in text and (checkpoints / f"{damaged}.damaged" / shard).is_file()
+        status = run_script("status_training.sh", run, env=env).stdout  # the sizes of the kept ones, and that one
+        assert f"; moved aside as damaged: {saved + 1} (check_checkpoints.sh {run} reads every byte)" in status, status
     else:
         assert f"resuming from iteration {saved}" in again.stdout, again.stdout
     losses = losses_from_log(log)

@@ -76,6 +76,10 @@ class IterationRecord:
     """CPU: peak model-state bytes, per rank."""
     valid_loss: float | None = None
     """Validation loss, on iterations that ran a validation pass."""
+    forward_s_per_rank: list[float] | None = None
+    """Each rank's forward time per step over the log interval (seconds): the slow-rank measure."""
+    slow_ranks: list[int] | None = None
+    """The ranks named slow at this record (training.resilience.slow_rank_ratio; none: [])."""
     time: float = 0.0
     """Unix time the record was written (seconds)."""
 

@@ -78,6 +78,12 @@ class ResilienceParams:
     join_s: float = 120.0
     """How long node 0 waits for every node's end of an attempt, and for the nodes of the next one
     to be ready (seconds); a node later than that is lost."""
+    slow_rank_ratio: float = 1.5
+    """A rank whose forward time per step is at least this many times the median of the other
+    ranks' (:func:`slow_ranks`) ..."""
+    slow_rank_intervals: int = 3
+    """... in this many log intervals in a row is named as slow: a warning in the log, in status
+    and in the metrics (this project's program; the run goes on: every rank waits for it)."""
 
     def describe(self) -> str:
         """The start line's words for it."""
@@ -137,6 +143,11 @@ def check_resilience(p: ResilienceParams, where: str) -> None:
             raise UserError(f"{where}.{key}={getattr(p, key)} must be >= 0")
     if p.attempts_without_progress < 1:
         raise UserError(f"{where}.attempts_without_progress={p.attempts_without_progress} must be >= 1")
+    if not p.slow_rank_ratio > 1:
+        raise UserError(f"{where}.slow_rank_ratio={p.slow_rank_ratio} must be > 1 (a rank this many times slower than "
+                        "the median of the others is named), e.g. 1.5")
+    if p.slow_rank_intervals < 1:
+        raise UserError(f"{where}.slow_rank_intervals={p.slow_rank_intervals} must be >= 1 (log intervals in a row)")
 
 
 # -- what each rank reports ---------------------------------------------------------------------
@@ -197,3 +208,61 @@ def phase_limit_s(p: RankProgress, r: ResilienceParams) -> float | None:
     if p.phase == "eval":
         return r.hang_eval_s
     return max(r.hang_step_floor_s, r.hang_step_factor * (p.slowest_recent_step_s or 0.0))
+
+
+# -- a slow rank: named while it happens ----------------------------------------------------------
+
+SLOW_RANK_WARNING = "warning: slow rank"
+"""How rank 0's log line naming slow ranks begins (status shows the latest one)."""
+SLOW_RANK_CLEARED = "note: no slow rank"
+"""How the line saying they caught up begins."""
+
+
+@dataclass(frozen=True)
+class SlowRank:
+    """A rank slower than the others in every one of the last log intervals looked at."""
+
+    rank: int
+    seconds: float
+    """Its forward time per step in the latest interval."""
+    others_median_s: float
+    """The median of the other ranks' in that interval."""
+
+    @property
+    def ratio(self) -> float:
+        return self.seconds / self.others_median_s if self.others_median_s > 0 else float("inf")
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def slow_ranks(history: list[list[float]], ratio: float, intervals: int) -> list[SlowRank]:
+    """The ranks whose time is at least ``ratio`` x the median of the *other* ranks' in each of the
+    last ``intervals`` entries of ``history`` (one entry per log interval: every rank's forward time
+    per step). Against the others' median, not everyone's: with 2 ranks a rank 3x slower is 3x its
+    peer, where the median of both would call it 1.5x. A ratio, not seconds, so equal ranks on a
+    noisy machine are never named, and one rank's hiccup is not a pattern. Pure."""
+    recent = history[-intervals:]
+    if len(recent) < intervals or not recent or len(recent[-1]) < 2:
+        return []
+    out = []
+    for rank in range(len(recent[-1])):
+        medians = [_median(times[:rank] + times[rank + 1:]) for times in recent]
+        if all(m > 0 and times[rank] >= ratio * m for times, m in zip(recent, medians)):
+            out.append(SlowRank(rank, recent[-1][rank], medians[-1]))
+    return out
+
+
+def describe_slow_ranks(slow: list[SlowRank], ranks_per_node: int, hosts: list[str], ratio: float,
+                        intervals: int) -> str:
+    """Rank 0's log line for them (node, host, local rank / GPU, the time against the median)."""
+    def one(s: SlowRank) -> str:
+        node = s.rank // ranks_per_node
+        host = f", {hosts[s.rank]}" if s.rank < len(hosts) and hosts[s.rank] else ""
+        return (f"{s.rank} (node {node}{host}, local rank {s.rank % ranks_per_node}): forward {s.seconds:.3f} s per "
+                f"step, {s.ratio:.1f}x the median of the other ranks ({s.others_median_s:.3f} s)")
+    return (f"{SLOW_RANK_WARNING}{'s' if len(slow) > 1 else ''} {'; '.join(one(s) for s in slow)}, in {intervals} log "
+            f"interval(s) in a row; every rank waits for it (training.resilience.slow_rank_ratio {ratio:g})")

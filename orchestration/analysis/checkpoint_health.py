@@ -1,7 +1,7 @@
 """A run's checkpoints, each verified or damaged: ``check_checkpoints.sh RUN``.
 
     bash training_scripts/check_checkpoints.sh demo            # CRC-32 of every recorded file
-    bash training_scripts/check_checkpoints.sh demo --sizes    # sizes only: a quick look
+    bash training_scripts/check_checkpoints.sh demo --sizes    # sizes only: a quick look (status's line)
 
 Reads the checkpoints under the artifact root (megatron_ext/run_spec/checksums.py says what they
 record); nothing else.
@@ -44,3 +44,24 @@ def format_checkpoint_report(report: CheckpointReport) -> str:
     lines.append(f"a start resumes from iteration {best.iteration} ({best.state})" if best else
                  "no checkpoint verifies: a start would refuse to resume (exit 2)")
     return "\n".join(lines)
+
+
+def moved_aside(paths: RunPaths) -> list[int]:
+    """Iterations of the checkpoints a resume found damaged and moved aside (``iter_N.damaged``)."""
+    folder = paths.checkpoints_dir
+    names = (p.name.removeprefix("iter_").removesuffix(".damaged") for p in folder.glob("iter_*.damaged")) \
+        if folder.is_dir() else ()
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def format_checkpoint_line(report: CheckpointReport, aside: list[int]) -> str | None:
+    """Status's one line on the run's checkpoints, from a sizes-only report (cheap: no byte read)."""
+    if not report.checkpoints and not aside:
+        return None
+    named = {"verified": "sizes ok", "unrecorded": "no checksums"}
+    parts = [f"{h.iteration} {named.get(h.state, h.state)}"
+             + (f" ({'; '.join(d.describe() for d in h.damage[:2])})" if h.damage else "") for h in report.checkpoints]
+    line = f"checkpoints: {', '.join(parts) or 'none left'}"
+    if aside:
+        line += f"; moved aside as damaged: {', '.join(map(str, aside))}"
+    return line + f" (check_checkpoints.sh {report.run} reads every byte)"

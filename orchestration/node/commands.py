@@ -25,8 +25,8 @@ from typing import Mapping, Sequence
 
 from megatron_ext.run_spec.devices import visible_gpu_count
 from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
-from megatron_ext.run_spec.iteration_log import parse_log
-from megatron_ext.run_spec.resilience import ResilienceParams
+from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED, parse_log
+from megatron_ext.run_spec.resilience import SLOW_RANK_CLEARED, SLOW_RANK_WARNING, ResilienceParams
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
 from orchestration.node import processes
 from orchestration.node.failure import failure_reason
@@ -210,7 +210,19 @@ def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | No
         tokens_per_s=last.tokens_per_s if last and last.tokens_per_s else None,
         last_line=lines[-1][-160:] if lines else "", log=str(paths.node_log(node_rank)),
         attempt=beat.attempt if beat else None, failure_reason=reason, failure_score=score,
+        slow_ranks=standing_slow_ranks(text),
     )
+
+
+def standing_slow_ranks(log_text: str) -> str | None:
+    """The last slow-rank warning of the log's latest attempt, unless a later line says they
+    caught up (rank 0's lines: megatron_ext/training/loop.py)."""
+    for line in reversed(log_text.rpartition(ATTEMPT_STARTED)[2].splitlines()):
+        if line.startswith(SLOW_RANK_CLEARED):
+            return None
+        if line.startswith(SLOW_RANK_WARNING):
+            return line.strip()
+    return None
 
 
 def _answer(command: str, args, node: NodeEnv, stdin_line: str):

@@ -349,6 +349,8 @@ class NodeStatus:
     """Once the node's run ended failed: the most telling line of its log (node/failure.py)."""
     failure_score: int = 0
     """How telling that line is (a rank's exception beats torchrun's summary beats the last line)."""
+    slow_ranks: str | None = None
+    """The latest attempt's slow-rank warning in the node's log, while it stands (rank 0's node)."""
 
 
 @dataclass(frozen=True)
