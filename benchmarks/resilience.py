@@ -16,6 +16,12 @@
    files, read back), against the save's whole time, from the program's own log lines.
 4. The link test a multi-node start runs first: its wall time for 3 processes on this machine
    (loopback), from start to every report.
+5. A node lost for good (``--only lost``; root, iproute2, openssh-server): NNODES=1:2 on a 2-node
+   namespace cluster (tests/netns_cluster.py), 1 process each; node 1's processes, sshd and
+   namespace deleted after a checkpoint; the time from that to node 0's next attempt's first
+   iteration (node_lost_s 6 s, join_s 12 s, backoff 1 s).
+6. A slow rank (``--only slow``, the same cluster): node 1's worker stopped 3/4 of the time in a
+   duty cycle; the time from the first stop to rank 0's warning naming it, in log intervals too.
 """
 
 from __future__ import annotations
@@ -176,12 +182,76 @@ def linktest_seconds(nnodes: int = 3) -> float:
     return time.monotonic() - started
 
 
+def _cluster_run(work: Path, run: str, train_iters: int, resilience: str, nnodes: str):
+    """A 2-node namespace cluster, and the start of ``run`` on it (2 x 1 process): (cluster, env, data)."""
+    from netns_cluster import NamespaceCluster
+
+    (work / f"{run}_cluster").mkdir(parents=True, exist_ok=True)
+    cluster = NamespaceCluster(2, work / f"{run}_cluster").open()
+    data = work / f"{run}.yaml"
+    data.write_text(Path(write_data_set(work / f"{run}_base.yaml", train_iters=train_iters, save_interval=5)).read_text()
+                    + f"  resilience: {{{resilience}}}\n")
+    env = clean_env(HOSTS="node0,node1", SSH_OPTS=cluster.ssh_opts, MASTER_ADDR=cluster.nodes[0].address,
+                    MASTER_PORT=str(free_port()), NPROC_PER_NODE="1", GLOO_SOCKET_IFNAME=cluster.interface,
+                    ARTIFACT_ROOT=str(work / f"{run}_artifacts"), NNODES=nnodes)
+    try:
+        started = script("start_multinode_training.sh", "gpt_smoke", str(data), run, env=env)
+        assert started.returncode == 0, started.stdout + started.stderr
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster, env
+
+
+def lost_node_seconds(work: Path) -> float:
+    """Seconds from node 1's loss to node 0's next attempt's first iteration."""
+    from megatron_ext.run_spec.checkpoints import latest_iteration
+
+    run = "bench_lost"
+    cluster, env = _cluster_run(work, run, 400, "max_restarts: 2, restart_backoff_s: 1, node_lost_s: 6, join_s: 12", "1:2")
+    root = Path(env["ARTIFACT_ROOT"])
+    try:
+        wait(lambda: (latest_iteration(root / "runs" / run / "checkpoints") or 0) >= 10, 300)
+        at = time.monotonic()
+        cluster.lose(cluster.nodes[1])
+        log, marker = root / "logs" / f"{run}_node0.log", "attempt 2 of 3: starting torchrun"
+        wait(lambda: marker in log.read_text(errors="replace"), 300)
+        wait(lambda: any(r.iteration for r in parse_log(log.read_text(errors="replace").split(marker, 1)[1])[0]), 300)
+        return time.monotonic() - at
+    finally:
+        script("stop_multinode_training.sh", run, env={**env, "HOSTS": "node0", "NNODES": "1"})
+        cluster.close()
+
+
+def slow_rank_seconds(work: Path) -> tuple[float, str]:
+    """Seconds from node 1's worker slowing (stopped 3/4 of the time) to rank 0's warning, and the warning."""
+    from test_multinode import slowed
+
+    run = "bench_slow"
+    cluster, env = _cluster_run(work, run, 5000, "max_restarts: 0", "2")
+    root = Path(env["ARTIFACT_ROOT"])
+    log = root / "logs" / f"{run}_node0.log"
+    try:
+        wait(lambda: last_iteration(root / "logs" / f"{run}_node1.log") >= 3, 300)
+        worker = next(p for p in tagged_pids(run) if process_environ(p).get("LAUNCHER_NODE_RANK") == "1"
+                      and "LOCAL_RANK" in process_environ(p))
+        at = time.monotonic()
+        with slowed(worker):
+            wait(lambda: "warning: slow rank" in log.read_text(errors="replace"), 300)
+            took = time.monotonic() - at
+        return took, next(l for l in log.read_text().splitlines() if l.startswith("warning: slow rank"))
+    finally:
+        script("stop_multinode_training.sh", run, env=env)
+        cluster.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--floor-s", type=float, default=30.0, help="HANG_STEP_FLOOR_S (default: the watchdog's own, 30)")
     p.add_argument("--repeats", type=int, default=6, help="runs with and without progress reporting (ABBA order)")
     p.add_argument("--progress-only", action="store_true", help="only the progress reporting's cost")
-    p.add_argument("--only", default="", help="comma-separated parts to run: progress, checksums, links, faults")
+    p.add_argument("--only", default="", help="comma-separated parts to run: progress, checksums, links, faults, "
+                   "lost, slow (the last two: a namespace cluster, root)")
     p.add_argument("--per-step-work", action="store_true", help=argparse.SUPPRESS)  # a rank of per_step_work()
     args = p.parse_args()
     if args.per_step_work:
@@ -207,6 +277,13 @@ def main() -> None:
             print(f"  median share: {statistics.median(c / s for s, c, _ in saves):.1%}")
     if "links" in parts:
         print(f"\nlink test, 3 processes on loopback (gloo): {linktest_seconds():.1f} s from start to every report")
+    if "lost" in parts:
+        print(f"\na node lost for good (NNODES=1:2, namespace cluster, 2 x 1): {lost_node_seconds(root):.1f} s from its "
+              "loss to node 0's next attempt's first iteration (node_lost_s 6 s, join_s 12 s, backoff 1 s)")
+    if "slow" in parts:
+        took, line = slow_rank_seconds(root)
+        print(f"\na slow rank (node 1's worker stopped 3/4 of the time, log every iteration): named {took:.1f} s after it "
+              f"slowed\n  {line}")
     if "faults" in parts:
         print(f"\nfaults (MAX_RESTARTS=1, HANG_STEP_FLOOR_S={args.floor_s:g}, checkpoint every 20 iterations)")
         print(f"{'fault':<24} {'to every process gone s':>23} {'to next attempt first iteration s':>34}")
