@@ -225,7 +225,7 @@ def lost_node_seconds(work: Path) -> float:
 
 def slow_rank_seconds(work: Path) -> tuple[float, str]:
     """Seconds from node 1's worker slowing (stopped 3/4 of the time) to rank 0's warning, and the warning."""
-    from test_multinode import slowed
+    from test_multinode import _workers_on, slowed
 
     run = "bench_slow"
     cluster, env = _cluster_run(work, run, 5000, "max_restarts: 0", "2")
@@ -233,8 +233,7 @@ def slow_rank_seconds(work: Path) -> tuple[float, str]:
     log = root / "logs" / f"{run}_node0.log"
     try:
         wait(lambda: last_iteration(root / "logs" / f"{run}_node1.log") >= 3, 300)
-        worker = next(p for p in tagged_pids(run) if process_environ(p).get("LAUNCHER_NODE_RANK") == "1"
-                      and "LOCAL_RANK" in process_environ(p))
+        worker = _workers_on(run, 1)[1]
         at = time.monotonic()
         with slowed(worker):
             wait(lambda: "warning: slow rank" in log.read_text(errors="replace"), 300)

@@ -315,7 +315,7 @@ def cmd_status(args, launch: LaunchEnv) -> int:
     if checkpoints:
         print(checkpoints)
     if report.failure:
-        print(f"run failed: {report.failure} (details: {RunPaths(launch.artifact_root, args.run).failure_file})")
+        print(f"run failed: {report.failure} (details: {paths.failure_file})")
     return EXIT_OK if report.ok else EXIT_NODE_FAILED
 
 

@@ -33,7 +33,7 @@ def test_wandb_settings_come_from_the_environment(tmp_path):
         read_wandb_settings({"WANDB_PROJECT": "p", "WANDB_MODE": "ofline"})
 
 
-def test_a_rank_without_wandb_project_blocks_megatron_core_s_wandb_import():
+def test_a_rank_without_wandb_project_blocks_megatron_core_s_wandb_import(monkeypatch):
     """megatron-core imports wandb as it is imported, when installed; a run not logging to W&B does
     not pay for it (megatron_ext/pretrain.py), and one logging to it is left alone."""
     import importlib.util
@@ -43,16 +43,12 @@ def test_a_rank_without_wandb_project_blocks_megatron_core_s_wandb_import():
     modules: dict = {}
     assert skip_unused_wandb({}, modules) and modules == {"wandb": None}
     assert not skip_unused_wandb({"WANDB_PROJECT": "p"}, {}) and not skip_unused_wandb({}, {"wandb": object()})
-    saved = sys.modules.pop("wandb", "absent")
-    try:
-        assert skip_unused_wandb({})
-        with pytest.raises(ImportError):
-            import wandb  # noqa: F401
-        assert importlib.util.find_spec("wandb") is None
-    finally:
-        sys.modules.pop("wandb", None)
-        if saved != "absent":
-            sys.modules["wandb"] = saved
+    monkeypatch.setitem(sys.modules, "wandb", None)  # recorded, so the test's end puts back what was there
+    del sys.modules["wandb"]
+    assert skip_unused_wandb({})
+    with pytest.raises(ImportError):
+        import wandb  # noqa: F401
+    assert importlib.util.find_spec("wandb") is None
 
 
 def test_the_launcher_forwards_wandb_and_every_node_checks_it_imports(tmp_path, monkeypatch):

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 CHECKSUMS_DIR = "checksums"
+DAMAGED_SUFFIX = ".damaged"
+"""A checkpoint a resume found damaged is kept beside the others as ``iter_N`` + this."""
 CHUNK_BYTES = 8 * 2**20
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Mapping
@@ -233,12 +234,6 @@ class SlowRank:
         return self.seconds / self.others_median_s if self.others_median_s > 0 else float("inf")
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def slow_ranks(history: list[list[float]], ratio: float, intervals: int) -> list[SlowRank]:
     """The ranks whose time is at least ``ratio`` x the median of the *other* ranks' in each of the
     last ``intervals`` entries of ``history`` (one entry per log interval: every rank's forward time
@@ -250,7 +245,7 @@ def slow_ranks(history: list[list[float]], ratio: float, intervals: int) -> list
         return []
     out = []
     for rank in range(len(recent[-1])):
-        medians = [_median(times[:rank] + times[rank + 1:]) for times in recent]
+        medians = [statistics.median(times[:rank] + times[rank + 1:]) for times in recent]
         if all(m > 0 and times[rank] >= ratio * m for times, m in zip(recent, medians)):
             out.append(SlowRank(rank, recent[-1][rank], medians[-1]))
     return out

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.run_spec.checkpoints import LATEST, CheckpointMeta, iteration_dir_name, read_meta
-from megatron_ext.run_spec.checksums import CHECKSUMS_DIR, list_checkpoints, record_files, verify
+from megatron_ext.run_spec.checksums import CHECKSUMS_DIR, DAMAGED_SUFFIX, list_checkpoints, record_files, verify
 from megatron_ext.run_spec.errors import FINAL, UserError
 
 
@@ -196,10 +196,10 @@ def newest_verified(checkpoints_dir: Path, latest: int) -> tuple[int, list[str]]
             damaged.append((iteration, path, found))
             continue
         notes = [f"the checkpoint of iteration {it} is damaged ({'; '.join(found[:3])}"
-                 f"{' ...' if len(found) > 3 else ''}): moved aside as {p.name}.damaged" for it, p, found in damaged]
+                 f"{' ...' if len(found) > 3 else ''}): moved aside as {p.name}{DAMAGED_SUFFIX}" for it, p, found in damaged]
         if damaged and rank == 0:
             for _, p, _ in damaged:
-                os.replace(p, p.with_name(f"{p.name}.damaged"))
+                os.replace(p, p.with_name(p.name + DAMAGED_SUFFIX))
             _point_latest(checkpoints_dir, iteration)
         dist.barrier()
         return iteration, notes

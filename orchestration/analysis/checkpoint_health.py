@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_ext.run_spec.checksums import CheckpointHealth, health, list_checkpoints
+from megatron_ext.run_spec.checksums import DAMAGED_SUFFIX, CheckpointHealth, health, list_checkpoints
 from megatron_ext.run_spec.run_paths import RunPaths
 
 
@@ -49,7 +49,7 @@ def format_checkpoint_report(report: CheckpointReport) -> str:
 def moved_aside(paths: RunPaths) -> list[int]:
     """Iterations of the checkpoints a resume found damaged and moved aside (``iter_N.damaged``)."""
     folder = paths.checkpoints_dir
-    names = (p.name.removeprefix("iter_").removesuffix(".damaged") for p in folder.glob("iter_*.damaged")) \
+    names = (p.name.removeprefix("iter_").removesuffix(DAMAGED_SUFFIX) for p in folder.glob(f"iter_*{DAMAGED_SUFFIX}")) \
         if folder.is_dir() else ()
     return sorted(int(n) for n in names if n.isdigit())
 
