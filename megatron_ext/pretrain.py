@@ -34,6 +34,7 @@ from megatron_ext.run_spec.resilience import ATTEMPT_ENV, PROGRESS_DIR_ENV
 from megatron_ext.run_spec.run_paths import RunPaths, artifact_root, check_run_name
 from megatron_ext.run_spec.wandb_run import read_wandb_settings, wandb_missing_message
 from megatron_ext.run_spec.zero import parse_zero_stage
+from megatron_ext.import_hooks import eager_jit_fuser, skip_unused_wandb
 
 RANK_0_SPEAKS_S = 3.0
 """How long the other ranks wait before exiting on a user error, so rank 0's message is printed
@@ -120,22 +121,15 @@ def _quiet_megatron() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def skip_unused_wandb(env: Mapping[str, str], modules: dict = sys.modules) -> bool:
-    """megatron-core imports wandb, when installed, as it is imported (timers.py and the inference
-    contexts: ~1 s of a rank's start here); a run that does not log to W&B (no WANDB_PROJECT) blocks
-    that import, which megatron-core takes as "not installed": every site catches the ImportError.
-    Whether it was blocked."""
-    if env.get("WANDB_PROJECT", "").strip() or "wandb" in modules:
-        return False
-    modules["wandb"] = None  # `import wandb` raises ImportError; importlib.util.find_spec answers None
-    return True
-
-
 def main(argv: list[str] | None = None) -> int:
     _quiet_megatron()
     args = parse_args(argv)
     env = os.environ
     skip_unused_wandb(env)  # before megatron-core is imported
+    import torch
+
+    if not torch.cuda.is_available():
+        eager_jit_fuser()  # the same decision as the loop's on_cuda, before megatron-core is imported
     from megatron_ext.training.trainers import NonFiniteGradients
 
     try:

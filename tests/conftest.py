@@ -112,14 +112,16 @@ def last_iteration(log: Path) -> int:
 
 
 def write_data_set(path: Path, train_iters: int, global_batch: int = 16, save_interval: int = 0,
-                   zero_stage: int = 0) -> str:
-    """The smoke data set with another length (a YAML path works wherever a data set name does)."""
+                   zero_stage: int = 0, resilience: str = "") -> str:
+    """The smoke data set with another length (a YAML path works wherever a data set name does);
+    ``resilience``: the inside of a ``training.resilience`` mapping, e.g. ``"restart_backoff_s: 1"``."""
     path.write_text(
         "data:\n  source: embedded\n  split: \"95,5,0\"\n  tokenizer: {type: sentencepiece, vocab_size: 2048}\n"
         f"training:\n  seq_length: 128\n  micro_batch_size: 4\n  global_batch_size: {global_batch}\n"
         f"  train_iters: {train_iters}\n  lr: 3.0e-3\n  min_lr: 3.0e-4\n  lr_warmup_iters: 3\n  weight_decay: 0.01\n"
         "  eval_iters: 1\n" + (f"  save_interval: {save_interval}\n" if save_interval else "")
         + (f"  zero_stage: {zero_stage}\n" if zero_stage else "")
+        + (f"  resilience: {{{resilience}}}\n" if resilience else "")
     )
     return str(path)
 
@@ -135,7 +137,7 @@ def unattended(artifact_root, tmp_path_factory) -> tuple[str, dict[int, float]]:
     processes): what a run that was killed, hung, preempted and restarted must reproduce. Computed
     once per session (the one-node restart and the Slurm tests)."""
     data = write_data_set(tmp_path_factory.mktemp("unattended") / "unattended.yaml", UNATTENDED_ITERS, save_interval=25,
-                          zero_stage=1)
+                          zero_stage=1, resilience="restart_backoff_s: 1")  # the restarts' wait: not what is tested
     proc, records = run_torchrun(artifact_root, "unattended_reference", data=data, timeout=900)
     assert proc.returncode == 0 and len(records) == UNATTENDED_ITERS, proc.stderr[-3000:]
     return data, {r["iteration"]: r["lm_loss"] for r in records}

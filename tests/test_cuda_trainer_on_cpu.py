@@ -138,21 +138,22 @@ def exportable_weights(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def fused_adams(tmp_path_factory):
-    """Stage 2 resumed with apex's FusedAdam, then transformer-engine's, in one launch."""
-    out = tmp_path_factory.mktemp("fused_adam")
-    proc = run_worker("resume", "2", out, "--optimizer", "apex,te", timeout=600)
+def stage_2_probes(tmp_path_factory):
+    """Stage 2 in one launch: its gathers, its gradient-accumulation fusion (torch's Adam), then
+    resumed with apex's FusedAdam and transformer-engine's."""
+    out = tmp_path_factory.mktemp("stage_2_probes")
+    proc = run_worker("gathers fusion resume", "2", out, "--optimizer", "apex,te", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
 
 @pytest.mark.parametrize("optimizer", ["apex", "te"])
-def test_a_fused_adam_without_state_for_an_empty_shard_saves_and_resumes(optimizer, fused_adams):
+def test_a_fused_adam_without_state_for_an_empty_shard_saves_and_resumes(optimizer, stage_2_probes):
     """The stand-ins keep apex's / transformer-engine's layout (fused_adam.py): ``step`` in the param
     group, no state for a parameter whose Megatron-FSDP shard is empty on a rank. Before, missing
     state was filled only where a per-parameter ``step`` existed (torch's Adam): the ranks' DTensor
     sets differed and the save's collectives hung."""
-    result = json.loads((fused_adams / f"resume_z2_{optimizer}.json").read_text())
+    result = json.loads((stage_2_probes / f"resume_z2_{optimizer}.json").read_text())
     assert max(result["without_state"]) > 0, result  # some rank holds parameters without Adam state
     uninterrupted, resumed = steps(result["uninterrupted"]), steps(result["resumed"])
     assert resumed == {step: uninterrupted[step] for step in (4, 5, 6)}, (resumed, uninterrupted)
@@ -170,15 +171,6 @@ def test_a_nan_gradient_stops_before_the_update_naming_the_rank(stage, tmp_path)
         both = [json.loads((tmp_path / f"nan_rank{r}.json").read_text()) for r in (0, 1)]
         assert all("non-finite gradients (global gradient norm nan): the loss of rank(s) 1 was not finite" in b["error"]
                    and b["unchanged"] for b in both), both
-
-
-@pytest.fixture(scope="module")
-def stage_2_probes(tmp_path_factory):
-    """Stage 2's gathers and gradient-accumulation fusion, one after the other in one launch."""
-    out = tmp_path_factory.mktemp("stage_2_probes")
-    proc = run_worker("gathers fusion", "2", out)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
 
 
 def test_stage_2_gathers_the_parameters_once_and_takes_one_norm_per_step(stage_2_probes):

@@ -38,12 +38,13 @@ pytestmark = pytest.mark.slow
 SWEEP_ITERS = 4
 
 
-def data_set(path: Path, train_iters: int, save_interval: int = 0, log_interval: int = 1) -> str:
+def data_set(path: Path, train_iters: int, save_interval: int = 0, log_interval: int = 1, resilience: str = "") -> str:
     path.write_text(
         "data:\n  source: embedded\n  split: \"95,5,0\"\n  tokenizer: {type: sentencepiece, vocab_size: 2048}\n"
         f"training:\n  seq_length: 128\n  micro_batch_size: 4\n  global_batch_size: 16\n  train_iters: {train_iters}\n"
         f"  lr: 3.0e-3\n  min_lr: 3.0e-4\n  lr_warmup_iters: 3\n  weight_decay: 0.01\n  eval_iters: 1\n"
-        f"  log_interval: {log_interval}\n" + (f"  save_interval: {save_interval}\n" if save_interval else ""))
+        f"  log_interval: {log_interval}\n" + (f"  save_interval: {save_interval}\n" if save_interval else "")
+        + (f"  resilience: {{{resilience}}}\n" if resilience else ""))
     return str(path)
 
 
@@ -148,7 +149,7 @@ def test_restart_hang_stop_save_and_resume(lm_env, artifact_root, tmp_path, stop
     watchdog with its stack dumped, a start that resumes, and ``stop --save`` (SIGUSR1 to every
     rank: Megatron-LM's --exit-signal-handler saves and exits 0) past that checkpoint. Each start
     takes a free port (a stopped run's port may linger a while)."""
-    run, data = "lm_week", data_set(tmp_path / "week.yaml", train_iters=60, save_interval=3)
+    run, data = "lm_week", data_set(tmp_path / "week.yaml", train_iters=60, save_interval=3, resilience="restart_backoff_s: 1")
     stop_after.append(run)
     # A step may take 10 s, a save 60 s (a torch_dist save's first one starts its writer processes: ~20 s here).
     env = {**lm_env, "MAX_RESTARTS": "1", "HANG_STEP_FLOOR_S": "10", "HANG_CHECKPOINT_S": "60"}

@@ -389,7 +389,7 @@ def test_a_run_that_always_crashes_stops_at_the_breaker(cluster_env, artifact_ro
     data.write_text(f"data:\n  source: files\n  paths: [{prefix}]\n  split: \"95,5,0\"\n"
                     f"  tokenizer: {{type: sentencepiece, model_path: {tokenizer}}}\n"
                     "training:\n  seq_length: 64\n  micro_batch_size: 2\n  global_batch_size: 8\n  train_iters: 20\n"
-                    "  save_interval: 5\n")
+                    "  save_interval: 5\n  resilience: {restart_backoff_s: 1}\n")
     run = "mn_breaker"
     env = {**cluster_env, "MASTER_PORT": "29656", "MAX_RESTARTS": "5", "NPROC_PER_NODE": "1"}
     try:
@@ -436,7 +436,7 @@ def test_a_node_lost_for_good_leaves_the_run_going_on_with_the_others(cluster, c
     checkpoint with the same global batch (1 rank of 4 micro-batches a step, where there were 2 of 2):
     every iteration's loss as a run never interrupted, within float reassociation; status names the
     lost node."""
-    iters = 40
+    iters = 30  # 25 or more left when node 1 goes: it goes mid-run
     data = tmp_path / "elastic.yaml"
     data.write_text(Path(write_data_set(tmp_path / "base.yaml", train_iters=iters, save_interval=5)).read_text()
                     + "  resilience: {max_restarts: 2, restart_backoff_s: 1, node_lost_s: 6, join_s: 12}\n")
@@ -446,7 +446,7 @@ def test_a_node_lost_for_good_leaves_the_run_going_on_with_the_others(cluster, c
         start = run_script("start_multinode_training.sh", "gpt_smoke", str(data), run, env=env)
         assert start.returncode == 0, start.stdout + start.stderr
         checkpoints = artifact_root / "runs" / run / "checkpoints"
-        wait_for(lambda: (latest_iteration(checkpoints) or 0) >= 10, 240, what="a checkpoint")
+        wait_for(lambda: (latest_iteration(checkpoints) or 0) >= 5, 240, what="a checkpoint")
         cluster.lose(cluster.nodes[1])
         wait_for(lambda: not tagged_pids(run), 400, what="the run to finish on node 0 alone")
         log = (artifact_root / "logs" / f"{run}_node0.log").read_text()

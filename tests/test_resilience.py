@@ -208,7 +208,7 @@ def test_a_killed_and_a_stopped_worker_with_restarts_finish_with_the_same_losses
     checkpoints = artifact_root / "runs" / run / "checkpoints"
     start = run_script("start_training.sh", "gpt_smoke", data, run, env={**env, "MAX_RESTARTS": "3", "HANG_STEP_FLOOR_S": "5"})
     assert start.returncode == 0, start.stdout + start.stderr
-    assert "restarts: up to 3 (backoff 5 s; gives up after 2 attempts without a new checkpoint)" in start.stdout
+    assert "restarts: up to 3 (backoff 1 s; gives up after 2 attempts without a new checkpoint)" in start.stdout
     try:
         wait_for(lambda: (latest_iteration(checkpoints) or 0) >= 25 and last_iteration(log) > 30, 240, what="a checkpoint")
         os.kill(worker(run, 1), signal.SIGKILL)

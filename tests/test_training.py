@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -155,3 +156,45 @@ def test_unknown_yaml_key_and_missing_data_path(tmp_path):
         assert proc.stderr.count(message) == 1  # rank 0 alone speaks
         # No rank prints a traceback; torchrun's own one-screen failure summary follows.
         assert "[rank0]" not in proc.stderr and "[rank1]" not in proc.stderr
+
+
+def test_after_import_runs_right_after_the_module_s_own_code(tmp_path, monkeypatch):
+    from megatron_ext.import_hooks import _disable_jit_fuser, after_import
+
+    (tmp_path / "hooked_pkg").mkdir()
+    (tmp_path / "hooked_pkg" / "__init__.py").write_text("")
+    (tmp_path / "hooked_pkg" / "jit.py").write_text("fuser = 'compile'\ndef disable():\n    global fuser\n    fuser = 'eager'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    meta_path = list(sys.meta_path)
+    monkeypatch.setattr(sys, "meta_path", meta_path)
+    seen = []
+    assert not after_import("hooked_pkg.jit", lambda m: (m.disable(), seen.append(m.__name__)))
+    from hooked_pkg.jit import fuser  # what an importer takes is what the hook left
+
+    assert fuser == "eager" and seen == ["hooked_pkg.jit"] and len(meta_path) == len(sys.meta_path)
+    assert after_import("hooked_pkg.jit", lambda m: seen.append("now")) and seen[-1] == "now"
+    for name in ("hooked_pkg.jit", "hooked_pkg"):
+        monkeypatch.delitem(sys.modules, name)
+    older = types.SimpleNamespace(jit_fuser=lambda f: "compiled")  # a megatron-core without disable_jit_fuser
+    _disable_jit_fuser(older)
+    assert older.jit_fuser(len) is len
+
+
+@pytest.mark.slow
+def test_a_cpu_rank_imports_megatron_core_with_its_jit_fuser_eager():
+    """What the program does on a rank without CUDA (pretrain.py): megatron-core's functions
+    decorated with its jit_fuser stay plain functions, and neither TorchDynamo's compiler wrapper
+    nor Inductor is imported for them (3 s of every CPU rank's start: docs/testing.md)."""
+    code = ("import sys\n"
+            "from megatron_ext.import_hooks import eager_jit_fuser\n"
+            "assert eager_jit_fuser()\n"
+            "import megatron.core\n"
+            "from megatron.core import jit\n"
+            "from megatron.core.fusions.fused_bias_gelu import bias_gelu\n"
+            "assert jit.jit_fuser is jit.noop_decorator, jit.jit_fuser\n"
+            "assert not hasattr(bias_gelu, '_torchdynamo_orig_callable'), bias_gelu\n"
+            "assert 'torch._inductor' not in sys.modules\n"
+            "assert not eager_jit_fuser()  # too late once megatron-core is imported: said so\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]

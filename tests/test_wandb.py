@@ -38,7 +38,7 @@ def test_a_rank_without_wandb_project_blocks_megatron_core_s_wandb_import(monkey
     not pay for it (megatron_ext/pretrain.py), and one logging to it is left alone."""
     import importlib.util
 
-    from megatron_ext.pretrain import skip_unused_wandb
+    from megatron_ext.import_hooks import skip_unused_wandb
 
     modules: dict = {}
     assert skip_unused_wandb({}, modules) and modules == {"wandb": None}

@@ -4,8 +4,9 @@
     python -m torch.distributed.run --nproc-per-node 2 tests/cuda_on_cpu/worker.py resume --stage 0,1,2,3 --out DIR
 
 Several stages (``--stage 0,1,2,3``), several modes (``gathers fusion``) and several optimizers
-(``--optimizer apex,te``) run one after another in one launch: every model is built anew, and the
-tests pay megatron-core's import once instead of once per combination (CI time).
+(``--optimizer apex,te``, for ``resume``; the other modes run first, with torch's Adam) run one after
+another in one launch: every model is built anew, and the tests pay megatron-core's import once
+instead of once per combination (CI time).
 
 Every step trains on the same global batch of 4 micro-batches of 2 sequences, whatever the number
 of ranks (rank r takes micro-batches r x a ... r x a + a - 1, a = 4 / ranks), so runs at different
@@ -294,12 +295,17 @@ def main() -> None:
     p.add_argument("--save-at", type=int, default=3)
     p.add_argument("--reshard-from", type=Path, help="the --out of a launch at another data-parallel size")
     p.add_argument("--only-reshard", action="store_true")
-    p.add_argument("--optimizer", type=lambda t: t.split(","), default=["torch"], help="torch, apex, te, or several: apex,te")
+    p.add_argument("--optimizer", type=lambda t: t.split(","), default=["torch"],
+                   help="resume's optimizer: torch, apex, te, or several: apex,te (the other modes: torch's)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: a real GPU, NCCL, no shim")
     args = p.parse_args()
     if "nan" in args.modes and (len(args.modes) > 1 or len(args.stage) > 1):
         p.error("nan runs alone, at one stage: its ranks exit")
     global DEVICE
+    if args.device == "cpu":  # as the program's CPU ranks (import_hooks.py): a decorated function, if called, runs eagerly
+        from megatron_ext.import_hooks import eager_jit_fuser
+
+        eager_jit_fuser()
     if args.device == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
@@ -315,13 +321,15 @@ def main() -> None:
         parallel_state.initialize_model_parallel(1, 1)
         if args.device == "cpu":  # on a GPU megatron-core's own memory buffer and CUDA RNG tracker (build() seeds it)
             install_cpu_compat(1234)
-        for optimizer in args.optimizer:
-            suffix = "" if optimizer == "torch" else f"_{optimizer}"
-            if optimizer != "torch":
-                from cuda_on_cpu import fused_adam
+        # --optimizer is resume's: the other modes run first, with torch's Adam (a FusedAdam
+        # stand-in, once in use, stays for the launch).
+        for mode in sorted(args.modes, key=lambda m: m == "resume"):
+            for optimizer in args.optimizer if mode == "resume" else ["torch"]:
+                suffix = "" if optimizer == "torch" else f"_{optimizer}"
+                if optimizer != "torch":
+                    from cuda_on_cpu import fused_adam
 
-                fused_adam.use(optimizer)
-            for mode in args.modes:
+                    fused_adam.use(optimizer)
                 for stage in args.stage:
                     if mode == "gathers":
                         result = {units: gathers_per_step(stage, units) for units in ("default", "layers")}

@@ -12,7 +12,8 @@ What it cannot show: CUDA kernels and GPU numerics (everything is CPU arithmetic
 (gloo stands in, PREMUL_SUM as multiply-then-SUM), the overlap of communication with compute
 (streams and events are no-ops; asynchronous collectives are waited through their Work
 handles), GPU memory (memory statistics read 0), CUDA graphs, transformer-engine, apex, and
-torch.compile (TorchDynamo is disabled: Megatron's jit_fuser is torch.compile). tests/gpu/ is
+torch.compile (TorchDynamo is disabled, and Megatron's jit_fuser, torch.compile, is the no-op
+decorator from megatron-core's import: megatron_ext/import_hooks.py). tests/gpu/ is
 for those.
 
 Activation: put this folder first on PYTHONPATH (Python imports ``sitecustomize`` at start) and
@@ -41,7 +42,6 @@ it); ``TORCHDYNAMO_DISABLE=1``.
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
@@ -50,15 +50,16 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SHIM = HERE.parent / "cuda_on_cpu" / "shim.py"
+IMPORT_HOOKS = HERE.parents[1] / "megatron_ext" / "import_hooks.py"
 
 
 def wanted() -> bool:
     return os.environ.get("MEGATRON_LM_CPU_SHIM") == "1" and "LOCAL_RANK" in os.environ
 
 
-def _load_shim():
-    """tests/cuda_on_cpu/shim.py, without putting tests/ on this process's sys.path."""
-    spec = importlib.util.spec_from_file_location("_megatron_lm_cpu_shim_common", SHIM)
+def _load(name: str, path: Path):
+    """A module by its file, without putting its folder on this process's sys.path."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -193,7 +194,7 @@ def install() -> None:
     import torch.cuda.random
     import torch.utils.cpp_extension
 
-    shim = _load_shim()
+    shim = _load("_megatron_lm_cpu_shim_common", SHIM)
     local_rank = int(os.environ["LOCAL_RANK"])
     count = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), local_rank + 1)
     generator = torch.Generator()  # stands for the GPU's: dropout draws from it
@@ -229,27 +230,6 @@ def install() -> None:
     shim.CudaOnCpu(cuda_generator=generator).__enter__()  # never left: the process's lifetime
 
 
-class _AfterTorch(importlib.abc.MetaPathFinder):
-    """Installs the shim when ``torch`` has been imported (a process that never imports torch,
-    such as ``python3 -m pybind11`` run by the dataset helpers' build, stays untouched)."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "torch":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec("torch")
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_install(module):
-            exec_module(module)
-            install()
-
-        spec.loader.exec_module = exec_then_install
-        return spec
-
-
 def _chain_other_sitecustomize() -> None:
     """Run the ``sitecustomize`` this file shadows, if any, as Python would have."""
     others = [p for p in sys.path if Path(p or ".").resolve() != HERE]
@@ -261,8 +241,11 @@ def _chain_other_sitecustomize() -> None:
 
 if wanted():
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
-    if "torch" in sys.modules:
-        install()
-    else:
-        sys.meta_path.insert(0, _AfterTorch())
+    hooks = _load("_megatron_ext_import_hooks", IMPORT_HOOKS)
+    # Once torch is imported (a process that never imports it, such as ``python3 -m pybind11`` run
+    # by the dataset helpers' build, stays untouched); and megatron-core's jit_fuser the no-op
+    # decorator from its import: with TorchDynamo disabled the decorated functions run eagerly
+    # anyway, and the program's CPU ranks do the same (import_hooks.eager_jit_fuser).
+    hooks.after_import("torch", lambda torch: install())
+    hooks.eager_jit_fuser()
 _chain_other_sitecustomize()

@@ -1,0 +1,96 @@
+"""What a rank decides before megatron-core is imported: megatron-core does work as it is imported
+(its package ``__init__`` imports the transformer, the fusions and the timers) that a CPU rank, or a
+rank that does not log to W&B, never uses. Each choice here costs a rank's start seconds of CPU
+when it is not made (measured: docs/testing.md).
+
+No torch and no megatron-core at the top: this module is imported before them (and loaded by file
+by tests/megatron_lm_shim/sitecustomize.py, in Megatron-LM's ranks).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from typing import Callable, Mapping
+
+JIT_MODULE = "megatron.core.jit"
+
+
+def skip_unused_wandb(env: Mapping[str, str], modules: dict = sys.modules) -> bool:
+    """megatron-core imports wandb, when installed, as it is imported (timers.py and the inference
+    contexts: ~1 s of a rank's start here); a run that does not log to W&B (no WANDB_PROJECT) blocks
+    that import, which megatron-core takes as "not installed": every site catches the ImportError.
+    Whether it was blocked."""
+    if env.get("WANDB_PROJECT", "").strip() or "wandb" in modules:
+        return False
+    modules["wandb"] = None  # `import wandb` raises ImportError; importlib.util.find_spec answers None
+    return True
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``then(module)`` right after ``name``'s own code, before any importer sees the module
+    (the loader is Python's own; this finder only wraps its ``exec_module``), once."""
+
+    def __init__(self, name: str, then: Callable[[object], None]):
+        self.name, self.then = name, then
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.name:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then(module):
+            exec_module(module)
+            self.then(module)
+
+        spec.loader.exec_module = exec_then
+        return spec
+
+
+def after_import(name: str, then: Callable[[object], None], modules: dict | None = None,
+                 meta_path: list | None = None) -> bool:
+    """Call ``then(module)`` once module ``name`` has run its own code: now if it is imported
+    already, else as it is imported. Whether it ran now."""
+    modules = sys.modules if modules is None else modules
+    meta_path = sys.meta_path if meta_path is None else meta_path
+    if name in modules:
+        then(modules[name])
+        return True
+    meta_path.insert(0, _AfterImport(name, then))
+    return False
+
+
+def eager_jit_fuser(modules: dict | None = None, meta_path: list | None = None) -> bool:
+    """megatron-core's ``jit_fuser`` is ``torch.compile`` (megatron/core/jit.py), applied as a
+    decorator to ~40 functions while megatron-core is imported: each call imports TorchDynamo and
+    Inductor and builds a compiler wrapper (~3 s of a rank's start on one core), for functions that
+    the fused paths alone call (bias+GeLU, bias+SwiGLU, bias+dropout+add), which are off on CPU
+    (training/model.py ``kernel_choices``). Megatron-LM's ``--disable-jit-fuser`` calls megatron-core's
+    own ``disable_jit_fuser()`` (training/global_vars.py), but only after the model's modules were
+    imported with ``torch.compile``; calling it right after ``megatron.core.jit`` runs makes every
+    importer take the no-op decorator: the same functions, run eagerly. For CPU ranks only (on
+    CUDA the fuser is the point). Whether it took effect from the import (False: megatron-core was
+    imported already; the decorated functions stay compiled)."""
+    if JIT_MODULE in (sys.modules if modules is None else modules):
+        return False
+    after_import(JIT_MODULE, _disable_jit_fuser, modules, meta_path)
+    return True
+
+
+def _disable_jit_fuser(jit) -> None:
+    """megatron-core's own ``disable_jit_fuser()`` where it has one (0.16.1 and 0.19.2 do); in a
+    release without it, what it does: the module's ``jit_fuser`` the identity."""
+    if hasattr(jit, "disable_jit_fuser"):
+        jit.disable_jit_fuser()
+    else:
+        jit.jit_fuser = _identity
+
+
+def _identity(func):
+    return func
