@@ -10,7 +10,7 @@ by tests/megatron_lm_shim/sitecustomize.py, in Megatron-LM's ranks).
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
+import importlib.util
 import sys
 from typing import Callable, Mapping
 
@@ -40,7 +40,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             return None
         if self in sys.meta_path:
             sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        spec = importlib.util.find_spec(name)  # every other finder, as the import would ask them
         if spec is None or spec.loader is None:
             return spec
         exec_module = spec.loader.exec_module
@@ -74,8 +74,9 @@ def eager_jit_fuser(modules: dict | None = None, meta_path: list | None = None) 
     (training/model.py ``kernel_choices``). Megatron-LM's ``--disable-jit-fuser`` calls megatron-core's
     own ``disable_jit_fuser()`` (training/global_vars.py), but only after the model's modules were
     imported with ``torch.compile``; calling it right after ``megatron.core.jit`` runs makes every
-    importer take the no-op decorator: the same functions, run eagerly. For CPU ranks only (on
-    CUDA the fuser is the point). Whether it took effect from the import (False: megatron-core was
+    importer take the no-op decorator: the same functions, run eagerly. For processes that never
+    run them compiled: CPU ranks, the exports, Megatron-LM's argument check (a CUDA rank keeps the
+    fuser: it is the point there). Whether it took effect from the import (False: megatron-core was
     imported already; the decorated functions stay compiled)."""
     if JIT_MODULE in (sys.modules if modules is None else modules):
         return False
