@@ -1,6 +1,6 @@
 """Launcher costs, measured side by side in one invocation.
 
-    python benchmarks/launcher.py            # root + iproute2 + openssh-server for the 1-vs-2-node rows
+    python benchmarks/launcher.py [--repeats 4]   # root + iproute2 + openssh-server for the 1-vs-2-node rows
 
 1. Start command to first iteration, against bare torchrun of the same training (ratio).
 2. Stop latency of a running run, and processes left carrying the run afterwards.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
 
 from conftest import clean_env, last_iteration, tagged_pids, write_data_set  # noqa: E402
 
@@ -87,12 +89,13 @@ def multinode_start_times(root: Path, data: str) -> tuple[float, float] | None:
 
 
 def main() -> None:
+    repeats = int(sys.argv[sys.argv.index("--repeats") + 1]) if "--repeats" in sys.argv else 4
     root = Path(tempfile.mkdtemp(prefix="bench_launcher_"))
     data = write_data_set(root / "long.yaml", train_iters=5000)
     env = clean_env(ARTIFACT_ROOT=str(root), MASTER_PORT=str(_port()))
     bare_first_iteration(env, data, root)  # warm the data cache and the page cache once, unmeasured
     rows = []
-    for rep in range(2):
+    for rep in range(repeats):
         bare = bare_first_iteration(env, data, root)
         first, stop_s, left = launcher_first_iteration({**env, "MASTER_PORT": str(_port())}, data, f"bench_start{rep}", root)
         rows.append((bare, first, stop_s, left))
@@ -100,11 +103,13 @@ def main() -> None:
     print(f"{'rep':>3} {'bare torchrun s':>15} {'start_training.sh s':>19} {'ratio':>6} {'stop s':>7} {'left after stop':>15}")
     for i, (bare, first, stop_s, left) in enumerate(rows):
         print(f"{i:>3} {bare:>15.2f} {first:>19.2f} {first / bare:>6.2f} {stop_s:>7.2f} {left:>15}")
+    print(f"median ratio {statistics.median(first / bare for bare, first, _, _ in rows):.2f}, median launcher cost "
+          f"{statistics.median(first - bare for bare, first, _, _ in rows):.2f} s")
     nodes = multinode_start_times(root, data)
     if nodes is None:
         print("1 vs 2 nodes: skipped (needs root, iproute2, openssh-server)")
     else:
-        print(f"start command, 1 node: {nodes[0]:.2f}s; 2 nodes: {nodes[1]:.2f}s; ratio {nodes[1] / nodes[0]:.2f}")
+        print(f"start command, 1 node: {nodes[0]:.2f}s; 2 nodes: {nodes[1]:.2f}s (with the link test); ratio {nodes[1] / nodes[0]:.2f}")
 
 
 if __name__ == "__main__":

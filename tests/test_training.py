@@ -183,9 +183,12 @@ def test_after_import_runs_right_after_the_module_s_own_code(tmp_path, monkeypat
 @pytest.mark.slow
 def test_a_cpu_rank_imports_megatron_core_with_its_jit_fuser_eager():
     """What the program does on a rank without CUDA (pretrain.py): megatron-core's functions
-    decorated with its jit_fuser stay plain functions, and neither TorchDynamo's compiler wrapper
-    nor Inductor is imported for them (3 s of every CPU rank's start: docs/testing.md)."""
-    code = ("import sys\n"
+    decorated with its jit_fuser stay plain functions: its import calls torch.compile on none of the
+    fusions (3 s of every CPU rank's start: docs/training-program.md)."""
+    code = ("import torch\n"
+            "compiled = []\n"
+            "real_compile = torch.compile\n"
+            "torch.compile = lambda *a, **k: compiled.append(a) or real_compile(*a, **k)\n"
             "from megatron_ext.import_hooks import eager_jit_fuser\n"
             "assert eager_jit_fuser()\n"
             "import megatron.core\n"
@@ -193,7 +196,8 @@ def test_a_cpu_rank_imports_megatron_core_with_its_jit_fuser_eager():
             "from megatron.core.fusions.fused_bias_gelu import bias_gelu\n"
             "assert jit.jit_fuser is jit.noop_decorator, jit.jit_fuser\n"
             "assert not hasattr(bias_gelu, '_torchdynamo_orig_callable'), bias_gelu\n"
-            "assert 'torch._inductor' not in sys.modules\n"
+            "fused = [a for a in compiled if a and getattr(a[0], '__module__', '').startswith('megatron.core.fusions')]\n"
+            "assert fused == [], fused  # (0.19 compiles one inference router itself, not through jit_fuser)\n"
             "assert not eager_jit_fuser()  # too late once megatron-core is imported: said so\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=clean_env())

@@ -120,6 +120,7 @@ def _collective_step(what: Callable[[], None], checkpoints_dir: Path, target: Pa
     if not _any_rank(failure is not None):
         return
     written = _folder_bytes(target)
+    dist.barrier()  # every rank has measured the folder before rank 0 removes it
     if dist.get_rank() == 0:
         shutil.rmtree(target, ignore_errors=True)
     dist.barrier()
