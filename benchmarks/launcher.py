@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import statistics
@@ -89,7 +90,9 @@ def multinode_start_times(root: Path, data: str) -> tuple[float, float] | None:
 
 
 def main() -> None:
-    repeats = int(sys.argv[sys.argv.index("--repeats") + 1]) if "--repeats" in sys.argv else 4
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=4, help="alternating bare/launcher pairs (default 4)")
+    repeats = parser.parse_args().repeats
     root = Path(tempfile.mkdtemp(prefix="bench_launcher_"))
     data = write_data_set(root / "long.yaml", train_iters=5000)
     env = clean_env(ARTIFACT_ROOT=str(root), MASTER_PORT=str(_port()))

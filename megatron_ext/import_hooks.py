@@ -30,26 +30,30 @@ def skip_unused_wandb(env: Mapping[str, str], modules: dict = sys.modules) -> bo
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs ``then(module)`` right after ``name``'s own code, before any importer sees the module
-    (the loader is Python's own; this finder only wraps its ``exec_module``), once."""
+    (the loader is Python's own; this finder wraps its ``exec_module`` for that one call), once."""
 
-    def __init__(self, name: str, then: Callable[[object], None]):
-        self.name, self.then = name, then
+    def __init__(self, name: str, then: Callable[[object], None], meta_path: list):
+        self.name, self.then, self.meta_path = name, then, meta_path
 
     def find_spec(self, name, path=None, target=None):
         if name != self.name:
             return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
+        if self in self.meta_path:
+            self.meta_path.remove(self)
         spec = importlib.util.find_spec(name)  # every other finder, as the import would ask them
         if spec is None or spec.loader is None:
             return spec
-        exec_module = spec.loader.exec_module
+        loader = spec.loader
 
         def exec_then(module):
-            exec_module(module)
+            del loader.exec_module  # the loader's own method again, for whatever else it loads
+            loader.exec_module(module)
             self.then(module)
 
-        spec.loader.exec_module = exec_then
+        try:
+            loader.exec_module = exec_then
+        except AttributeError:  # a loader that takes no attribute: the module loads as it is, unhooked
+            pass
         return spec
 
 
@@ -62,16 +66,17 @@ def after_import(name: str, then: Callable[[object], None], modules: dict | None
     if name in modules:
         then(modules[name])
         return True
-    meta_path.insert(0, _AfterImport(name, then))
+    meta_path.insert(0, _AfterImport(name, then, meta_path))
     return False
 
 
 def eager_jit_fuser(modules: dict | None = None, meta_path: list | None = None) -> bool:
     """megatron-core's ``jit_fuser`` is ``torch.compile`` (megatron/core/jit.py), applied as a
     decorator to ~40 functions while megatron-core is imported: each call imports TorchDynamo and
-    Inductor and builds a compiler wrapper (~3 s of a rank's start on one core), for functions that
-    the fused paths alone call (bias+GeLU, bias+SwiGLU, bias+dropout+add), which are off on CPU
-    (training/model.py ``kernel_choices``). Megatron-LM's ``--disable-jit-fuser`` calls megatron-core's
+    Inductor and builds a compiler wrapper (~3 s of a rank's start on one core). For this project's
+    presets the ones a rank can reach are the fused paths (bias+GeLU, bias+SwiGLU,
+    bias+dropout+add), off on CPU (training/model.py ``kernel_choices``); the others serve
+    activations, norms, gates and MoE routing these presets do not use. Megatron-LM's ``--disable-jit-fuser`` calls megatron-core's
     own ``disable_jit_fuser()`` (training/global_vars.py), but only after the model's modules were
     imported with ``torch.compile``; calling it right after ``megatron.core.jit`` runs makes every
     importer take the no-op decorator: the same functions, run eagerly. For processes that never

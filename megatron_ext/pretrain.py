@@ -27,6 +27,7 @@ import warnings
 from pathlib import Path
 from typing import Mapping
 
+from megatron_ext.import_hooks import eager_jit_fuser, skip_unused_wandb
 from megatron_ext.run_spec.devices import visible_gpu_count
 from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
 from megatron_ext.run_spec.params import load_run_params, read_overrides, with_batch_geometry
@@ -34,7 +35,6 @@ from megatron_ext.run_spec.resilience import ATTEMPT_ENV, PROGRESS_DIR_ENV
 from megatron_ext.run_spec.run_paths import RunPaths, artifact_root, check_run_name
 from megatron_ext.run_spec.wandb_run import read_wandb_settings, wandb_missing_message
 from megatron_ext.run_spec.zero import parse_zero_stage
-from megatron_ext.import_hooks import eager_jit_fuser, skip_unused_wandb
 
 RANK_0_SPEAKS_S = 3.0
 """How long the other ranks wait before exiting on a user error, so rank 0's message is printed

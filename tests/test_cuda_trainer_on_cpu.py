@@ -142,7 +142,7 @@ def stage_2_probes(tmp_path_factory):
     """Stage 2 in one launch: its gathers, its gradient-accumulation fusion (torch's Adam), then
     resumed with apex's FusedAdam and transformer-engine's."""
     out = tmp_path_factory.mktemp("stage_2_probes")
-    proc = run_worker("gathers fusion resume", "2", out, "--optimizer", "apex,te", timeout=600)
+    proc = run_worker("gathers fusion resume", "2", out, "--optimizer", "apex,te", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 

@@ -28,7 +28,7 @@ and of 4 micro-batches, with the adapter's default units and with TransformerLay
 this project once passed at stage 2); ``fusion``: stage 2 with gradient-accumulation fusion on
 (a stand-in for apex's extension, which megatron-core's layers only check for), fp32 and bf16
 gradient reduction, tied and untied embeddings, against the unfused run. Rank 0 writes
-``DIR/<mode>_z<stage>.json`` (``<mode>_z<stage>_<optimizer>.json`` with apex's or te's).
+``DIR/<mode>_z<stage>.json`` (``resume_z<stage>_<optimizer>.json`` with apex's or te's).
 """
 
 from __future__ import annotations
@@ -301,6 +301,8 @@ def main() -> None:
     args = p.parse_args()
     if "nan" in args.modes and (len(args.modes) > 1 or len(args.stage) > 1):
         p.error("nan runs alone, at one stage: its ranks exit")
+    if "torch" in args.optimizer[1:]:
+        p.error("--optimizer: torch comes first (a FusedAdam stand-in, once in use, stays for the launch)")
     global DEVICE
     if args.device == "cpu":  # as the program's CPU ranks (import_hooks.py): a decorated function, if called, runs eagerly
         from megatron_ext.import_hooks import eager_jit_fuser
