@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from megatron_ext.data.tokenizers import HuggingFaceTokenizer, configured_token, hf_tokenizer_file
-from megatron_ext.import_hooks import eager_jit_fuser, skip_unused_wandb
+from megatron_ext.import_hooks import runs_no_model_code
 from megatron_ext.run_spec.checkpoints import iteration_dir_name, latest_iteration
 from megatron_ext.run_spec.errors import EXIT_USER_ERROR, UserError
 from megatron_ext.run_spec.flops import padded_vocab_size
@@ -241,8 +241,7 @@ def run_exporter(export_fn: Callable[..., list[str]], prog: str, doc: str, out_h
     parser.add_argument("--iteration", type=int, help="the checkpoint's iteration (default: the latest)")
     parser.add_argument("--force", action="store_true", help="replace a non-empty OUT")
     args = parser.parse_args(argv)
-    eager_jit_fuser()  # an export builds the model to read weights into, never runs it, and logs nowhere
-    skip_unused_wandb({})
+    runs_no_model_code()  # an export builds the model to read weights into, never runs it
     try:
         from megatron_ext.training.model import ensure_model_parallel
 

@@ -1,7 +1,7 @@
-"""What a rank decides before megatron-core is imported: megatron-core does work as it is imported
-(its package ``__init__`` imports the transformer, the fusions and the timers) that a CPU rank, or a
-rank that does not log to W&B, never uses. Each choice here costs a rank's start seconds of CPU
-when it is not made (measured: docs/testing.md).
+"""What a process decides before megatron-core is imported: megatron-core does work as it is
+imported (its package ``__init__`` imports the transformer, the fusions and the timers) that a CPU
+rank, a rank that does not log to W&B or a process that runs no model never uses. Each choice here
+costs a process's start seconds of CPU when it is not made (measured: docs/training-program.md).
 
 No torch and no megatron-core at the top: this module is imported before them (and loaded by file
 by tests/megatron_lm_shim/sitecustomize.py, in Megatron-LM's ranks).
@@ -32,14 +32,14 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs ``then(module)`` right after ``name``'s own code, before any importer sees the module
     (the loader is Python's own; this finder wraps its ``exec_module`` for that one call), once."""
 
-    def __init__(self, name: str, then: Callable[[object], None], meta_path: list):
-        self.name, self.then, self.meta_path = name, then, meta_path
+    def __init__(self, name: str, then: Callable[[object], None]):
+        self.name, self.then = name, then
 
     def find_spec(self, name, path=None, target=None):
         if name != self.name:
             return None
-        if self in self.meta_path:
-            self.meta_path.remove(self)
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)  # every other finder, as the import would ask them
         if spec is None or spec.loader is None:
             return spec
@@ -57,36 +57,41 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def after_import(name: str, then: Callable[[object], None], modules: dict | None = None,
-                 meta_path: list | None = None) -> bool:
+def after_import(name: str, then: Callable[[object], None]) -> bool:
     """Call ``then(module)`` once module ``name`` has run its own code: now if it is imported
     already, else as it is imported. Whether it ran now."""
-    modules = sys.modules if modules is None else modules
-    meta_path = sys.meta_path if meta_path is None else meta_path
-    if name in modules:
-        then(modules[name])
+    if name in sys.modules:
+        then(sys.modules[name])
         return True
-    meta_path.insert(0, _AfterImport(name, then, meta_path))
+    sys.meta_path.insert(0, _AfterImport(name, then))
     return False
 
 
-def eager_jit_fuser(modules: dict | None = None, meta_path: list | None = None) -> bool:
+def eager_jit_fuser() -> bool:
     """megatron-core's ``jit_fuser`` is ``torch.compile`` (megatron/core/jit.py), applied as a
     decorator to ~40 functions while megatron-core is imported: each call imports TorchDynamo and
     Inductor and builds a compiler wrapper (~3 s of a rank's start on one core). For this project's
     presets the ones a rank can reach are the fused paths (bias+GeLU, bias+SwiGLU,
     bias+dropout+add), off on CPU (training/model.py ``kernel_choices``); the others serve
-    activations, norms, gates and MoE routing these presets do not use. Megatron-LM's ``--disable-jit-fuser`` calls megatron-core's
-    own ``disable_jit_fuser()`` (training/global_vars.py), but only after the model's modules were
+    activations, norms, gates and MoE routing these presets do not use. Megatron-LM's
+    ``--disable-jit-fuser`` calls megatron-core's own ``disable_jit_fuser()``
+    (training/global_vars.py), but only after the model's modules were
     imported with ``torch.compile``; calling it right after ``megatron.core.jit`` runs makes every
     importer take the no-op decorator: the same functions, run eagerly. For processes that never
     run them compiled: CPU ranks, the exports, Megatron-LM's argument check (a CUDA rank keeps the
     fuser: it is the point there). Whether it took effect from the import (False: megatron-core was
     imported already; the decorated functions stay compiled)."""
-    if JIT_MODULE in (sys.modules if modules is None else modules):
+    if JIT_MODULE in sys.modules:
         return False
-    after_import(JIT_MODULE, _disable_jit_fuser, modules, meta_path)
+    after_import(JIT_MODULE, _disable_jit_fuser)
     return True
+
+
+def runs_no_model_code() -> None:
+    """For a process that imports megatron-core but runs no model and logs nowhere (Megatron-LM's
+    argument check, the exports): neither the jit fuser's compiles nor wandb at import."""
+    eager_jit_fuser()
+    skip_unused_wandb({})
 
 
 def _disable_jit_fuser(jit) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from megatron_ext.import_hooks import eager_jit_fuser, skip_unused_wandb
+from megatron_ext.import_hooks import runs_no_model_code
 
 VALIDATION_TIMEOUT_S = 120.0
 NO_TOKENIZER = "--no-tokenizer"
@@ -87,10 +87,7 @@ def _check(checkout: str, world_size: int, device_arch: int, argv: list[str], bu
 
     argparse.ArgumentParser.error = parser_error
     warnings.simplefilter("ignore")
-    # The check runs no model code and logs nowhere: megatron-core's import skips its jit fuser's
-    # torch.compile and wandb (~2.5 s of this child here; import_hooks.py).
-    eager_jit_fuser()
-    skip_unused_wandb({})
+    runs_no_model_code()  # ~2.5 s of this child here
     sys.path.insert(0, checkout)
     notes = []
     with contextlib.redirect_stdout(sys.stderr):  # validate_args prints every argument
