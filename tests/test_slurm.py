@@ -1,6 +1,6 @@
 """The launcher under a real Slurm (tests/slurm_cluster.py: munged, slurmctld and one slurmd on
 this machine; one node with one task of 2 training processes): a batch job through
-submit_training.sh that meets its time limit saves, requeues and runs to the end, a run started
+submit_training.sh that gets its time-limit signal saves, requeues and runs to the end, a run started
 inside an allocation (salloc) stops on request, scancel of a batch job leaves nothing, bad input is
 one message with nothing submitted. With CI=true a missing prerequisite is a failure."""
 
@@ -119,19 +119,22 @@ def test_stop_cancels_a_batch_job_and_leaves_nothing(slurm_env, artifact_root, t
     assert tagged_pids("sl_cancel") == []
 
 
-def test_a_time_limit_saves_requeues_and_finishes_with_the_same_losses(slurm_env, artifact_root, unattended):
-    """A batch job through submit_training.sh, of two minutes, signalled 60 s ahead
-    (``--signal=B:USR1@60``; Slurm sends it at its first 30-second check within 90 s of the limit):
-    the batch shell's trap marks it, the waiting start asks every rank to save at the next step, the
-    run ends preempted, the job requeues itself, resumes from that checkpoint and, maybe after
-    another such round, finishes; its loss at every iteration equals an uninterrupted run's. Also: a
-    secret set where the job is submitted reaches the ranks (of every round) through sbatch's export
-    of the environment, never through the batch script or a log."""
+def test_the_time_limit_signal_saves_requeues_and_finishes_with_the_same_losses(slurm_env, artifact_root, unattended):
+    """A batch job through submit_training.sh whose script asks Slurm for USR1 60 s ahead of its
+    time limit (``--signal=B:USR1@60``): the batch shell's trap marks it, the waiting start asks
+    every rank to save at the next step, the run ends preempted, the job requeues itself, resumes
+    from that checkpoint and finishes; its loss at every iteration equals an uninterrupted run's.
+    The test sends that signal itself at iteration 10 of the first round (``scancel --signal=USR1
+    --batch``: the batch shell only, as ``B:`` has Slurm do): Slurm's own comes at its first
+    30-second check within 60 s of the limit, a moment that depends on how fast this machine
+    trains, and a run that ends first has nothing to requeue (the 10-minute limit keeps Slurm's own
+    out of the way). Also: a secret set where the job is submitted reaches the ranks (of both
+    rounds) through sbatch's export of the environment, never through the batch script or a log."""
     from megatron_ext.run_spec.procfs import process_environ
 
     data, reference = unattended
     key = secrets.token_hex(20)
-    submit = run_script("submit_training.sh", "gpt_smoke", data, "sl_time", "--time", "2", "--signal-ahead-s", "60",
+    submit = run_script("submit_training.sh", "gpt_smoke", data, "sl_time", "--time", "10", "--signal-ahead-s", "60",
                         env={**slurm_env, "WANDB_API_KEY": key})
     assert submit.returncode == 0, submit.stdout + submit.stderr
     job = submit.stdout.split("submitted slurm job ")[1].split()[0]
@@ -140,18 +143,25 @@ def test_a_time_limit_saves_requeues_and_finishes_with_the_same_losses(slurm_env
     assert "#SBATCH --nodes=1" in script and "orchestration start gpt_smoke" in script
     assert key not in script and key not in submit.stdout + submit.stderr
     seen: dict[int, str | None] = {}
+    log = artifact_root / "logs" / "sl_time_node0.log"
+
+    def ranks_seen() -> None:
+        seen.update({p: e.get("WANDB_API_KEY") for p in tagged_pids("sl_time") if "LOCAL_RANK" in (e := process_environ(p))})
 
     def ended() -> bool:
-        seen.update({p: e.get("WANDB_API_KEY") for p in tagged_pids("sl_time") if "LOCAL_RANK" in (e := process_environ(p))})
+        ranks_seen()
         return job_state(job, slurm_env) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
 
     try:
-        wait_for(ended, 900, interval_s=1, what=f"slurm job {job} to end")
+        wait_for(lambda: ranks_seen() or last_iteration(log) >= 10, 300, interval_s=0.5, what="iteration 10")
+        signal = subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm_env, capture_output=True, text=True)
+        assert signal.returncode == 0, signal.stderr
+        wait_for(ended, 600, interval_s=1, what=f"slurm job {job} to end")
         sbatch_log = (artifact_root / "logs" / "sl_time_sbatch.log").read_text()
         assert job_state(job, slurm_env) == "COMPLETED", sbatch_log[-3000:]
     finally:
         subprocess.run(["scancel", job], env=slurm_env)
-    assert "run sl_time ended: node0 preempted" in sbatch_log and f"slurm job {job} requeued" in sbatch_log, sbatch_log
+    assert sbatch_log.count("run sl_time ended: node0 preempted") == 1 and f"slurm job {job} requeued" in sbatch_log, sbatch_log
     assert "resuming from iteration" in sbatch_log and "run sl_time ended: node0 finished" in sbatch_log
     assert_same_losses(artifact_root / "runs" / "sl_time" / "metrics.jsonl", reference)
     assert len(seen) >= 4 and set(seen.values()) == {key}, seen  # both rounds' ranks had it
