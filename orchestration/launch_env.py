@@ -114,6 +114,9 @@ class LaunchEnv:
     without a GPU (the Megatron-LM engine checks it)."""
     allow_slow_links: bool = False
     """ALLOW_SLOW_LINKS=1: a start goes on although the preflight named a node with a slow link."""
+    link_test_s: float | None = None
+    """LINK_TEST_S: how long each node of a multi-node preflight keeps exchanging with its ring
+    neighbours (None: the node's default, orchestration/node/linktest.py ``MEASURE_S``)."""
     log_level: str = "INFO"
     """LOG_LEVEL (or ``--verbose``: DEBUG): how much the launcher says on standard error."""
     environ: dict[str, str] = field(default_factory=dict, repr=False)
@@ -277,6 +280,7 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: 
         megatron_device_arch_text=_text(env, "MEGATRON_DEVICE_ARCH"),
         log_level=read_log_level(env),
         allow_slow_links=env.get("ALLOW_SLOW_LINKS", "").strip() not in ("", "0", "false", "no"),
+        link_test_s=_seconds(env, "LINK_TEST_S", 0.1, 60.0),
         environ=dict(env),
         python=python,
         cwd=cwd,
@@ -305,6 +309,20 @@ def _nodes(env: Mapping[str, str], hosts: int) -> tuple[int | None, int]:
     if not 1 <= lo <= hi:
         raise UserError(f"NNODES={text!r}: MIN must be at least 1 and at most MAX, e.g. NNODES={max(1, min(lo, hi))}:{max(lo, hi, 1)}")
     return lo, hi
+
+
+def _seconds(env: Mapping[str, str], name: str, low: float, high: float) -> float | None:
+    """A duration in seconds between ``low`` and ``high``; None where unset."""
+    text = env.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not low <= value <= high:  # nan fails too
+        raise UserError(f"{name}={text!r} must be seconds between {low:g} and {high:g}; e.g. {name}=1.5")
+    return value
 
 
 def _text(env: Mapping[str, str], name: str) -> str | None:

@@ -8,6 +8,7 @@ import secrets
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,16 @@ def test_one_node_defaults():
     assert read_launch_env({}, visible_gpus=8).nproc_per_node == 8
 
 
+def test_link_test_seconds_reach_every_node_s_call():
+    """LINK_TEST_S becomes node-linktest's --seconds; unset, the node keeps its own default."""
+    from orchestration.node.wire import build_node_parser, linktest_call
+
+    assert read_launch_env({}).link_test_s is None and read_launch_env({"LINK_TEST_S": "0.3"}).link_test_s == 0.3
+    for seconds in (None, 0.3):
+        call = linktest_call("r1", 1, "node1", Path("/art"), 2, "10.0.0.1", 6001, "gloo", "eth0", seconds)
+        assert build_node_parser().parse_args([call.command, *call.args]).seconds == seconds
+
+
 def test_hosts_give_ranks_and_master(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# cluster\nnode-a slots=8\n\nnode-b  # second\n")
@@ -47,6 +58,9 @@ def test_hosts_give_ranks_and_master(tmp_path):
     ({"ZERO_STAGE": "7"}, "ZERO_STAGE='7' is not a ZeRO stage"),
     ({"HOSTS": "a;rm -rf /"}, "has characters a host name cannot have"),
     ({"HOSTFILE": "/nonexistent/hosts"}, "HOSTFILE=/nonexistent/hosts does not exist"),
+    ({"LINK_TEST_S": "0"}, "LINK_TEST_S='0' must be seconds between 0.1 and 60; e.g. LINK_TEST_S=1.5"),
+    ({"LINK_TEST_S": "nan"}, "LINK_TEST_S='nan' must be seconds between 0.1 and 60"),
+    ({"LINK_TEST_S": "fast"}, "LINK_TEST_S='fast' must be seconds between 0.1 and 60"),
 ])
 def test_bad_launch_env(env, message):
     with pytest.raises(UserError, match=None) as err:

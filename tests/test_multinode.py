@@ -40,6 +40,7 @@ def cluster_env(cluster, artifact_root):
     return clean_env(
         HOSTS="node0,node1", SSH_OPTS=cluster.ssh_opts, MASTER_ADDR=cluster.nodes[0].address,
         MASTER_PORT="29650", NPROC_PER_NODE="2", GLOO_SOCKET_IFNAME=cluster.interface, ARTIFACT_ROOT=str(artifact_root),
+        LINK_TEST_S="0.3",  # every start's link test (the test of the links themselves keeps the default)
     )
 
 
@@ -413,15 +414,16 @@ def test_a_run_that_always_crashes_stops_at_the_breaker(cluster_env, artifact_ro
 
 def test_links_are_measured_and_a_slow_one_is_named_and_refused(cluster, cluster_env, tmp_path):
     """Three nodes, each exchanging with its ring neighbours over gloo before anything starts: equal
-    links are never named; node 1's outgoing traffic held to 20 Mbit/s (tc's token bucket filter on
+    links are never named; node 1's outgoing traffic held to 200 Mbit/s (tc's token bucket filter on
     its interface) makes it the node named, and the start refuses it unless ALLOW_SLOW_LINKS=1."""
     data = write_data_set(tmp_path / "short.yaml", train_iters=2, global_batch=12)
-    env = {**cluster_env, "HOSTS": "node0,node1,node2", "NPROC_PER_NODE": "1", "MASTER_PORT": "29660"}
+    env = {**{k: v for k, v in cluster_env.items() if k != "LINK_TEST_S"}, "HOSTS": "node0,node1,node2", "NPROC_PER_NODE": "1",
+           "MASTER_PORT": "29660"}
     equal = run_script("preflight_training.sh", "gpt_smoke", data, "links", env=env)
     assert equal.returncode == 0 and "<- slow" not in equal.stdout, equal.stdout + equal.stderr
     rows = [l for l in equal.stdout.splitlines() if l[:1].isdigit()]
     assert len(rows) == 3 and all("TCP (gloo)" in r and cluster.interface in r for r in rows), equal.stdout
-    cluster.throttle(cluster.nodes[1], "20mbit")
+    cluster.throttle(cluster.nodes[1], "200mbit")  # a 25 MB/s port: far below the others
     try:
         slow = run_script("preflight_training.sh", "gpt_smoke", data, "links", env=env)
         assert slow.returncode == 2, slow.stdout + slow.stderr

@@ -57,7 +57,7 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def resume_env(cluster, artifact_root):
     return clean_env(ARTIFACT_ROOT=str(artifact_root), NPROC_PER_NODE="1", HOSTS="node0,node1", SSH_OPTS=cluster.ssh_opts,
-                     MASTER_ADDR=cluster.nodes[0].address, GLOO_SOCKET_IFNAME=cluster.interface)
+                     MASTER_ADDR=cluster.nodes[0].address, GLOO_SOCKET_IFNAME=cluster.interface, LINK_TEST_S="0.3")
 
 
 @pytest.fixture(scope="module")

@@ -298,7 +298,6 @@ def param_groups(module: torch.nn.Module) -> list[dict]:
 
 def wrap_cpu(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams) -> CpuTrainer:
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
     if stage >= ZeroStage.GRADIENTS:
@@ -311,6 +310,8 @@ def wrap_cpu(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams) -> Cp
         return CpuTrainer(module, module, optimizer, stage, t.clip_grad, sharded)
     model = DistributedDataParallel(module, gradient_as_bucket_view=True, broadcast_buffers=False)
     if stage == ZeroStage.OPTIMIZER:
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # ~0.4 s of a rank's start: stage 1's only
+
         groups = param_groups(module)
         optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW, **_adamw(t, foreach=False))
         for group in groups[1:]:  # ZeroRedundancyOptimizer takes one group at construction

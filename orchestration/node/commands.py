@@ -234,7 +234,7 @@ def _answer(command: str, args, node: NodeEnv, stdin_line: str):
         return node_check(paths, args, node)
     if command == "node-linktest":
         return run_linktest(args.node_rank, args.host, args.nnodes, args.master_addr, args.port, args.backend, node.environ,
-                            interface=args.interface)
+                            interface=args.interface, seconds=args.seconds)
     if command == "node-stop":
         stop = processes.preview_stop if args.dry_run else processes.stop_node
         return stop(paths.run, args.node_rank, args.host, paths.node_pid_file(args.node_rank), args.grace_s)

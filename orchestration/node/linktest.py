@@ -30,7 +30,8 @@ from orchestration.node.wire import LINKTEST_TIMEOUT_S, LinkReport
 DEFAULT_BYTES = {"gloo": 8 * 2**20, "nccl": 256 * 2**20}
 """The buffer each exchange moves (CPU: 8 MiB; GPUs: 256 MiB, large enough for the link's rate)."""
 MEASURE_S = 1.5
-"""How long each node keeps exchanging (the first exchange is a warm-up, not counted)."""
+"""How long each node keeps exchanging by default (LINK_TEST_S sets it; the first exchange is a
+warm-up, not counted; at least one exchange is measured however short)."""
 _TRANSPORT = re.compile(r"\bvia (NET/[A-Za-z0-9_]+|P2P/[A-Za-z0-9_/]+|SHM)")
 
 
@@ -96,17 +97,20 @@ def measure(rank: int, nnodes: int, master_addr: str, port: int, backend: str, n
 
 
 def run_linktest(node_rank: int, host: str, nnodes: int, master_addr: str, port: int, backend: str,
-                 environ: Mapping[str, str], python: str = sys.executable, interface: str | None = None) -> LinkReport:
+                 environ: Mapping[str, str], python: str = sys.executable, interface: str | None = None,
+                 seconds: float | None = None) -> LinkReport:
     """This node's part, in a child process (NCCL_DEBUG=INFO read for the transport), over
     ``interface`` where the preflight chose one (the ranks get the same: without it gloo may take
-    the address the host name resolves to, 127.0.0.1 on many machines)."""
+    the address the host name resolves to, 127.0.0.1 on many machines), exchanging for ``seconds``
+    (LINK_TEST_S; :data:`MEASURE_S` when None)."""
     t0 = time.monotonic()
     env = {**environ, **({"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"} if backend == "nccl" else {})}
     if interface:
         env.setdefault("GLOO_SOCKET_IFNAME", interface)
         env.setdefault("NCCL_SOCKET_IFNAME", interface)
     argv = [python, "-m", "orchestration.node.linktest", "--rank", str(node_rank), "--nnodes", str(nnodes),
-            "--master-addr", master_addr, "--port", str(port), "--backend", backend]
+            "--master-addr", master_addr, "--port", str(port), "--backend", backend,
+            *(("--seconds", repr(seconds)) if seconds is not None else ())]
     try:
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=LINKTEST_TIMEOUT_S,
                               stdin=subprocess.DEVNULL)
@@ -131,9 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--backend", choices=sorted(DEFAULT_BYTES), required=True)
     p.add_argument("--bytes", type=int, help="buffer per exchange (default by backend)")
+    p.add_argument("--seconds", type=float, default=MEASURE_S, help=f"how long to keep exchanging (default {MEASURE_S})")
     args = p.parse_args(argv)
     rates = measure(args.rank, args.nnodes, args.master_addr, args.port, args.backend,
-                    args.bytes or DEFAULT_BYTES[args.backend])
+                    args.bytes or DEFAULT_BYTES[args.backend], args.seconds)
     print(json.dumps(rates), flush=True)
     return 0
 

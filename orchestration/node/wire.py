@@ -255,12 +255,14 @@ LINKTEST_TIMEOUT_S = 90.0
 
 
 def linktest_call(run: str, node_rank: int, host: str, artifact_root: Path, nnodes: int, master_addr: str, port: int,
-                  backend: str, interface: str | None = None) -> NodeCall:
+                  backend: str, interface: str | None = None, seconds: float | None = None) -> NodeCall:
     """``node-linktest``: this node's exchanges with its ring neighbours (all nodes at once), over
-    ``interface`` (the one its ranks will get: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) when given."""
+    ``interface`` (the one its ranks will get: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) when given,
+    for ``seconds`` (LINK_TEST_S; the node's default when None)."""
     return NodeCall("node-linktest", (*_run_args(run, node_rank, host, artifact_root), "--nnodes", str(nnodes),
                                       "--master-addr", master_addr, "--port", str(port), "--backend", backend,
-                                      *(("--interface", interface) if interface else ())))
+                                      *(("--interface", interface) if interface else ()),
+                                      *(("--seconds", repr(seconds)) if seconds is not None else ())))
 
 
 def supervise_argv(python: str, plan_file: str) -> list[str]:
@@ -303,6 +305,7 @@ def build_node_parser() -> argparse.ArgumentParser:
             p.add_argument("--port", type=int, required=True)
             p.add_argument("--backend", choices=("gloo", "nccl"), required=True)
             p.add_argument("--interface", help="the socket interface the ranks will use (unset: the node's own setting)")
+            p.add_argument("--seconds", type=float, help="how long to keep exchanging (unset: linktest.py's MEASURE_S)")
         if name == "node-status":
             p.add_argument("--seq-length", type=int, help="tokens per sequence, for tokens/s")
             p.add_argument("--by-heartbeat", action="store_true", help="alive = the supervisor beat recently (another "

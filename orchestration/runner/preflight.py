@@ -133,6 +133,6 @@ def measure_links(launch: LaunchEnv, inputs: StartInputs, reports: Sequence[Node
     interfaces = {r.node_rank: r.interface for r in reports}
     results = call_nodes(launch, inputs.nodes, lambda rank, host: linktest_call(
         inputs.run, rank, host, launch.artifact_root, launch.nnodes, launch.master_addr, port, backend,
-        interfaces.get(rank)), LinkReport, timeout_s=LINKTEST_TIMEOUT_S + 30)
+        interfaces.get(rank), launch.link_test_s), LinkReport, timeout_s=LINKTEST_TIMEOUT_S + 30)
     answers = [r.value if r.ok else LinkReport(r.node_rank, r.host, error=r.error or r.describe_failure()) for r in results]
     return link_rows(answers, interfaces)
