@@ -56,6 +56,28 @@ def artifact_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("artifacts")
 
 
+def run_session(cmd: list[str], env: dict[str, str], timeout: float, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """``cmd`` (a torchrun) in a session of its own, its output through files, whatever it leaves in
+    that session killed when it ends. Not pipes: a rank that dies leaves megatron-core's
+    async-save Manager process behind (a child of the rank), which holds inherited pipes open until
+    the timeout."""
+    import contextlib
+    import signal
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+
+
 def run_torchrun(artifact_root: Path, run: str, nproc: int = 2, model: str = "gpt_smoke", data: str = "smoke",
                  train_iters: int | None = None, timeout: int = 300, **env) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """Real torchrun of the training program; returns the process and its metrics records."""
@@ -64,8 +86,7 @@ def run_torchrun(artifact_root: Path, run: str, nproc: int = 2, model: str = "gp
            "-m", "megatron_ext.pretrain", "--model", model, "--data", data, "--run-name", run]
     if train_iters:
         cmd += ["--train-iters", str(train_iters)]
-    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(ARTIFACT_ROOT=str(artifact_root), **env),
-                          capture_output=True, text=True, timeout=timeout)
+    proc = run_session(cmd, clean_env(ARTIFACT_ROOT=str(artifact_root), **env), timeout)
     metrics_path = artifact_root / "runs" / run / "metrics.jsonl"
     records = [json.loads(l) for l in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
     return proc, records

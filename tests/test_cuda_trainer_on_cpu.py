@@ -30,16 +30,13 @@ and Megatron-FSDP, 1 and 2 gloo ranks under torchrun, with ``device='cuda'`` mad
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, clean_env, free_port
+from conftest import REPO, clean_env, free_port, run_session
 
 pytestmark = pytest.mark.slow
 
@@ -60,25 +57,11 @@ def fsdp_stages_or_skip(stages: str) -> str:
 
 def run_worker(mode: str, stages: str, out, *extra: str, nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
     """worker.py under torchrun: ``mode`` may name several modes, ``stages`` several stages
-    ("0,1,2,3"), each run in turn in one launch. Its output goes to ``out/torchrun.log`` (returned as
-    stdout), not to a pipe: a rank that dies leaves megatron-core's async-save Manager process
-    behind, which would hold a pipe open until the timeout; whatever torchrun leaves in its
-    session is killed when it ends."""
+    ("0,1,2,3"), each run in turn in one launch."""
     out.mkdir(parents=True, exist_ok=True)
-    log = out / "torchrun.log"
-    with log.open("w") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                                 "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKER),
-                                 *mode.split(), "--stage", fsdp_stages_or_skip(str(stages)), "--out", str(out), *extra],
-                                cwd=REPO, env=clean_env(OMP_NUM_THREADS="1"), stdout=sink, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        try:
-            proc.wait(timeout=timeout)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, log.read_text(errors="replace"), "")
+    return run_session([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+                        "127.0.0.1", "--master-port", str(free_port()), str(WORKER), *mode.split(), "--stage",
+                        fsdp_stages_or_skip(str(stages)), "--out", str(out), *extra], clean_env(OMP_NUM_THREADS="1"), timeout)
 
 
 def steps(losses: dict) -> dict[int, float]:
@@ -94,7 +77,7 @@ def every_stage(tmp_path_factory):
     for name, extra, nproc in (("one", (), 1), ("two", ("--reshard-from", str(root / "one")), 2),
                                ("back", ("--only-reshard", "--reshard-from", str(root / "two")), 1)):
         proc = run_worker("resume", "0,1,2,3", root / name, *extra, nproc=nproc, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-6000:]
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return root
 
 
@@ -159,7 +142,7 @@ def stage_2_probes(tmp_path_factory):
     resumed with apex's FusedAdam and transformer-engine's."""
     out = tmp_path_factory.mktemp("stage_2_probes")
     proc = run_worker("gathers fusion resume", "2", out, "--optimizer", "apex,te", timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
 
