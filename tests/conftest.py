@@ -26,6 +26,30 @@ def pytest_sessionstart(session) -> None:
         compileall.compile_dir(REPO / package, quiet=1, workers=1)
 
 
+LONGEST_FIRST = ("test_multinode.py", "test_megatron_lm_loop.py", "test_resume.py", "test_resilience.py", "test_slurm.py",
+                 "test_cuda_trainer_on_cpu.py", "test_engines_agree.py", "test_other_python.py", "test_training.py",
+                 "test_compare.py", "test_megatron_lm.py", "test_launcher_single_node.py", "test_hf_checkpoints.py",
+                 "test_wandb.py", "test_docker.py")
+"""The modules that start processes, the longest first (seconds here, docs/testing.md): the
+README's ``-n 2 --dist loadgroup`` hands each module to one of two workers in this order, so the two
+finish close together; the pure modules fill the gaps."""
+SAME_WORKER = {"test_resilience.py": "unattended", "test_slurm.py": "unattended"}
+"""Modules that share a session fixture (``unattended``: one reference run) go to one worker."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """One pytest-xdist group per module (its cluster, its Slurm, its engine started once, by one
+    worker), modules in ``LONGEST_FIRST`` order. Without ``-n`` the marks change nothing."""
+    def rank(item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: a module's own order is kept
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(SAME_WORKER.get(item.path.name, item.path.name)))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

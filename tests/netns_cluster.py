@@ -45,13 +45,23 @@ class Node:
     sshd_config: Path
 
 
+def _free_subnet(start: int) -> str:
+    """The first 10.213.N (N from ``start``) no interface of this machine has an address in: two
+    clusters may be up at once (the suite's two workers)."""
+    shown = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+    for n in ((start + k) % 250 for k in range(250)):
+        if f" 10.213.{n}." not in shown:
+            return f"10.213.{n}"
+    raise RuntimeError("every 10.213.N/24 is in use on this machine")
+
+
 class NamespaceCluster:
     def __init__(self, num_nodes: int, workdir: Path, interface: str = "eth0"):
         self.workdir = workdir
         self.interface = interface
         tag = os.getpid() % 10000
         self.prefix = f"mz{tag}"
-        self.subnet = f"10.213.{tag % 250}"
+        self.subnet = _free_subnet(tag % 250)
         self.bridge = f"{self.prefix}br"
         self.nodes = [
             Node(f"node{i}", f"{self.prefix}n{i}", f"{self.subnet}.{i + 1}",
