@@ -30,9 +30,10 @@ LONGEST_FIRST = ("test_multinode.py", "test_megatron_lm_loop.py", "test_resume.p
                  "test_cuda_trainer_on_cpu.py", "test_engines_agree.py", "test_other_python.py", "test_training.py",
                  "test_compare.py", "test_megatron_lm.py", "test_launcher_single_node.py", "test_hf_checkpoints.py",
                  "test_wandb.py", "test_docker.py")
-"""The modules that start processes, the longest first (seconds here, docs/testing.md): the
-README's ``-n 2 --dist loadgroup`` hands each module to one of two workers in this order, so the two
-finish close together; the pure modules fill the gaps."""
+"""The modules that start processes, the longest first (by their ``--durations`` here, 2026-12-02):
+the README's ``-n 2 --dist loadgroup --no-loadscope-reorder`` hands the modules to its two workers
+in this order (without the last flag pytest-xdist would order them by their number of tests), so
+the two finish close together; the pure modules come last and fill the gaps."""
 SAME_WORKER = {"test_resilience.py": "unattended", "test_slurm.py": "unattended"}
 """Modules that share a session fixture (``unattended``: one reference run) go to one worker."""
 
