@@ -19,8 +19,13 @@ def pytest_sessionstart(session) -> None:
     """Byte-compile the project once for this interpreter. Where PYTHONDONTWRITEBYTECODE is set
     (this sandbox sets it) no process writes its own bytecode, so every process the suite
     starts (~800: ranks, supervisors, the launcher's commands) compiled the project's modules again,
-    ~0.15 s of CPU each; compiled files are read whatever that variable says."""
+    ~0.15 s of CPU each; compiled files are read whatever that variable says. Under pytest-xdist
+    the controller compiles before it starts the workers (xdist's own session start runs last), so
+    the workers do not walk the tree again."""
     import compileall
+
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker
+        return
 
     for package in ("orchestration", "megatron_ext", "tests"):
         compileall.compile_dir(REPO / package, quiet=1, workers=1)
