@@ -30,10 +30,10 @@ from typing import Mapping
 from megatron_ext.import_hooks import eager_jit_fuser, skip_unused_wandb
 from megatron_ext.run_spec.devices import visible_gpu_count
 from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
-from megatron_ext.run_spec.params import load_run_params, read_overrides, with_batch_geometry
+from megatron_ext.run_spec.params import BatchGeometry, RunParams, load_run_params, read_overrides, with_batch_geometry
 from megatron_ext.run_spec.resilience import ATTEMPT_ENV, PROGRESS_DIR_ENV
 from megatron_ext.run_spec.run_paths import RunPaths, artifact_root, check_run_name
-from megatron_ext.run_spec.wandb_run import read_wandb_settings, wandb_missing_message
+from megatron_ext.run_spec.wandb_run import WandbSettings, read_wandb_settings, wandb_missing_message
 from megatron_ext.run_spec.zero import parse_zero_stage
 
 RANK_0_SPEAKS_S = 3.0
@@ -53,16 +53,16 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def read_rank_env(env: Mapping[str, str]):
+def read_rank_env(env: Mapping[str, str]) -> dict:
     """torchrun's variables, and the supervisor's (LAUNCHER_PROGRESS_DIR: where this rank reports
-    its progress; LAUNCHER_ATTEMPT: which attempt of the run this is)."""
-    from megatron_ext.training.loop import RankEnv
-
+    its progress; LAUNCHER_ATTEMPT: which attempt of the run this is): the fields of
+    :class:`megatron_ext.training.loop.RankEnv`, read without importing torch."""
     try:
         world = int(env.get("WORLD_SIZE", 1))
         progress = env.get(PROGRESS_DIR_ENV, "").strip()
-        return RankEnv(int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), world, int(env.get("LOCAL_WORLD_SIZE", world)),
-                       progress_dir=Path(progress) if progress else None, attempt=int(env.get(ATTEMPT_ENV, "1") or 1))
+        return dict(rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)), world_size=world,
+                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+                    progress_dir=Path(progress) if progress else None, attempt=int(env.get(ATTEMPT_ENV, "1") or 1))
     except ValueError as exc:
         raise UserError(f"RANK/LOCAL_RANK/WORLD_SIZE/{ATTEMPT_ENV} must be integers ({exc}); run under torchrun") from None
 
@@ -89,11 +89,23 @@ def check_megatron_fsdp(stage: int, env: Mapping[str, str]) -> None:
                         "later, the torch that megatron-core release shipped with, or ZERO_STAGE=0 or 1")
 
 
-def resolve(args, env: Mapping[str, str]):
-    """Everything checked before a process group exists (the environment is read here only)."""
+@dataclasses.dataclass(frozen=True)
+class CheckedInputs:
+    """What :func:`check_inputs` read and checked: the fields of
+    :class:`megatron_ext.training.loop.RunInputs`, with the rank's as plain values."""
+
+    params: RunParams
+    geometry: BatchGeometry
+    ranks: dict
+    paths: RunPaths
+    wandb: WandbSettings | None
+
+
+def check_inputs(args, env: Mapping[str, str]) -> CheckedInputs:
+    """Every check of the rank's input that needs neither torch nor megatron-core (the run name, the
+    parameter files, the batch geometry, the environment's numbers, the data paths, W&B): a bad
+    input ends the rank here, before its ~5 s of imports, as it ends the launcher before it starts."""
     from megatron_ext.data.prepare import planned_prepared
-    from megatron_ext.training.loop import RunInputs
-    from megatron_ext.training.versions import ALLOW_UNTESTED_ENV, check_megatron_core
 
     run = check_run_name(args.run or f"{args.model}_{os.path.splitext(os.path.basename(args.data))[0]}")
     overrides = read_overrides(env)
@@ -101,18 +113,41 @@ def resolve(args, env: Mapping[str, str]):
         overrides = dataclasses.replace(overrides, zero_stage=int(parse_zero_stage(args.zero_stage, "--zero-stage")))
     overrides = dataclasses.replace(overrides, train_iters=args.train_iters, global_batch_size=args.global_batch_size)
     ranks = read_rank_env(env)
-    params, geometry = with_batch_geometry(load_run_params(args.model, args.data, overrides), ranks.world_size)
-    _, warning = check_megatron_core(allow_untested=env.get(ALLOW_UNTESTED_ENV, "").strip() not in ("", "0"))
-    if warning and ranks.rank == 0:
-        print(warning, file=sys.stderr, flush=True)
+    params, geometry = with_batch_geometry(load_run_params(args.model, args.data, overrides), ranks["world_size"])
     check_device_connections(params.training.zero_stage, env)
-    check_megatron_fsdp(params.training.zero_stage, env)
     paths = RunPaths(artifact_root(env), run)
     planned_prepared(params.data, paths.data_cache_dir)  # missing data paths fail here, on every rank
     wandb = read_wandb_settings(env)
     if wandb and wandb.enabled and importlib.util.find_spec("wandb") is None:  # the launcher's preflight says so first
         raise UserError(wandb_missing_message(f"for {sys.executable}"))
-    return RunInputs(params, geometry, ranks, paths, wandb)
+    return CheckedInputs(params, geometry, ranks, paths, wandb)
+
+
+def resolve(args, env: Mapping[str, str], checked: CheckedInputs | None = None):
+    """Everything checked before a process group exists (the environment is read here only):
+    :func:`check_inputs` (unless ``checked`` is its answer), then megatron-core's release and
+    Megatron-FSDP's prerequisites."""
+    from megatron_ext.training.loop import RankEnv, RunInputs
+    from megatron_ext.training.versions import ALLOW_UNTESTED_ENV, check_megatron_core
+
+    checked = checked or check_inputs(args, env)
+    ranks = RankEnv(**checked.ranks)
+    _, warning = check_megatron_core(allow_untested=env.get(ALLOW_UNTESTED_ENV, "").strip() not in ("", "0"))
+    if warning and ranks.rank == 0:
+        print(warning, file=sys.stderr, flush=True)
+    check_megatron_fsdp(checked.params.training.zero_stage, env)
+    return RunInputs(checked.params, checked.geometry, ranks, checked.paths, checked.wandb)
+
+
+def refuse(exc: UserError, env: Mapping[str, str]) -> int:
+    """A user error: one message (rank 0's, or the rank's own when it alone found it), exit code 2."""
+    if getattr(exc, "local", False):  # found by this rank alone (e.g. the W&B rank's wandb.init)
+        print(f"error: rank {env.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
+    elif env.get("RANK", "0") == "0":
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+    else:  # torchrun ends every rank at the first exit: give rank 0 the time to say why
+        time.sleep(RANK_0_SPEAKS_S)
+    return EXIT_USER_ERROR
 
 
 def _quiet_megatron() -> None:
@@ -125,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_megatron()
     args = parse_args(argv)
     env = os.environ
+    try:
+        checked = check_inputs(args, env)  # before torch: a bad input costs no imports
+    except UserError as exc:
+        return refuse(exc, env)
     skip_unused_wandb(env)  # before megatron-core is imported
     import torch
 
@@ -133,18 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_ext.training.trainers import NonFiniteGradients
 
     try:
-        inputs = resolve(args, env)
+        inputs = resolve(args, env, checked)
         from megatron_ext.training.loop import Pretrain
 
         Pretrain(inputs).run()  # data preparation can still find a user error
     except UserError as exc:
-        if getattr(exc, "local", False):  # found by this rank alone (e.g. the W&B rank's wandb.init)
-            print(f"error: rank {env.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
-        elif env.get("RANK", "0") == "0":
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        else:  # torchrun ends every rank at the first exit: give rank 0 the time to say why
-            time.sleep(RANK_0_SPEAKS_S)
-        return EXIT_USER_ERROR
+        return refuse(exc, env)
     except NonFiniteGradients as exc:  # a fault of the run, not of its input: one line, exit 1
         if exc.local or env.get("RANK", "0") == "0":
             print(f"error: rank {env.get('RANK', '0')}: {exc}" if exc.local else f"error: {exc}", file=sys.stderr, flush=True)

@@ -188,18 +188,21 @@ def write_data_set(path: Path, train_iters: int, global_batch: int = 16, save_in
     return str(path)
 
 
-UNATTENDED_ITERS = 100
+UNATTENDED_ITERS = 60
+UNATTENDED_SAVE_EVERY = 10
 
 
 @pytest.fixture(scope="session")
 def unattended(artifact_root, tmp_path_factory) -> tuple[str, dict[int, float]]:
-    """A data set of 100 iterations with a checkpoint every 20, at ZeRO stage 1 (its checkpoints:
+    """A data set of 60 iterations with a checkpoint every 10, at ZeRO stage 1 (its checkpoints:
     megatron-core's model state and ZeroRedundancyOptimizer's partitions; the multi-node resume
-    tests take stages 0 and 3), and the lm loss at every iteration of one uninterrupted run of it (2
-    processes): what a run that was killed, hung, preempted and restarted must reproduce. Computed
-    once per session (the one-node restart and the Slurm tests)."""
-    data = write_data_set(tmp_path_factory.mktemp("unattended") / "unattended.yaml", UNATTENDED_ITERS, save_interval=20,
-                          zero_stage=1, resilience="restart_backoff_s: 1")  # the restarts' wait: not what is tested
+    test takes stage 3), and the lm loss at every iteration of one uninterrupted run of it (2
+    processes, a global batch of 8: one micro-batch a rank and step, as cheap a step as shows the
+    same): what a run that was killed, hung, preempted and restarted must reproduce. Computed once
+    per session (the one-node restart and the Slurm tests)."""
+    data = write_data_set(tmp_path_factory.mktemp("unattended") / "unattended.yaml", UNATTENDED_ITERS, global_batch=8,
+                          save_interval=UNATTENDED_SAVE_EVERY, zero_stage=1,
+                          resilience="restart_backoff_s: 1")  # the restarts' wait: not what is tested
     proc, records = run_torchrun(artifact_root, "unattended_reference", data=data, timeout=900)
     assert proc.returncode == 0 and len(records) == UNATTENDED_ITERS, proc.stderr[-3000:]
     return data, {r["iteration"]: r["lm_loss"] for r in records}

@@ -35,13 +35,17 @@ def cluster(tmp_path_factory):
     c.close()
 
 
-@pytest.fixture()
-def cluster_env(cluster, artifact_root):
+def cluster_environment(cluster, artifact_root) -> dict[str, str]:
     return clean_env(
         HOSTS="node0,node1", SSH_OPTS=cluster.ssh_opts, MASTER_ADDR=cluster.nodes[0].address,
         MASTER_PORT="29650", NPROC_PER_NODE="2", GLOO_SOCKET_IFNAME=cluster.interface, ARTIFACT_ROOT=str(artifact_root),
         LINK_TEST_S="0.3",  # every start's link test (the test of the links themselves keeps the default)
     )
+
+
+@pytest.fixture()
+def cluster_env(cluster, artifact_root):
+    return cluster_environment(cluster, artifact_root)
 
 
 LAUNCHER_SET = ("LAUNCHER_", "TORCH_FR_", "MASTER_", "GLOO_", "NCCL_", "NNODES", "NODE_RANK", "NPROC_PER_NODE",
@@ -148,15 +152,29 @@ def test_two_nodes_over_ssh_train_and_match_one_node(cluster, cluster_env, artif
     assert stop.returncode == 0 and stop.stdout.count("not running") == 2, stop.stdout + stop.stderr
 
 
-def test_ssh_disconnect_does_not_stop_and_stop_spares_the_other_run(cluster, cluster_env, artifact_root, tmp_path):
-    """Two runs at once, 2 nodes x 1 process each."""
-    data = write_data_set(tmp_path / "long.yaml", train_iters=5000)
-    long_env = {**cluster_env, "NPROC_PER_NODE": "1"}
+@pytest.fixture(scope="module")
+def two_long_runs(cluster, artifact_root, tmp_path_factory):
+    """Two runs at once, 2 nodes x 1 process each, 5000 iterations: ``mn_long`` and ``mn_other``
+    (their environments). The ssh test stops the first and watches the second go on; the slow-rank
+    test then slows and kills the second's worker on node 1 (CI time: a 2-node start fewer)."""
+    data = write_data_set(tmp_path_factory.mktemp("two_long_runs") / "long.yaml", train_iters=5000)
+    long_env = {**cluster_environment(cluster, artifact_root), "NPROC_PER_NODE": "1"}
     other_env = {**long_env, "MASTER_PORT": "29651"}
     try:
         assert run_script("start_multinode_training.sh", "gpt_smoke", data, "mn_long", env=long_env).returncode == 0
         started = run_script("start_multinode_training.sh", "gpt_smoke", data, "mn_other", env=other_env)
         assert started.returncode == 0, started.stdout + started.stderr
+        yield long_env, other_env
+    finally:
+        run_script("stop_multinode_training.sh", "mn_other", env=other_env)
+        run_script("stop_multinode_training.sh", "mn_long", env=long_env)
+    assert tagged_pids("mn_other") == [] and tagged_pids("mn_long") == []
+
+
+def test_ssh_disconnect_does_not_stop_and_stop_spares_the_other_run(cluster, cluster_env, artifact_root, two_long_runs):
+    """Two runs at once, 2 nodes x 1 process each (``two_long_runs``)."""
+    long_env, other_env = two_long_runs
+    try:
         log1 = artifact_root / "logs" / "mn_long_node1.log"
         wait_for(lambda: last_iteration(log1) >= 1, 240, what="node 1 to train")
 
@@ -180,9 +198,7 @@ def test_ssh_disconnect_does_not_stop_and_stop_spares_the_other_run(cluster, clu
         assert [json.loads(l)["alive"] for l in status.stdout.splitlines()] == [True, True]
         assert run_script("stop_multinode_training.sh", "mn_long", env=cluster_env).returncode == 0  # twice is fine
     finally:
-        run_script("stop_multinode_training.sh", "mn_other", env=other_env)
         run_script("stop_multinode_training.sh", "mn_long", env=cluster_env)
-    assert tagged_pids("mn_other") == []
 
 
 @contextlib.contextmanager
@@ -209,29 +225,29 @@ def slowed(pid: int, stopped_s: float = 0.15, running_s: float = 0.05):
         os.kill(pid, signal.SIGCONT)
 
 
-def test_a_slow_rank_on_node_1_is_named_and_a_killed_one_stops_both_nodes(cluster_env, artifact_root, tmp_path):
-    """A 2 x 1 run. Node 1's worker slowed by a SIGSTOP/SIGCONT duty cycle: rank 0's log names it
-    (rank 1, node 1, its host, local rank 0, its forward time against the other's), status shows
-    that line and the metrics record it; running freely again, the log says it caught up. Then
-    SIGKILL of that worker: torchrun on node 1 exits non-zero, node 1's supervisor writes the
-    failure file, node 0's supervisor stops node 0."""
-    data = write_data_set(tmp_path / "long.yaml", train_iters=5000)
-    run = "mn_fail"
-    env = {**cluster_env, "MASTER_PORT": "29653", "NPROC_PER_NODE": "1"}
+def test_a_slow_rank_on_node_1_is_named_and_a_killed_one_stops_both_nodes(artifact_root, two_long_runs):
+    """A 2 x 1 run (``mn_other`` of ``two_long_runs``). Node 1's worker slowed by a SIGSTOP/SIGCONT
+    duty cycle: rank 0's log names it (rank 1, node 1, its host, local rank 0, its forward time
+    against the other's), status shows that line and the metrics record it; running freely again,
+    the log says it caught up. Then SIGKILL of that worker: torchrun on node 1 exits non-zero, node
+    1's supervisor writes the failure file, node 0's supervisor stops node 0."""
+    _, env = two_long_runs
+    run = "mn_other"
     log = artifact_root / "logs" / f"{run}_node0.log"
     try:
-        assert run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=env).returncode == 0
         wait_for(lambda: last_iteration(artifact_root / "logs" / f"{run}_node1.log") >= 2, 240, what="node 1 to train")
         workers = list(_workers_on(run, 1).values())
         assert len(workers) == 1, workers
+        before = len(log.read_text())  # a loaded machine may have named a rank already: the lines from here on
+        since = lambda: log.read_text()[before:]  # noqa: E731
         with slowed(workers[0]):
-            wait_for(lambda: "warning: slow rank 1 (node 1, " in log.read_text(), 180, what="rank 1 to be named slow")
+            wait_for(lambda: "warning: slow rank 1 (node 1, " in since(), 180, what="rank 1 to be named slow")
             # status shows the standing warning; a duty cycle that happens to spare a few forwards
             # can clear it for a while ("caught up"), so ask until a status falls in a slow stretch.
             shown = wait_for(lambda: next((l.strip() for l in run_script("status_training.sh", run, env=env).stdout.splitlines()
                                            if "warning: slow rank 1 (node 1, " in l), None), 120, interval_s=1,
                              what="status to show the slow rank")
-        named = next(l for l in log.read_text().splitlines() if l.startswith("warning: slow rank 1 (node 1, "))
+        named = next(l for l in since().splitlines() if l.startswith("warning: slow rank 1 (node 1, "))
         assert ", local rank 0): forward " in named and "x the median of the other ranks (" in named, named
         assert shown in (l.strip() for l in log.read_text().splitlines()), shown  # the log's own line
         metrics = [json.loads(l) for l in (artifact_root / "runs" / run / "metrics.jsonl").read_text().splitlines()]

@@ -210,10 +210,10 @@ def test_a_killed_and_a_stopped_worker_with_restarts_finish_with_the_same_losses
     assert start.returncode == 0, start.stdout + start.stderr
     assert "restarts: up to 3 (backoff 1 s; gives up after 2 attempts without a new checkpoint)" in start.stdout
     try:
-        wait_for(lambda: (latest_iteration(checkpoints) or 0) >= 20 and last_iteration(log) > 24, 240, what="a checkpoint")
+        wait_for(lambda: (latest_iteration(checkpoints) or 0) >= 10 and last_iteration(log) > 14, 240, what="a checkpoint")
         os.kill(worker(run, 1), signal.SIGKILL)
         wait_for(lambda: status_of(run, env).get("attempt") == 2, 120, what="attempt 2")
-        wait_for(lambda: (latest_iteration(checkpoints) or 0) >= 40 and last_iteration(log) > 44, 300,
+        wait_for(lambda: (latest_iteration(checkpoints) or 0) >= 20 and last_iteration(log) > 24, 300,
                  what="attempt 2 past another checkpoint")
         os.kill(worker(run, 0), signal.SIGSTOP)
         wait_for(lambda: not tagged_pids(run), 600, what="the run to finish by itself")

@@ -1,12 +1,17 @@
 """Checkpoints and exact resume, through the multi-node start and stop scripts on the namespace
 cluster (2 nodes x 1 CPU process, over ssh; tests/netns_cluster.py): a run stopped after a
 checkpoint and started again gives the same lm loss at every iteration as a run that was never
-stopped, under ZeRO stages 0 and 3 (stage 1 in the restarts of tests/test_resilience.py and
-test_slurm.py, whose runs are stage 1); a crash during a save leaves the previous checkpoint as
-the one resumed, and a checkpoint with a changed byte is named, moved aside and passed over for the
-newest that verifies; another data-parallel size (2 nodes x 2) is resharded (stage 3, the stage-3
-run's checkpoint) or refused with the reason (stage 1), before anything starts. MASTER_PORT is
-left unset: each start takes a free port."""
+stopped, under ZeRO stage 3, past a crash during a save (the previous checkpoint is the one
+resumed) and a checkpoint with a changed byte (named, moved aside and passed over for the newest
+that verifies); another data-parallel size (2 nodes x 2) is resharded (stage 3, that run's
+checkpoint) or refused with the reason (stage 1), before anything starts. MASTER_PORT is left
+unset: each start takes a free port.
+
+The other stages resume exactly elsewhere, from runs those tests make anyway (CI time: each stage
+here is three 2-node runs): stage 1 in the restarts of tests/test_resilience.py and test_slurm.py
+(every iteration's loss to 1e-6 of an uninterrupted run), stage 0 in test_multinode.py's lost node
+(a stage-0 checkpoint of 2 ranks resumed by 1, every loss to 1e-5); stage 2 saves and loads as
+stage 3 does on the CPU (FSDP2's DTensor state; only reshard_after_forward differs)."""
 
 from __future__ import annotations
 
@@ -131,42 +136,35 @@ STOPPED: dict[str, int] = {}
 """Copies of stopped runs made by the exact-resume test, and their checkpoint's iteration."""
 
 
-# Stage 2 saves and loads as stage 3 does on the CPU (FSDP2's DTensor state; only
-# reshard_after_forward differs), so it is left out here to spare CI a run.
-@pytest.mark.parametrize("stage", (0, 3))
-def test_stop_and_start_again_resumes_exactly(stage, reference, resume_env, artifact_root):
-    """Stage 0 also meets a crash during a save and a damaged latest checkpoint
-    (:func:`plant_a_crash_and_a_damaged_checkpoint`): the start verifies, names the damaged file,
-    moves that checkpoint aside, resumes from the newest that verifies with the exact losses, and
-    overwrites the torn one when it gets there."""
+def test_stop_and_start_again_resumes_exactly_past_a_torn_and_a_damaged_checkpoint(reference, resume_env, artifact_root):
+    """Stage 3, stopped after a checkpoint, then a crash during a save and a damaged latest
+    checkpoint planted (:func:`plant_a_crash_and_a_damaged_checkpoint`): the start verifies, names
+    the damaged file, moves that checkpoint aside, resumes from the newest that verifies with the
+    exact losses, and overwrites the torn one when it gets there."""
+    stage = 3
     data, expected_for = reference
     expected = expected_for(stage)  # the same stage never stopped: stages differ in float reassociation across nodes
     run = f"resume_z{stage}"
     env = {**resume_env, "ZERO_STAGE": str(stage)}
     saved = stop_after_a_checkpoint(run, data, env, artifact_root)
     checkpoints = artifact_root / "runs" / run / "checkpoints"
-    if stage == 3:  # the resharding test starts this stopped run again on 4 ranks
-        copy_stopped_run(artifact_root, run, "reshard_z3")
-        STOPPED["reshard_z3"] = saved
-    if stage == 0:
-        damaged, shard = plant_a_crash_and_a_damaged_checkpoint(checkpoints, saved)
+    copy_stopped_run(artifact_root, run, "reshard_z3")  # the resharding test starts it again on 4 ranks, undamaged
+    STOPPED["reshard_z3"] = saved
+    damaged, shard = plant_a_crash_and_a_damaged_checkpoint(checkpoints, saved)
     again = run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=env)
     assert again.returncode == 0, again.stdout + again.stderr
     wait_for(lambda: not tagged_pids(run), 300, what="the resumed run to finish")
     log = artifact_root / "logs" / f"{run}_node0.log"
     text = log.read_text()
     assert f"resuming from iteration {saved} (" in text
-    if stage == 0:
-        assert f"warning: the checkpoint of iteration {saved + 1} is damaged ({shard}: other bytes (CRC-32 " in text, text[-3000:]
-        assert f"moved aside as {damaged}.damaged" in text and (checkpoints / f"{damaged}.damaged" / shard).is_file()
-        status = run_script("status_training.sh", run, env=env).stdout  # the sizes of the kept ones, and that one
-        assert f"; moved aside as damaged: {saved + 1} (check_checkpoints.sh {run} reads every byte)" in status, status
-    else:
-        assert f"resuming from iteration {saved}" in again.stdout, again.stdout
+    assert f"warning: the checkpoint of iteration {saved + 1} is damaged ({shard}: other bytes (CRC-32 " in text, text[-3000:]
+    assert f"moved aside as {damaged}.damaged" in text and (checkpoints / f"{damaged}.damaged" / shard).is_file()
+    status = run_script("status_training.sh", run, env=env).stdout  # the sizes of the kept ones, and that one
+    assert f"; moved aside as damaged: {saved + 1} (check_checkpoints.sh {run} reads every byte)" in status, status
     losses = losses_from_log(log)
     assert sorted(losses) == list(range(1, ITERS + 1))
     for it in range(1, ITERS + 1):
-        assert abs(losses[it] - expected[it]) <= 1e-6 * abs(expected[it]), (stage, it, losses[it], expected[it])
+        assert abs(losses[it] - expected[it]) <= 1e-6 * abs(expected[it]), (it, losses[it], expected[it])
     # Metrics continue after the checkpoint instead of starting anew.
     metrics = [json.loads(l)["iteration"] for l in (artifact_root / "runs" / run / "metrics.jsonl").read_text().splitlines()]
     assert metrics == list(range(1, ITERS + 1))

@@ -124,7 +124,7 @@ def test_the_time_limit_signal_saves_requeues_and_finishes_with_the_same_losses(
     time limit (``--signal=B:USR1@60``): the batch shell's trap marks it, the waiting start asks
     every rank to save at the next step, the run ends preempted, the job requeues itself, resumes
     from that checkpoint and finishes; its loss at every iteration equals an uninterrupted run's.
-    The test sends that signal itself at iteration 10 of the first round (``scancel --signal=USR1
+    The test sends that signal itself at iteration 5 of the first round of 60 (``scancel --signal=USR1
     --batch``: the batch shell only, as ``B:`` has Slurm do): Slurm's own comes at its first
     30-second check within 60 s of the limit, a moment that depends on how fast this machine
     trains, and a run that ends first has nothing to requeue (the 10-minute limit keeps Slurm's own
@@ -153,7 +153,7 @@ def test_the_time_limit_signal_saves_requeues_and_finishes_with_the_same_losses(
         return job_state(job, slurm_env) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
 
     try:
-        wait_for(lambda: ranks_seen() or last_iteration(log) >= 10, 300, interval_s=0.5, what="iteration 10")
+        wait_for(lambda: ranks_seen() or last_iteration(log) >= 5, 300, interval_s=0.5, what="iteration 5")
         signal = subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm_env, capture_output=True, text=True)
         assert signal.returncode == 0, signal.stderr
         wait_for(ended, 600, interval_s=1, what=f"slurm job {job} to end")

@@ -174,8 +174,8 @@ def test_imports_inside_functions_are_the_few_that_must_be():
 
 PROCESS_HELPERS = {"run_torchrun", "wait_for", "tagged_pids", "wait_until_ended", "NamespaceCluster"}
 """Test helpers that start or wait for training processes (tests/conftest.py, the cluster fixtures)."""
-PROCESS_FIXTURES = {"unattended", "cluster", "cluster_env", "slurm", "slurm_env", "docker_engine", "stage_runs", "sweep",
-                    "runs", "resumed"}
+PROCESS_FIXTURES = {"unattended", "cluster", "cluster_env", "two_long_runs", "slurm", "slurm_env", "docker_engine",
+                    "stage_runs", "sweep", "runs", "resumed"}
 """Fixtures that start training runs, clusters or daemons."""
 
 
