@@ -463,12 +463,12 @@ def test_links_are_measured_and_a_slow_one_is_named_and_refused(cluster, cluster
 def test_a_node_lost_for_good_leaves_the_run_going_on_with_the_others(cluster, cluster_env, artifact_root, tmp_path):
     """NNODES=1:2 over 2 nodes x 1 process: node 1's every process, its sshd and its namespace go
     mid-run; node 0 notices (its heartbeat stops), leaves it out and goes on alone from the latest
-    checkpoint with the same global batch (1 rank of 4 micro-batches a step, where there were 2 of 2):
+    checkpoint with the same global batch (1 rank of 2 micro-batches a step, where there were 2 of 1):
     every iteration's loss as a run never interrupted, within float reassociation; status names the
     lost node."""
     iters = 30  # 25 or more left when node 1 goes: it goes mid-run
     data = tmp_path / "elastic.yaml"
-    data.write_text(Path(write_data_set(tmp_path / "base.yaml", train_iters=iters, save_interval=5)).read_text()
+    data.write_text(Path(write_data_set(tmp_path / "base.yaml", train_iters=iters, global_batch=8, save_interval=5)).read_text()
                     + "  resilience: {max_restarts: 2, restart_backoff_s: 1, node_lost_s: 6, join_s: 12}\n")
     run = "mn_lost"
     env = {**cluster_env, "NNODES": "1:2", "MASTER_PORT": "29661", "NPROC_PER_NODE": "1"}

@@ -34,10 +34,10 @@ SAVE_EVERY = 5
 
 def write_resume_data_set(path) -> str:
     """gpt_smoke-sized schedule with checkpoints; a fixed global batch, so another data-parallel
-    size can resume it."""
+    size can resume it (8: 2 ranks x 2 micro-batches of 2, or 4 ranks x 1)."""
     path.write_text(
         "data:\n  source: embedded\n  split: \"95,5,0\"\n  tokenizer: {type: sentencepiece, vocab_size: 2048}\n"
-        f"training:\n  seq_length: 128\n  micro_batch_size: 4\n  global_batch_size: 16\n  train_iters: {ITERS}\n"
+        f"training:\n  seq_length: 128\n  micro_batch_size: 2\n  global_batch_size: 8\n  train_iters: {ITERS}\n"
         f"  lr: 3.0e-3\n  min_lr: 3.0e-4\n  lr_warmup_iters: 3\n  weight_decay: 0.01\n  eval_iters: 0\n"
         f"  save_interval: {SAVE_EVERY}\n  keep_checkpoints: 2\n"
     )

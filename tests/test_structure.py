@@ -34,6 +34,11 @@ LAZY_IMPORTS = {
     ("orchestration/node/linktest.py", "torch.distributed"): "the same",
     ("orchestration/node/local.py", "orchestration.node.commands"): "this machine's node commands answered in the "
                                                                      "launcher's own process, loaded at the first call",
+    ("orchestration/runner/start_plan.py", "megatron_ext.data.prepare"): "numpy, for starts only: status and stop "
+                                                                        "(~0.25 s of each call) load none",
+    ("orchestration/runner/start_plan.py", "megatron_ext.data.tokenizers"): "the same",
+    ("orchestration/runner/start.py", "megatron_ext.data.prepare"): "the same",
+    ("orchestration/megatron_lm/render.py", "megatron_ext.data.tokenizers"): "the same",
 }
 NODE_CONTRACT = {"orchestration.node.wire", "orchestration.node.run_state", "orchestration.node.local"}
 """What the launcher may import of the node side: the contract, the run-state readers, and the

@@ -15,9 +15,8 @@ the note says so. Either way a refusal is a :class:`UserError` before anything s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from megatron_ext.data.prepare import PreparedData
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import RunParams
 from megatron_ext.run_spec.run_paths import RunPaths
@@ -28,6 +27,9 @@ from orchestration.megatron_lm.checkout import Checkout
 from orchestration.megatron_lm.render import NodeKernels, check_flags, load_flags, render_pretrain_gpt
 from orchestration.megatron_lm.validate import DEFAULT_DEVICE_ARCH, validate_with_megatron
 from orchestration.node.wire import NodeReport
+
+if TYPE_CHECKING:
+    from megatron_ext.data.prepare import PreparedData
 
 CHECK_ARGUMENTS = "check-arguments"
 

@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Collection, Mapping, Sequence
 
 from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import RunParams
 from megatron_ext.run_spec.wandb_run import WandbSettings
-from megatron_ext.data.prepare import PreparedData
-from megatron_ext.data.tokenizers import hf_tokenizer_file
 from megatron_ext.run_spec.flops import padded_vocab_size
 from megatron_ext.run_spec.megatron_lm_checkpoints import pretrained_checkpoint_dir
 from megatron_ext.run_spec.zero import megatron_lm_flags_for_stage, stage_environment
 from orchestration.megatron_lm.flags import split_flags
 from orchestration.node.wire import NodeReport
+
+if TYPE_CHECKING:
+    from megatron_ext.data.prepare import PreparedData
 
 TOKENIZER_TYPES = {"sentencepiece": "SentencePieceTokenizer", "huggingface": "HuggingFaceTokenizer", "null": "NullTokenizer"}
 
@@ -137,6 +138,8 @@ def data_flags(p: RunParams, prepared: PreparedData) -> list[str]:
         vocab = p.model.vocab_size or tok.vocab_size + 1
         flags += ["--vocab-size", str(vocab - 1)]
     elif prepared.tokenizer_type == "huggingface":
+        from megatron_ext.data.tokenizers import hf_tokenizer_file
+
         # Megatron-LM builds it with transformers' AutoTokenizer.from_pretrained (both its legacy
         # build_tokenizer and megatron.core.tokenizers): a directory, never the tokenizer.json file.
         flags += ["--tokenizer-model", str(hf_tokenizer_file(prepared.tokenizer_path).parent)]

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence, TextIO
 
-from megatron_ext.data.prepare import ensure_prepared
 from megatron_ext.run_spec.resolved import write_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.run_spec.wandb_run import WandbState, read_wandb_state, write_wandb_state
@@ -116,6 +115,8 @@ def start_run(launch: LaunchEnv, planned: PlannedStart) -> StartResult:
     for step in plan.steps:
         t0 = time.monotonic()
         if step.name == "prepare-data":
+            from megatron_ext.data.prepare import ensure_prepared
+
             ensure_prepared(planned.inputs.params.data, paths.data_cache_dir)
             data_ready = True
         elif step.name == CHECK_ARGUMENTS:

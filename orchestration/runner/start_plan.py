@@ -29,15 +29,16 @@ import math
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
-from megatron_ext.data.prepare import PreparedData, is_prepared, planned_prepared
-from megatron_ext.data.tokenizers import check_tokenizer
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.checkpoints import check_resumable, latest_iteration, read_meta
 from megatron_ext.run_spec.params import BatchGeometry, RunParams, load_run_params, with_batch_geometry
 from megatron_ext.run_spec.resilience import ATTEMPT_ENV, FLIGHT_RECORDER_ENTRIES, FLIGHT_RECORDER_ENV, PROGRESS_DIR_ENV
 from megatron_ext.run_spec.resolved import ResolvedRun, RunRuntime
+
+if TYPE_CHECKING:
+    from megatron_ext.data.prepare import PreparedData
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
 from orchestration.launch_env import SOCKET_IFNAME_VARIABLES, LaunchEnv
 from orchestration.megatron_lm.checkout import Checkout, read_checkout
@@ -132,6 +133,9 @@ class StartPlan:
 def read_start_inputs(launch: LaunchEnv, model: str, data: str, run: str, nodes: Sequence[tuple[int, str]]) -> StartInputs:
     """Checked params for the whole cluster (world = NNODES x NPROC_PER_NODE) and everything else a
     start depends on; a UserError before anything starts. Reads files only."""
+    from megatron_ext.data.prepare import is_prepared, planned_prepared
+    from megatron_ext.data.tokenizers import check_tokenizer
+
     check_run_name(run)
     params = load_run_params(model, data, launch.overrides)
     check_tokenizer(params.data.tokenizer)
