@@ -75,6 +75,9 @@ def test_leftover_workers_are_swept(env, artifact_root, tmp_path):
         try:
             record = json.loads((artifact_root / "run_state" / f"{run}_node0.pid").read_text())
             wait_for(lambda: len(tagged_pids(run)) >= 4, 60, what="the supervisor, torchrun and its 2 workers")
+            # Past their start-up (a worker killed in its imports may leave a child it was starting
+            # that ends by itself: CI saw one outlive the sweep by a moment), as a run that loses torchrun.
+            wait_for(lambda: last_iteration(artifact_root / "logs" / f"{run}_node0.log") >= 1, 120, what="the first iteration")
             if supervisor_too:
                 os.kill(record["supervisor_pid"], 9)
             os.kill(record["pid"], 9)
