@@ -24,8 +24,8 @@ from megatron_ext.run_spec.procfs import process_environ
 from orchestration.node.run_state import RunState
 from orchestration.node.watchdog import RankReport, find_suspects, in_collective
 
-from conftest import (REPO, assert_same_losses, clean_env, free_port, last_iteration, megatron_lm_env, run_script,
-                      tagged_pids, wait_for, write_data_set)
+from conftest import (REPO, UNATTENDED_SAVE_EVERY, assert_same_losses, clean_env, free_port, last_iteration, megatron_lm_env,
+                      run_script, tagged_pids, wait_for, write_data_set)
 
 POLICY = ResilienceParams(max_restarts=3, attempts_without_progress=2)
 
@@ -210,10 +210,12 @@ def test_a_killed_and_a_stopped_worker_with_restarts_finish_with_the_same_losses
     assert start.returncode == 0, start.stdout + start.stderr
     assert "restarts: up to 3 (backoff 1 s; gives up after 2 attempts without a new checkpoint)" in start.stdout
     try:
-        wait_for(lambda: (latest_iteration(checkpoints) or 0) >= 10 and last_iteration(log) > 14, 240, what="a checkpoint")
+        first, second = UNATTENDED_SAVE_EVERY, 2 * UNATTENDED_SAVE_EVERY  # the first two checkpoints, 4 steps past each
+        wait_for(lambda: (latest_iteration(checkpoints) or 0) >= first and last_iteration(log) > first + 4, 240,
+                 what="a checkpoint")
         os.kill(worker(run, 1), signal.SIGKILL)
         wait_for(lambda: status_of(run, env).get("attempt") == 2, 120, what="attempt 2")
-        wait_for(lambda: (latest_iteration(checkpoints) or 0) >= 20 and last_iteration(log) > 24, 300,
+        wait_for(lambda: (latest_iteration(checkpoints) or 0) >= second and last_iteration(log) > second + 4, 300,
                  what="attempt 2 past another checkpoint")
         os.kill(worker(run, 0), signal.SIGSTOP)
         wait_for(lambda: not tagged_pids(run), 600, what="the run to finish by itself")

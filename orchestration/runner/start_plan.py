@@ -36,15 +36,15 @@ from megatron_ext.run_spec.checkpoints import check_resumable, latest_iteration,
 from megatron_ext.run_spec.params import BatchGeometry, RunParams, load_run_params, with_batch_geometry
 from megatron_ext.run_spec.resilience import ATTEMPT_ENV, FLIGHT_RECORDER_ENTRIES, FLIGHT_RECORDER_ENV, PROGRESS_DIR_ENV
 from megatron_ext.run_spec.resolved import ResolvedRun, RunRuntime
-
-if TYPE_CHECKING:
-    from megatron_ext.data.prepare import PreparedData
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
 from orchestration.launch_env import SOCKET_IFNAME_VARIABLES, LaunchEnv
 from orchestration.megatron_lm.checkout import Checkout, read_checkout
 from orchestration.megatron_lm.program import ProgramPlan, check_megatron_lm_params, plan_program
 from orchestration.node.run_state import first_attempt
 from orchestration.node.wire import MEMBERSHIP_RULE, NODE_TAG, RUN_ID_TAG, RUN_TAG, NodePlan, NodeReport
+
+if TYPE_CHECKING:
+    from megatron_ext.data.prepare import PreparedData
 
 DEFAULT_LOCAL_DIR = "/dev/shm"
 """A node's local directory for the ranks' progress files until its preflight says (tmpfs where there is one)."""
