@@ -26,7 +26,7 @@ LAZY_IMPORTS = {
     ("orchestration/megatron_lm/validate.py", "torch"): "whatever torch the checkout's environment has",
     ("orchestration/analysis/report.py", "matplotlib"): "optional, and slow to import",
     ("orchestration/analysis/report.py", "matplotlib.pyplot"): "the same",
-    ("orchestration/node/preflight.py", "megatron_ext.data.tokenizers"): "node-check alone loads tokenizers (numpy)",
+    ("orchestration/node/preflight.py", "megatron_ext.data.tokenizers"): "node-check alone checks a tokenizer",
     ("orchestration/node/preflight.py", "megatron_ext.run_spec.params"): "the same",
     ("orchestration/__main__.py", "orchestration.node.commands"): "node commands load nothing of the launcher",
     ("orchestration/__main__.py", "orchestration.cli"): "the launcher's commands",
@@ -34,11 +34,15 @@ LAZY_IMPORTS = {
     ("orchestration/node/linktest.py", "torch.distributed"): "the same",
     ("orchestration/node/local.py", "orchestration.node.commands"): "this machine's node commands answered in the "
                                                                      "launcher's own process, loaded at the first call",
-    ("orchestration/runner/start_plan.py", "megatron_ext.data.prepare"): "numpy, for starts only: status and stop "
-                                                                        "(~0.25 s of each call) load none",
-    ("orchestration/runner/start_plan.py", "megatron_ext.data.tokenizers"): "the same",
-    ("orchestration/runner/start.py", "megatron_ext.data.prepare"): "the same",
-    ("orchestration/megatron_lm/render.py", "megatron_ext.data.tokenizers"): "the same",
+    ("orchestration/runner/start_plan.py", "megatron_ext.data.prepare"): "numpy, for a Megatron-LM start only (the "
+                                                                        "launcher prepares its data): the other starts, "
+                                                                        "status and stop load none",
+    ("orchestration/runner/start_plan.py", "megatron_ext.data.tokenizers"): "sentencepiece or tokenizers, for starts only",
+    ("orchestration/runner/start.py", "megatron_ext.data.prepare"): "numpy, for a Megatron-LM start only",
+    ("orchestration/megatron_lm/render.py", "megatron_ext.data.tokenizers"): "for a Megatron-LM start only",
+    ("orchestration/node/commands.py", "orchestration.node.preflight"): "node-check's alone: the supervisor, which "
+                                                                       "starts torchrun, loads ~40 ms less",
+    ("orchestration/node/commands.py", "orchestration.node.linktest"): "node-linktest's alone",
 }
 NODE_CONTRACT = {"orchestration.node.wire", "orchestration.node.run_state", "orchestration.node.local"}
 """What the launcher may import of the node side: the contract, the run-state readers, and the
@@ -139,6 +143,27 @@ def test_a_node_command_loads_no_launcher_module(tmp_path):
                                                          "orchestration.megatron_lm", "orchestration.import_args",
                                                          "orchestration.cli", "orchestration.launch_env", "torch", "matplotlib")))
     assert "orchestration.node.commands" in loaded and launcher == [], launcher
+
+
+
+def _loaded(argv: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run ``python -X importtime ARGV``: the process and the modules it loaded."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", *argv], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=60)
+    return proc, {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+
+
+def test_a_start_loads_no_numpy_and_the_supervisor_no_preflight(tmp_path):
+    """What stands between the start command and torchrun loads only what it uses (the launcher's
+    cost, benchmarks/launcher.py): a start of this program plans without numpy (data preparation is
+    a Megatron-LM start's alone), and the node supervisor starts without node-check's preflight."""
+    proc, loaded = _loaded(["-m", "orchestration", "start", "gpt_smoke", "smoke", "r", "--this-node"],
+                           clean_env(DRY_RUN="1", ARTIFACT_ROOT=str(tmp_path)))
+    assert proc.returncode == 0 and '"settled": true' in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "orchestration.node.preflight" in loaded and "numpy" not in loaded
+    proc, loaded = _loaded(["-c", "import orchestration.node.commands"], clean_env())
+    assert proc.returncode == 0 and "orchestration.node.supervisor" in loaded, proc.stderr[-2000:]
+    assert not loaded & {"orchestration.node.preflight", "orchestration.node.linktest", "numpy"}
 
 
 def test_the_environment_is_read_only_at_the_edges():

@@ -15,12 +15,21 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
-from typing import Iterable
-
-import numpy as np
+from typing import TYPE_CHECKING, Iterable
 
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import TokenizerParams
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+def _arrays(id_lists: Iterable[list[int]], dtype: str) -> list[np.ndarray]:
+    """Token id lists as arrays. numpy is imported here, not with the module: a start checks its
+    tokenizer with this module and otherwise loads no numpy (see orchestration/runner/start_plan.py)."""
+    import numpy as np
+
+    return [np.asarray(ids, dtype=dtype) for ids in id_lists]
 
 
 class _Identified:
@@ -53,7 +62,7 @@ class SentencePieceTokenizer(_Identified):
         """Token ids as arrays, straight from sentencepiece's C++ (no Python int per token)."""
         if hasattr(self._sp, "encode_as_numpy"):  # sentencepiece >= 0.2
             return self._sp.encode_as_numpy(texts)
-        return [np.asarray(ids, dtype=np.int32) for ids in self._sp.encode(texts)]
+        return _arrays(self._sp.encode(texts), "int32")
 
     def detokenize(self, ids: list[int]) -> str:
         return self._sp.decode(ids)
@@ -145,7 +154,7 @@ class HuggingFaceTokenizer(_Identified):
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def tokenize_arrays(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(ids, dtype=np.int32) for ids in self.tokenize_batch(texts)]
+        return _arrays(self.tokenize_batch(texts), "int32")
 
     def detokenize(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
@@ -168,7 +177,7 @@ class NullTokenizer(_Identified):
         return [self.tokenize(t) for t in texts]
 
     def tokenize_arrays(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(ids, dtype=np.int64) for ids in self.tokenize_batch(texts)]
+        return _arrays(self.tokenize_batch(texts), "int64")
 
     def detokenize(self, ids: list[int]) -> str:
         return " ".join(map(str, ids))

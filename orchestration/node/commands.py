@@ -30,8 +30,6 @@ from megatron_ext.run_spec.resilience import SLOW_RANK_CLEARED, SLOW_RANK_WARNIN
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
 from orchestration.node import processes
 from orchestration.node.failure import failure_reason
-from orchestration.node.linktest import run_linktest
-from orchestration.node.preflight import inspect_node
 from orchestration.node.run_state import (RunState, heartbeat_age_s, read_exit, read_failure, read_heartbeat,
                                           read_pid_file, reset_node_files, reset_run_files, tail, wait_until_started,
                                           write_plan_file)
@@ -95,6 +93,8 @@ def refuse_if_running(pid_path: Path, run: str, node_rank: int) -> None:
 def node_check(paths: RunPaths, args, node: "NodeEnv"):
     """Preflight on this node (orchestration/node/preflight.py): the run is not live here, and
     every other check; the report lists every problem found."""
+    from orchestration.node.preflight import inspect_node  # node-check's alone: the supervisor starts without it
+
     refuse_if_running(paths.node_pid_file(args.node_rank), paths.run, args.node_rank)
     return inspect_node(args.node_rank, args.host, args.master_addr, args.master_port, args.nproc_per_node,
                         args.require_path, args.shared_token, paths.run_state_dir, node.visible_gpus, Path.cwd(),
@@ -233,6 +233,8 @@ def _answer(command: str, args, node: NodeEnv, stdin_line: str):
     if command == "node-check":
         return node_check(paths, args, node)
     if command == "node-linktest":
+        from orchestration.node.linktest import run_linktest  # the same
+
         return run_linktest(args.node_rank, args.host, args.nnodes, args.master_addr, args.port, args.backend, node.environ,
                             interface=args.interface, seconds=args.seconds)
     if command == "node-stop":

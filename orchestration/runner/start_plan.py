@@ -133,7 +133,6 @@ class StartPlan:
 def read_start_inputs(launch: LaunchEnv, model: str, data: str, run: str, nodes: Sequence[tuple[int, str]]) -> StartInputs:
     """Checked params for the whole cluster (world = NNODES x NPROC_PER_NODE) and everything else a
     start depends on; a UserError before anything starts. Reads files only."""
-    from megatron_ext.data.prepare import is_prepared, planned_prepared
     from megatron_ext.data.tokenizers import check_tokenizer
 
     check_run_name(run)
@@ -155,6 +154,8 @@ def read_start_inputs(launch: LaunchEnv, model: str, data: str, run: str, nodes:
         if not launch.megatron_lm_dir:
             raise UserError("ENGINE=megatron-lm needs MEGATRON_LM_DIR, the Megatron-LM checkout holding pretrain_gpt.py")
         checkout = read_checkout(launch.megatron_lm_dir)
+        from megatron_ext.data.prepare import is_prepared, planned_prepared  # numpy: only where the launcher prepares
+
         prepared = planned_prepared(params.data, paths.data_cache_dir)
         ready = is_prepared(params.data, paths.data_cache_dir)
     return StartInputs(model, data, run, tuple(nodes), params, geometry, f"{run}-{uuid.uuid4().hex[:10]}", resume_from,
