@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.run_spec.procfs import process_environ
 
 from netns_cluster import NamespaceCluster, missing_prerequisites
-from conftest import (TEST_DATA, clean_env, last_iteration, megatron_lm_env, plan_header, planned_nodes, require, run_script,
+from conftest import (REPO, TEST_DATA, clean_env, last_iteration, megatron_lm_env, plan_header, planned_nodes, require, run_script,
                       run_torchrun, tagged_pids, wait_for, write_data_set)
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
@@ -71,6 +72,21 @@ def wait_until_ended(run: str, timeout_s: float) -> None:
     wait_for(lambda: not tagged_pids(run), timeout_s, what=f"run {run} to end")
 
 
+@contextlib.contextmanager
+def port_held(namespace: str, port: int = 6000):
+    """Another process listening on ``port`` in the namespace, for the length of the block."""
+    listener = subprocess.Popen(
+        ["ip", "netns", "exec", namespace, sys.executable, "-c",
+         f"import socket,time; s=socket.socket(); s.bind(('0.0.0.0', {port})); s.listen(); print('up', flush=True); "
+         "time.sleep(300)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert listener.stdout.readline().strip() == "up"
+        yield
+    finally:
+        listener.kill()
+        listener.wait()
+
+
 def test_two_nodes_over_ssh_train_and_match_one_node(cluster, cluster_env, artifact_root, tmp_path):
     """2 nodes x 2 processes over ssh train the loss of one node of 4, and the dry run printed what
     runs. MASTER_PORT unset with 6000 busy on node 0: the start takes 6001; GLOO_SOCKET_IFNAME
@@ -83,16 +99,13 @@ def test_two_nodes_over_ssh_train_and_match_one_node(cluster, cluster_env, artif
     values = secret_env()
     env = {**{k: v for k, v in cluster_env.items() if k not in ("MASTER_PORT", "GLOO_SOCKET_IFNAME")}, **values}
     data = write_data_set(tmp_path / "short.yaml", train_iters=8)
-    listener = subprocess.Popen(
-        ["ip", "netns", "exec", cluster.nodes[0].namespace, "python3", "-c",
-         "import socket,time; s=socket.socket(); s.bind(('0.0.0.0', 6000)); s.listen(); print('up', flush=True); time.sleep(300)"],
-        stdout=subprocess.PIPE, text=True)
     hits: list[str] = []
     stop_scan = threading.Event()
     scanner = threading.Thread(target=_scan_cmdlines, args=([v.encode() for v in values.values()], hits, stop_scan),
                                daemon=True)
+    held = contextlib.ExitStack()  # port 6000 busy on node 0 until the run has ended
     try:
-        assert listener.stdout.readline().strip() == "up"
+        held.enter_context(port_held(cluster.nodes[0].namespace))
         dry = run_script("start_multinode_training.sh", "gpt_smoke", data, "mn_short", env={**env, "DRY_RUN": "1"})
         assert dry.returncode == 0, dry.stderr
         assert not any(v in dry.stdout + dry.stderr for v in values.values())
@@ -122,8 +135,7 @@ def test_two_nodes_over_ssh_train_and_match_one_node(cluster, cluster_env, artif
         assert all({k: process_environ(p).get(k) for k in values} == values for p in node1_ranks)  # over ssh: stdin
         wait_until_ended("mn_short", 300)
     finally:
-        listener.kill()
-        listener.wait()
+        held.close()
         stop_scan.set()
         if scanner.is_alive():
             scanner.join()
@@ -150,6 +162,28 @@ def test_two_nodes_over_ssh_train_and_match_one_node(cluster, cluster_env, artif
     assert [json.loads(l)["state"] for l in status.stdout.splitlines()] == ["finished", "finished"], status.stdout
     stop = run_script("stop_multinode_training.sh", "mn_short", env=cluster_env)
     assert stop.returncode == 0 and stop.stdout.count("not running") == 2, stop.stdout + stop.stderr
+
+
+def test_train_in_the_foreground_takes_a_free_port_and_status_reads_the_run(cluster, artifact_root, tmp_path):
+    """The README's main command, ``python3 -m orchestration train``, where another process holds
+    port 6000 (node 2's namespace: ports of its own, so nothing on this machine is disturbed): it
+    runs the settled plan a start runs, so it takes 6001 instead of meeting torchrun's EADDRINUSE,
+    and its log comes to the terminal; once it has ended, status reads the run it left (finished,
+    every iteration), as for a start."""
+    inside = ["ip", "netns", "exec", cluster.nodes[2].namespace]
+    env = clean_env(ARTIFACT_ROOT=str(artifact_root), NPROC_PER_NODE="1")
+    data = write_data_set(tmp_path / "foreground.yaml", train_iters=4)
+    with port_held(cluster.nodes[2].namespace):
+        train = subprocess.run([*inside, sys.executable, "-m", "orchestration", "train", "gpt_smoke", str(data), "fg_train"],
+                               cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        status = subprocess.run([*inside, "bash", "training_scripts/status_training.sh", "fg_train", "--json"], cwd=REPO,
+                                env=env, capture_output=True, text=True, timeout=60)
+    assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
+    assert "note: MASTER_PORT is not set: using 6001, the first free port from 6000 on node 0" in train.stderr
+    assert "iteration        4/       4" in train.stdout and "EADDRINUSE" not in train.stdout + train.stderr
+    node = json.loads(status.stdout.splitlines()[0])
+    assert (node["state"], node["last_iteration"], node["train_iters"]) == ("finished", 4, 4), status.stdout
+    assert not tagged_pids("fg_train")
 
 
 @pytest.fixture(scope="module")
