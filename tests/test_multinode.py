@@ -330,16 +330,8 @@ def test_bad_cluster_input_starts_nothing(cluster, cluster_env, artifact_root):
     _start_fails(cluster_env, "bad name", "is not a valid run name")
     _start_fails(cluster_env, "bad;name", "is not a valid run name")
     # A busy MASTER_PORT on node 0 (inside its namespace).
-    listener = subprocess.Popen(
-        ["ip", "netns", "exec", cluster.nodes[0].namespace, "python3", "-c",
-         "import socket,time; s=socket.socket(); s.bind(('0.0.0.0', 29652)); s.listen(); print('up', flush=True); time.sleep(120)"],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert listener.stdout.readline().strip() == "up"
+    with port_held(cluster.nodes[0].namespace, 29652):
         _start_fails({**cluster_env, "MASTER_PORT": "29652"}, "busy_port", "MASTER_PORT=29652 is in use on node 0 (node0)")
-    finally:
-        listener.kill()
-        listener.wait()
     assert time.monotonic() - start < 120
     leftovers = [p.name for p in artifact_root.glob("run_state/*.pid") if p.name.startswith(("bad", "dup", "nnodes", "busy"))]
     assert leftovers == []
