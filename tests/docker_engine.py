@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,7 +44,12 @@ def interpreter_trees() -> list[str]:
 class DockerEngine:
     def __init__(self, workdir: Path, repo: Path, container: str = "megatron-training"):
         self.workdir, self.repo, self.container = workdir, repo, container
-        self.socket = workdir / "docker.sock"
+        # Unix socket paths hold 107 bytes, and containerd's lies four folders under the exec root
+        # (``containerd/containerd.sock.ttrpc``): under a long TMPDIR (a user's clone, a CI job's
+        # workspace) it does not fit and dockerd never comes up. The exec root and the daemon's
+        # socket go to a short folder of their own under /tmp, removed by close().
+        self.short = Path(tempfile.mkdtemp(prefix="mzd-", dir="/tmp"))
+        self.socket = self.short / "docker.sock"
         self.pid_file = workdir / "dockerd.pid"
         self.image = "mz-empty-root:latest"
 
@@ -69,7 +75,7 @@ class DockerEngine:
         log = open(self.workdir / "dockerd.log", "wb")
         self._proc = subprocess.Popen(
             [DOCKERD, "--iptables=false", "--bridge=none", "--data-root", str(self.workdir / "data"),
-             "--exec-root", str(self.workdir / "exec"), "-H", f"unix://{self.socket}", "--pidfile", str(self.pid_file)],
+             "--exec-root", str(self.short / "exec"), "-H", f"unix://{self.socket}", "--pidfile", str(self.pid_file)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 60
         while self.docker("info", check=False).returncode != 0:
@@ -114,5 +120,6 @@ class DockerEngine:
         # dockerd leaves its network-namespace mount under the exec root: unmount what lies under ours.
         for line in reversed(Path("/proc/self/mounts").read_text().splitlines()):
             target = line.split()[1]
-            if target.startswith(str(self.workdir)):
+            if target.startswith((f"{self.workdir}/", f"{self.short}/")):
                 subprocess.run(["umount", "-l", target], capture_output=True)
+        shutil.rmtree(self.short, ignore_errors=True)

@@ -58,10 +58,11 @@ def test_two_processes_train_smoke_and_loss_falls(stage_runs):
 def test_rank_0_writes_tensorboard_events(stage_runs, artifact_root):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    _, records = stage_runs[0]  # the run that writes the folder first: the fixture runs stages lazily
     events = EventAccumulator(str(artifact_root / "runs" / "stages2_z0" / "tensorboard"))
     events.Reload()
     losses = [e.value for e in events.Scalars("lm loss")]
-    assert losses == pytest.approx([r["lm_loss"] for r in stage_runs[0][1]], rel=1e-6)
+    assert losses == pytest.approx([r["lm_loss"] for r in records], rel=1e-6)
     assert {"learning-rate", "grad-norm", "throughput/tokens-per-s", "memory/model-state-bytes"} <= set(events.Tags()["scalars"])
 
 

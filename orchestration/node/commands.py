@@ -192,15 +192,22 @@ def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | No
         training = alive and beat is not None and beat.state == RunState.RUNNING
     else:
         training = bool(record and processes.record_is_alive(record))
-        alive = training or bool(record and not ended and processes.supervisor_is_alive(record))
-    if alive:
-        state = RunState.RUNNING if training else RunState.RESTARTING
+        # Alive while any process of the node's run is: the supervisor writes its exit record
+        # before it removes its folder and exits, so a record alone does not mean the node is gone
+        # (the caller waiting for the end would otherwise find processes of the run still there).
+        alive = training or bool(record and processes.supervisor_is_alive(record))
+    if training:
+        state = RunState.RUNNING
+    elif ended:
+        state = ended.state
+    elif alive:
+        state = RunState.RESTARTING
     else:
-        state = ended.state if ended else RunState.STOPPED if paths.node_log(node_rank).exists() else RunState.NOT_STARTED
+        state = RunState.STOPPED if paths.node_log(node_rank).exists() else RunState.NOT_STARTED
     text = tail(paths.node_log(node_rank), 200)
     records, _ = parse_log(text, seq_length, engine=planned_engine(paths, node_rank))
     score, reason = failure_reason(tail(paths.node_log(node_rank), 400, max_bytes=262144)) \
-        if not alive and state.ended and state != RunState.FINISHED else (0, None)
+        if not training and state.ended and state != RunState.FINISHED else (0, None)
     last = records[-1] if records else None
     lines = [line for line in text.splitlines() if line.strip()]
     return NodeStatus(

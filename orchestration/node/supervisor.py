@@ -183,19 +183,26 @@ class Supervisor:
             return True
         return PREEMPTED_LINE in tail(Path(self.plan.log_path), 40)
 
+    def _sweep(self) -> None:
+        """torchrun is gone; its workers, in sessions of their own, may not be (torchrun SIGKILLed),
+        nor what they started (a multiprocessing resource tracker, which ignores SIGTERM and ends
+        when its rank's pipe closes): every process of the node's run but this one, gone."""
+        processes.stop_node(self.plan.run, self.rank, self.plan.host, self.plan.pid_file, grace_s=0.0, signal_group=False)
+
     def _end(self, proc: subprocess.Popen, code: int, saving: bool) -> AttemptEnd:
-        exit_code, sig = describe_returncode(code)
         if code == 0:
+            self._sweep()  # what a rank started may outlive it by a moment (a resource tracker cleaning up)
             if saving and self._preempted():
                 return AttemptEnd(self.rank, self.attempt, RunState.PREEMPTED, "saved a checkpoint on request and ended")
             return AttemptEnd(self.rank, self.attempt, RunState.FINISHED, "torchrun exited with code 0")
-        # torchrun is gone; its workers, in sessions of their own, may not be (torchrun SIGKILLed): sweep them
-        processes.stop_node(self.plan.run, self.rank, self.plan.host, self.plan.pid_file, grace_s=0.0, signal_group=False)
-        if self.stopping:
+        stopping = self.stopping
+        if not stopping:  # the claim first: the other nodes stop now, not after the sweep below
+            text = failure_summary(self.rank, self.plan.host, code, tail(Path(self.plan.log_path), 400, max_bytes=262144),
+                                   LOG_TAIL_LINES)
+            claim_failure(self.paths, text)
+        self._sweep()
+        if stopping:
             return AttemptEnd(self.rank, self.attempt, RunState.STOPPED, "stopped on request", requested=True)
-        text = failure_summary(self.rank, self.plan.host, code, tail(Path(self.plan.log_path), 400, max_bytes=262144),
-                               LOG_TAIL_LINES)
-        claim_failure(self.paths, text)
         return AttemptEnd(self.rank, self.attempt, RunState.FAILED, text.splitlines()[0])
 
     def _hang(self, watchdog: Watchdog, reported: bool) -> bool:

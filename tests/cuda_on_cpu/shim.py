@@ -150,6 +150,29 @@ def stream_patches(current_device: int = 0) -> dict[str, Any]:
             "is_current_stream_capturing": lambda: False, "max_memory_allocated": lambda *a, **k: 0}
 
 
+_COLLECTIVES = ("allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "all_gather_single",
+                "allgather_coalesced", "allgather_into_tensor_coalesced", "all_gather_single_coalesced", "reduce_scatter",
+                "_reduce_scatter_base", "reduce_scatter_single", "reduce_scatter_tensor_coalesced",
+                "reduce_scatter_single_coalesced", "broadcast", "alltoall_base")  # not send/recv: P2P could deadlock
+
+
+def _waited_at_issue(method):
+    def collective(self, *args, **kwargs):
+        work = method(self, *args, **kwargs)
+        if work is not None:
+            work.wait()  # CUDA's one stream per communicator, made synchronous (gloo: 2 threads per group)
+        done = torch.futures.Future()
+        done.set_result([])
+        return torch._C._distributed_c10d._create_work_from_future(done)  # complete: its wait() does nothing
+    return collective
+
+
+def collective_patches() -> dict[str, Any]:
+    """torch.distributed.ProcessGroup's collectives, each done when it returns, however reached."""
+    pg = torch.distributed.ProcessGroup
+    return {n: _waited_at_issue(getattr(pg, n)) for n in _COLLECTIVES if hasattr(pg, n)}
+
+
 def set_attributes(target, values: dict[str, Any]) -> dict[str, Any]:
     """Set ``values`` on ``target``; returns what was there (to put back)."""
     saved = {name: getattr(target, name) for name in values}
@@ -161,8 +184,10 @@ def set_attributes(target, values: dict[str, Any]) -> dict[str, Any]:
 @contextlib.contextmanager
 def cuda_on_cpu():
     saved = set_attributes(torch.cuda, stream_patches())
+    saved_collectives = set_attributes(torch.distributed.ProcessGroup, collective_patches())
     try:
         with CudaOnCpu():
             yield
     finally:
+        set_attributes(torch.distributed.ProcessGroup, saved_collectives)
         set_attributes(torch.cuda, saved)

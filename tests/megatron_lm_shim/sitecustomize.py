@@ -227,6 +227,7 @@ def install() -> None:
                                           "mark": _Nvtx.mark, "range": _Nvtx.range})
     torch.utils.cpp_extension.CUDA_HOME = str(HERE)  # bin/nvcc -V prints a CUDA version
     _patch_distributed(torch, shim.cpu_device)
+    shim.set_attributes(torch.distributed.ProcessGroup, shim.collective_patches())
     shim.CudaOnCpu(cuda_generator=generator).__enter__()  # never left: the process's lifetime
 
 
