@@ -80,6 +80,25 @@ def require(missing: str | None, what: str) -> None:
         pytest.skip(missing)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_tmpdir(tmp_path_factory):
+    """TMPDIR for the session and every process it starts: a folder under pytest's own, so what
+    they leave in a temporary folder goes with pytest's rotation of its folders (a rank stopped by a
+    test leaves W&B's ``tmp*wandb-media`` folders, made at its import and removed only at a normal
+    exit)."""
+    import tempfile
+
+    saved = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+    tempfile.tempdir = None  # read TMPDIR again
+    yield
+    if saved is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved
+    tempfile.tempdir = None
+
+
 @pytest.fixture(scope="session")
 def artifact_root(tmp_path_factory) -> Path:
     """One artifact root for the session, so the embedded corpus is prepared once."""
