@@ -46,7 +46,11 @@ SAME_WORKER = {"test_resilience.py": "unattended", "test_slurm.py": "unattended"
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
     """One pytest-xdist group per module (its cluster, its Slurm, its engine started once, by one
-    worker), modules in ``LONGEST_FIRST`` order. Without ``-n`` the marks change nothing."""
+    worker), modules in ``LONGEST_FIRST`` order. Without ``-n`` the marks change nothing. pytest
+    9.2 breaks the groups of pytest-xdist 3.8 (pytest-dev/pytest-xdist#1386: every test its own
+    group, a module's tests on both workers at once, each with its own cluster and the same run
+    names on one process table): pyproject.toml keeps pytest below 9.2, and
+    tests/test_structure.py checks that the groups hold."""
     def rank(item) -> int:
         name = item.path.name
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
@@ -57,9 +61,18 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port whose next one is free too: a multi-node run's coordination store takes
+    MASTER_PORT + 1 (orchestration/node/board.py)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -32,6 +32,8 @@ LAZY_IMPORTS = {
     ("orchestration/__main__.py", "orchestration.cli"): "the launcher's commands",
     ("orchestration/node/linktest.py", "torch"): "the link test's own child process alone imports torch",
     ("orchestration/node/linktest.py", "torch.distributed"): "the same",
+    ("orchestration/node/board.py", "torch.distributed"): "a multi-node run's supervisor alone (its TCPStore): "
+                                                          "a one-node run's agrees in memory and loads no torch",
     ("orchestration/node/local.py", "orchestration.node.commands"): "this machine's node commands answered in the "
                                                                      "launcher's own process, loaded at the first call",
     ("orchestration/runner/start_plan.py", "megatron_ext.data.prepare"): "numpy, for a Megatron-LM start only (the "
@@ -233,3 +235,20 @@ def test_every_test_that_starts_training_processes_is_marked_slow():
             if (calls & PROCESS_HELPERS or fixtures & PROCESS_FIXTURES) and not marks & {"slow", "smoke"}:
                 unmarked.append(f"{path.name}::{fn.name}")
     assert unmarked == [], unmarked
+
+
+def test_each_module_runs_on_one_worker():
+    """The README's ``-n 2 --dist loadgroup``: every test of a module on one worker (its cluster, its
+    Slurm, its engine, its run names started once). pytest 9.2 with pytest-xdist 3.8 dropped the
+    groups silently (pytest-dev/pytest-xdist#1386): each module's tests on both workers at once."""
+    import re
+
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup",
+                           "--no-loadscope-reorder", "-v", "tests/test_zero_table.py", "tests/test_launch_plan.py"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env=clean_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    workers: dict[str, set[str]] = {}
+    for worker, module in re.findall(r"^\[(gw\d+)\] .*? (tests/test_\w+\.py)::", proc.stdout, flags=re.M):
+        workers.setdefault(module, set()).add(worker)
+    assert set(workers) == {"tests/test_zero_table.py", "tests/test_launch_plan.py"}, proc.stdout[-2000:]
+    assert all(len(w) == 1 for w in workers.values()), workers
