@@ -61,10 +61,10 @@ def read_rank_env(env: Mapping[str, str]) -> dict:
         world = int(env.get("WORLD_SIZE", 1))
         progress = env.get(PROGRESS_DIR_ENV, "").strip()
         return dict(rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)), world_size=world,
-                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)), node=int(env.get("GROUP_RANK", 0)),
                     progress_dir=Path(progress) if progress else None, attempt=int(env.get(ATTEMPT_ENV, "1") or 1))
     except ValueError as exc:
-        raise UserError(f"RANK/LOCAL_RANK/WORLD_SIZE/{ATTEMPT_ENV} must be integers ({exc}); run under torchrun") from None
+        raise UserError(f"RANK/LOCAL_RANK/WORLD_SIZE/GROUP_RANK/{ATTEMPT_ENV} must be integers ({exc}); run under torchrun") from None
 
 
 def check_device_connections(stage: int, env: Mapping[str, str]) -> None:

@@ -1,10 +1,16 @@
 """A real multi-node cluster on one machine, for tests: network namespaces joined by a bridge,
 an OpenSSH server in each, reached through ``ssh`` aliases in a generated ssh config.
 
-Needs root, iproute2 and openssh-server (``.ci/run`` installs them). Nodes share the file
-system and the process table, like nodes on a shared file system. Everything created here is
-named with a per-process prefix and torn down by :meth:`NamespaceCluster.close`, also after a
-failure. Addresses are private (10.213.x.0/24) and exist only inside these namespaces.
+Needs root, iproute2 and openssh-server (``.ci/run`` installs them). Nodes share the process
+table. With ``share`` (a folder: the artifact root), node 0 keeps it on its own disk and every
+other node sees it only through ``sshfs`` from node 0 (Debian's sshfs, FUSE over the namespace
+network, default options: names and attributes cached for 20 s, no locks across nodes), mounted
+at the same path in that node's own mount namespace, in which its sshd and so every session there
+runs: a cluster's shared file system as it is, not one coherent disk. ``clock_offsets`` ({node
+index: "+30s"}) give every session on a node a clock that far off (libfaketime, Debian's
+``faketime``, through the node's sshd_config ``SetEnv``). Everything created here is named with a
+per-process prefix and torn down by :meth:`NamespaceCluster.close`, also after a failure.
+Addresses are private (10.213.x.0/24) and exist only inside these namespaces.
 """
 
 from __future__ import annotations
@@ -19,9 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SSHD = "/usr/sbin/sshd"
+SSHFS = "/usr/bin/sshfs"
+LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 
 
-def missing_prerequisites() -> str | None:
+def missing_prerequisites(share: bool = False, clock: bool = False) -> str | None:
+    if share and not (Path(SSHFS).exists() and Path("/dev/fuse").exists()):
+        return "needs sshfs and /dev/fuse (apt-get install sshfs)"
+    if clock and not Path(LIBFAKETIME).exists():
+        return "needs libfaketime (apt-get install faketime)"
     if os.geteuid() != 0:
         return "needs root (network namespaces)"
     for tool in ("ip", "ssh", "ssh-keygen"):
@@ -56,9 +68,12 @@ def _free_subnet(start: int) -> str:
 
 
 class NamespaceCluster:
-    def __init__(self, num_nodes: int, workdir: Path, interface: str = "eth0"):
+    def __init__(self, num_nodes: int, workdir: Path, interface: str = "eth0", share: Path | None = None,
+                 clock_offsets: dict[int, str] | None = None):
         self.workdir = workdir
         self.interface = interface
+        self.share = share
+        self.clock_offsets = dict(clock_offsets or {})
         tag = os.getpid() % 10000
         self.prefix = f"mz{tag}"
         self.subnet = _free_subnet(tag % 250)
@@ -114,15 +129,17 @@ class NamespaceCluster:
                 f"ListenAddress {node.address}", "Port 22", f"HostKey {host_key}", f"PidFile {node.sshd_pid_file}",
                 f"AuthorizedKeysFile {authorized}", "UsePAM no", "StrictModes no", "PermitRootLogin yes",
                 "PasswordAuthentication no", "KbdInteractiveAuthentication no", "PubkeyAuthentication yes",
-                "LogLevel ERROR", "MaxStartups 100", "MaxSessions 100", "",
+                "LogLevel ERROR", "MaxStartups 100", "MaxSessions 100", "Subsystem sftp internal-sftp",
+                *([f"SetEnv LD_PRELOAD={LIBFAKETIME} FAKETIME={self.clock_offsets[self.nodes.index(node)]}"]
+                  if self.nodes.index(node) in self.clock_offsets else []), "",
             ]))
-            self.start_sshd(node)
             config_lines += [
                 f"Host {node.alias}", f"  HostName {node.address}", "  User root", f"  IdentityFile {key}",
                 "  IdentitiesOnly yes", "  StrictHostKeyChecking no", "  UserKnownHostsFile /dev/null", "  LogLevel ERROR", "",
             ]
         self.ssh_config.write_text("\n".join(config_lines))
-        for node in self.nodes:
+        for node in self.nodes:  # node 0 first: the others mount the share from it
+            self.start_sshd(node)
             self.wait_for_ssh(node)
 
     def start_sshd(self, node: Node, mounts: list[tuple[str, str]] = ()) -> None:
@@ -130,13 +147,24 @@ class NamespaceCluster:
         of its own, so that what runs over ssh on this node sees another file system there (a
         file missing on one node, a package of another version, an artifact root not shared)."""
         sshd = [SSHD, "-f", str(node.sshd_config), "-E", str(self.workdir / f"{node.alias}.sshd.log")]
-        if not mounts:
+        shared = self.share is not None and node is not self.nodes[0]
+        if not mounts and not shared:
             _sh("ip", "netns", "exec", node.namespace, *sshd)
             return
         steps = [f"mount -t tmpfs tmpfs {shlex.quote(target)}" if source == "tmpfs"
                  else f"mount --bind {shlex.quote(source)} {shlex.quote(target)}" for source, target in mounts]
+        if shared:  # node 0's folder through SFTP, at the same path (facts.md: shared file systems)
+            options = (f"IdentityFile={self.workdir / 'id_ed25519'},StrictHostKeyChecking=no,"
+                       "UserKnownHostsFile=/dev/null,LogLevel=ERROR")
+            steps.insert(0, shlex.join([SSHFS, "-o", options, f"root@{self.nodes[0].address}:{self.share}", str(self.share)]))
         script = " && ".join([*steps, "exec " + shlex.join(sshd)])
         _sh("ip", "netns", "exec", node.namespace, "unshare", "--mount", "--propagation", "private", "sh", "-c", script)
+
+    def mounted_share(self, node: Node) -> bool:
+        """Whether ``share`` is an sshfs mount in the sessions of ``node``."""
+        proc = subprocess.run(["ssh", "-F", str(self.ssh_config), node.alias, "grep", "-c", "fuse.sshfs", "/proc/self/mounts"],
+                              capture_output=True, text=True, timeout=30)
+        return proc.returncode == 0 and int(proc.stdout.strip() or 0) > 0
 
     def wait_for_ssh(self, node: Node, timeout_s: float = 20.0) -> None:
         deadline = time.monotonic() + timeout_s

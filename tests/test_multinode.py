@@ -29,9 +29,12 @@ pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    require(missing_prerequisites(), "multi-node tests")
-    c = NamespaceCluster(3, tmp_path_factory.mktemp("cluster")).open()  # node2 for the link tests (a ring of 3)
+def cluster(tmp_path_factory, artifact_root):
+    """Three nodes (node2 for the link tests: a ring of 3). Node 0 keeps the artifact root; nodes 1
+    and 2 see it only through sshfs (names and attributes cached for 20 s, no locks); node 1's
+    clock runs 30 s ahead (libfaketime): nothing the nodes agree on may rest on either."""
+    require(missing_prerequisites(share=True, clock=True), "multi-node tests")
+    c = NamespaceCluster(3, tmp_path_factory.mktemp("cluster"), share=artifact_root, clock_offsets={1: "+30s"}).open()
     yield c
     c.close()
 
@@ -164,6 +167,39 @@ def test_two_nodes_over_ssh_train_and_match_one_node(cluster, cluster_env, artif
     assert stop.returncode == 0 and stop.stdout.count("not running") == 2, stop.stdout + stop.stderr
 
 
+def test_a_run_on_the_shared_file_system_ends_in_one_attempt(cluster, cluster_env, artifact_root, tmp_path):
+    """Issue 38's run, as a new user tried it: node 1 sees the artifact root only through sshfs and
+    its clock is 30 s ahead; a data set no run of the session prepared yet (its own vocabulary), so
+    the cache is made during this start; 30 iterations, a checkpoint every 10, MAX_RESTARTS=2. It
+    ends finished in one attempt: node 0 prepared the data while node 1's ranks waited for it, and
+    no node was taken for lost."""
+    assert cluster.mounted_share(cluster.nodes[1]) and not cluster.mounted_share(cluster.nodes[0])
+    skew = subprocess.run(["ssh", "-F", str(cluster.ssh_config), "node1", "date", "+%s"], capture_output=True, text=True)
+    assert int(skew.stdout) - time.time() > 25, skew  # the clock of every session on node 1
+    data = tmp_path / "shared_fs.yaml"
+    data.write_text(Path(write_data_set(tmp_path / "base.yaml", train_iters=30, save_interval=10)).read_text()
+                    .replace("vocab_size: 2048", "vocab_size: 1536"))
+    env = {**cluster_env, "NPROC_PER_NODE": "1", "MAX_RESTARTS": "2", "MASTER_PORT": "29668"}
+    try:
+        start = run_script("start_multinode_training.sh", "gpt_smoke", str(data), "mn_share", env=env)
+        assert start.returncode == 0, start.stdout + start.stderr
+        exits = [artifact_root / "run_state" / f"mn_share_node{n}.exit.json" for n in (0, 1)]
+        wait_for(lambda: all(e.exists() for e in exits), 300, what="both nodes' exit records")
+        wait_until_ended("mn_share", 60)
+    finally:
+        if tagged_pids("mn_share"):
+            run_script("stop_multinode_training.sh", "mn_share", env=env)
+    ends = [json.loads(e.read_text()) for e in exits]
+    logs = [(artifact_root / "logs" / f"mn_share_node{n}.log").read_text() for n in (0, 1)]
+    assert [e["state"] for e in ends] == ["finished", "finished"], (ends, logs[0][-3000:], logs[1][-3000:])
+    ledger = json.loads((artifact_root / "run_state" / "mn_share_attempts.json").read_text())
+    assert [(r["attempt"], r["state"], r["lost"]) for r in ledger] == [(1, "finished", [])], ledger
+    assert "waiting for node 0 to prepare the data cache" in logs[1] or "iteration" in logs[1]
+    assert not any(" lost" in line for log in logs for line in log.splitlines() if line.startswith("[supervisor"))
+    assert "iteration       30/      30" in logs[0]
+    assert sorted(p.name for p in (artifact_root / "runs" / "mn_share" / "checkpoints").glob("iter_*"))[-1] == "iter_0000030"
+
+
 def test_train_in_the_foreground_takes_a_free_port_and_status_reads_the_run(cluster, artifact_root, tmp_path):
     """The README's main command, ``python3 -m orchestration train``, where another process holds
     port 6000 (node 2's namespace: ports of its own, so nothing on this machine is disturbed): it
@@ -193,7 +229,7 @@ def two_long_runs(cluster, artifact_root, tmp_path_factory):
     test then slows and kills the second's worker on node 1 (CI time: a 2-node start fewer)."""
     data = write_data_set(tmp_path_factory.mktemp("two_long_runs") / "long.yaml", train_iters=5000)
     long_env = {**cluster_environment(cluster, artifact_root), "NPROC_PER_NODE": "1"}
-    other_env = {**long_env, "MASTER_PORT": "29651"}
+    other_env = {**long_env, "MASTER_PORT": "29664"}  # 29650 and 29651 (its coordination store) are mn_long's
     try:
         assert run_script("start_multinode_training.sh", "gpt_smoke", data, "mn_long", env=long_env).returncode == 0
         started = run_script("start_multinode_training.sh", "gpt_smoke", data, "mn_other", env=other_env)
@@ -504,7 +540,7 @@ def test_a_node_lost_for_good_leaves_the_run_going_on_with_the_others(cluster, c
     data.write_text(Path(write_data_set(tmp_path / "base.yaml", train_iters=iters, global_batch=8, save_interval=5)).read_text()
                     + "  resilience: {max_restarts: 2, restart_backoff_s: 1, node_lost_s: 6, join_s: 12}\n")
     run = "mn_lost"
-    env = {**cluster_env, "NNODES": "1:2", "MASTER_PORT": "29661", "NPROC_PER_NODE": "1"}
+    env = {**cluster_env, "NNODES": "1:2", "MASTER_PORT": "29666", "NPROC_PER_NODE": "1"}
     try:
         start = run_script("start_multinode_training.sh", "gpt_smoke", str(data), run, env=env)
         assert start.returncode == 0, start.stdout + start.stderr

@@ -52,9 +52,10 @@ def losses_from_log(log) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    require(missing_prerequisites(), "multi-node tests")
-    c = NamespaceCluster(2, tmp_path_factory.mktemp("resume_cluster")).open()
+def cluster(tmp_path_factory, artifact_root):
+    """Node 1 sees the artifact root only through sshfs (tests/netns_cluster.py)."""
+    require(missing_prerequisites(share=True), "multi-node tests")
+    c = NamespaceCluster(2, tmp_path_factory.mktemp("resume_cluster"), share=artifact_root).open()
     yield c
     c.close()
 

@@ -12,9 +12,11 @@ the end-of-document token; a document with no tokens adds no sequence (only a do
 ``uint16`` below 65,500 tokens of vocabulary, else ``int32``. With ``--vocab-size`` and no model, a sentencepiece model is trained on
 the corpus and written to ``<prefix>.model``. Encoding runs in ``--workers`` processes.
 
-Side effects: reads inputs, writes the outputs (atomically, under a file lock when called
-through :func:`ensure_prepared`, so concurrent ranks and nodes on a shared file system prepare
-once).
+Side effects: reads inputs, writes the outputs (atomically: a folder renamed into place with
+its manifest). A run prepares its cache once, on node 0 (:func:`ensure_prepared`: its ranks take
+turns under a file lock on that machine); the other nodes' ranks wait for the manifest to appear
+through the shared file system. No lock or rename is trusted across machines (a cluster's file
+system may have neither: docs/design.md).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -353,13 +355,26 @@ def _read_manifest(path: Path) -> PreparedData:
     return PreparedData(**raw)
 
 
-def ensure_prepared(data: DataParams, cache_root: Path, workers: int = 2) -> PreparedData:
-    """Indexed datasets for ``data``, prepared once into ``cache_root`` (locked, atomic)."""
+def ensure_prepared(data: DataParams, cache_root: Path, workers: int = 2, prepares: bool = True,
+                    say: Callable[[str], object] | None = None, poll_s: float = 2.0) -> PreparedData:
+    """Indexed datasets for ``data``, prepared once into ``cache_root`` (locked on this machine,
+    atomic). ``prepares`` False (a node other than 0): wait until the manifest is there, saying
+    once through ``say`` what it waits for; a cache made elsewhere is used as it is."""
     ready = _ready_made(data)
     if ready is not None:
         return ready
     out_dir = _cache_dir(data, cache_root)
     manifest = out_dir / "prepared.json"
+    if not prepares:
+        waited = False
+        while not manifest.is_file():
+            if not waited and say is not None:
+                half = sorted(p.name for p in cache_root.glob(f"{out_dir.name}.tmp*")) if cache_root.is_dir() else []
+                say(f"waiting for node 0 to prepare the data cache {out_dir}"
+                    + (f" (being made: {', '.join(half)})" if half else ""))
+            waited = True
+            time.sleep(poll_s)
+        return _read_manifest(manifest)
     cache_root.mkdir(parents=True, exist_ok=True)
     with open(cache_root / f".{out_dir.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -49,13 +49,15 @@ from megatron_ext.training.trainers import NonFiniteGradients
 
 @dataclass(frozen=True)
 class RankEnv:
-    """What torchrun tells a rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE), and the node
-    supervisor's progress directory and attempt (None / 1 under plain torchrun)."""
+    """What torchrun tells a rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK: its
+    node's place), and the node supervisor's progress directory and attempt (None / 1 under plain
+    torchrun)."""
 
     rank: int
     local_rank: int
     world_size: int
     local_world_size: int
+    node: int = 0
     progress_dir: Path | None = None
     attempt: int = 1
 
@@ -233,7 +235,10 @@ class Pretrain:
 
         m, t = self.params.model, self.t
         self.progress.phase("prepare")  # as long as a corpus takes: no limit
-        self.prepared = ensure_prepared(self.params.data, self.paths.data_cache_dir)
+        # Node 0's ranks prepare (one at a time: a lock on that machine); every other node's wait
+        # for what node 0 made: no lock or rename reaches across a cluster's file system.
+        self.prepared = ensure_prepared(self.params.data, self.paths.data_cache_dir, prepares=self.ranks.node == 0,
+                                        say=print if self.ranks.local_rank == 0 else None)
         self.progress.phase("setup")
         self.real_vocab = model_vocab_size(m, self.prepared.vocab_size)
         self.vocab = padded_vocab_size(self.real_vocab, m.make_vocab_size_divisible_by)

@@ -1,35 +1,27 @@
-"""Attempts of a run: how the nodes' supervisors agree to restart together, and when not to.
+"""Attempts of a run: what the nodes' supervisors agree on to restart together, and when not to.
 
-    $ARTIFACT_ROOT/run_state/<run>_a<K>.node<N>.end.json   how attempt K ended on node N
-    $ARTIFACT_ROOT/run_state/<run>_a<K>.decision.json      node 0's decision: attempt K+1, or the run's end
-    $ARTIFACT_ROOT/run_state/<run>_a<K>.node<N>.ready      node N is ready to start attempt K
-    $ARTIFACT_ROOT/run_state/<run>_a<K>.hang.json          a hang claimed in attempt K (first claim wins)
-    (the ledger, <run>_attempts.json, and its records: orchestration/node/run_state.py)
-
-After a failure or a hang every node stops its torchrun and writes its end; node 0 (the leader:
-the rendezvous runs there anyway) waits for every node's end, then decides with
+After a failure or a hang every node stops its torchrun and says how its attempt ended; node 0
+(the leader: it holds the run's coordination store) waits for every node's end, then decides with
 :func:`decide` — restart from the latest complete checkpoint after a backoff, or end the run
 (failed, hung, or "gave up" when attempts in a row made no progress: the latest checkpoint did
-not advance) — and writes the decision; every node reads it and acts on it; before attempt K
-starts each node says it is ready and waits for the others. The ledger keeps every attempt for
-``status``. A requeued Slurm job continues the ledger (and the breaker's count); any other start
-begins it anew (node 0 resets the files at its start). Side effects: these files.
+not advance) — and every node acts on its decision; before attempt K starts each node says it is
+ready and node 0 names the attempt's nodes. All of that goes through the store
+(orchestration/node/board.py), never through files. The ledger (``<run>_attempts.json``, written
+by node 0 alone: orchestration/node/run_state.py) keeps every attempt for ``status``. A requeued
+Slurm job continues the ledger (and the breaker's count); any other start begins it anew.
+This module is the data and the pure decision.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Sequence
 
 from megatron_ext.run_spec.errors import FINAL
 from megatron_ext.run_spec.resilience import ResilienceParams
-from megatron_ext.run_spec.run_paths import RunPaths
-from megatron_ext.run_spec.json_files import read_json, write_json_atomic
-from orchestration.node.run_state import AttemptRecord, RunState, state_dict
+from orchestration.node.run_state import AttemptRecord, RunState
 from orchestration.node.watchdog import Hang
+
 
 @dataclass(frozen=True)
 class AttemptEnd:
@@ -66,80 +58,24 @@ class Decision:
         return self.attempt + 1 if self.restart else None
 
 
-# -- the files --------------------------------------------------------------------------------------
+# -- as they cross the store ----------------------------------------------------------------------
 
-def write_end(paths: RunPaths, end: AttemptEnd) -> None:
-    write_json_atomic(paths.attempt_file(end.attempt, f"node{end.node_rank}.end.json"), state_dict(end))
-
-
-def read_end(paths: RunPaths, attempt: int, node_rank: int) -> AttemptEnd | None:
-    raw = read_json(paths.attempt_file(attempt, f"node{node_rank}.end.json"))
-    try:
-        return AttemptEnd(**{**raw, "state": RunState(raw["state"])}) if isinstance(raw, dict) else None
-    except (TypeError, KeyError, ValueError):
-        return None
+def decode_end(raw: dict) -> AttemptEnd:
+    return AttemptEnd(**{**raw, "state": RunState(raw["state"])})
 
 
-def write_decision(paths: RunPaths, decision: Decision) -> None:
-    write_json_atomic(paths.attempt_file(decision.attempt, "decision.json"), state_dict(decision))
-
-
-def read_decision(paths: RunPaths, attempt: int) -> Decision | None:
-    raw = read_json(paths.attempt_file(attempt, "decision.json"))
-    try:
-        return Decision(**{**raw, "state": RunState(raw["state"]), "members": tuple(raw.get("members", ())),
-                           "lost": tuple(raw.get("lost", ()))}) if isinstance(raw, dict) else None
-    except (TypeError, KeyError, ValueError):
-        return None
+def decode_decision(raw: dict) -> Decision:
+    return Decision(**{**raw, "state": RunState(raw["state"]), "members": tuple(raw.get("members", ())),
+                       "lost": tuple(raw.get("lost", ()))})
 
 
 @dataclass(frozen=True)
 class HangClaim(Hang):
-    """``<run>_a<K>.hang.json``: the first node whose watchdog found a rank past its limit (its
-    :class:`~orchestration.node.watchdog.Hang`, and when it was claimed)."""
+    """The first node whose watchdog found a rank past its limit in an attempt (its
+    :class:`~orchestration.node.watchdog.Hang`, and when it was claimed, by its own clock: shown,
+    never compared)."""
 
     claimed_at: float
-
-
-def claim_hang(paths: RunPaths, attempt: int, hang: Hang) -> bool:
-    """Claim attempt ``attempt``'s hang unless a node already did."""
-    path = paths.attempt_file(attempt, "hang.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as fh:
-        fh.write(json.dumps({**asdict(hang), "claimed_at": time.time()}))
-    return True
-
-
-def read_hang_claim(paths: RunPaths, attempt: int) -> HangClaim | None:
-    raw = read_json(paths.attempt_file(attempt, "hang.json"))
-    try:
-        return HangClaim(**raw) if isinstance(raw, dict) else None
-    except TypeError:
-        return None
-
-
-def write_roster(paths: RunPaths, attempt: int, members: Sequence[int]) -> None:
-    """Node 0: the nodes attempt ``attempt`` runs on (those ready in time)."""
-    write_json_atomic(paths.attempt_file(attempt, "roster.json"), list(members))
-
-
-def read_roster(paths: RunPaths, attempt: int) -> tuple[int, ...] | None:
-    raw = read_json(paths.attempt_file(attempt, "roster.json"))
-    return tuple(int(r) for r in raw) if isinstance(raw, list) else None
-
-
-def mark_ready(paths: RunPaths, attempt: int, node_rank: int) -> None:
-    path = paths.attempt_file(attempt, f"node{node_rank}.ready")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.touch()
-
-
-def ready_nodes(paths: RunPaths, attempt: int, members: Sequence[int]) -> list[int]:
-    return [rank for rank in members if paths.attempt_file(attempt, f"node{rank}.ready").exists()]
 
 
 # -- the decision (pure) ----------------------------------------------------------------------------

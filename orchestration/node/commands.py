@@ -101,7 +101,7 @@ def node_check(paths: RunPaths, args, node: "NodeEnv"):
                         tokenizer=(args.tokenizer_type, args.tokenizer_model) if args.tokenizer_model else None,
                         required_modules=args.require_module, needs_cuda=args.needs_cuda, environ=node.environ,
                         checkpoints=(args.checkpoint_dir, args.checkpoint_parameters, args.keep_checkpoints)
-                        if args.checkpoint_dir and args.checkpoint_parameters else None, fp8=args.fp8)
+                        if args.checkpoint_dir and args.checkpoint_parameters else None, fp8=args.fp8, nnodes=args.nnodes)
 
 
 def receive_secrets(plan: NodePlan, line: str, node_env: Mapping[str, str]) -> dict[str, str]:
@@ -145,7 +145,7 @@ def node_start(plan: NodePlan, node: NodeEnv, python: str, secrets: Mapping[str,
     wait = wait_until_started(paths, plan.node_rank, plan.pid_file, plan.run_id, lambda: supervisor.poll() is None,
                               timeout_s=START_SETTLE_S + START_TIMEOUT_S, settle_s=START_SETTLE_S)
     if not wait.started:
-        processes.stop_node(plan.run, plan.node_rank, plan.host, plan.pid_file, grace_s=1.0)
+        processes.stop_node(plan.run, plan.node_rank, plan.host, plan.pid_file, grace_s=1.0, artifact_root=str(plan.artifact_root))
         if wait.timed_out:
             raise NodeError(f"torchrun did not start within {START_SETTLE_S + START_TIMEOUT_S:.0f}s; see {log_path}")
         why = wait.ended.reason if wait.ended else f"its supervisor exited with code {supervisor.poll()}"
@@ -246,7 +246,8 @@ def _answer(command: str, args, node: NodeEnv, stdin_line: str):
                             interface=args.interface, seconds=args.seconds)
     if command == "node-stop":
         stop = processes.preview_stop if args.dry_run else processes.stop_node
-        return stop(paths.run, args.node_rank, args.host, paths.node_pid_file(args.node_rank), args.grace_s)
+        return stop(paths.run, args.node_rank, args.host, paths.node_pid_file(args.node_rank), args.grace_s,
+                    artifact_root=str(args.artifact_root))
     return node_status(paths, args.node_rank, args.host, args.seq_length, args.by_heartbeat)
 
 

@@ -34,6 +34,7 @@ from megatron_ext.run_spec.model_size import CHECKPOINT_BYTES_PER_PARAMETER, che
 from megatron_ext.run_spec.wandb_run import wandb_missing_message
 from megatron_ext.training.versions import check_megatron_core
 from orchestration.node.processes import port_is_free
+from orchestration.node.wire import coordination_port
 from orchestration.node.wire import NodeReport
 
 DEFAULT_PORT_SEARCH = range(6000, 6100)
@@ -121,7 +122,8 @@ def probe_master(address: str, port: int) -> str | None:
 
 
 def first_free_port(ports=DEFAULT_PORT_SEARCH) -> int | None:
-    return next((p for p in ports if port_is_free(p)), None)
+    """The first port free here with the one above it (the run's coordination store: board.py)."""
+    return next((p for p in ports if port_is_free(p) and port_is_free(coordination_port(p))), None)
 
 
 def tokenizer_problem(kind: str, path: str) -> str | None:
@@ -206,7 +208,7 @@ def inspect_node(node_rank: int, host: str, master_addr: str, master_port: int |
                  project_dir: Path, tokenizer: tuple[str, str] | None = None,
                  required_modules: Sequence[str] = (), needs_cuda: bool = False,
                  environ: Mapping[str, str] | None = None,
-                 checkpoints: tuple[str, int, int] | None = None, fp8: str | None = None) -> NodeReport:
+                 checkpoints: tuple[str, int, int] | None = None, fp8: str | None = None, nnodes: int = 1) -> NodeReport:
     """Every check for this node; ``master_port`` None = MASTER_PORT not set (node 0 picks one);
     ``tokenizer`` (type, path): the run's tokenizer, which must load here."""
     report = NodeReport(node_rank, host, software=installed_software(project_dir), local_dir=str(node_local_dir()),
@@ -252,7 +254,11 @@ def inspect_node(node_rank: int, host: str, master_addr: str, master_port: int |
                 problems.append(f"no free port in {DEFAULT_PORT_SEARCH.start}-{DEFAULT_PORT_SEARCH.stop - 1}; set MASTER_PORT")
         elif not port_is_free(master_port):
             problems.append(f"MASTER_PORT={master_port} is in use on node 0 ({host}); choose a free port, "
-                            f"e.g. MASTER_PORT={master_port + 1}, or unset it to pick one")
+                            f"e.g. MASTER_PORT={master_port + 2}, or unset it to pick one")
+        elif nnodes > 1 and not port_is_free(coordination_port(master_port)):
+            problems.append(f"port {coordination_port(master_port)} (MASTER_PORT + 1, where node 0 keeps the run's "
+                            f"coordination store) is in use on node 0 ({host}); choose another MASTER_PORT, "
+                            f"e.g. MASTER_PORT={master_port + 2}, or unset it to pick one")
     elif master_port is not None:
         problem = probe_master(master_addr, master_port)
         if problem:

@@ -19,7 +19,8 @@ from typing import Iterator, Sequence
 
 from megatron_ext.run_spec.procfs import parent_pid, pid_is_alive, process_environ, process_start_time  # noqa: F401
 from orchestration.node.run_state import PidRecord, read_pid_file
-from orchestration.node.wire import DEFAULT_STOP_GRACE_S, NODE_TAG, RUN_ID_TAG, RUN_TAG, StopPreview, StopResult
+from orchestration.node.wire import (ARTIFACT_ROOT_ENV, DEFAULT_STOP_GRACE_S, NODE_TAG, RUN_ID_TAG, RUN_TAG, StopPreview,
+                                     StopResult)
 
 SWEEP_KILL_AFTER_S = 5.0
 
@@ -38,15 +39,18 @@ def supervisor_is_alive(record: PidRecord) -> bool:
                 and process_environ(record.supervisor_pid).get(RUN_ID_TAG) == record.run_id)
 
 
-def tagged_processes(run: str, node_rank: int) -> Iterator[int]:
-    """Pids of every live process whose environment carries this run and node rank."""
+def tagged_processes(run: str, node_rank: int, artifact_root: str | None = None) -> Iterator[int]:
+    """Pids of every live process whose environment carries this run and node rank (and, given,
+    this artifact root: two runs of one name under two roots on one machine are two runs)."""
     me = os.getpid()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == me:
             continue
         pid = int(entry.name)
         env = process_environ(pid)
-        if env.get(RUN_TAG) == run and env.get(NODE_TAG) == str(node_rank) and process_start_time(pid) is not None:
+        if (env.get(RUN_TAG) == run and env.get(NODE_TAG) == str(node_rank)
+                and (artifact_root is None or env.get(ARTIFACT_ROOT_ENV) == artifact_root)
+                and process_start_time(pid) is not None):
             yield pid
 
 
@@ -79,24 +83,25 @@ def _signal(pid: int, sig: int) -> bool:
         return False
 
 
-def _wait_until_gone(run: str, node_rank: int, timeout_s: float) -> list[int]:
+def _wait_until_gone(run: str, node_rank: int, timeout_s: float, artifact_root: str | None) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while True:
-        left = list(tagged_processes(run, node_rank))
+        left = list(tagged_processes(run, node_rank, artifact_root))
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(0.2)
 
 
-def preview_stop(run: str, node_rank: int, host: str, pid_path: Path, grace_s: float = DEFAULT_STOP_GRACE_S) -> StopPreview:
+def preview_stop(run: str, node_rank: int, host: str, pid_path: Path, grace_s: float = DEFAULT_STOP_GRACE_S,
+                 artifact_root: str | None = None) -> StopPreview:
     record = read_pid_file(pid_path)
     alive = record is not None and (record_is_alive(record) or supervisor_is_alive(record))
     return StopPreview(node_rank, host, record.pid if record else None, alive, record.pgid if alive else None,
-                       sorted(tagged_processes(run, node_rank)), grace_s)
+                       sorted(tagged_processes(run, node_rank, artifact_root)), grace_s)
 
 
 def stop_node(run: str, node_rank: int, host: str, pid_path: Path, grace_s: float = DEFAULT_STOP_GRACE_S,
-             signal_group: bool = True) -> StopResult:
+             signal_group: bool = True, artifact_root: str | None = None) -> StopResult:
     """SIGTERM the recorded group (torchrun and the node's supervisor; or, from the supervisor
     itself, torchrun alone, keeping the pid file for its next attempt), wait, then SIGTERM/SIGKILL
     every process still tagged (never the caller)."""
@@ -115,11 +120,11 @@ def stop_node(run: str, node_rank: int, host: str, pid_path: Path, grace_s: floa
                 os.kill(record.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-    left = _wait_until_gone(run, node_rank, grace_s if alive else 0.0)
+    left = _wait_until_gone(run, node_rank, grace_s if alive else 0.0, artifact_root)
     swept = [pid for pid in left if _signal(pid, signal.SIGTERM)]
-    left = _wait_until_gone(run, node_rank, SWEEP_KILL_AFTER_S if swept else 0.0)
+    left = _wait_until_gone(run, node_rank, SWEEP_KILL_AFTER_S if swept else 0.0, artifact_root)
     killed = [pid for pid in left if _signal(pid, signal.SIGKILL)]
-    left = _wait_until_gone(run, node_rank, 2.0 if killed else 0.0)
+    left = _wait_until_gone(run, node_rank, 2.0 if killed else 0.0, artifact_root)
     if not left and signal_group:
         pid_path.unlink(missing_ok=True)
     return StopResult(node_rank, host, alive, group, swept, killed, left)

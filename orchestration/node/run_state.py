@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
-from megatron_ext.run_spec.json_files import read_json, write_json_atomic
+from megatron_ext.run_spec.json_files import read_json, write_json_atomic, write_text_atomic
 from megatron_ext.run_spec.run_paths import RunPaths
 
 HEARTBEAT_S = 2.0
@@ -146,16 +146,10 @@ def heartbeat_age_s(paths: RunPaths, node_rank: int, now: float | None = None) -
         return None
 
 
-def claim_failure(paths: RunPaths, text: str) -> bool:
-    """Write the run's failure file unless another node already did (the first failure wins)."""
-    paths.failure_file.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(paths.failure_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    return True
+def write_failure(paths: RunPaths, text: str) -> None:
+    """Node 0's record of the current attempt's first failure (agreed through the store:
+    orchestration/node/board.py); node 0 is its only writer."""
+    write_text_atomic(paths.failure_file, text)
 
 
 def read_failure(paths: RunPaths) -> str | None:
@@ -172,14 +166,18 @@ def clear_failure(paths: RunPaths) -> None:
     paths.failure_file.unlink(missing_ok=True)
 
 
-def request_save(paths: RunPaths, why: str) -> None:
+def request_save(paths: RunPaths, why: str, run_id: str) -> None:
     """Ask every node of the run to save a checkpoint at the next step and end as preempted."""
-    write_json_atomic(paths.save_request_file, {"why": why, "at": time.time()})
+    write_json_atomic(paths.save_request_file, {"why": why, "at": time.time(), "run_id": run_id})
 
 
-def read_save_request(paths: RunPaths) -> str | None:
+def read_save_request(paths: RunPaths, run_id: str) -> str | None:
+    """A save request for the start ``run_id`` (a node may still see an earlier start's request
+    through a shared file system's cache after node 0 removed it: that one is not this start's)."""
     raw = read_json(paths.save_request_file)
-    return str(raw.get("why") or "save requested") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict) or raw.get("run_id") != run_id:
+        return None
+    return str(raw.get("why") or "save requested")
 
 
 def write_plan_file(paths: RunPaths, node_rank: int, plan_json: str) -> Path:

@@ -46,10 +46,10 @@ from megatron_ext.run_spec.resilience import PROGRESS_DIR_ENV, ResilienceParams,
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.node import attempts, processes
 from orchestration.node.attempts import AttemptEnd, Decision
+from orchestration.node.board import Board, BoardUnreachable, open_store
 from orchestration.node.failure import describe_returncode, failure_summary
-from orchestration.node.run_state import (HEARTBEAT_S, NodeExit, RunState, claim_failure, clear_failure,
-                                          heartbeat_age_s, read_exit, read_failure, read_save_request, request_save, tail,
-                                          write_exit, write_heartbeat)
+from orchestration.node.run_state import (HEARTBEAT_S, NodeExit, RunState, clear_failure, read_save_request, tail,
+                                          write_exit, write_failure, write_heartbeat)
 from orchestration.node.run_state import begin_attempt, end_attempt, read_ledger, write_pid_file
 from orchestration.node.wire import NodePlan, decode_payload
 from orchestration.node.watchdog import Watchdog, dump_node, find_suspects, read_node_report, worker_pids
@@ -87,6 +87,13 @@ class Supervisor:
         self.members: tuple[int, ...] = tuple(range(self.nnodes))
         """The nodes (ranks in the start's plan) of the current attempt: all, or those left after a lost one."""
         self.decided = self.members
+        self.board: Board | None = None
+        """The run's shared state over the network (orchestration/node/board.py), from :meth:`run`."""
+        self._signalled_save: str | None = None
+        self._recorded_failure: int | None = None
+        self._hang_seen: float | None = None
+        self._root = str(plan.artifact_root)
+        """This run's processes carry it (another run of the same name may use another root here)."""
 
     # -- small steps --------------------------------------------------------------------------
 
@@ -94,27 +101,46 @@ class Supervisor:
         self.stopping = True  # torchrun, in the same process group, got the signal too
 
     def _on_sigusr1(self, signum, frame) -> None:
-        request_save(self.paths, f"SIGUSR1 to node {self.rank}'s supervisor")
+        self._signalled_save = f"SIGUSR1 to node {self.rank}'s supervisor"  # passed on at the next poll
 
     def say(self, text: str) -> None:
         log.info("[supervisor node%d] %s", self.rank, text)
 
     def beat(self, state: RunState) -> None:
+        """The beat the other nodes judge this one by (the board), and the record ``status`` reads."""
+        self.board.beat()
         write_heartbeat(self.paths, self.rank, self.attempt, state, self.plan.run_id)
 
-    def _silent(self, rank: int, now: float | None = None) -> bool:
-        """Node ``rank``'s supervisor has not beaten for training.resilience.node_lost_s (never beat: since ours started)."""
-        now = time.time() if now is None else now
-        age = heartbeat_age_s(self.paths, rank, now)
-        return rank != self.rank and (now - self.started if age is None else age) > self.policy.node_lost_s
-
     def _lost_peer(self) -> int | None:
-        """A node of this attempt whose heartbeat went stale while it had not ended."""
-        now = time.time()
-        return next((rank for rank in self.members
-                     if self._silent(rank, now) and not read_exit(self.paths, rank, self.plan.run_id)), None)
+        """A node of this attempt whose beat stopped changing (by this machine's monotonic clock)
+        while it had not ended."""
+        return next((rank for rank in self.board.silent_nodes(self.members) if not self.board.exited(rank)), None)
 
-    def _wait(self, seconds: float, done: Callable[[], object], state: RunState) -> object:
+    def _failure(self) -> str | None:
+        """The attempt's first failure (its first line), from the board; node 0 keeps its record,
+        ``run_state/<run>_failure.txt``, of which it is the only writer."""
+        text = self.board.failure(self.attempt)
+        if text is None:
+            return None
+        if self.leader and self._recorded_failure != self.attempt:
+            write_failure(self.paths, text)
+            self._recorded_failure = self.attempt
+        return text.splitlines()[0] if text.strip() else text
+
+    def _claim_failure(self, text: str) -> bool:
+        won = self.board.claim_failure(self.attempt, text)
+        self._failure()  # node 0 records it at once
+        return won
+
+    def _save_request(self) -> str | None:
+        """A save asked of this run: by SIGUSR1 to this supervisor or a request file this node sees
+        (``stop --save``, the batch start's SIGUSR1), passed on to every node through the board."""
+        why = self._signalled_save or read_save_request(self.paths, self.plan.run_id)
+        if why:
+            self.board.request_save(why)
+        return self.board.save_request()
+
+    def _wait(self, seconds: float, done: Callable[[], object], state: RunState, beat: bool = True) -> object:
         """Poll ``done`` until it gives something or ``seconds`` pass, beating meanwhile; None on
         timeout or when a stop arrives."""
         deadline, last_beat = time.monotonic() + seconds, 0.0
@@ -122,7 +148,7 @@ class Supervisor:
             value = done()
             if value or self.stopping or time.monotonic() >= deadline:
                 return value
-            if time.monotonic() - last_beat >= HEARTBEAT_S:
+            if beat and time.monotonic() - last_beat >= HEARTBEAT_S:
                 self.beat(state)
                 last_beat = time.monotonic()
             time.sleep(POLL_S)
@@ -146,20 +172,21 @@ class Supervisor:
     def _stop_torchrun(self, proc: subprocess.Popen, reason: str, hung: bool = False) -> None:
         self.say(f"stopping torchrun: {reason}")
         if hung:  # a stopped rank cannot act on SIGTERM until it continues
-            for pid in worker_pids(self.plan.run, self.rank).values():
+            for pid in worker_pids(self.plan.run, self.rank, self._root).values():
                 try:
                     os.kill(pid, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
         processes.stop_node(self.plan.run, self.rank, self.plan.host, self.plan.pid_file,
-                           grace_s=HUNG_STOP_GRACE_S if hung else processes.DEFAULT_STOP_GRACE_S, signal_group=False)
+                           grace_s=HUNG_STOP_GRACE_S if hung else processes.DEFAULT_STOP_GRACE_S, signal_group=False,
+                           artifact_root=self._root)
         proc.poll()
 
     def _forward_save(self, signalled: set[int]) -> set[int]:
         """Send the engine's save signal to every rank ready for it and not yet signalled: a rank
         that has not installed its handler would die of SIGUSR1 (this program: once it reported
         progress; Megatron-LM: once the log shows an iteration line)."""
-        pids = worker_pids(self.plan.run, self.rank)
+        pids = worker_pids(self.plan.run, self.rank, self._root)
         if self.plan.engine == "megatron-lm":
             ready = set(pids.values()) if parse_log(tail(Path(self.plan.log_path), 400))[0] else set()
         else:
@@ -187,7 +214,8 @@ class Supervisor:
         """torchrun is gone; its workers, in sessions of their own, may not be (torchrun SIGKILLed),
         nor what they started (a multiprocessing resource tracker, which ignores SIGTERM and ends
         when its rank's pipe closes): every process of the node's run but this one, gone."""
-        processes.stop_node(self.plan.run, self.rank, self.plan.host, self.plan.pid_file, grace_s=0.0, signal_group=False)
+        processes.stop_node(self.plan.run, self.rank, self.plan.host, self.plan.pid_file, grace_s=0.0, signal_group=False,
+                            artifact_root=self._root)
 
     def _end(self, proc: subprocess.Popen, code: int, saving: bool) -> AttemptEnd:
         if code == 0:
@@ -196,11 +224,13 @@ class Supervisor:
                 return AttemptEnd(self.rank, self.attempt, RunState.PREEMPTED, "saved a checkpoint on request and ended")
             return AttemptEnd(self.rank, self.attempt, RunState.FINISHED, "torchrun exited with code 0")
         stopping = self.stopping
-        if not stopping:  # the claim first: the other nodes stop now, not after the sweep below
-            text = failure_summary(self.rank, self.plan.host, code, tail(Path(self.plan.log_path), 400, max_bytes=262144),
-                                   LOG_TAIL_LINES)
-            claim_failure(self.paths, text)
-        self._sweep()
+        try:
+            if not stopping:  # the claim first: the other nodes stop now, not after the sweep below
+                text = failure_summary(self.rank, self.plan.host, code, tail(Path(self.plan.log_path), 400, max_bytes=262144),
+                                       LOG_TAIL_LINES)
+                self._claim_failure(text)
+        finally:
+            self._sweep()
         if stopping:
             return AttemptEnd(self.rank, self.attempt, RunState.STOPPED, "stopped on request", requested=True)
         return AttemptEnd(self.rank, self.attempt, RunState.FAILED, text.splitlines()[0])
@@ -208,20 +238,24 @@ class Supervisor:
     def _hang(self, watchdog: Watchdog, reported: bool) -> bool:
         """The hang protocol, one poll: claim a hang found here; dump this node's ranks once a hang
         is claimed; node 0 names the suspects once every node reported. Whether this node reported."""
-        claim = attempts.read_hang_claim(self.paths, self.attempt)
+        claim = self.board.hang_claim(self.attempt)
         if claim is None:
-            found = watchdog.check(time.time())
-            if found is not None and attempts.claim_hang(self.paths, self.attempt, found):
+            found = watchdog.check(time.time())  # this machine's clock against its own ranks' reports
+            if found is not None and self.board.claim_hang(self.attempt, found, time.time()):
                 self.say(f"hang: {found.detail}; dumping every rank's stack")
             return reported
+        if self._hang_seen is None:
+            self._hang_seen = time.monotonic()
         if not reported:
             dump_node(self.plan.run, self.rank, self.plan.host, self.nproc, self.progress_dir, self.policy,
                       self.paths.hangs_dir(self.attempt), self.attempt, claim.detail, place=self.members.index(self.rank))
             reported = True
-        if self.leader and read_failure(self.paths) is None:
+        if self.leader and self._failure() is None:
+            # Each node's report is a file it alone writes; a shared file system may show it late:
+            # node 0 waits for all of them, or HANG_REPORT_WAIT_S of its own clock from when it saw the claim.
             reports = {n: read_node_report(self.paths.hangs_dir(self.attempt), n) for n in self.members}
-            if all(r is not None for r in reports.values()) or time.time() - claim.claimed_at > HANG_REPORT_WAIT_S:
-                claim_failure(self.paths, hang_summary(self.paths, self.attempt, claim, reports, self.plan))
+            if all(r is not None for r in reports.values()) or time.monotonic() - self._hang_seen > HANG_REPORT_WAIT_S:
+                self._claim_failure(hang_summary(self.paths, self.attempt, claim, reports, self.plan))
         return reported
 
     def run_attempt(self) -> AttemptEnd:
@@ -235,34 +269,39 @@ class Supervisor:
         watchdog = Watchdog(self.policy, self.rank, len(self.members), self.nproc, self.progress_dir, self.plan.engine,
                             Path(self.plan.log_path), time.time(), place=self.members.index(self.rank))
         saving, signalled, reported, last_beat = None, set(), False, 0.0
+        self._hang_seen = None
         while True:
             code = proc.poll()
             if code is not None:
                 return self._end(proc, code, saving is not None)
-            if not self.stopping:
-                why = saving or read_save_request(self.paths)
-                if why:
+            try:
+                if not self.stopping:
+                    why = saving or self._save_request()
+                    if why:
+                        if saving is None:
+                            self.say(f"save requested ({why})")
+                        saving = why
+                        signalled = self._forward_save(signalled)
+                    failure = self._failure()
+                    if failure is not None:
+                        hung = " hung: " in failure
+                        why = f"{'the run hung' if hung else 'another node failed'}: {failure}"
+                        self._stop_torchrun(proc, why, hung)
+                        return AttemptEnd(self.rank, self.attempt, RunState.HUNG if hung else RunState.STOPPED, why)
+                    lost = self._lost_peer()
+                    if lost is not None:
+                        self._claim_failure(f"node {lost}{self._host(lost)} lost: its supervisor's beat has not changed "
+                                            f"for {self.policy.node_lost_s:.0f} s (its machine, its supervisor or the "
+                                            f"network to it is gone); noticed by node {self.rank}\n")
+                        continue
                     if saving is None:
-                        self.say(f"save requested ({why})")
-                    saving = why
-                    signalled = self._forward_save(signalled)
-                failure = read_failure(self.paths)
-                if failure is not None:
-                    hung = " hung: " in failure
-                    why = f"{'the run hung' if hung else 'another node failed'}: {failure}"
-                    self._stop_torchrun(proc, why, hung)
-                    return AttemptEnd(self.rank, self.attempt, RunState.HUNG if hung else RunState.STOPPED, why)
-                lost = self._lost_peer()
-                if lost is not None:
-                    claim_failure(self.paths, f"node {lost}{self._host(lost)} lost: no heartbeat for "
-                                              f"{self.policy.node_lost_s:.0f} s (its machine or its supervisor is gone); "
-                                              f"noticed by node {self.rank}\n")
-                    continue
-                if saving is None:
-                    reported = self._hang(watchdog, reported)
-            if time.time() - last_beat >= HEARTBEAT_S:
-                self.beat(RunState.RUNNING)
-                last_beat = time.time()
+                        reported = self._hang(watchdog, reported)
+                if time.monotonic() - last_beat >= HEARTBEAT_S:
+                    self.beat(RunState.RUNNING)
+                    last_beat = time.monotonic()
+            except BoardUnreachable as exc:  # node 0's store: its supervisor, machine or link is gone
+                self._stop_torchrun(proc, str(exc))
+                raise
             time.sleep(POLL_S)
 
     # -- between attempts ---------------------------------------------------------------------
@@ -275,7 +314,7 @@ class Supervisor:
         end); the others read it."""
         join_s = self.policy.join_s
         if not self.leader:
-            decision = self._wait(2 * join_s + HANG_REPORT_WAIT_S, lambda: attempts.read_decision(self.paths, self.attempt),
+            decision = self._wait(2 * join_s + HANG_REPORT_WAIT_S, lambda: self.board.read_decision(self.attempt),
                                   RunState.RESTARTING)
             if decision is None:
                 state = RunState.STOPPED if self.stopping else RunState.FAILED
@@ -283,12 +322,14 @@ class Supervisor:
                        f"{self.attempt} within {2 * join_s + HANG_REPORT_WAIT_S:.0f} s: the run ends here")
                 return Decision(self.attempt, False, state, why)
             return decision
-        # Every node's end, or its heartbeat gone stale (lost: it will write none), within join_s.
-        settled = lambda: all(attempts.read_end(self.paths, self.attempt, n) or self._silent(n)  # noqa: E731
-                              for n in self.members)
+        # Every node's end, or its beat stopped (lost: it will write none), within join_s.
+        def settled() -> bool:
+            silent = self.board.silent_nodes(self.members)
+            return all(n in silent or self.board.read_end(self.attempt, n) for n in self.members)
+
         self._wait(join_s, settled, RunState.RESTARTING)
-        ends = {n: attempts.read_end(self.paths, self.attempt, n) for n in self.members}
-        failure = read_failure(self.paths) or end.reason
+        ends = {n: self.board.read_end(self.attempt, n) for n in self.members}
+        failure = self._failure() or end.reason
         cause = RunState.HUNG if " hung: " in failure else RunState.FAILED
         self._close_ledger(end)
         ledger = read_ledger(self.paths)
@@ -303,36 +344,36 @@ class Supervisor:
                 end_attempt(self.paths, self.attempt, cause, f"{failure}; the run goes on with {len(decision.members)} of "
                                                              f"{self.nnodes} nodes", latest_iteration(self.paths.checkpoints_dir),
                             lost=decision.lost)
-            if self.paths.failure_file.exists():
+            if self.paths.failure_file.exists():  # node 0's own record: it alone writes and moves it
                 os.replace(self.paths.failure_file, self.paths.attempt_file(self.attempt, "failure.txt"))
             clear_failure(self.paths)
-        attempts.write_decision(self.paths, decision)
+        self.board.write_decision(decision)
         return decision
 
     def join(self, decided: tuple[int, ...]) -> bool:
         """Before a restart: say this node is ready; node 0 waits for the nodes ``decided`` and names
         the attempt's nodes (those ready in time, if still enough: training.resilience.min_nodes);
         every other node waits for that roster. Whether this node runs the attempt."""
-        attempts.mark_ready(self.paths, self.attempt, self.rank)
+        self.board.mark_ready(self.attempt)
         join_s = self.policy.join_s
         if self.leader:
-            self._wait(join_s, lambda: len(attempts.ready_nodes(self.paths, self.attempt, decided)) == len(decided),
+            self._wait(join_s, lambda: len(self.board.ready_nodes(self.attempt, decided)) == len(decided),
                        RunState.RESTARTING)
-            ready = tuple(attempts.ready_nodes(self.paths, self.attempt, decided))
+            ready = tuple(self.board.ready_nodes(self.attempt, decided))
             missing = sorted(set(decided) - set(ready))
             enough = not missing or (self.policy.min_nodes and len(ready) >= self.policy.min_nodes)
             if self.stopping or not enough:
                 if not self.stopping:
-                    claim_failure(self.paths, f"node(s) {', '.join(f'{r}{self._host(r)}' for r in missing)} did not join "
-                                              f"attempt {self.attempt} within {join_s:.0f} s; noticed by node {self.rank}\n")
+                    self._claim_failure(f"node(s) {', '.join(f'{r}{self._host(r)}' for r in missing)} did not join "
+                                        f"attempt {self.attempt} within {join_s:.0f} s; noticed by node {self.rank}\n")
                 return False
             if missing:
                 self.say(f"node(s) {', '.join(f'{r}{self._host(r)}' for r in missing)} did not join attempt {self.attempt} "
                          f"within {join_s:.0f} s: it runs on {len(ready)} of {self.nnodes} nodes")
-            attempts.write_roster(self.paths, self.attempt, ready)
+            self.board.write_roster(self.attempt, ready)
             self.members = ready
             return True
-        roster = self._wait(join_s + 2 * HEARTBEAT_S, lambda: attempts.read_roster(self.paths, self.attempt),
+        roster = self._wait(join_s + 2 * HEARTBEAT_S, lambda: self.board.read_roster(self.attempt),
                             RunState.RESTARTING)
         if roster is None or self.rank not in roster:
             if roster is not None and not self.stopping:
@@ -346,13 +387,23 @@ class Supervisor:
         write_exit(self.paths, NodeExit(self.rank, state, exit_code, sig, reason, time.time(), self.plan.run_id))
         self.say(f"{state}: {reason}")
         shutil.rmtree(self.progress_dir, ignore_errors=True)
+        if self.board is not None:
+            try:
+                self.board.mark_exited()
+                if self.leader:  # the store lives in this process: keep it until the others are done with it
+                    others = [n for n in self.members if n != self.rank]
+                    self._wait(self.policy.node_lost_s + HEARTBEAT_S,
+                               lambda: all(self.board.exited(n) for n in others) or
+                               set(others) <= set(self.board.silent_nodes(others)), state, beat=False)
+            except BoardUnreachable:
+                pass  # node 0 ended first: nothing is left to tell it
         return 0
 
     def _close_ledger(self, end: AttemptEnd) -> None:
         """Node 0: this attempt's entry in the ledger (what ended it, the checkpoint it reached)."""
         if not self.leader:
             return
-        failure = read_failure(self.paths) if end.state not in (RunState.FINISHED, RunState.PREEMPTED) else None
+        failure = self._failure() if end.state not in (RunState.FINISHED, RunState.PREEMPTED) else None
         state = end.state if failure is None else RunState.HUNG if " hung: " in failure else RunState.FAILED
         end_attempt(self.paths, self.attempt, state, failure or end.reason,
                              latest_iteration(self.paths.checkpoints_dir))
@@ -360,23 +411,39 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         signal.signal(signal.SIGUSR1, self._on_sigusr1)
+        env = self.plan.env
+        try:
+            store = open_store(self.plan.run_id, self.nnodes, self.leader, env.get("MASTER_ADDR", "localhost"),
+                               int(env.get("MASTER_PORT", "0") or 0), connect_s=self.policy.join_s)
+        except BoardUnreachable as exc:
+            return self.finish(RunState.FAILED, f"{exc}: node 0's supervisor holds the run's coordination store "
+                                                "(MASTER_PORT + 1); start the run on node 0 too, and allow TCP to it")
+        self.board = Board(store, self.rank, self.policy.node_lost_s)
+        try:
+            return self._attempts()
+        except BoardUnreachable as exc:
+            if self.stopping:
+                return self.finish(RunState.STOPPED, "stopped on request")
+            return self.finish(RunState.FAILED, f"lost node 0 (the run's leader): {exc}")
+
+    def _attempts(self) -> int:
         while True:
             if self.attempt > self.plan.first_attempt and not self.join(self.decided):
                 return self.finish(RunState.STOPPED if self.stopping else RunState.FAILED,
-                                   "stopped on request" if self.stopping else read_failure(self.paths) or "a node did not join")
+                                   "stopped on request" if self.stopping else self._failure() or "a node did not join")
             end = self.run_attempt()
             final = end.state in (RunState.FINISHED, RunState.PREEMPTED) or end.requested
             if final or self.restarts >= self.policy.max_restarts:  # no restart can follow: end as this node ended
                 self._close_ledger(end)
                 return self.finish(end.state, end.reason)
-            attempts.write_end(self.paths, end)
+            self.board.write_end(end)
             decision = self.decide(end)
             if not decision.restart:
                 return self.finish(decision.state, decision.reason)
             self.decided = decision.members or self.members
             self.say(decision.reason)
             self.beat(RunState.RESTARTING)
-            if self._wait(decision.backoff_s, lambda: read_save_request(self.paths), RunState.RESTARTING):
+            if self._wait(decision.backoff_s, self._save_request, RunState.RESTARTING):
                 return self.finish(RunState.PREEMPTED, "a save was requested between attempts: the latest checkpoint stands")
             if self.stopping:
                 return self.finish(RunState.STOPPED, "stopped on request")

@@ -168,12 +168,12 @@ def process_state(pid: int) -> str:
     return stat[stat.rindex(")") + 2:].split()[0]
 
 
-def worker_pids(run: str, node_rank: int) -> dict[int, int]:
+def worker_pids(run: str, node_rank: int, artifact_root: str | None = None) -> dict[int, int]:
     """Global rank -> pid of this node's training processes (tagged with the run, RANK set). A rank's
     own children inherit its RANK (wandb's service process, data loader workers): the rank is the
     one whose parent does not carry the same RANK."""
     ranks: dict[int, int] = {}
-    for pid in tagged_processes(run, node_rank):
+    for pid in tagged_processes(run, node_rank, artifact_root):
         rank = process_environ(pid).get("RANK")
         if rank is not None and rank.isdigit():
             ranks[pid] = int(rank)

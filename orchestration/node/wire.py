@@ -35,6 +35,8 @@ from orchestration.node.run_state import RunState
 MEMBERSHIP_RULE = ("the nodes of the attempt: every node, or, after a node is lost, the nodes left (at least "
                    "training.resilience.min_nodes), ranked in the order of the hosts")
 RUN_TAG = "LAUNCHER_RUN"
+ARTIFACT_ROOT_ENV = "ARTIFACT_ROOT"
+"""Every process of a run carries its artifact root too: two runs of one name under two roots are two runs."""
 RUN_ID_TAG = "LAUNCHER_RUN_ID"
 NODE_TAG = "LAUNCHER_NODE_RANK"
 DEFAULT_STOP_GRACE_S = 40.0
@@ -119,7 +121,7 @@ class NodePlan:
 
     @property
     def artifact_root(self) -> Path:
-        return Path(self.env["ARTIFACT_ROOT"])
+        return Path(self.env[ARTIFACT_ROOT_ENV])
 
     @property
     def nnodes(self) -> int:
@@ -227,13 +229,15 @@ class CheckRequest:
     """Checkpoints kept on disk: with the one being written, keep + 1 must fit."""
     fp8: str | None = None
     """training.fp8: every node checks transformer-engine and its GPUs' compute capability."""
+    nnodes: int = 1
+    """Nodes in the run: with more than one, node 0 also needs MASTER_PORT + 1 (the coordination store)."""
 
 
 def check_call(run: str, node_rank: int, host: str, artifact_root: Path, request: CheckRequest,
                master_port: int | None) -> NodeCall:
     """``master_port`` None: node 0 picks the first free port (MASTER_PORT unset)."""
     args = [*_run_args(run, node_rank, host, artifact_root), "--master-addr", request.master_addr,
-            "--nproc-per-node", str(request.nproc_per_node)]
+            "--nproc-per-node", str(request.nproc_per_node), "--nnodes", str(request.nnodes)]
     if request.shared_token is not None:
         args += ["--shared-token", str(request.shared_token)]
     if master_port is not None:
@@ -263,6 +267,12 @@ def linktest_call(run: str, node_rank: int, host: str, artifact_root: Path, nnod
                                       "--master-addr", master_addr, "--port", str(port), "--backend", backend,
                                       *(("--interface", interface) if interface else ()),
                                       *(("--seconds", repr(seconds)) if seconds is not None else ())))
+
+
+def coordination_port(master_port: int) -> int:
+    """Where node 0's supervisor keeps a multi-node run's coordination store (a TCPStore:
+    orchestration/node/board.py): one above torchrun's MASTER_PORT."""
+    return master_port + 1
 
 
 def supervise_argv(python: str, plan_file: str) -> list[str]:
@@ -296,6 +306,7 @@ def build_node_parser() -> argparse.ArgumentParser:
             p.add_argument("--checkpoint-parameters", type=int, help="the model's parameters (a checkpoint's size)")
             p.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (+1 being written)")
             p.add_argument("--fp8", help="training.fp8: check transformer-engine and the GPUs' compute capability")
+            p.add_argument("--nnodes", type=int, default=1, help="nodes in the run (more than one: node 0 needs MASTER_PORT + 1 too)")
         if name == "node-stop":
             p.add_argument("--grace-s", type=float, default=DEFAULT_STOP_GRACE_S)
             p.add_argument("--dry-run", action="store_true", help="say what would be signalled, signal nothing")

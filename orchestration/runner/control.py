@@ -265,10 +265,17 @@ class SaveSignal:
 
     def _request(self, why: str) -> None:
         self.received = True
-        request_save(self.paths, why)
+        request_save(self.paths, why, current_run_id(self.paths))
+
+
+def current_run_id(paths: RunPaths) -> str:
+    """The run id of the run's latest start (its resolved parameters), which a save request names."""
+    resolved = read_resolved(paths.params_path)
+    return resolved.runtime.run_id if resolved else ""
 
 
 def save_and_wait(launch: LaunchEnv, run: str, only_this_node: bool, timeout_s: float) -> RunEnd | None:
     """``stop --save``: ask every node to save at the next step and end; wait for their ends."""
-    request_save(RunPaths(launch.artifact_root, run), "stop --save")
+    paths = RunPaths(launch.artifact_root, run)
+    request_save(paths, "stop --save", current_run_id(paths))
     return wait_until_ended(launch, run, run_nodes(launch, run, only_this_node), timeout_s=timeout_s)

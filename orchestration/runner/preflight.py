@@ -75,7 +75,7 @@ def check_request(launch: LaunchEnv, inputs: StartInputs, shared_token: Path | N
                 *([params.model.hf_checkpoint] if params.model.hf_checkpoint else [])]  # MODEL = a Hugging Face directory
     return CheckRequest(launch.master_addr, launch.nproc_per_node, shared_token, tuple(required),
                         (tok.type, tok.model_path) if tok.model_path else None, required_modules(launch),
-                        needs_cuda=params.training.engine == "megatron-lm",
+                        needs_cuda=params.training.engine == "megatron-lm", nnodes=launch.nnodes,
                         checkpoint_dir=str(checkpoint_target(launch, inputs.run)),
                         checkpoint_parameters=parameters_to_save(params),
                         keep_checkpoints=params.training.keep_checkpoints, fp8=params.training.fp8)
