@@ -12,7 +12,9 @@ Layout (``$ARTIFACT_ROOT/runs/<run>/checkpoints``)::
       checksums/rank<R>.json size and CRC-32 of each file, every rank a share (run_spec/checksums.py)
     latest                   "iter_0000010": written last, atomically (tmp + rename)
 
-A crash during a save leaves ``latest`` naming the previous complete checkpoint. The newest
+Every rank writes into ``.iter_0000010.saving-<token>`` (a name no node looked up before: a shared
+file system caches names), which rank 0 renames into place once it is complete. A crash during a
+save leaves ``latest`` naming the previous complete checkpoint. The newest
 ``keep_checkpoints`` are kept. No rank writes or reads the whole state for the others: on CPU
 the full AdamW state per parameter (stage 0, each replicated tensor written by one rank:
 torch.distributed.checkpoint's de-duplication), FSDP2 DTensor shards (stages 2-3), or each
@@ -139,11 +141,16 @@ def save(trainer, checkpoints_dir: Path, meta: CheckpointMeta, keep: int) -> tup
     """Every rank writes its part and records the checksums of a share of the folder's files; then
     rank 0 writes meta.json and, last, the ``latest`` marker. The folder, and this rank's seconds
     spent on checksums."""
-    target = checkpoints_dir / iteration_dir_name(meta.iteration)
+    final = checkpoints_dir / iteration_dir_name(meta.iteration)
     rank, world = dist.get_rank(), dist.get_world_size()
+    # Every rank writes into a folder of a name no node has looked up before, renamed into place by
+    # rank 0 once complete: a shared file system caches names (sshfs 20 s, NFS up to 60 s), so a
+    # folder removed and made again under the same name (an earlier attempt's incomplete save at
+    # this iteration) can stay missing on another node for that long.
+    token = [os.urandom(4).hex() if rank == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    target = checkpoints_dir / f".{final.name}.saving-{token[0]}"
     if rank == 0:
-        if target.exists():  # an incomplete earlier attempt at this iteration
-            shutil.rmtree(target)
         target.mkdir(parents=True)
     dist.barrier()
 
@@ -167,15 +174,22 @@ def save(trainer, checkpoints_dir: Path, meta: CheckpointMeta, keep: int) -> tup
     checksum_s = time.monotonic() - started
     dist.barrier()
     if rank == 0:
+        if final.exists():  # an incomplete earlier attempt at this iteration: aside, then gone
+            aside = checkpoints_dir / f".{final.name}.replaced-{token[0]}"
+            os.replace(final, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        os.replace(target, final)
         _point_latest(checkpoints_dir, meta.iteration)
         _prune(checkpoints_dir, keep)
     dist.barrier()
-    return target, checksum_s
+    return final, checksum_s
 
 
 def _prune(checkpoints_dir: Path, keep: int) -> None:
+    """The newest ``keep`` complete checkpoints stay; older ones go, and so does what a save that
+    crashed left in its own folder (``.iter_N.saving-*``: no save runs beside this one)."""
     saved = [p for _, p in _complete(checkpoints_dir)]
-    for old in saved[:-keep]:
+    for old in [*saved[:-keep], *checkpoints_dir.glob(".iter_*.saving-*"), *checkpoints_dir.glob(".iter_*.replaced-*")]:
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -3,13 +3,14 @@
     $ARTIFACT_ROOT/run_state/<run>_node<N>.plan.json   the node's plan, for its supervisor
     $ARTIFACT_ROOT/run_state/<run>_node<N>.exit.json   how the node's run ended (NodeExit)
     $ARTIFACT_ROOT/run_state/<run>_node<N>.heartbeat   rewritten by the node's supervisor while it lives (attempt, state)
-    $ARTIFACT_ROOT/run_state/<run>_failure.txt         the current attempt's first failure (first writer wins)
+    $ARTIFACT_ROOT/run_state/<run>_failure.txt         node 0's record of the attempt's first failure
     $ARTIFACT_ROOT/run_state/<run>.save_request        save a checkpoint at the next step and end (preempted)
-    $ARTIFACT_ROOT/run_state/<run>_attempts.json       the ledger: every attempt, why it ended, its checkpoints
+    $ARTIFACT_ROOT/run_state/<run>_attempts.json       the ledger (node 0's): every attempt, why it ended, its checkpoints
     $ARTIFACT_ROOT/run_state/<run>_node<N>.pid         the node's torchrun and supervisor (PidRecord)
-    (the attempts' protocol files: orchestration/node/attempts.py)
 
-This module owns them: every write is atomic (a reader never sees half a file:
+Records, each with one writer, for ``status`` and people: the nodes agree on nothing through them
+(orchestration/node/board.py: node 0's coordination store). This module owns them: every write
+is atomic (a reader on the same machine never sees half a file:
 megatron_ext/run_spec/json_files.py), every state a status, a sweep, a comparison or a
 supervisor names is a :class:`RunState`. The node side writes them and resets its own (a node its
 exit record and heartbeat when it starts; node 0 the run's failure and attempt files,

@@ -113,8 +113,11 @@ class Supervisor:
 
     def _lost_peer(self) -> int | None:
         """A node of this attempt whose beat stopped changing (by this machine's monotonic clock)
-        while it had not ended."""
-        return next((rank for rank in self.board.silent_nodes(self.members) if not self.board.exited(rank)), None)
+        while it had not ended. Node 0 watches every node; the others watch node 0 alone (whose
+        store they reach every poll anyway): a poll costs O(1) store operations on a node, O(N) on
+        node 0, not O(N) everywhere (benchmarks/coordination.py)."""
+        watched = self.members if self.leader else (0,)
+        return next((rank for rank in self.board.silent_nodes(watched) if not self.board.exited(rank)), None)
 
     def _failure(self) -> str | None:
         """The attempt's first failure (its first line), from the board; node 0 keeps its record,
