@@ -26,6 +26,7 @@ from typing import Mapping, Sequence
 from megatron_ext.run_spec.devices import visible_gpu_count
 from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
 from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED, parse_log
+from megatron_ext.run_spec.json_files import SETTLE_S, read_json_settled
 from megatron_ext.run_spec.resilience import SLOW_RANK_CLEARED, SLOW_RANK_WARNING, ResilienceParams
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
 from orchestration.node import processes
@@ -34,8 +35,8 @@ from orchestration.node.run_state import (RunState, heartbeat_age_s, read_exit, 
                                           read_pid_file, reset_node_files, reset_run_files, tail, wait_until_started,
                                           write_plan_file)
 from orchestration.node.supervisor import Supervisor
-from orchestration.node.wire import (RUN_ID_TAG, NodePlan, NodeStarted, NodeStatus, build_node_parser, decode_secrets,
-                                     encode_error, encode_payload, stop_command, supervise_argv)
+from orchestration.node.wire import (RUN_ID_TAG, NodePlan, NodeStarted, NodeStatus, build_node_parser, decode_payload,
+                                     decode_secrets, encode_error, encode_payload, stop_command, supervise_argv)
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,13 @@ def node_start(plan: NodePlan, node: NodeEnv, python: str, secrets: Mapping[str,
 def node_supervise(plan_file: str, node: NodeEnv) -> int:
     """The node's supervisor for its plan (``{node}`` in the path = SLURM_NODEID: one srun step
     runs a task per node, each picks its own node's plan)."""
-    plan = NodePlan.from_json(Path(plan_file.replace("{node}", node.slurm_nodeid or "0")).read_text())
+    path = Path(plan_file.replace("{node}", node.slurm_nodeid or "0"))
+    raw = read_json_settled(path)  # under srun the launcher wrote it on another machine: it may show late
+    if raw is None:
+        log.error("error: the node's plan %s did not appear whole on this node within %.0f s: the artifact root "
+                  "must be a file system every node mounts (ARTIFACT_ROOT)", path, SETTLE_S)
+        return EXIT_NODE_FAILED
+    plan = decode_payload(NodePlan, raw)
     if node.run_id != plan.run_id:  # started by srun: take the plan's environment and tags first
         argv = supervise_argv(sys.executable, plan_file)
         os.execve(argv[0], argv, plan.process_environment(node.environ))
