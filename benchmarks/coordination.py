@@ -69,9 +69,11 @@ def _client(port: int, prefix: str) -> dist.PrefixStore:
     return dist.PrefixStore(prefix, store)
 
 
-def simulate(port: int, nodes: list[int], total: int, seconds: float, out) -> None:
-    """Poll as the supervisors of ``nodes`` (of ``total``) would, for ``seconds``."""
+def simulate(port: int, nodes: list[int], total: int, seconds: float, ready, out) -> None:
+    """Poll as the supervisors of ``nodes`` (of ``total``) would, for ``seconds`` (from when every
+    process has its clients: a process still importing torch is no load on the store)."""
     boards = [Board(CountingStore(_client(port, "run-1/")), n, node_lost_s=20.0) for n in nodes]
+    ready.wait()
     everyone = tuple(range(total))
     slowest, rounds, next_beat = 0.0, 0, 0.0
     end = time.monotonic() + seconds
@@ -93,8 +95,9 @@ def simulate(port: int, nodes: list[int], total: int, seconds: float, out) -> No
     out.put((sum(b.store.ops for b in boards), sum(b.store.bytes for b in boards), slowest, rounds))
 
 
-def flat_out(port: int, seconds: float, out) -> None:
+def flat_out(port: int, seconds: float, ready, out) -> None:
     store = _client(port, "flat/")
+    ready.wait()
     ops, end = 0, time.monotonic() + seconds
     while time.monotonic() < end:
         store.add("beat/0", 1)
@@ -105,8 +108,8 @@ def flat_out(port: int, seconds: float, out) -> None:
 
 def run_parallel(target, args_per_proc: list[tuple]) -> list:
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(*a, out)) for a in args_per_proc]
+    out, ready = ctx.Queue(), ctx.Barrier(len(args_per_proc))
+    procs = [ctx.Process(target=target, args=(*a, ready, out)) for a in args_per_proc]
     for p in procs:
         p.start()
     results = [out.get() for _ in procs]
