@@ -123,9 +123,9 @@ class Board:
             return None
         return self._call("get", key).decode()
 
-    def _claim(self, key: str, value: str) -> tuple[bool, str]:
-        won = self._call("compare_set", key, "", value).decode()
-        return won == value, won
+    def _claim(self, key: str, value: str) -> bool:
+        """``value`` set under ``key`` unless a value is there already: whether this one won."""
+        return self._call("compare_set", key, "", value).decode() == value
 
     # -- liveness ----------------------------------------------------------------------------------
     def beat(self) -> None:
@@ -156,14 +156,14 @@ class Board:
     # -- one attempt's agreements ------------------------------------------------------------------
     def claim_failure(self, attempt: int, text: str) -> bool:
         """The attempt's first failure, unless another node's came first."""
-        return self._claim(f"a{attempt}/failure", text)[0]
+        return self._claim(f"a{attempt}/failure", text)
 
     def failure(self, attempt: int) -> str | None:
         """The attempt's first failure, whole (its first line says what failed first)."""
         return self._get(f"a{attempt}/failure")
 
     def claim_hang(self, attempt: int, hang: Hang, claimed_at: float) -> bool:
-        return self._claim(f"a{attempt}/hang", json.dumps({**asdict(hang), "claimed_at": claimed_at}))[0]
+        return self._claim(f"a{attempt}/hang", json.dumps({**asdict(hang), "claimed_at": claimed_at}))
 
     def hang_claim(self, attempt: int) -> HangClaim | None:
         raw = self._get(f"a{attempt}/hang")

@@ -34,8 +34,7 @@ from megatron_ext.run_spec.model_size import CHECKPOINT_BYTES_PER_PARAMETER, che
 from megatron_ext.run_spec.wandb_run import wandb_missing_message
 from megatron_ext.training.versions import check_megatron_core
 from orchestration.node.processes import port_is_free
-from orchestration.node.wire import coordination_port
-from orchestration.node.wire import NodeReport
+from orchestration.node.wire import NodeReport, coordination_port
 
 DEFAULT_PORT_SEARCH = range(6000, 6100)
 CONNECT_TIMEOUT_S = 5.0

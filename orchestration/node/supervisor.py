@@ -80,7 +80,6 @@ class Supervisor:
         self.nproc = int(plan.env.get("NPROC_PER_NODE", "1"))
         self.leader = self.rank == 0
         self.stopping = False
-        self.started = time.time()
         self.attempt = plan.first_attempt
         self.restarts = 0
         self.progress_dir = Path(plan.env[PROGRESS_DIR_ENV])
@@ -251,7 +250,8 @@ class Supervisor:
             self._hang_seen = time.monotonic()
         if not reported:
             dump_node(self.plan.run, self.rank, self.plan.host, self.nproc, self.progress_dir, self.policy,
-                      self.paths.hangs_dir(self.attempt), self.attempt, claim.detail, place=self.members.index(self.rank))
+                      self.paths.hangs_dir(self.attempt), self.attempt, claim.detail, place=self.members.index(self.rank),
+                      artifact_root=self._root)
             reported = True
         if self.leader and self._failure() is None:
             # Each node's report is a file it alone writes; a shared file system may show it late:

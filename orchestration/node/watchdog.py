@@ -274,13 +274,14 @@ def last_collective(flight_recorder: dict) -> tuple[int | None, str | None, str]
 
 
 def dump_node(run: str, node_rank: int, host: str, nproc_per_node: int, progress_dir: Path, params: ResilienceParams,
-              out_dir: Path, attempt: int, why: str, place: int | None = None) -> list[RankReport]:
+              out_dir: Path, attempt: int, why: str, place: int | None = None,
+              artifact_root: str | None = None) -> list[RankReport]:
     """Every local rank's stack, state and flight recorder into ``out_dir``; this node's report
-    written last."""
+    written last. ``artifact_root``: only the ranks of the run under that root (processes.tagged_processes)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     now = time.time()
     progress = read_progress(progress_dir)
-    pids = worker_pids(run, node_rank)
+    pids = worker_pids(run, node_rank, artifact_root)
     stopped = {rank for rank, pid in pids.items() if process_state(pid) == "T"}
     ranks = local_ranks(node_rank if place is None else place, nproc_per_node)  # the attempt's global ranks here
     recorders = request_flight_recorders(progress_dir, list(ranks), stopped)
