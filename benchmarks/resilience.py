@@ -16,10 +16,15 @@
    files, read back), against the save's whole time, from the program's own log lines.
 4. The link test a multi-node start runs first: its wall time for 3 processes on this machine
    (loopback), from start to every report.
-5. A node lost for good (``--only lost``; root, iproute2, openssh-server): NNODES=1:2 on a 2-node
-   namespace cluster (tests/netns_cluster.py), 1 process each; node 1's processes, sshd and
-   namespace deleted after a checkpoint; the time from that to node 0's next attempt's first
-   iteration (node_lost_s 6 s, join_s 12 s, backoff 1 s).
+5. A node lost for good (``--only lost``; root, iproute2, openssh-server, sshfs): NNODES=1:2 on a
+   2-node namespace cluster (tests/netns_cluster.py; node 1 sees the artifact root through sshfs),
+   1 process each; node 1's processes, sshd and namespace deleted after a checkpoint; the time
+   from that to node 0's next attempt's first iteration (node_lost_s 6 s, join_s 12 s, backoff
+   1 s). Then (``--only lost,rejoin``) the machine back and rejoin_multinode_training.sh: the
+   command's own time, and the time from its start to the first iteration on both nodes again.
+7. A hang across nodes (``--only hang``, the same cluster): node 1's worker SIGSTOPped; the time
+   to every worker of the attempt gone on both nodes (HANG_STEP_FLOOR_S 10 s: the watchdog's
+   limit, then the dumps, the suspects and the stop).
 6. A slow rank (``--only slow``, the same cluster): node 1's worker stopped 3/4 of the time in a
    duty cycle; the time from the first stop to rank 0's warning naming it, in log intervals too.
 """
@@ -187,13 +192,15 @@ def _cluster_run(work: Path, run: str, train_iters: int, resilience: str, nnodes
     from netns_cluster import NamespaceCluster
 
     (work / f"{run}_cluster").mkdir(parents=True, exist_ok=True)
-    cluster = NamespaceCluster(2, work / f"{run}_cluster").open()
+    root = work / f"{run}_artifacts"
+    root.mkdir(parents=True, exist_ok=True)
+    cluster = NamespaceCluster(2, work / f"{run}_cluster", share=root).open()
     data = work / f"{run}.yaml"
     data.write_text(Path(write_data_set(work / f"{run}_base.yaml", train_iters=train_iters, save_interval=5)).read_text()
                     + f"  resilience: {{{resilience}}}\n")
     env = clean_env(HOSTS="node0,node1", SSH_OPTS=cluster.ssh_opts, MASTER_ADDR=cluster.nodes[0].address,
                     MASTER_PORT=str(free_port()), NPROC_PER_NODE="1", GLOO_SOCKET_IFNAME=cluster.interface,
-                    ARTIFACT_ROOT=str(work / f"{run}_artifacts"), NNODES=nnodes)
+                    ARTIFACT_ROOT=str(root), NNODES=nnodes, HANG_STEP_FLOOR_S="10")
     try:
         started = script("start_multinode_training.sh", "gpt_smoke", str(data), run, env=env)
         assert started.returncode == 0, started.stdout + started.stderr
@@ -203,23 +210,59 @@ def _cluster_run(work: Path, run: str, train_iters: int, resilience: str, nnodes
     return cluster, env
 
 
-def lost_node_seconds(work: Path) -> float:
-    """Seconds from node 1's loss to node 0's next attempt's first iteration."""
+def _first_iteration_after(log: Path, marker: str) -> None:
+    """Until ``log`` shows ``marker`` and an iteration line after it."""
+    wait(lambda: marker in log.read_text(errors="replace"), 300)
+    wait(lambda: any(r.iteration for r in parse_log(log.read_text(errors="replace").split(marker, 1)[1])[0]), 300)
+
+
+def lost_node_seconds(work: Path, rejoin: bool) -> tuple[float, float | None, float | None]:
+    """Seconds from node 1's loss to node 0's next attempt's first iteration; with ``rejoin``, the
+    machine back: the rejoin command's seconds, and from its start to attempt 3's first iteration."""
     from megatron_ext.run_spec.checkpoints import latest_iteration
 
     run = "bench_lost"
-    cluster, env = _cluster_run(work, run, 400, "max_restarts: 2, restart_backoff_s: 1, node_lost_s: 6, join_s: 12", "1:2")
+    cluster, env = _cluster_run(work, run, 4000, "max_restarts: 2, restart_backoff_s: 1, node_lost_s: 6, join_s: 12", "1:2")
     root = Path(env["ARTIFACT_ROOT"])
+    log = root / "logs" / f"{run}_node0.log"
     try:
         wait(lambda: (latest_iteration(root / "runs" / run / "checkpoints") or 0) >= 10, 300)
         at = time.monotonic()
         cluster.lose(cluster.nodes[1])
-        log, marker = root / "logs" / f"{run}_node0.log", "attempt 2 of 3: starting torchrun"
-        wait(lambda: marker in log.read_text(errors="replace"), 300)
-        wait(lambda: any(r.iteration for r in parse_log(log.read_text(errors="replace").split(marker, 1)[1])[0]), 300)
+        _first_iteration_after(log, "attempt 2 of 3: starting torchrun")
+        lost = time.monotonic() - at
+        if not rejoin:
+            return lost, None, None
+        cluster.restore(cluster.nodes[1])
+        at = time.monotonic()
+        back = script("rejoin_multinode_training.sh", run, "1", env=env)
+        command = time.monotonic() - at
+        assert back.returncode == 0, back.stdout + back.stderr
+        _first_iteration_after(log, "attempt 3 of 4: starting torchrun")
+        return lost, command, time.monotonic() - at
+    finally:
+        if not Path(f"/run/netns/{cluster.nodes[1].namespace}").exists():
+            cluster.restore(cluster.nodes[1])
+        script("stop_multinode_training.sh", run, env=env)
+        cluster.close()
+
+
+def cluster_hang_seconds(work: Path) -> float:
+    """Seconds from node 1's worker SIGSTOPped to every worker of the attempt gone on both nodes."""
+    from test_multinode import _workers_on
+
+    run = "bench_hang"
+    cluster, env = _cluster_run(work, run, 5000, "max_restarts: 0", "2")
+    root = Path(env["ARTIFACT_ROOT"])
+    try:
+        wait(lambda: last_iteration(root / "logs" / f"{run}_node0.log") >= 3, 300)
+        workers = {**_workers_on(run, 0), **_workers_on(run, 1)}
+        at = time.monotonic()
+        os.kill(workers[1], signal.SIGSTOP)
+        wait(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers.values()), 300, poll_s=0.1)
         return time.monotonic() - at
     finally:
-        script("stop_multinode_training.sh", run, env={**env, "HOSTS": "node0", "NNODES": "1"})
+        script("stop_multinode_training.sh", run, env=env)
         cluster.close()
 
 
@@ -250,7 +293,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=6, help="runs with and without progress reporting (ABBA order)")
     p.add_argument("--progress-only", action="store_true", help="only the progress reporting's cost")
     p.add_argument("--only", default="", help="comma-separated parts to run: progress, checksums, links, faults, "
-                   "lost, slow (the last two: a namespace cluster, root)")
+                   "lost, rejoin (with lost), hang, slow (the last four: a namespace cluster, root)")
     p.add_argument("--per-step-work", action="store_true", help=argparse.SUPPRESS)  # a rank of per_step_work()
     args = p.parse_args()
     if args.per_step_work:
@@ -277,8 +320,15 @@ def main() -> None:
     if "links" in parts:
         print(f"\nlink test, 3 processes on loopback (gloo): {linktest_seconds():.1f} s from start to every report")
     if "lost" in parts:
-        print(f"\na node lost for good (NNODES=1:2, namespace cluster, 2 x 1): {lost_node_seconds(root):.1f} s from its "
-              "loss to node 0's next attempt's first iteration (node_lost_s 6 s, join_s 12 s, backoff 1 s)")
+        lost, command, back = lost_node_seconds(root, "rejoin" in parts)
+        print(f"\na node lost for good (NNODES=1:2, namespace cluster on sshfs, 2 x 1): {lost:.1f} s from its loss to node "
+              "0's next attempt's first iteration (node_lost_s 6 s, join_s 12 s, backoff 1 s)")
+        if command is not None:
+            print(f"  brought back: rejoin_multinode_training.sh {command:.1f} s; {back:.1f} s from it to the first "
+                  "iteration on both nodes")
+    if "hang" in parts:
+        print(f"\na hang across nodes (node 1's worker SIGSTOPped, HANG_STEP_FLOOR_S 10): {cluster_hang_seconds(root):.1f} s "
+              "to every worker gone on both nodes")
     if "slow" in parts:
         took, line = slow_rank_seconds(root)
         print(f"\na slow rank (node 1's worker stopped 3/4 of the time, log every iteration): named {took:.1f} s after it "

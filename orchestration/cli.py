@@ -1,9 +1,10 @@
-"""``python -m orchestration``: start, stop, status, train, submit, compare, sweep, plan-memory, preflight.
+"""``python -m orchestration``: start, stop, status, rejoin, train, submit, compare, sweep, plan-memory, preflight.
 
     python -m orchestration start gpt_smoke smoke demo              # every node in HOSTS/HOSTFILE
     python -m orchestration start gpt_smoke smoke demo --this-node  # this node only (NODE_RANK)
     python -m orchestration status demo
     python -m orchestration stop demo                               # DRY_RUN=1: what it would signal
+    python -m orchestration rejoin demo 1                           # node 1 back (NNODES=MIN:MAX)
     python -m orchestration train gpt2 gpt2_smoke                   # foreground, this node
     python -m orchestration submit gpt_smoke smoke demo --nodes 2   # DRY_RUN=1: the batch script
     python -m orchestration compare demo_z0 demo_z1 demo_z3 --name demo   # + artifacts/compare/demo.{png,json,csv}
@@ -47,9 +48,8 @@ from orchestration.import_args.importer import import_arg_files
 from orchestration.import_args.outputs import check_outputs, write_outputs
 from orchestration.import_args.report import imported_yaml, render_report
 from orchestration.launch_env import LaunchEnv, launch_env_from_process
-from orchestration.node.run_state import RunState
 from orchestration.node.wire import DEFAULT_STOP_GRACE_S, StopPreview, encode_payload, node_label, stop_command
-from orchestration.runner import control
+from orchestration.runner import control, rejoin
 from orchestration.runner.export import export_argv, run_export
 from orchestration.runner.nodes import start_nodes, this_node
 from orchestration.runner.preflight import Problem
@@ -274,6 +274,26 @@ def cmd_stop(args, launch: LaunchEnv) -> int:
     return EXIT_OK if outcome.ok else EXIT_NODE_FAILED
 
 
+def cmd_rejoin(args, launch: LaunchEnv) -> int:
+    require_run(launch, args.run)
+    planned = rejoin.plan_rejoin(launch, args.run, args.node_rank, args.host)
+    label = node_label(args.node_rank, planned.plan.host)
+    if launch.dry_run:
+        note(f"attempt {planned.attempt} of run {args.run} runs on node(s) {', '.join(map(str, planned.nodes))}; "
+             f"{label} would be sent its plan with rejoin set (one JSON line below)")
+        print(json.dumps({"node_rank": args.node_rank, "host": planned.plan.host, "command": planned.call.command,
+                          "plan": json.loads(planned.plan.to_json())}), flush=True)
+        return EXIT_OK
+    result = rejoin.rejoin_node(launch, planned)
+    if not result.ok:
+        print(result.describe_failure(), file=sys.stderr, flush=True)
+        return EXIT_NODE_FAILED
+    print(f"{label} joining run {args.run} (supervisor pid {result.value.supervisor_pid}; log {result.value.log}): node 0 "
+          "takes it at its next restart, after every rank saves a checkpoint at its next step; status: "
+          f"status_training.sh {args.run}", flush=True)
+    return EXIT_OK
+
+
 def require_run(launch: LaunchEnv, run: str) -> RunPaths:
     paths = RunPaths(launch.artifact_root, run)
     if not paths.exists():
@@ -331,13 +351,18 @@ def describe_attempts(report: control.StatusReport) -> list[str]:
     current = report.attempts[-1]
     of = f" of {report.max_attempts}" if report.max_attempts else ""
     on = (f" on {len(current.nodes)} of {len(hosts)} nodes" if current.nodes and len(current.nodes) < len(hosts) else "")
-    lines = [f"attempt {current.attempt}{of}{on}" + (f": {current.state}" if current.state else ": running")]
+
+    def names(nodes) -> str:
+        return ", ".join(f"{n} ({hosts.get(n, '?')})" for n in nodes)
+
+    back = f"; node(s) {names(current.joined)} back" if current.joined else ""
+    lines = [f"attempt {current.attempt}{of}{on}" + (f": {current.state}" if current.state else ": running") + back]
     for r in report.attempts[:-1]:
         checkpoints = f" (checkpoint {r.checkpoint_at_start if r.checkpoint_at_start is not None else '-'} -> " \
                       f"{r.checkpoint_at_end if r.checkpoint_at_end is not None else '-'})"
-        names = ", ".join(f"{n} ({hosts.get(n, '?')})" for n in r.lost)
-        lost = f"; lost node(s) {names}" if r.lost else ""
-        lines.append(f"  attempt {r.attempt} {r.state or 'ended'}{checkpoints}{lost}: {r.reason}")
+        lost = f"; lost node(s) {names(r.lost)}" if r.lost else ""
+        joined = f"; node(s) {names(r.joined)} back" if r.joined else ""
+        lines.append(f"  attempt {r.attempt} {r.state or 'ended'}{checkpoints}{joined}{lost}: {r.reason}")
     return lines
 
 
@@ -504,6 +529,11 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run")
     status.add_argument("--this-node", action="store_true")
     status.add_argument("--json", action="store_true", help="one JSON object per node")
+    back = sub.add_parser("rejoin", help="bring a node back to a run that went on without it (NNODES=MIN:MAX): node 0 "
+                                         "takes it at its next restart; DRY_RUN=1: the checks and what it would send")
+    back.add_argument("run")
+    back.add_argument("node_rank", type=int, help="the node's rank in the run's start (its place in HOSTS)")
+    back.add_argument("--host", help="a replacement machine in the node's place (default: the host the start recorded)")
     train = sub.add_parser("train", help="train in the foreground on this node (torchrun with a fixed node rank)")
     train.add_argument("model"), train.add_argument("data"), train.add_argument("run", nargs="?")
     submit = sub.add_parser("submit", help="sbatch a job that runs MODEL DATA RUN on its nodes and waits for it; "
@@ -574,7 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "train": cmd_train, "preflight": cmd_preflight,
+COMMANDS = {"start": cmd_start, "stop": cmd_stop, "rejoin": cmd_rejoin, "status": cmd_status, "train": cmd_train, "preflight": cmd_preflight,
             "submit": cmd_submit, "compare": cmd_compare, "sweep": cmd_sweep, "plan-memory": cmd_plan_memory,
             "import-megatron-args": cmd_import_megatron_args, "export-hf": cmd_export, "export-megatron-lm": cmd_export,
             "check-checkpoints": cmd_check_checkpoints}

@@ -259,3 +259,8 @@ class NamespaceCluster:
             _sh("ip", "netns", "del", node.namespace, check=False)
         if self._created_bridge:
             _sh("ip", "link", "del", self.bridge, check=False)
+        # A namespace goes once its last user has (a killed process still exiting, a FUSE mount):
+        # its veth pair with it. Another cluster of this process takes the same names: wait.
+        deadline = time.monotonic() + 30
+        while f" {self.prefix}" in _sh("ip", "-o", "link", "show", check=False).stdout and time.monotonic() < deadline:
+            time.sleep(0.2)

@@ -72,6 +72,22 @@ def test_ends_decisions_ready_and_roster_cross(stores):
     assert node0.exited(1)
 
 
+def test_a_node_brought_back_asks_once_per_request_and_hears_its_attempt(stores):
+    """A node back asks for a place (a numbered request); node 0 sees it pending until it answers
+    with the attempt after which it takes it; the same node lost and back again asks anew."""
+    node0, node1 = (Board(s, rank, node_lost_s=20) for rank, s in enumerate(stores))
+    assert node0.join_requests([1, 2]) == []
+    first = node1.request_join()
+    assert node0.join_requests([1, 2]) == [1] and node1.join_answer(first) is None
+    node0.claim_rejoin(4, [1])
+    node0.claim_rejoin(4, [1, 2])  # the first claim stands
+    assert node1.rejoin(4) == (1,) and node1.rejoin(5) is None
+    node0.accept_join(1, 4)
+    assert node1.join_answer(first) == 4 and node0.join_requests([1]) == []
+    again = node1.request_join()
+    assert again == first + 1 and node0.join_requests([1]) == [1] and node1.join_answer(again) is None
+
+
 def test_a_peer_is_alive_while_its_beat_changes_by_the_observers_clock(stores):
     """No clock but the observer's: node 1's counter, seen changing, keeps it alive; unchanged for
     node_lost_s of node 0's monotonic clock, it is silent; a node never seen is silent node_lost_s

@@ -529,42 +529,73 @@ def test_links_are_measured_and_a_slow_one_is_named_and_refused(cluster, cluster
         cluster.unthrottle(cluster.nodes[1])
 
 
-def test_a_node_lost_for_good_leaves_the_run_going_on_with_the_others(cluster, cluster_env, artifact_root, tmp_path):
-    """NNODES=1:2 over 2 nodes x 1 process: node 1's every process, its sshd and its namespace go
-    mid-run; node 0 notices (its heartbeat stops), leaves it out and goes on alone from the latest
-    checkpoint with the same global batch (1 rank of 2 micro-batches a step, where there were 2 of 1):
-    every iteration's loss as a run never interrupted, within float reassociation; status names the
-    lost node."""
-    iters = 30  # 25 or more left when node 1 goes: it goes mid-run
+def test_a_node_lost_for_good_leaves_the_run_going_on_and_comes_back(cluster, cluster_env, artifact_root, tmp_path):
+    """NNODES=1:2 over 2 nodes x 1 process, MAX_RESTARTS=1: node 1's every process, its sshd and its
+    namespace go mid-run; node 0 notices (its beat stops), leaves it out and goes on alone from the
+    latest checkpoint with the same global batch (1 rank of 2 micro-batches a step, where there were
+    2 of 1); status names the lost node. The machine comes back (its namespace, sshd and sshfs
+    mount) and rejoin_multinode_training.sh sends node 1 its plan again: it is "joining", every rank
+    saves at its next step and attempt 3 runs on both nodes again, although the one restart allowed
+    is spent (a rejoin's is not counted). Every iteration's loss as a run never interrupted, within
+    float reassociation; status and the ledger record the loss and the return. (Node 0's rank is
+    held with SIGSTOP while node 1 comes back, so that the run is still going on then: a step of
+    this model takes a fraction of a second.)"""
+    from orchestration.node.watchdog import worker_pids
+
+    iters = 40
     data = tmp_path / "elastic.yaml"
     data.write_text(Path(write_data_set(tmp_path / "base.yaml", train_iters=iters, global_batch=8, save_interval=5)).read_text()
-                    + "  resilience: {max_restarts: 2, restart_backoff_s: 1, node_lost_s: 6, join_s: 12}\n")
+                    + "  resilience: {max_restarts: 1, restart_backoff_s: 1, node_lost_s: 6, join_s: 12}\n")
     run = "mn_lost"
     env = {**cluster_env, "NNODES": "1:2", "MASTER_PORT": "29666", "NPROC_PER_NODE": "1"}
+    node0_log = artifact_root / "logs" / f"{run}_node0.log"
+    held = None
     try:
         start = run_script("start_multinode_training.sh", "gpt_smoke", str(data), run, env=env)
         assert start.returncode == 0, start.stdout + start.stderr
+        inside = run_script("rejoin_multinode_training.sh", run, "1", env=env)
+        assert inside.returncode == 2 and "node 1 (node1) is in run 'mn_lost' (attempt 1 runs on it)" in inside.stderr, \
+            inside.stderr
         checkpoints = artifact_root / "runs" / run / "checkpoints"
         wait_for(lambda: (latest_iteration(checkpoints) or 0) >= 5, 240, what="a checkpoint")
         cluster.lose(cluster.nodes[1])
-        wait_for(lambda: not tagged_pids(run), 400, what="the run to finish on node 0 alone")
-        log = (artifact_root / "logs" / f"{run}_node0.log").read_text()
-        assert "attempt 2 of 3: starting torchrun (the ranks resume from the checkpoint" in log, log[-3000:]
-        status = run_script("status_training.sh", run, env=cluster_env).stdout  # the run's own hosts: node 1 not asked
+        wait_for(lambda: "attempt 2 of 2: starting torchrun" in node0_log.read_text(), 120, what="node 0's attempt 2")
+        held = wait_for(lambda: worker_pids(run, 0, str(artifact_root)).get(0), 60, what="attempt 2's rank")
+        os.kill(held, signal.SIGSTOP)
+        alone = run_script("status_training.sh", run, env=cluster_env).stdout  # node 1 is not asked: its machine is gone
+        assert [r.split()[:3] for r in alone.splitlines() if r[:1].isdigit()][1] == ["1", "node1", "lost"], alone
+        assert "lost node(s) 1 (node1)" in alone and "the run goes on with 1 of 2 nodes" in alone, alone
+
+        cluster.restore(cluster.nodes[1])
+        back = run_script("rejoin_multinode_training.sh", run, "1", env=env)
+        assert back.returncode == 0 and "[node1 node1] joining run mn_lost" in back.stdout, back.stdout + back.stderr
+        joining = run_script("status_training.sh", run, env=cluster_env).stdout
+        assert [r.split()[:3] for r in joining.splitlines() if r[:1].isdigit()][1] == ["1", "node1", "joining"], joining
+        os.kill(held, signal.SIGCONT)
+        held = None
+        wait_for(lambda: not tagged_pids(run), 400, what="the run to finish on both nodes")
+        log = node0_log.read_text()
+        assert "attempt 3 of 3: starting torchrun (the ranks resume from the checkpoint" in log, log[-3000:]
+        status = run_script("status_training.sh", run, env=cluster_env).stdout
         rows = [l.split() for l in status.splitlines() if l[:1].isdigit()]
-        assert [r[:3] for r in rows] == [["0", "node0", "finished"], ["1", "node1", "lost"]], status
-        assert "attempt 2 of 3 on 1 of 2 nodes: finished" in status, status
-        assert "lost node(s) 1 (node1)" in status and "the run goes on with 1 of 2 nodes" in status, status
+        assert [r[:3] for r in rows] == [["0", "node0", "finished"], ["1", "node1", "finished"]], status
+        assert "attempt 3 of 3: finished; node(s) 1 (node1) back" in status, status
+        assert "saved a checkpoint for node 1 (node1) to come back" in status and "lost node(s) 1 (node1)" in status, status
+        ledger = json.loads((artifact_root / "run_state" / f"{run}_attempts.json").read_text())
+        assert [(a["nodes"], a["lost"], a["joined"]) for a in ledger] == [([0, 1], [1], []), ([0], [], []), ([0, 1], [], [1])]
         records = [json.loads(l) for l in (artifact_root / "runs" / run / "metrics.jsonl").read_text().splitlines()]
-        assert [r["iteration"] for r in records] == list(range(1, iters + 1)) and records[-1]["world_size"] == 1
+        assert [r["iteration"] for r in records] == list(range(1, iters + 1)) and records[-1]["world_size"] == 2
+        assert {r["world_size"] for r in records} == {1, 2}
         proc, reference = run_torchrun(artifact_root, "lost_reference", nproc=1, data=str(data))
         assert proc.returncode == 0, proc.stderr[-2000:]
         for a, b in zip(records, reference, strict=True):  # the same samples per step: reduction order aside
             assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-5 * abs(b["lm_loss"]), (a["iteration"], a["lm_loss"], b["lm_loss"])
     finally:
-        run_script("stop_multinode_training.sh", run, env={**env, "HOSTS": "node0", "NNODES": "1"})
+        if held is not None:
+            os.kill(held, signal.SIGCONT)
         if not Path(f"/run/netns/{cluster.nodes[1].namespace}").exists():
             cluster.restore(cluster.nodes[1])
+        run_script("stop_multinode_training.sh", run, env=env)
     assert tagged_pids(run) == []
 
 

@@ -19,7 +19,7 @@ import pytest
 from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.run_spec.errors import FINAL, UserError
 from megatron_ext.run_spec.resilience import RankProgress, ResilienceParams, phase_limit_s, read_resilience_overrides
-from orchestration.node.attempts import AttemptEnd, AttemptRecord, decide
+from orchestration.node.attempts import AttemptEnd, AttemptRecord, decide, decide_rejoin
 from megatron_ext.run_spec.procfs import process_environ
 from orchestration.node.run_state import RunState
 from orchestration.node.watchdog import RankReport, find_suspects, in_collective
@@ -76,6 +76,25 @@ def test_a_lost_node_is_left_out_when_enough_are_left_and_node_0_never():
     assert not fewer.restart and "1 node(s) left, fewer than the 2 it may go on with" in fewer.reason and fewer.lost == (1, 2)
     leader = decide(1, {0: None, 1: _end(1), 2: _end(2)}, progressed, elastic, 0, RunState.FAILED, "x", ("a", "b", "c"))
     assert not leader.restart and "node 0 is the rendezvous host and the leader, so the run ends" in leader.reason
+
+
+def test_a_node_brought_back_is_taken_at_the_next_restart_and_not_counted():
+    """A node back (``rejoin``): after an attempt every node of which saved for it, the next attempt
+    runs on it too, at once, and MAX_RESTARTS is not spent; a node that reached its last iteration
+    first ends the run finished; a failure meanwhile is decided as any (and takes the node too)."""
+    elastic = dataclasses.replace(POLICY, min_nodes=1)
+    saved = {0: _end(0, RunState.PREEMPTED), 2: _end(2, RunState.PREEMPTED)}
+    back = decide_rejoin(3, saved, (1,), 1, 0, 40, ("a", "b", "c"))
+    assert back.restart and back.members == (0, 1, 2) and back.joined == (1,) and back.backoff_s == 0
+    assert (back.restarts, back.rejoins) == (1, 1) and back.reason.startswith(
+        "node 1 (b) back: restarting as attempt 4 on 3 nodes from the checkpoint of iteration 40")
+    done = decide_rejoin(3, {0: _end(0, RunState.FINISHED), 2: _end(2, RunState.PREEMPTED)}, (1,), 1, 0, 40)
+    assert not done.restart and done.state == RunState.FINISHED
+    assert decide_rejoin(3, {0: _end(0, RunState.STOPPED), 2: _end(2)}, (1,), 1, 0, 40) is None
+    failed = decide(3, {0: _end(0, RunState.STOPPED), 2: _end(2)}, [_record(3, 30, 40)], elastic, 1, RunState.FAILED,
+                    "node 2 failed", ("a", "b", "c"), joiners=(1,))
+    assert failed.restart and failed.members == (0, 1, 2) and failed.joined == (1,) and failed.restarts == 2
+    assert failed.reason == "restarting as attempt 4 in 5 s; node 1 (b) back: node 2 failed"
 
 
 def test_an_attempt_on_fewer_nodes_runs_the_plan_on_those():

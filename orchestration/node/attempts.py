@@ -52,6 +52,12 @@ class Decision:
     """The nodes (their ranks in the start's plan) the next attempt runs on."""
     lost: tuple[int, ...] = ()
     """Nodes that ended no attempt within training.resilience.join_s: left out from here on."""
+    joined: tuple[int, ...] = ()
+    """Nodes brought back (``rejoin``) that the next attempt takes again."""
+    restarts: int = 0
+    """Restarts of this start counted against MAX_RESTARTS, this one included (a rejoin's is not)."""
+    rejoins: int = 0
+    """Restarts of this start made for nodes to rejoin, this one included."""
 
     @property
     def next_attempt(self) -> int | None:
@@ -66,7 +72,7 @@ def decode_end(raw: dict) -> AttemptEnd:
 
 def decode_decision(raw: dict) -> Decision:
     return Decision(**{**raw, "state": RunState(raw["state"]), "members": tuple(raw.get("members", ())),
-                       "lost": tuple(raw.get("lost", ()))})
+                       "lost": tuple(raw.get("lost", ())), "joined": tuple(raw.get("joined", ()))})
 
 
 @dataclass(frozen=True)
@@ -80,18 +86,25 @@ class HangClaim(Hang):
 
 # -- the decision (pure) ----------------------------------------------------------------------------
 
+def node_names(nodes: Sequence[int], hosts: Sequence[str]) -> str:
+    """``node 1 (g0034), node 3 (g0036)``."""
+    return ", ".join(f"node {r}" + (f" ({hosts[r]})" if r < len(hosts) else "") for r in nodes)
+
+
 def decide(attempt: int, ends: dict[int, AttemptEnd | None], ledger: Sequence[AttemptRecord], policy: ResilienceParams,
-           restarts_so_far: int, cause: RunState, cause_reason: str, hosts: Sequence[str] = ()) -> Decision:
+           restarts_so_far: int, cause: RunState, cause_reason: str, hosts: Sequence[str] = (),
+           joiners: Sequence[int] = (), rejoins_so_far: int = 0) -> Decision:
     """Restart or end after ``attempt``: ``ends`` per node of the attempt (None = no end within
     training.resilience.join_s: the node is lost), ``ledger`` with this attempt's record already
     closed, ``restarts_so_far`` in this start, ``cause``/``cause_reason`` what ended the attempt (the
     failure file's first line); ``hosts`` (by node rank) name the lost nodes. A lost node ends the
     run, unless ``policy.min_nodes`` allows the next attempt on the nodes left (never without node 0,
-    the rendezvous host and leader)."""
+    the rendezvous host and leader). ``joiners``: nodes brought back and asking for a place
+    (``rejoin``), which a restart takes."""
     missing = sorted(rank for rank, end in ends.items() if end is None)
     members = tuple(rank for rank in sorted(ends) if rank not in missing)
     if missing:
-        names = ", ".join(f"node {r}" + (f" ({hosts[r]})" if r < len(hosts) else "") for r in missing)
+        names = node_names(missing, hosts)
         gone = (f"{names} gone (its machine or its supervisor: no end of attempt {attempt} and no heartbeat within "
                 f"{policy.join_s:.0f} s)")
         if 0 in missing:
@@ -120,6 +133,28 @@ def decide(attempt: int, ends: dict[int, AttemptEnd | None], ledger: Sequence[At
         limit = f"after {restarts_so_far} restart(s) (MAX_RESTARTS={policy.max_restarts})" if policy.max_restarts else \
             "(MAX_RESTARTS=0: no restarts)"
         return Decision(attempt, False, cause, f"{cause_reason} {limit}".strip(), lost=tuple(missing))
+    joined = tuple(sorted(set(joiners) - set(members)))
+    back = f"; {node_names(joined, hosts)} back" if joined else ""
     return Decision(attempt, True, RunState.RESTARTING,
-                    f"restarting as attempt {attempt + 1} in {policy.restart_backoff_s:g} s: {cause_reason}",
-                    policy.restart_backoff_s, members, tuple(missing))
+                    f"restarting as attempt {attempt + 1} in {policy.restart_backoff_s:g} s{back}: {cause_reason}",
+                    policy.restart_backoff_s, tuple(sorted({*members, *joined})), tuple(missing), joined,
+                    restarts_so_far + 1, rejoins_so_far)
+
+
+def decide_rejoin(attempt: int, ends: dict[int, AttemptEnd | None], joiners: Sequence[int], restarts_so_far: int,
+                  rejoins_so_far: int, checkpoint: int | None, hosts: Sequence[str] = ()) -> Decision | None:
+    """After an attempt every node of which saved and ended so that ``joiners`` come back: the next
+    attempt on the attempt's nodes and theirs, at once, from that checkpoint (not counted against
+    MAX_RESTARTS: nothing failed); the run's end when a node reached its last iteration first. An
+    attempt that ended otherwise on a node (a failure, a node lost meanwhile) is decided by
+    :func:`decide` instead: None."""
+    if not ends or any(end is None or end.state not in (RunState.PREEMPTED, RunState.FINISHED) for end in ends.values()):
+        return None
+    if any(end.state == RunState.FINISHED for end in ends.values()):
+        return Decision(attempt, False, RunState.FINISHED, "torchrun exited with code 0 (the last iteration came before "
+                                                           f"{node_names(joiners, hosts)} could come back)")
+    members = tuple(sorted({*ends, *joiners}))
+    return Decision(attempt, True, RunState.RESTARTING,
+                    f"{node_names(joiners, hosts)} back: restarting as attempt {attempt + 1} on {len(members)} nodes from "
+                    f"the checkpoint of iteration {checkpoint}", 0.0, members, (), tuple(joiners), restarts_so_far,
+                    rejoins_so_far + 1)

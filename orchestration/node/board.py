@@ -17,6 +17,9 @@ Keys, under the start's run id (a new start never reads an old one's):
     a<K>/decision        node 0's decision after it (restart or end)
     a<K>/ready/<node>    a node ready for attempt K
     a<K>/roster          node 0: the nodes attempt K runs on
+    a<K>/rejoin          node 0: the nodes back for the next attempt (attempt K saves and ends for them)
+    join/<node>          a node brought back (``rejoin``) counts its requests for a place
+    join/<node>/<N>      node 0's answer to request N: the attempt after whose end it is taken
     save                 a save request (compare_set: the first reason stays)
 
 One node (NNODES=1) agrees with itself: :class:`MemoryStore`, the same operations in memory, so a
@@ -195,6 +198,39 @@ class Board:
     def read_roster(self, attempt: int) -> tuple[int, ...] | None:
         raw = self._get(f"a{attempt}/roster")
         return tuple(int(r) for r in json.loads(raw)) if raw else None
+
+    # -- a node brought back (NNODES=MIN:MAX) ------------------------------------------------------
+    def request_join(self) -> int:
+        """This node asks for a place in the run: the request's number (one node may be lost and
+        brought back more than once)."""
+        return int(self._call("add", f"join/{self.rank}", 1))
+
+    def join_answer(self, request: int) -> int | None:
+        """The attempt after whose end node 0 takes this node (its request ``request``), once it answered."""
+        raw = self._get(f"join/{self.rank}/{request}")
+        return int(raw) if raw else None
+
+    def join_requests(self, nodes: Iterable[int]) -> list[int]:
+        """Node 0: the nodes among ``nodes`` with a request it has not answered."""
+        pending = []
+        for rank in nodes:
+            request = int(self._get(f"join/{rank}") or 0)
+            if request and not self._call("check", [f"join/{rank}/{request}"]):
+                pending.append(rank)
+        return pending
+
+    def accept_join(self, rank: int, attempt: int) -> None:
+        """Node 0: ``rank``'s latest request answered: it is taken after ``attempt``."""
+        request = int(self._get(f"join/{rank}") or 0)
+        self._call("set", f"join/{rank}/{request}", str(attempt))
+
+    def claim_rejoin(self, attempt: int, nodes: Sequence[int]) -> None:
+        """Node 0: attempt ``attempt`` saves and ends so that ``nodes`` come back in the next."""
+        self._claim(f"a{attempt}/rejoin", json.dumps(list(nodes)))
+
+    def rejoin(self, attempt: int) -> tuple[int, ...] | None:
+        raw = self._get(f"a{attempt}/rejoin")
+        return tuple(json.loads(raw)) if raw else None
 
     # -- a save request ----------------------------------------------------------------------------
     def request_save(self, why: str) -> None:

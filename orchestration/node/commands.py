@@ -27,11 +27,11 @@ from megatron_ext.run_spec.devices import visible_gpu_count
 from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
 from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED, parse_log
 from megatron_ext.run_spec.json_files import SETTLE_S, read_json_settled
-from megatron_ext.run_spec.resilience import SLOW_RANK_CLEARED, SLOW_RANK_WARNING, ResilienceParams
+from megatron_ext.run_spec.resilience import SLOW_RANK_CLEARED, SLOW_RANK_WARNING
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
 from orchestration.node import processes
 from orchestration.node.failure import failure_reason
-from orchestration.node.run_state import (RunState, heartbeat_age_s, read_exit, read_failure, read_heartbeat,
+from orchestration.node.run_state import (RunState, read_exit, read_failure, read_heartbeat,
                                           read_pid_file, reset_node_files, reset_run_files, tail, wait_until_started,
                                           write_plan_file)
 from orchestration.node.supervisor import Supervisor
@@ -189,16 +189,17 @@ def planned_engine(paths: RunPaths, node_rank: int) -> str:
 def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | None, by_heartbeat: bool = False) -> NodeStatus:
     """Alive or not, and the last iteration line of the node's log (either engine's), read
     with the one iteration-line parser; ``seq_length`` turns step time into tokens/s.
-    ``by_heartbeat``: from another machine, alive = the node's supervisor beat recently."""
+    ``by_heartbeat``: from another machine that shares the files: alive = its supervisor's
+    heartbeat record of this start is there and its exit record is not (its state, the record's)."""
     record = read_pid_file(paths.node_pid_file(node_rank))
     ended = read_exit(paths, node_rank)
     beat = read_heartbeat(paths, node_rank)
-    if by_heartbeat:
-        age = heartbeat_age_s(paths, node_rank)
-        alive = age is not None and age < ResilienceParams.node_lost_s and not ended  # the default: no plan here
-        training = alive and beat is not None and beat.state == RunState.RUNNING
+    if by_heartbeat:  # another machine's records, perhaps seen late: no clock or mtime of theirs is compared here
+        alive = beat is not None and not ended  # a node lost without a record: the ledger says so (the caller reads it)
+        training = alive and beat.state == RunState.RUNNING
     else:
-        training = bool(record and processes.record_is_alive(record))
+        joining = bool(beat and beat.state == RunState.JOINING and record and record.pid == record.supervisor_pid)
+        training = bool(record and not joining and processes.record_is_alive(record))
         # Alive while any process of the node's run is: the supervisor writes its exit record
         # before it removes its folder and exits, so a record alone does not mean the node is gone
         # (the caller waiting for the end would otherwise find processes of the run still there).
@@ -208,7 +209,7 @@ def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | No
     elif ended:
         state = ended.state
     elif alive:
-        state = RunState.RESTARTING
+        state = RunState.JOINING if beat and beat.state == RunState.JOINING else RunState.RESTARTING
     else:
         state = RunState.STOPPED if paths.node_log(node_rank).exists() else RunState.NOT_STARTED
     text = tail(paths.node_log(node_rank), 200)

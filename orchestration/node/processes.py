@@ -65,11 +65,13 @@ def start_detached(argv: Sequence[str], env: dict[str, str], cwd: str, log_path:
         )
 
 
-def new_record(run: str, run_id: str, node_rank: int, host: str, proc: subprocess.Popen, argv: Sequence[str],
+def new_record(run: str, run_id: str, node_rank: int, host: str, pid: int, argv: Sequence[str],
                log_path: Path, supervisor_pid: int | None = None, slurm_step: str | None = None) -> PidRecord:
+    """The pid file's record of ``pid`` (torchrun; or a rejoining node's supervisor itself, until
+    its first attempt)."""
     return PidRecord(
         run=run, run_id=run_id, node_rank=node_rank, host=host, hostname=socket.gethostname(),
-        pid=proc.pid, pgid=os.getpgid(proc.pid), start_time=process_start_time(proc.pid) or 0,
+        pid=pid, pgid=os.getpgid(pid), start_time=process_start_time(pid) or 0,
         argv=list(argv), log_path=str(log_path), started_at=time.time(), supervisor_pid=supervisor_pid,
         slurm_step=slurm_step, supervisor_start_time=process_start_time(supervisor_pid) if supervisor_pid else None,
     )

@@ -41,6 +41,9 @@ class RunState(str, enum.Enum):
     RUNNING = "running"
     RESTARTING = "restarting"
     """Between two attempts: torchrun ended, the next one starts after the backoff."""
+    JOINING = "joining"
+    """A node brought back to a run going on without it (NNODES=MIN:MAX): its supervisor waits for
+    node 0 to take it at the next restart."""
     FINISHED = "finished"
     """torchrun exited 0: every iteration done."""
     FAILED = "failed"
@@ -61,7 +64,7 @@ class RunState(str, enum.Enum):
 
     @property
     def ended(self) -> bool:
-        return self not in (RunState.NOT_STARTED, RunState.RUNNING, RunState.RESTARTING)
+        return self not in (RunState.NOT_STARTED, RunState.RUNNING, RunState.RESTARTING, RunState.JOINING)
 
     @property
     def failed(self) -> bool:
@@ -136,14 +139,6 @@ def read_heartbeat(paths: RunPaths, node_rank: int) -> Heartbeat | None:
         return Heartbeat(int(raw["attempt"]), RunState(raw["state"]), float(raw["at"]), str(raw.get("run_id", ""))) \
             if isinstance(raw, dict) else None
     except (KeyError, ValueError, TypeError):
-        return None
-
-
-def heartbeat_age_s(paths: RunPaths, node_rank: int, now: float | None = None) -> float | None:
-    """Seconds since the node's supervisor last beat; None when it never did."""
-    try:
-        return (time.time() if now is None else now) - paths.node_heartbeat_file(node_rank).stat().st_mtime
-    except FileNotFoundError:
         return None
 
 
@@ -302,6 +297,8 @@ class AttemptRecord:
     """The nodes (ranks in the start's plan) the attempt ran on; empty: every node."""
     lost: tuple[int, ...] = ()
     """Nodes lost during the attempt (left out from the next one on)."""
+    joined: tuple[int, ...] = ()
+    """Nodes that came back at this attempt's start (lost earlier, brought back: ``rejoin``)."""
 
     @property
     def made_progress(self) -> bool:
@@ -320,7 +317,8 @@ def read_ledger(paths: RunPaths) -> list[AttemptRecord]:
     for item in raw if isinstance(raw, list) else []:
         try:
             out.append(AttemptRecord(**{**item, "state": RunState(item["state"]) if item.get("state") else None,
-                                        "nodes": tuple(item.get("nodes", ())), "lost": tuple(item.get("lost", ()))}))
+                                        "nodes": tuple(item.get("nodes", ())), "lost": tuple(item.get("lost", ())),
+                                        "joined": tuple(item.get("joined", ()))}))
         except (TypeError, ValueError):
             continue
     return out
@@ -330,10 +328,13 @@ def write_ledger(paths: RunPaths, records: Sequence[AttemptRecord]) -> None:
     write_json_atomic(paths.attempts_file, [state_dict(r) for r in records])
 
 
-def begin_attempt(paths: RunPaths, attempt: int, run_id: str, checkpoint: int | None, nodes: Sequence[int] = ()) -> None:
-    """Node 0: attempt ``attempt`` starts now on ``nodes``, with ``checkpoint`` the latest complete one."""
+def begin_attempt(paths: RunPaths, attempt: int, run_id: str, checkpoint: int | None, nodes: Sequence[int] = (),
+                  joined: Sequence[int] = ()) -> None:
+    """Node 0: attempt ``attempt`` starts now on ``nodes`` (``joined``: those of them back from a
+    loss), with ``checkpoint`` the latest complete one."""
     records = [r for r in read_ledger(paths) if r.attempt != attempt]
-    write_ledger(paths, [*records, AttemptRecord(attempt, run_id, time.time(), checkpoint, nodes=tuple(nodes))])
+    write_ledger(paths, [*records, AttemptRecord(attempt, run_id, time.time(), checkpoint, nodes=tuple(nodes),
+                                                 joined=tuple(joined))])
 
 
 def end_attempt(paths: RunPaths, attempt: int, state: RunState, reason: str, checkpoint: int | None,

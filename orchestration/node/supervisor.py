@@ -82,6 +82,11 @@ class Supervisor:
         self.stopping = False
         self.attempt = plan.first_attempt
         self.restarts = 0
+        """Restarts counted against MAX_RESTARTS (node 0's count, which every node takes from its decision)."""
+        self.rejoins = 0
+        """Restarts made for nodes brought back (not counted against MAX_RESTARTS)."""
+        self.joined: tuple[int, ...] = ()
+        """The nodes the current attempt took back (the ledger records them)."""
         self.progress_dir = Path(plan.env[PROGRESS_DIR_ENV])
         self.members: tuple[int, ...] = tuple(range(self.nnodes))
         """The nodes (ranks in the start's plan) of the current attempt: all, or those left after a lost one."""
@@ -142,6 +147,20 @@ class Supervisor:
             self.board.request_save(why)
         return self.board.save_request()
 
+    def _rejoin_request(self) -> str | None:
+        """While nodes are out of the run (NNODES=MIN:MAX), node 0 looks for one brought back
+        (``rejoin``) and claims the attempt's rejoin: every node then asks its ranks to save and
+        end, and the next attempt takes the node back. The reason, once claimed."""
+        if len(self.members) == self.nnodes:
+            return None
+        if self.leader:
+            back = self.board.join_requests(n for n in range(self.nnodes) if n not in self.members)
+            if back:
+                self.board.claim_rejoin(self.attempt, back)
+        back = self.board.rejoin(self.attempt)
+        return (f"{attempts.node_names(back, self.plan.hosts)} back: a checkpoint now, then attempt {self.attempt + 1} "
+                f"on {len(self.members) + len(back)} of {self.nnodes} nodes") if back else None
+
     def _wait(self, seconds: float, done: Callable[[], object], state: RunState, beat: bool = True) -> object:
         """Poll ``done`` until it gives something or ``seconds`` pass, beating meanwhile; None on
         timeout or when a stop arrives."""
@@ -166,7 +185,7 @@ class Supervisor:
         with open(self.plan.log_path, "ab", buffering=0) as out:
             proc = subprocess.Popen(list(argv), cwd=self.plan.cwd, env=env, stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT)
-        record = processes.new_record(self.plan.run, self.plan.run_id, self.rank, self.plan.host, proc, argv,
+        record = processes.new_record(self.plan.run, self.plan.run_id, self.rank, self.plan.host, proc.pid, argv,
                                       Path(self.plan.log_path), supervisor_pid=os.getpid(), slurm_step=self.slurm_step)
         write_pid_file(self.plan.pid_file, record)
         return proc
@@ -264,8 +283,8 @@ class Supervisor:
     def run_attempt(self) -> AttemptEnd:
         checkpoint = latest_iteration(self.paths.checkpoints_dir)
         if self.leader:
-            begin_attempt(self.paths, self.attempt, self.plan.run_id, checkpoint, self.members)
-        total = self.plan.first_attempt + self.policy.max_restarts
+            begin_attempt(self.paths, self.attempt, self.plan.run_id, checkpoint, self.members, self.joined)
+        total = self.plan.first_attempt + self.policy.max_restarts + self.rejoins
         self.say(f"attempt {self.attempt} of {total}: {ATTEMPT_STARTED}"
                  + (f" (the ranks resume from the checkpoint at iteration {checkpoint})" if checkpoint is not None else ""))
         proc = self._start_torchrun(checkpoint)
@@ -279,7 +298,7 @@ class Supervisor:
                 return self._end(proc, code, saving is not None)
             try:
                 if not self.stopping:
-                    why = saving or self._save_request()
+                    why = saving or self._save_request() or self._rejoin_request()
                     if why:
                         if saving is None:
                             self.say(f"save requested ({why})")
@@ -332,13 +351,24 @@ class Supervisor:
 
         self._wait(join_s, settled, RunState.RESTARTING)
         ends = {n: self.board.read_end(self.attempt, n) for n in self.members}
+        back = self.board.rejoin(self.attempt)
+        checkpoint = latest_iteration(self.paths.checkpoints_dir)
+        rejoin = attempts.decide_rejoin(self.attempt, ends, back, self.restarts, self.rejoins, checkpoint,
+                                        self.plan.hosts) if back and not self.stopping else None
+        if rejoin is not None:  # every node saved for the nodes back (or reached its last iteration): nothing failed
+            end_attempt(self.paths, self.attempt, RunState.PREEMPTED if rejoin.restart else rejoin.state,
+                        f"saved a checkpoint for {attempts.node_names(back, self.plan.hosts)} to come back"
+                        if rejoin.restart else rejoin.reason, checkpoint)
+            return self._publish(rejoin)
         failure = self._failure() or end.reason
         cause = RunState.HUNG if " hung: " in failure else RunState.FAILED
         self._close_ledger(end)
         ledger = read_ledger(self.paths)
         if self.stopping:
             ends[self.rank] = AttemptEnd(self.rank, self.attempt, RunState.STOPPED, "stopped on request", requested=True)
-        decision = attempts.decide(self.attempt, ends, ledger, self.policy, self.restarts, cause, failure, self.plan.hosts)
+        back = self.board.join_requests(n for n in range(self.nnodes) if n not in self.members) if self.policy.min_nodes else ()
+        decision = attempts.decide(self.attempt, ends, ledger, self.policy, self.restarts, cause, failure, self.plan.hosts,
+                                   joiners=back, rejoins_so_far=self.rejoins)
         if not decision.restart:  # the ledger's last word is how the run ended
             end_attempt(self.paths, self.attempt, decision.state, decision.reason,
                         latest_iteration(self.paths.checkpoints_dir), lost=decision.lost)
@@ -350,7 +380,13 @@ class Supervisor:
             if self.paths.failure_file.exists():  # node 0's own record: it alone writes and moves it
                 os.replace(self.paths.failure_file, self.paths.attempt_file(self.attempt, "failure.txt"))
             clear_failure(self.paths)
+        return self._publish(decision)
+
+    def _publish(self, decision: Decision) -> Decision:
+        """Node 0: the decision on the board, and the nodes it takes back told so."""
         self.board.write_decision(decision)
+        for rank in decision.joined:
+            self.board.accept_join(rank, decision.attempt)
         return decision
 
     def join(self, decided: tuple[int, ...]) -> bool:
@@ -394,7 +430,9 @@ class Supervisor:
             try:
                 self.board.mark_exited()
                 if self.leader:  # the store lives in this process: keep it until the others are done with it
-                    others = [n for n in self.members if n != self.rank]
+                    absent = [n for n in range(self.nnodes) if n not in self.members]
+                    back = self.board.join_requests(absent) if absent else []  # joining: told by exit/0
+                    others = [n for n in (*self.members, *back) if n != self.rank]
                     self._wait(self.policy.node_lost_s + HEARTBEAT_S,
                                lambda: all(self.board.exited(n) for n in others) or
                                set(others) <= set(self.board.silent_nodes(others)), state, beat=False)
@@ -423,6 +461,10 @@ class Supervisor:
                                                 "(MASTER_PORT + 1); start the run on node 0 too, and allow TCP to it")
         self.board = Board(store, self.rank, self.policy.node_lost_s)
         try:
+            if self.plan.rejoin:
+                ended = self._come_back()
+                if ended is not None:
+                    return ended
             return self._attempts()
         except BoardUnreachable as exc:
             if self.stopping:
@@ -435,23 +477,57 @@ class Supervisor:
                 return self.finish(RunState.STOPPED if self.stopping else RunState.FAILED,
                                    "stopped on request" if self.stopping else self._failure() or "a node did not join")
             end = self.run_attempt()
-            final = end.state in (RunState.FINISHED, RunState.PREEMPTED) or end.requested
-            if final or self.restarts >= self.policy.max_restarts:  # no restart can follow: end as this node ended
+            # the ranks saved and ended for nodes brought back, not for a save request: the run goes on
+            rejoining = (end.state in (RunState.PREEMPTED, RunState.FINISHED) and self.board.rejoin(self.attempt)
+                         and not self.board.save_request())
+            final = (end.state in (RunState.FINISHED, RunState.PREEMPTED) and not rejoining) or end.requested
+            if final or (self.restarts >= self.policy.max_restarts and not rejoining):  # no restart can follow
                 self._close_ledger(end)
                 return self.finish(end.state, end.reason)
             self.board.write_end(end)
             decision = self.decide(end)
             if not decision.restart:
                 return self.finish(decision.state, decision.reason)
-            self.decided = decision.members or self.members
-            self.say(decision.reason)
-            self.beat(RunState.RESTARTING)
-            if self._wait(decision.backoff_s, self._save_request, RunState.RESTARTING):
-                return self.finish(RunState.PREEMPTED, "a save was requested between attempts: the latest checkpoint stands")
-            if self.stopping:
-                return self.finish(RunState.STOPPED, "stopped on request")
-            self.attempt += 1
-            self.restarts += 1
+            if not self._follow(decision):
+                return self.finish(*self._between_attempts_end())
+
+    def _follow(self, decision: Decision) -> bool:
+        """Every node: node 0's restart decision taken, its backoff waited; whether the next attempt
+        follows (a save request or a stop in the backoff ends the run)."""
+        self.decided = decision.members or self.members
+        self.restarts, self.rejoins, self.joined = decision.restarts, decision.rejoins, decision.joined
+        self.say(decision.reason)
+        self.beat(RunState.RESTARTING)
+        if self._wait(decision.backoff_s, self._save_request, RunState.RESTARTING) or self.stopping:
+            return False
+        self.attempt += 1
+        return True
+
+    def _between_attempts_end(self) -> tuple[RunState, str]:
+        if self.stopping:
+            return RunState.STOPPED, "stopped on request"
+        return RunState.PREEMPTED, "a save was requested between attempts: the latest checkpoint stands"
+
+    def _come_back(self) -> int | None:
+        """A node brought back (``rejoin``): ask node 0 for a place, wait (beating, ``joining``)
+        until it takes this node at its next restart, then follow that decision. None when it
+        follows; else this supervisor's exit (the run ended meanwhile, or a stop)."""
+        request = self.board.request_join()
+        self.say(f"back for run {self.plan.run}: node 0 takes this node at its next restart (after the ranks save "
+                 "a checkpoint at their next step)")
+        write_pid_file(self.plan.pid_file, processes.new_record(
+            self.plan.run, self.plan.run_id, self.rank, self.plan.host, os.getpid(), ["node-supervise"],
+            Path(self.plan.log_path), supervisor_pid=os.getpid()))
+        answer = self._wait(float("inf"), lambda: self.board.join_answer(request) or
+                            (-1 if self.board.exited(0) or self.board.silent_nodes([0]) else None), RunState.JOINING)
+        if self.stopping:
+            return self.finish(RunState.STOPPED, "stopped on request")
+        if answer == -1:
+            return self.finish(RunState.STOPPED, "the run ended on node 0 before it took this node back")
+        self.attempt = answer
+        if not self._follow(self.board.read_decision(answer)):
+            return self.finish(*self._between_attempts_end())
+        return None
 
 
 def hang_summary(paths: RunPaths, attempt: int, claim: attempts.HangClaim, reports: dict, plan: NodePlan) -> str:

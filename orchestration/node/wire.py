@@ -97,6 +97,10 @@ class NodePlan:
     resume_args: tuple[str, ...] = ()
     """Appended to :attr:`argv` for an attempt that starts with a checkpoint in the run's folder
     (Megatron-LM's ``--load``, which must be absent while there is none)."""
+    rejoin: bool = False
+    """This node comes back to the run going on without it (NNODES=MIN:MAX; ``rejoin``): its
+    supervisor asks node 0 for a place and waits, ``joining``, for the next restart, instead of
+    starting an attempt of its own."""
 
     def attempt_argv(self, has_checkpoint: bool, members: Sequence[int] | None = None) -> tuple[str, ...]:
         """The torchrun command of an attempt: :attr:`argv` on the nodes ``members`` (default all:
@@ -199,7 +203,7 @@ def stop_call(run: str, node_rank: int, host: str, artifact_root: Path, grace_s:
 def status_call(run: str, node_rank: int, host: str, artifact_root: Path, seq_length: int | None = None,
                 by_heartbeat: bool = False) -> NodeCall:
     """``by_heartbeat``: answered from another machine that shares the files (alive = the node's
-    supervisor beat recently), not from the node's process table."""
+    supervisor's heartbeat record is there, its exit record not), not from the node's process table."""
     return NodeCall("node-status", (*_run_args(run, node_rank, host, artifact_root),
                                     *(["--seq-length", str(seq_length)] if seq_length else []),
                                     *(["--by-heartbeat"] if by_heartbeat else [])))
@@ -319,8 +323,8 @@ def build_node_parser() -> argparse.ArgumentParser:
             p.add_argument("--seconds", type=float, help="how long to keep exchanging (unset: linktest.py's MEASURE_S)")
         if name == "node-status":
             p.add_argument("--seq-length", type=int, help="tokens per sequence, for tokens/s")
-            p.add_argument("--by-heartbeat", action="store_true", help="alive = the supervisor beat recently (another "
-                           "machine sharing the artifact root answers)")
+            p.add_argument("--by-heartbeat", action="store_true", help="alive = the supervisor's heartbeat record is "
+                           "there and its exit record not (another machine sharing the artifact root answers)")
     return parser
 
 

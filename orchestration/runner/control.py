@@ -28,7 +28,8 @@ from orchestration.cluster import slurm
 from orchestration.cluster.fanout import NodeResult, call_nodes
 from orchestration.cluster.transports import transport_for
 from orchestration.launch_env import LaunchEnv
-from orchestration.node.run_state import AttemptRecord, RunState, read_ledger, read_pid_file, request_save
+from orchestration.node.run_state import (AttemptRecord, RunState, read_heartbeat, read_ledger, read_pid_file,
+                                          request_save)
 from orchestration.node.local import answer_here
 from orchestration.node.wire import (DEFAULT_STOP_GRACE_S, NodeStatus, StopPreview, StopResult, decode_payload, status_call,
                                      stop_call)
@@ -140,8 +141,10 @@ def node_statuses(launch: LaunchEnv, run: str, nodes: Sequence[tuple[int, str]],
                   by_heartbeat: bool = False) -> list[NodeResult[NodeStatus]]:
     """Every node's status: asked of each node (in this process for this machine), or, inside a
     Slurm allocation or with ``by_heartbeat``, read from the shared files here (no srun task per poll)."""
-    if by_heartbeat or launch.use_srun:
-        return [_status_here(launch, run, rank, host, seq_length) for rank, host in nodes]
+    if by_heartbeat or launch.use_srun:  # the records alone: a node the ledger lost wrote none to say it ended
+        lost = lost_nodes(RunPaths(launch.artifact_root, run))
+        return [_lost_node(rank, host, lost[rank]) if rank in lost else _status_here(launch, run, rank, host, seq_length)
+                for rank, host in nodes]
     return call_nodes(launch, nodes, lambda rank, host: status_call(run, rank, host, launch.artifact_root, seq_length),
                       NodeStatus, STATUS_TIMEOUT_S)
 
@@ -151,8 +154,9 @@ def collect_status(launch: LaunchEnv, run: str, only_this_node: bool = False) ->
     resolved = read_resolved(paths.params_path)
     seq = resolved.params.training.seq_length if resolved else None
     ledger = tuple(read_ledger(paths))
-    this_start = [r for r in ledger if resolved and r.run_id == resolved.runtime.run_id]
-    max_attempts = (this_start[0].attempt + resolved.params.training.resilience.max_restarts) if this_start else None
+    this_start = this_start_ledger(paths)
+    rejoins = sum(1 for r in this_start[:-1] if r.state == RunState.PREEMPTED)  # saved for nodes back: not restarts
+    max_attempts = (this_start[0].attempt + resolved.params.training.resilience.max_restarts + rejoins) if this_start else None
     job = batch_job_of(launch, run, only_this_node)
     if job:  # a batch job, seen from outside it: its state, and each node from the shared run_state files
         state = slurm.job_state(job)
@@ -160,10 +164,28 @@ def collect_status(launch: LaunchEnv, run: str, only_this_node: bool = False) ->
         nodes = node_statuses(launch, run, list(enumerate(hosts)), seq, by_heartbeat=True)
         return StatusReport(run, tuple(nodes), job, state, ledger, max_attempts)
     nodes = run_nodes(launch, run, only_this_node)
-    lost = {n: r for r in this_start for n in r.lost}  # not asked: their machines are gone
+    lost = lost_nodes(paths, this_start)  # not asked: their machines are gone
     asked = {r.node_rank: r for r in node_statuses(launch, run, [(k, h) for k, h in nodes if k not in lost], seq)}
     results = tuple(asked.get(k) or _lost_node(k, h, lost[k]) for k, h in nodes)
     return StatusReport(run, results, attempts=ledger, max_attempts=max_attempts)
+
+
+def this_start_ledger(paths: RunPaths) -> list[AttemptRecord]:
+    """The ledger's attempts of the run's latest start (its resolved parameters' run id)."""
+    resolved = read_resolved(paths.params_path)
+    return [r for r in read_ledger(paths) if resolved and r.run_id == resolved.runtime.run_id]
+
+
+def lost_nodes(paths: RunPaths, this_start: Sequence[AttemptRecord] | None = None) -> dict[int, AttemptRecord]:
+    """The nodes the run lost and has not taken back (none of its later attempts ran on them),
+    each with the attempt that lost it; a node brought back and ``joining`` (its heartbeat record
+    says so) is not among them."""
+    out: dict[int, AttemptRecord] = {}
+    for record in this_start_ledger(paths) if this_start is None else this_start:
+        out = {n: r for n, r in out.items() if n not in record.nodes}
+        out.update({n: record for n in record.lost})
+    joining = {n for n in out if (beat := read_heartbeat(paths, n)) and beat.state == RunState.JOINING}
+    return {n: r for n, r in out.items() if n not in joining}
 
 
 def _lost_node(rank: int, host: str, record: AttemptRecord) -> NodeResult[NodeStatus]:
