@@ -2,7 +2,7 @@
 
     python benchmarks/cluster_commands.py                          # this checkout; 2, 4 and 8 nodes
     git -C /work/main worktree add /tmp/before effa641             # a "before", once
-    python benchmarks/cluster_commands.py --repo /tmp/before --repo . [--nodes 2,4,8] [--repeats 2]
+    python benchmarks/cluster_commands.py --repo /tmp/before --repo . --one-disk [--nodes 2,4,8] [--repeats 2]
 
 Needs root, iproute2, openssh-server and sshfs: one namespace cluster (tests/netns_cluster.py) of
 as many nodes as the largest count, node 0 keeping the artifact root and every other node seeing
@@ -174,10 +174,12 @@ def main() -> int:
     p.add_argument("--nodes", default="2,4,8", help="node counts, comma-separated (default 2,4,8)")
     p.add_argument("--repeats", type=int, default=1, help="measurements per node count and repository (default 1)")
     p.add_argument("--no-renice", action="store_true", help="leave the ranks at their nice level during status and stop")
+    p.add_argument("--one-disk", action="store_true", help="every node on this machine's disk, no sshfs (a checkout "
+                   "from before issue 38 cannot train on a network file system: its nodes raced for the data cache)")
     args = p.parse_args()
     from netns_cluster import NamespaceCluster, missing_prerequisites
 
-    missing = missing_prerequisites(share=True)
+    missing = missing_prerequisites(share=not args.one_disk)
     if missing:
         print(f"cluster_commands: cannot build the namespace cluster: it {missing}", file=sys.stderr)
         return 2
@@ -202,9 +204,9 @@ def main() -> int:
     for root in roots.values():  # made before the nodes mount the share
         root.mkdir(parents=True)
     (work / "cluster").mkdir()
-    print(f"{max(counts)}-node namespace cluster (node 0's artifact root through sshfs on the others); work folder {work}",
-          flush=True)
-    cluster = NamespaceCluster(max(counts), work / "cluster", share=share).open()
+    where = "one disk" if args.one_disk else "node 0's artifact root through sshfs on the others"
+    print(f"{max(counts)}-node namespace cluster ({where}); work folder {work}", flush=True)
+    cluster = NamespaceCluster(max(counts), work / "cluster", share=None if args.one_disk else share).open()
     bench = Bench(cluster, work, roots, renice=not args.no_renice)
     times: dict[tuple[int, Path], list[tuple[float, float, float, int, int]]] = {}
     try:

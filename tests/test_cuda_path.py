@@ -317,19 +317,22 @@ def test_every_node_s_preflight_refuses_fp8_it_cannot_run(tmp_path, monkeypatch)
     compute capability (nvidia-smi, no CUDA initialisation) against fp8_problem, before anything
     starts; the same rule every rank applies at its edge."""
     from orchestration.node import preflight
-    from orchestration.node.wire import CheckRequest, check_call
+    from orchestration.node.wire import CheckRequest, NodeCheckRequest, check_call, decode_request, target
 
-    call = check_call("r", 0, "localhost", tmp_path, CheckRequest("localhost", 2, None, fp8="hybrid"), master_port=None)
-    assert call.args[-2:] == ("--fp8", "hybrid")
-    cpu = preflight.inspect_node(0, "localhost", "localhost", None, 2, [], None, tmp_path / "rs", 0, REPO, fp8="hybrid")
+    def check(**fields) -> NodeCheckRequest:
+        return NodeCheckRequest(target("r", 0, "localhost", tmp_path), CheckRequest("localhost", 2, 1, **fields))
+
+    call = check_call("r", 0, "localhost", tmp_path, CheckRequest("localhost", 2, 1, fp8="hybrid"), master_port=None)
+    assert decode_request(call.command, call.request) == check(fp8="hybrid")  # the request, as the node reads it
+    cpu = preflight.inspect_node(check(fp8="hybrid"), tmp_path / "rs", 0, REPO)
     assert any(p.startswith("training.fp8=hybrid needs a GPU with FP8 tensor cores") for p in cpu.problems), cpu.problems
     monkeypatch.setattr(preflight, "compute_capability", lambda: (8, 0))
-    a100 = preflight.inspect_node(0, "localhost", "localhost", None, 2, [], None, tmp_path / "rs", 8, REPO, fp8="e4m3")
+    a100 = preflight.inspect_node(check(fp8="e4m3"), tmp_path / "rs", 8, REPO)
     assert any("this GPU is 8.0" in p for p in a100.problems), a100.problems
     monkeypatch.setattr(preflight, "compute_capability", lambda: (9, 0))
-    h200 = preflight.inspect_node(0, "localhost", "localhost", None, 2, [], None, tmp_path / "rs", 8, REPO, fp8="hybrid")
+    h200 = preflight.inspect_node(check(fp8="hybrid"), tmp_path / "rs", 8, REPO)
     assert any("transformer-engine is not installed" in p for p in h200.problems), h200.problems  # none here
-    bf16 = preflight.inspect_node(0, "localhost", "localhost", None, 2, [], None, tmp_path / "rs", 8, REPO)
+    bf16 = preflight.inspect_node(check(), tmp_path / "rs", 8, REPO)
     assert not any("fp8" in p for p in bf16.problems)
 
 

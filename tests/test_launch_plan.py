@@ -32,13 +32,16 @@ def test_one_node_defaults():
 
 
 def test_link_test_seconds_reach_every_node_s_call():
-    """LINK_TEST_S becomes node-linktest's --seconds; unset, the node keeps its own default."""
-    from orchestration.node.wire import build_node_parser, linktest_call
+    """LINK_TEST_S becomes node-linktest's seconds; unset, the node keeps its own default. The node
+    reads the same typed request the launcher wrote (one JSON argument)."""
+    from orchestration.node.wire import build_node_parser, decode_request, linktest_call
 
     assert read_launch_env({}).link_test_s is None and read_launch_env({"LINK_TEST_S": "0.3"}).link_test_s == 0.3
     for seconds in (None, 0.3):
         call = linktest_call("r1", 1, "node1", Path("/art"), 2, "10.0.0.1", 6001, "gloo", "eth0", seconds)
-        assert build_node_parser().parse_args([call.command, *call.args]).seconds == seconds
+        args = build_node_parser().parse_args([call.command, *call.args])
+        request = decode_request(args.command, args.request)
+        assert request.seconds == seconds and (request.target.node_rank, request.interface) == (1, "eth0")
 
 
 def test_hosts_give_ranks_and_master(tmp_path):

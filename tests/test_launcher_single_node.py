@@ -128,7 +128,7 @@ os.execvpe(cmd[0], cmd, env)
         assert commands == [["orchestration", "node-check"], ["orchestration", "node-start"]]
         first = calls[1]
         assert first[:4] == ["exec", "-w", str(REPO), "-e"]
-        plan = json.loads(first[first.index("--plan") + 1])  # the node's whole plan travels with the command
+        plan = json.loads(first[first.index("--request") + 1])  # the node's whole plan travels with the command
         assert plan["env"]["ARTIFACT_ROOT"] == str(artifact_root) and plan["env"]["NODE_RANK"] == "0" and plan["env"]["NNODES"] == "1"
         python = first[first.index("megatron-training") + 1]  # the start command's interpreter, by path
         assert os.path.isabs(python) and os.path.realpath(python) == os.path.realpath(sys.executable)
@@ -136,7 +136,8 @@ os.execvpe(cmd[0], cmd, env)
         stop = run_script("stop_multinode_training.sh", "in_container", env=denv)
         assert stop.returncode == 0, stop.stdout + stop.stderr
         last = json.loads(record.read_text().splitlines()[-1])
-        assert last[last.index("megatron-training") + 3:last.index("megatron-training") + 6] == ["orchestration", "node-stop", "in_container"]
+        assert last[last.index("megatron-training") + 3:last.index("megatron-training") + 5] == ["orchestration", "node-stop"]
+        assert json.loads(last[-1])["target"]["run"] == "in_container"
         assert tagged_pids("in_container") == []
     finally:
         run_script("stop_training.sh", "in_container", env=env)

@@ -136,8 +136,10 @@ def test_the_launcher_imports_only_the_contract_of_the_node_side():
 def test_a_node_command_loads_no_launcher_module(tmp_path):
     """``python -m orchestration node-status`` as a node runs it: no runner, cluster, analysis, cli,
     megatron_lm, import_args or launch_env module, no torch, no matplotlib."""
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "orchestration", "node-status", "r", "--node-rank", "0",
-                           "--host", "localhost", "--artifact-root", str(tmp_path)], cwd=REPO, env=clean_env(),
+    from orchestration.node.wire import status_call
+
+    call = status_call("r", 0, "localhost", tmp_path)
+    proc = subprocess.run([sys.executable, "-X", "importtime", *call.argv("-m")[1:]], cwd=REPO, env=clean_env(),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and '"state": "not started"' in proc.stdout, proc.stdout + proc.stderr[-2000:]
     loaded = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}

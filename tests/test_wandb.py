@@ -16,7 +16,7 @@ from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.run_spec.wandb_run import read_wandb_settings
 from orchestration.launch_env import read_launch_env
-from orchestration.node.wire import CheckRequest, check_call
+from orchestration.node.wire import CheckRequest, NodeCheckRequest, check_call, decode_request, target
 from orchestration.runner.preflight import required_modules
 
 
@@ -61,16 +61,17 @@ def test_the_launcher_forwards_wandb_and_every_node_checks_it_imports(tmp_path, 
     assert required_modules(launch) == ("wandb",)
     assert required_modules(read_launch_env({"WANDB_PROJECT": "p", "WANDB_MODE": "disabled"})) == ()
     assert required_modules(read_launch_env({})) == ()
-    call = check_call("r", 0, "localhost", tmp_path, CheckRequest("localhost", 2, tmp_path / "t",
-                                                                  required_modules=required_modules(launch)), master_port=None)
-    assert call.args[-2:] == ("--require-module", "wandb")
+    request = CheckRequest("localhost", 2, 1, str(tmp_path / "t"), required_modules=required_modules(launch))
+    call = check_call("r", 0, "localhost", tmp_path, request, master_port=None)
+    assert decode_request(call.command, call.request).check.required_modules == ("wandb",)
 
     from orchestration.node import preflight
 
     real = preflight.importlib.util.find_spec
     monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    report = preflight.inspect_node(0, "localhost", "localhost", None, 2, [], None, tmp_path / "run_state", 0, REPO,
-                                    required_modules=["wandb"])
+    report = preflight.inspect_node(NodeCheckRequest(target("r", 0, "localhost", tmp_path),
+                                                     CheckRequest("localhost", 2, 1, required_modules=("wandb",))),
+                                    tmp_path / "run_state", 0, REPO)
     [problem] = [p for p in report.problems if "wandb" in p]
     assert problem.startswith("WANDB_PROJECT is set but wandb is not installed on this node (")
     assert "pip install wandb (or pip install -e .[wandb]) on every node, or unset WANDB_PROJECT" in problem

@@ -37,6 +37,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from megatron_ext.run_spec.convert import structure
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import DataParams, TokenizerParams
 from megatron_ext.data.indexed_format import optimal_dtype, write_index
@@ -349,10 +350,9 @@ def _read_manifest(path: Path) -> PreparedData:
     def resolve(p: str | None) -> str | None:
         return str(path.parent / p) if p and not os.path.isabs(p) else p
 
-    raw["prefixes"] = tuple(resolve(p) for p in raw["prefixes"])
-    raw["weights"] = tuple(raw["weights"])
+    raw["prefixes"] = [resolve(p) for p in raw["prefixes"]]
     raw["tokenizer_path"] = resolve(raw["tokenizer_path"])
-    return PreparedData(**raw)
+    return structure(PreparedData, raw)
 
 
 def ensure_prepared(data: DataParams, cache_root: Path, workers: int = 2, prepares: bool = True,

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_ext.run_spec.convert import structure
 from megatron_ext.run_spec.errors import UserError
 
 LATEST = "latest"
@@ -56,7 +57,7 @@ def latest_iteration(checkpoints_dir: Path | str) -> int | None:
 
 
 def read_meta(checkpoints_dir: Path, iteration: int) -> CheckpointMeta:
-    return CheckpointMeta(**json.loads((checkpoints_dir / iteration_dir_name(iteration) / "meta.json").read_text()))
+    return structure(CheckpointMeta, json.loads((checkpoints_dir / iteration_dir_name(iteration) / "meta.json").read_text()))
 
 
 def ddp_bucket_elements(data_parallel_size: int) -> int:

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
+from megatron_ext.run_spec.convert import structure
+
 
 @dataclass
 class IterationRecord:
@@ -242,8 +244,8 @@ def read_metrics(path: Path) -> list[IterationRecord]:
     out = []
     for line in path.read_text().splitlines():
         try:
-            out.append(IterationRecord(**json.loads(line)))
-        except (json.JSONDecodeError, TypeError):
+            out.append(structure(IterationRecord, json.loads(line)))
+        except ValueError:  # JSONDecodeError too
             continue
     return out
 

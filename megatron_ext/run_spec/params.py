@@ -13,7 +13,6 @@ YAML files: what the environment changes (ZERO_STAGE, ENGINE, ...) comes in as e
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
+from megatron_ext.run_spec.convert import structure_params, unstructure
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.hf_config import is_hf_model_dir, preset_from_hf_config, read_hf_config
 from megatron_ext.run_spec.resilience import ResilienceParams, check_resilience, read_resilience_overrides, with_overrides
@@ -331,59 +331,10 @@ def _parse_yaml(path: Path) -> Any:
         raise UserError(f"{where}: not valid YAML ({problem}); fix the file at that line") from None
 
 
-def _coerce(value: Any, annotation: Any, where: str) -> Any:
-    """Check/convert one YAML value against a dataclass field annotation."""
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], where)
-    if origin is Literal:
-        if value not in args:
-            raise UserError(f"{where}={value!r} is not one of {list(args)}; use one of them")
-        return value
-    if origin is tuple:
-        if isinstance(value, (str, int, float)):
-            value = [value]
-        if not isinstance(value, (list, tuple)):
-            raise UserError(f"{where}={value!r} must be a list")
-        return tuple(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
-    if dataclasses.is_dataclass(annotation):
-        return build_dataclass(annotation, value or {}, where)
-    if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if annotation is float and isinstance(value, str):
-        try:
-            return float(value)  # YAML 1.1 reads "1e-3" as a string
-        except ValueError:
-            pass
-    if annotation in (int, float, str, bool):
-        if isinstance(value, bool) != (annotation is bool) or not isinstance(value, annotation):
-            raise UserError(
-                f"{where}={value!r} must be {annotation.__name__}, got {type(value).__name__}"
-            )
-    return value
-
-
 def build_dataclass(cls: type, raw: dict[str, Any], where: str) -> Any:
-    """Build a frozen dataclass from a mapping; unknown keys and wrong types are UserErrors."""
-    if not isinstance(raw, dict):
-        raise UserError(f"{where} must be a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise UserError(
-            f"unknown key {unknown[0]!r} in {where}; known keys: {', '.join(sorted(known))} "
-            "(fix the spelling or remove it)"
-        )
-    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in raw.items()}
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:  # a required field is missing
-        raise UserError(f"{where}: {exc}") from None
+    """A parameters dataclass from a user's mapping (megatron_ext/run_spec/convert.py): unknown keys
+    and wrong types are UserErrors naming ``where``."""
+    return structure_params(cls, raw, where)
 
 
 def load_model(name: str, params_dir: Path = PARAMS_DIR) -> ModelPreset:
@@ -548,7 +499,7 @@ def with_batch_geometry(p: RunParams, data_parallel_size: int) -> tuple[RunParam
 
 
 def params_as_dict(p: RunParams) -> dict[str, Any]:
-    return dataclasses.asdict(p)
+    return unstructure(p)
 
 
 def params_from_dict(raw: dict[str, Any], where: str) -> RunParams:

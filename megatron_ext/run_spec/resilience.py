@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Mapping
 
+from megatron_ext.run_spec.convert import structure
 from megatron_ext.run_spec.errors import UserError
 
 PHASES = ("prepare", "setup", "step", "eval", "checkpoint", "done", "preempted")
@@ -191,8 +192,8 @@ def read_progress(directory: Path) -> dict[int, RankProgress]:
     out = {}
     for path in directory.glob("rank*.json"):
         try:
-            p = RankProgress(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
+            p = structure(RankProgress, json.loads(path.read_text()))
+        except (OSError, ValueError):
             continue
         out[p.rank] = p
     return out

@@ -13,6 +13,7 @@ import json
 import logging
 import shlex
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -87,13 +88,36 @@ def _result(rank: int, host: str, argv: list[str], returncode: int, stdout: str,
     return NodeResult(rank, host, argv, returncode, value, error, output)
 
 
+def _answer_within(call: NodeCall, environ: dict[str, str], timeout_s: float) -> tuple[int, str] | None:
+    """This machine's answer to ``call`` in this process, or None when it took longer than
+    ``timeout_s`` (the command then finishes on its own thread; its answer is dropped, as a remote
+    one's would be)."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["answer"] = answer_here(call, environ)
+        except BaseException as exc:  # raised again on the caller's thread
+            box["error"] = exc
+
+    worker = threading.Thread(target=run, name=f"node-call-{call.command}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if "error" in box:
+        raise box["error"]
+    return box.get("answer")
+
+
 def _run_one(launch: LaunchEnv, rank: int, host: str, call: NodeCall, decode: type[T] | None,
              timeout_s: float) -> NodeResult[T]:
     transport = transport_for(launch, host)
     argv = call.argv(launch.python)
     started = time.monotonic()
-    if transport.in_process:
-        returncode, line = answer_here(call, {**launch.environ, **launch.forwarded})
+    if transport.in_process:  # the same request, under the same timeout
+        answered = _answer_within(call, {**launch.environ, **launch.forwarded}, timeout_s)
+        if answered is None:
+            return NodeResult(rank, host, argv, 124, None, None, f"no answer within {timeout_s:.0f}s")
+        returncode, line = answered
         log.debug("%s %s in this process: exit %d in %.2f s", node_label(rank, host), call.command, returncode,
                   time.monotonic() - started)
         return _result(rank, host, argv, returncode, line, "", decode)

@@ -64,17 +64,6 @@ class Decision:
         return self.attempt + 1 if self.restart else None
 
 
-# -- as they cross the store ----------------------------------------------------------------------
-
-def decode_end(raw: dict) -> AttemptEnd:
-    return AttemptEnd(**{**raw, "state": RunState(raw["state"])})
-
-
-def decode_decision(raw: dict) -> Decision:
-    return Decision(**{**raw, "state": RunState(raw["state"]), "members": tuple(raw.get("members", ())),
-                       "lost": tuple(raw.get("lost", ())), "joined": tuple(raw.get("joined", ()))})
-
-
 @dataclass(frozen=True)
 class HangClaim(Hang):
     """The first node whose watchdog found a rank past its limit in an attempt (its

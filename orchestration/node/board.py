@@ -33,10 +33,10 @@ from __future__ import annotations
 import datetime
 import json
 import time
-from dataclasses import asdict
 from typing import Callable, Iterable, Protocol, Sequence
 
-from orchestration.node.attempts import AttemptEnd, Decision, HangClaim, decode_decision, decode_end
+from megatron_ext.run_spec.convert import structure, unstructure
+from orchestration.node.attempts import AttemptEnd, Decision, HangClaim
 from orchestration.node.watchdog import Hang
 from orchestration.node.wire import coordination_port
 
@@ -166,25 +166,25 @@ class Board:
         return self._get(f"a{attempt}/failure")
 
     def claim_hang(self, attempt: int, hang: Hang, claimed_at: float) -> bool:
-        return self._claim(f"a{attempt}/hang", json.dumps({**asdict(hang), "claimed_at": claimed_at}))
+        return self._claim(f"a{attempt}/hang", json.dumps({**unstructure(hang), "claimed_at": claimed_at}))
 
     def hang_claim(self, attempt: int) -> HangClaim | None:
         raw = self._get(f"a{attempt}/hang")
-        return HangClaim(**json.loads(raw)) if raw else None
+        return structure(HangClaim, json.loads(raw)) if raw else None
 
     def write_end(self, end: AttemptEnd) -> None:
-        self._call("set", f"a{end.attempt}/end/{end.node_rank}", json.dumps(asdict(end)))
+        self._call("set", f"a{end.attempt}/end/{end.node_rank}", json.dumps(unstructure(end)))
 
     def read_end(self, attempt: int, node_rank: int) -> AttemptEnd | None:
         raw = self._get(f"a{attempt}/end/{node_rank}")
-        return decode_end(json.loads(raw)) if raw else None
+        return structure(AttemptEnd, json.loads(raw)) if raw else None
 
     def write_decision(self, decision: Decision) -> None:
-        self._call("set", f"a{decision.attempt}/decision", json.dumps(asdict(decision)))
+        self._call("set", f"a{decision.attempt}/decision", json.dumps(unstructure(decision)))
 
     def read_decision(self, attempt: int) -> Decision | None:
         raw = self._get(f"a{attempt}/decision")
-        return decode_decision(json.loads(raw)) if raw else None
+        return structure(Decision, json.loads(raw)) if raw else None
 
     def mark_ready(self, attempt: int) -> None:
         self._call("set", f"a{attempt}/ready/{self.rank}", "1")

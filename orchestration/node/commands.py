@@ -1,10 +1,10 @@
 """What runs on one node: check, start, supervise, stop and report a run there; the node side's edge.
 
-    python -m orchestration node-status my_run --node-rank 0 --host localhost --artifact-root /shared/runs
+    python -m orchestration node-status --request '{"target": {"run": "demo", "node_rank": 0, "host": "localhost", "artifact_root": "/shared/runs"}}'
 
 Called locally, over ssh, through ``docker exec`` or as an srun task by the launcher, with
-everything it needs as arguments (the artifact root, or a node's whole
-:class:`~orchestration.node.wire.NodePlan`): it reads no launcher variable. :func:`main` is
+everything it needs in its one typed request (orchestration/node/wire.py: the run and node, or a
+node's whole :class:`~orchestration.node.wire.NodePlan`): it reads no launcher variable. :func:`main` is
 the one dispatcher of every node command and the node side's only reader of its environment
 (:class:`NodeEnv`: the variables handed on to torchrun, Slurm's task variables, the GPUs it shows)
 and of its standard input (``node-start``: the values of the plan's secret variables, one JSON
@@ -15,6 +15,7 @@ the launcher side.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -35,8 +36,9 @@ from orchestration.node.run_state import (RunState, read_exit, read_failure, rea
                                           read_pid_file, reset_node_files, reset_run_files, tail, wait_until_started,
                                           write_plan_file)
 from orchestration.node.supervisor import Supervisor
-from orchestration.node.wire import (RUN_ID_TAG, NodePlan, NodeStarted, NodeStatus, build_node_parser, decode_payload,
-                                     decode_secrets, encode_error, encode_payload, stop_command, supervise_argv)
+from orchestration.node.wire import (RUN_ID_TAG, NodeCheckRequest, NodePlan, NodeStarted, NodeStatus, build_node_parser,
+                                     decode_payload, decode_request, decode_secrets, encode_error, encode_payload,
+                                     stop_command, supervise_argv)
 
 log = logging.getLogger(__name__)
 
@@ -91,18 +93,15 @@ def refuse_if_running(pid_path: Path, run: str, node_rank: int) -> None:
         )
 
 
-def node_check(paths: RunPaths, args, node: "NodeEnv"):
+def node_check(request: NodeCheckRequest, node: "NodeEnv"):
     """Preflight on this node (orchestration/node/preflight.py): the run is not live here, and
     every other check; the report lists every problem found."""
     from orchestration.node.preflight import inspect_node  # node-check's alone: the supervisor starts without it
 
-    refuse_if_running(paths.node_pid_file(args.node_rank), paths.run, args.node_rank)
-    return inspect_node(args.node_rank, args.host, args.master_addr, args.master_port, args.nproc_per_node,
-                        args.require_path, args.shared_token, paths.run_state_dir, node.visible_gpus, Path.cwd(),
-                        tokenizer=(args.tokenizer_type, args.tokenizer_model) if args.tokenizer_model else None,
-                        required_modules=args.require_module, needs_cuda=args.needs_cuda, environ=node.environ,
-                        checkpoints=(args.checkpoint_dir, args.checkpoint_parameters, args.keep_checkpoints)
-                        if args.checkpoint_dir and args.checkpoint_parameters else None, fp8=args.fp8, nnodes=args.nnodes)
+    t = request.target
+    paths = RunPaths(t.artifact_root, t.run)
+    refuse_if_running(paths.node_pid_file(t.node_rank), paths.run, t.node_rank)
+    return inspect_node(request, paths.run_state_dir, node.visible_gpus, Path.cwd(), node.environ)
 
 
 def receive_secrets(plan: NodePlan, line: str, node_env: Mapping[str, str]) -> dict[str, str]:
@@ -240,23 +239,22 @@ def standing_slow_ranks(log_text: str) -> str | None:
     return None
 
 
-def _answer(command: str, args, node: NodeEnv, stdin_line: str):
+def _answer(command: str, request, node: NodeEnv, stdin_line: str):
     if command == "node-start":
-        plan = NodePlan.from_json(args.plan)
-        return node_start(plan, node, sys.executable, receive_secrets(plan, stdin_line, node.environ))
-    paths = RunPaths(args.artifact_root, check_run_name(args.run))
+        return node_start(request, node, sys.executable, receive_secrets(request, stdin_line, node.environ))
+    t = request.target
+    paths = RunPaths(t.artifact_root, check_run_name(t.run))
     if command == "node-check":
-        return node_check(paths, args, node)
+        return node_check(request, node)
     if command == "node-linktest":
         from orchestration.node.linktest import run_linktest  # the same
 
-        return run_linktest(args.node_rank, args.host, args.nnodes, args.master_addr, args.port, args.backend, node.environ,
-                            interface=args.interface, seconds=args.seconds)
+        return run_linktest(request, node.environ)
     if command == "node-stop":
-        stop = processes.preview_stop if args.dry_run else processes.stop_node
-        return stop(paths.run, args.node_rank, args.host, paths.node_pid_file(args.node_rank), args.grace_s,
-                    artifact_root=str(args.artifact_root))
-    return node_status(paths, args.node_rank, args.host, args.seq_length, args.by_heartbeat)
+        stop = processes.preview_stop if request.dry_run else processes.stop_node
+        return stop(paths.run, t.node_rank, t.host, paths.node_pid_file(t.node_rank), request.grace_s,
+                    artifact_root=str(t.artifact_root))
+    return node_status(paths, t.node_rank, t.host, request.seq_length, request.by_heartbeat)
 
 
 def answer(argv: Sequence[str], environ: Mapping[str, str], stdin_line: str = "") -> tuple[int, str]:
@@ -264,12 +262,24 @@ def answer(argv: Sequence[str], environ: Mapping[str, str], stdin_line: str = ""
     node-start's secrets line. Also how the launcher answers its own machine's calls in-process."""
     args = build_node_parser().parse_args(list(argv))
     try:
-        payload = _answer(args.command, args, read_node_env(environ), stdin_line)
+        request = decode_request(args.command, args.request)
+    except ValueError as exc:
+        return EXIT_USER_ERROR, encode_error(f"{exc}; send node commands with the launcher of the same checkout")
+    try:
+        payload = _answer(args.command, request, read_node_env(environ), stdin_line)
     except UserError as exc:
         return EXIT_USER_ERROR, encode_error(str(exc))
     except NodeError as exc:
         return EXIT_NODE_FAILED, encode_error(str(exc))
     return EXIT_OK, encode_payload(payload)
+
+
+def plan_names_secrets(request: str) -> bool:
+    """Whether node-start's plan names secret variables (then their line waits on standard input)."""
+    try:
+        return bool(json.loads(request).get("secret_names"))
+    except (ValueError, AttributeError):
+        return False  # answer() says what is wrong with the request
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -279,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_node_logging(os.environ.get("LOG_LEVEL", ""))
     if args.command == "node-supervise":
         return node_supervise(args.plan_file, read_node_env(os.environ))
-    needs_secrets = args.command == "node-start" and NodePlan.from_json(args.plan).secret_names and not sys.stdin.isatty()
+    needs_secrets = args.command == "node-start" and plan_names_secrets(args.request) and not sys.stdin.isatty()
     code, line = answer(argv, os.environ, sys.stdin.readline() if needs_secrets else "")  # the launcher's one line
     print(line, flush=True)
     return code

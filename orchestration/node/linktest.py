@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Mapping, Sequence
 
-from orchestration.node.wire import LINKTEST_TIMEOUT_S, LinkReport
+from orchestration.node.wire import LINKTEST_TIMEOUT_S, LinkReport, LinktestRequest
 
 DEFAULT_BYTES = {"gloo": 8 * 2**20, "nccl": 256 * 2**20}
 """The buffer each exchange moves (CPU: 8 MiB; GPUs: 256 MiB, large enough for the link's rate)."""
@@ -96,20 +96,20 @@ def measure(rank: int, nnodes: int, master_addr: str, port: int, backend: str, n
         dist.destroy_process_group()
 
 
-def run_linktest(node_rank: int, host: str, nnodes: int, master_addr: str, port: int, backend: str,
-                 environ: Mapping[str, str], python: str = sys.executable, interface: str | None = None,
-                 seconds: float | None = None) -> LinkReport:
-    """This node's part, in a child process (NCCL_DEBUG=INFO read for the transport), over
-    ``interface`` where the preflight chose one (the ranks get the same: without it gloo may take
-    the address the host name resolves to, 127.0.0.1 on many machines), exchanging for ``seconds``
-    (LINK_TEST_S; :data:`MEASURE_S` when None)."""
+def run_linktest(request: LinktestRequest, environ: Mapping[str, str], python: str = sys.executable) -> LinkReport:
+    """This node's part, in a child process (NCCL_DEBUG=INFO read for the transport), over the
+    request's ``interface`` where the preflight chose one (the ranks get the same: without it gloo
+    may take the address the host name resolves to, 127.0.0.1 on many machines), exchanging for its
+    ``seconds`` (LINK_TEST_S; :data:`MEASURE_S` when None)."""
+    node_rank, host, backend, port = request.target.node_rank, request.target.host, request.backend, request.port
+    interface, seconds = request.interface, request.seconds
     t0 = time.monotonic()
     env = {**environ, **({"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"} if backend == "nccl" else {})}
     if interface:
         env.setdefault("GLOO_SOCKET_IFNAME", interface)
         env.setdefault("NCCL_SOCKET_IFNAME", interface)
-    argv = [python, "-m", "orchestration.node.linktest", "--rank", str(node_rank), "--nnodes", str(nnodes),
-            "--master-addr", master_addr, "--port", str(port), "--backend", backend,
+    argv = [python, "-m", "orchestration.node.linktest", "--rank", str(node_rank), "--nnodes", str(request.nnodes),
+            "--master-addr", request.master_addr, "--port", str(port), "--backend", backend,
             *(("--seconds", repr(seconds)) if seconds is not None else ())]
     try:
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=LINKTEST_TIMEOUT_S,

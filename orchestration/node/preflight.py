@@ -34,7 +34,7 @@ from megatron_ext.run_spec.model_size import CHECKPOINT_BYTES_PER_PARAMETER, che
 from megatron_ext.run_spec.wandb_run import wandb_missing_message
 from megatron_ext.training.versions import check_megatron_core
 from orchestration.node.processes import port_is_free
-from orchestration.node.wire import NodeReport, coordination_port
+from orchestration.node.wire import NodeCheckRequest, NodeReport, coordination_port
 
 DEFAULT_PORT_SEARCH = range(6000, 6100)
 CONNECT_TIMEOUT_S = 5.0
@@ -202,14 +202,11 @@ def disk_problem(checkpoint_dir: Path, parameters: int, keep: int, device: str) 
             "larger file system (CHECKPOINT_ROOT)")
 
 
-def inspect_node(node_rank: int, host: str, master_addr: str, master_port: int | None, nproc_per_node: int,
-                 required_paths: list[str], shared_token: Path | None, run_state_dir: Path, visible_gpus: int,
-                 project_dir: Path, tokenizer: tuple[str, str] | None = None,
-                 required_modules: Sequence[str] = (), needs_cuda: bool = False,
-                 environ: Mapping[str, str] | None = None,
-                 checkpoints: tuple[str, int, int] | None = None, fp8: str | None = None, nnodes: int = 1) -> NodeReport:
-    """Every check for this node; ``master_port`` None = MASTER_PORT not set (node 0 picks one);
-    ``tokenizer`` (type, path): the run's tokenizer, which must load here."""
+def inspect_node(request: NodeCheckRequest, run_state_dir: Path, visible_gpus: int, project_dir: Path,
+                 environ: Mapping[str, str] | None = None) -> NodeReport:
+    """Every check of ``request`` on this node (its ``master_port`` None = MASTER_PORT not set:
+    node 0 picks one; its tokenizer must load here); ``environ``: the ranks' environment."""
+    node_rank, host, check, master_port = request.target.node_rank, request.target.host, request.check, request.master_port
     report = NodeReport(node_rank, host, software=installed_software(project_dir), local_dir=str(node_local_dir()),
                         visible_gpus=visible_gpus)
     problems = report.problems
@@ -223,27 +220,27 @@ def inspect_node(node_rank: int, host: str, master_addr: str, master_port: int |
             check_megatron_core(mcore)
         except UserError as exc:
             problems.append(str(exc))
-    for module in required_modules:  # optional modules the run imports: wandb with WANDB_PROJECT set
+    for module in check.required_modules:  # optional modules the run imports: wandb with WANDB_PROJECT set
         if importlib.util.find_spec(module) is None:
             where = f"on this node ({sys.executable})"
             problem = MODULE_PROBLEMS.get(module)
             problems.append(problem(where) if problem else
                             f"the run imports {module}, which is not installed {where}; pip install {module} on every node")
-    for path in required_paths:
+    for path in check.required_paths:
         p = Path(path)
         if not (p.exists() or (Path(f"{path}.bin").is_file() and Path(f"{path}.idx").is_file())):
             problems.append(f"{path} does not exist on this node; every node needs the run's data, tokenizer and model directory "
                             "(a shared file system, or a copy at the same path)")
-    if tokenizer is not None and Path(tokenizer[1]).exists():
-        problem = tokenizer_problem(*tokenizer)
+    if check.tokenizer is not None and Path(check.tokenizer[1]).exists():
+        problem = tokenizer_problem(*check.tokenizer)
         if problem:
             problems.append(f"{problem} (on this node)")
     problem = writable_problem(run_state_dir, node_rank)
     if problem:
         problems.append(problem)
-    if shared_token is not None and not shared_token.is_file():
+    if check.shared_token is not None and not Path(check.shared_token).is_file():
         problems.append(
-            f"the artifact root is not the one node 0 sees ({shared_token} is missing here): logs, pid files, the "
+            f"the artifact root is not the one node 0 sees ({check.shared_token} is missing here): logs, pid files, the "
             "failure file, checkpoints and the data cache (megatron-core builds its index on rank 0 only) must be "
             "shared; set ARTIFACT_ROOT to a path on a file system every node mounts")
     if node_rank == 0:
@@ -254,29 +251,30 @@ def inspect_node(node_rank: int, host: str, master_addr: str, master_port: int |
         elif not port_is_free(master_port):
             problems.append(f"MASTER_PORT={master_port} is in use on node 0 ({host}); choose a free port, "
                             f"e.g. MASTER_PORT={master_port + 2}, or unset it to pick one")
-        elif nnodes > 1 and not port_is_free(coordination_port(master_port)):
+        elif check.nnodes > 1 and not port_is_free(coordination_port(master_port)):
             problems.append(f"port {coordination_port(master_port)} (MASTER_PORT + 1, where node 0 keeps the run's "
                             f"coordination store) is in use on node 0 ({host}); choose another MASTER_PORT, "
                             f"e.g. MASTER_PORT={master_port + 2}, or unset it to pick one")
     elif master_port is not None:
-        problem = probe_master(master_addr, master_port)
+        problem = probe_master(check.master_addr, master_port)
         if problem:
             problems.append(problem)
-    report.interface = route_interface(master_addr)
-    if checkpoints is not None:
-        problem = disk_problem(Path(checkpoints[0]), checkpoints[1], checkpoints[2], "cuda" if visible_gpus else "cpu")
+    report.interface = route_interface(check.master_addr)
+    if check.checkpoints is not None:
+        space = check.checkpoints
+        problem = disk_problem(Path(space.directory), space.parameters, space.keep, "cuda" if visible_gpus else "cpu")
         if problem:
             problems.append(problem)
-    if needs_cuda and not visible_gpus:
+    if check.needs_cuda and not visible_gpus:
         problem = cuda_problem(environ or {})
         if problem:
             problems.append(problem)
-    if fp8:
-        problem = fp8_problem(fp8, report.software.get("transformer-engine"),
+    if check.fp8:
+        problem = fp8_problem(check.fp8, report.software.get("transformer-engine"),
                               compute_capability() if visible_gpus else None)
         if problem:
             problems.append(problem)
-    if visible_gpus and nproc_per_node > visible_gpus:
-        problems.append(f"NPROC_PER_NODE={nproc_per_node} but this node shows {visible_gpus} GPU(s); use at most "
+    if visible_gpus and check.nproc_per_node > visible_gpus:
+        problems.append(f"NPROC_PER_NODE={check.nproc_per_node} but this node shows {visible_gpus} GPU(s); use at most "
                         f"{visible_gpus} (or check CUDA_VISIBLE_DEVICES)")
     return report

@@ -23,10 +23,11 @@ from __future__ import annotations
 import enum
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
+from megatron_ext.run_spec.convert import structure, unstructure
 from megatron_ext.run_spec.json_files import read_json, write_json_atomic, write_text_atomic
 from megatron_ext.run_spec.run_paths import RunPaths
 
@@ -103,15 +104,15 @@ class NodeExit:
 
 
 def write_exit(paths: RunPaths, ended: NodeExit) -> None:
-    write_json_atomic(paths.node_exit_file(ended.node_rank), {**asdict(ended), "state": ended.state.value})
+    write_json_atomic(paths.node_exit_file(ended.node_rank), unstructure(ended))
 
 
 def read_exit(paths: RunPaths, node_rank: int, run_id: str | None = None) -> NodeExit | None:
     """How the node's run ended (of the start ``run_id`` when given), or None."""
     raw = read_json(paths.node_exit_file(node_rank))
     try:
-        ended = NodeExit(**{**raw, "state": RunState(raw["state"])}) if isinstance(raw, dict) else None
-    except (TypeError, KeyError, ValueError):
+        ended = structure(NodeExit, raw) if raw is not None else None
+    except ValueError:
         return None
     return ended if ended is None or run_id is None or ended.run_id == run_id else None
 
@@ -129,16 +130,14 @@ class Heartbeat:
 
 
 def write_heartbeat(paths: RunPaths, node_rank: int, attempt: int, state: RunState, run_id: str = "") -> None:
-    write_json_atomic(paths.node_heartbeat_file(node_rank),
-                      {"attempt": attempt, "state": state.value, "at": time.time(), "run_id": run_id})
+    write_json_atomic(paths.node_heartbeat_file(node_rank), unstructure(Heartbeat(attempt, state, time.time(), run_id)))
 
 
 def read_heartbeat(paths: RunPaths, node_rank: int) -> Heartbeat | None:
     raw = read_json(paths.node_heartbeat_file(node_rank))
     try:
-        return Heartbeat(int(raw["attempt"]), RunState(raw["state"]), float(raw["at"]), str(raw.get("run_id", ""))) \
-            if isinstance(raw, dict) else None
-    except (KeyError, ValueError, TypeError):
+        return structure(Heartbeat, raw) if raw is not None else None
+    except ValueError:
         return None
 
 
@@ -232,14 +231,14 @@ class PidRecord:
 
 
 def write_pid_file(path: Path, record: PidRecord) -> None:
-    write_json_atomic(path, asdict(record))
+    write_json_atomic(path, unstructure(record))
 
 
 def read_pid_file(path: Path) -> PidRecord | None:
     raw = read_json(path)
     try:
-        return PidRecord(**raw) if isinstance(raw, dict) else None
-    except TypeError:
+        return structure(PidRecord, raw) if raw is not None else None
+    except ValueError:
         return None
 
 
@@ -306,26 +305,19 @@ class AttemptRecord:
                                                        or self.checkpoint_at_end > self.checkpoint_at_start)
 
 
-def state_dict(obj) -> dict:
-    """A dataclass with RunState fields as a JSON-ready dict."""
-    return {k: (v.value if isinstance(v, RunState) else v) for k, v in asdict(obj).items()}
-
-
 def read_ledger(paths: RunPaths) -> list[AttemptRecord]:
     raw = read_json(paths.attempts_file)
     out = []
     for item in raw if isinstance(raw, list) else []:
         try:
-            out.append(AttemptRecord(**{**item, "state": RunState(item["state"]) if item.get("state") else None,
-                                        "nodes": tuple(item.get("nodes", ())), "lost": tuple(item.get("lost", ())),
-                                        "joined": tuple(item.get("joined", ()))}))
-        except (TypeError, ValueError):
+            out.append(structure(AttemptRecord, item))
+        except ValueError:  # a record of another checkout's making: left out
             continue
     return out
 
 
 def write_ledger(paths: RunPaths, records: Sequence[AttemptRecord]) -> None:
-    write_json_atomic(paths.attempts_file, [state_dict(r) for r in records])
+    write_json_atomic(paths.attempts_file, [unstructure(r) for r in records])
 
 
 def begin_attempt(paths: RunPaths, attempt: int, run_id: str, checkpoint: int | None, nodes: Sequence[int] = (),

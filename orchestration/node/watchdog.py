@@ -23,9 +23,10 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_ext.run_spec.convert import structure, unstructure
 from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED, parse_log
 from megatron_ext.run_spec.resilience import DUMP_REQUEST, RankProgress, ResilienceParams, phase_limit_s, read_progress
 from orchestration.node.processes import parent_pid, process_environ, process_start_time, tagged_processes
@@ -312,14 +313,14 @@ def dump_node(run: str, node_rank: int, host: str, nproc_per_node: int, progress
         reports.append(RankReport(rank, node_rank, host, pid, state, p.phase if p else None, p.iteration if p else None,
                                   elapsed, limit, p.phase_started_at if p else None, read,
                                   in_collective(stack) if read else None, str(dump), seq, name))
-    write_json_atomic(out_dir / f"node{node_rank}.json", [asdict(r) for r in reports])
+    write_json_atomic(out_dir / f"node{node_rank}.json", unstructure(reports))
     return reports
 
 
 def read_node_report(out_dir: Path, node_rank: int) -> list[RankReport] | None:
     try:
-        return [RankReport(**r) for r in json.loads((out_dir / f"node{node_rank}.json").read_text())]
-    except (FileNotFoundError, ValueError, TypeError):
+        return structure(list[RankReport], json.loads((out_dir / f"node{node_rank}.json").read_text()))
+    except (FileNotFoundError, ValueError):
         return None
 
 

@@ -1,18 +1,20 @@
-"""The contract between the launcher and a node: the node's plan, every node command as the
-launcher sends it, every answer, and their encoding. The launcher imports this module (and the
+"""The contract between the launcher and a node: the node's plan, every node command's request as
+the launcher sends it, every answer, and their encoding. The launcher imports this module (and the
 run-state readers) from ``orchestration/node``, nothing else; the node side reads the same
 definitions.
 
-    python -m orchestration node-status demo --node-rank 1 --host node1 --artifact-root /shared/runs
+    python -m orchestration node-status --request '{"target": {"run": "demo", "node_rank": 1, "host": "node1", "artifact_root": "/shared/runs"}}'
 
 A :class:`NodePlan` is everything one node runs for a start (``DRY_RUN=1`` prints it, the node's
 supervisor executes it): the torchrun argv, every variable torchrun and the ranks get from the
 launcher and the supervisor (per-attempt ones as attempt 1 sees them, with the rule for later
 attempts in :attr:`NodePlan.per_attempt`), the names of the secret variables but never their
 values, which travel as one JSON line on the node command's standard input
-(:func:`encode_secrets` / :func:`decode_secrets`). A :class:`NodeCall` is one node command as the
-launcher sends it; :func:`build_node_parser` is the node side's reading of the same options, next
-to the functions that write them. Every node command prints one JSON line: one of the answer
+(:func:`encode_secrets` / :func:`decode_secrets`). Every node command takes one typed request
+(:data:`NODE_REQUESTS`: the plan for ``node-start``, a :class:`StatusRequest`, ...) as one JSON
+argument, written by the ``*_call`` functions and read back by :func:`decode_request` with the
+project's one converter (megatron_ext/run_spec/convert.py); this machine's commands get the same
+request in the launcher's own process. Every node command prints one JSON line: one of the answer
 dataclasses below (:func:`encode_payload`, read back typed with :func:`decode_payload`) or
 ``{"error": ...}``. Pure.
 """
@@ -20,15 +22,12 @@ dataclasses below (:func:`encode_payload`, read back typed with :func:`decode_pa
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import enum
 import json
-import types
-import typing
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import Any, Literal, Mapping, Sequence, TypeVar
 
+from megatron_ext.run_spec.convert import structure, unstructure
 from megatron_ext.run_spec.resilience import ATTEMPT_ENV
 from orchestration.node.run_state import RunState
 
@@ -113,7 +112,7 @@ class NodePlan:
         return (*argv, *self.resume_args) if has_checkpoint else tuple(argv)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps(unstructure(self))
 
     @classmethod
     def from_json(cls, text: str) -> "NodePlan":
@@ -149,29 +148,139 @@ class NodePlan:
 
 
 # -- node commands, as the launcher sends them -------------------------------------------------
+#
+# One typed request per node command, sent as one JSON argument (``--request``) and read back on
+# the node with the same converter (megatron_ext/run_spec/convert.py): written once, here.
+
+@dataclass(frozen=True)
+class NodeTarget:
+    """The run and the node a command is about (every command but ``node-start``, whose plan says)."""
+
+    run: str
+    node_rank: int
+    host: str
+    artifact_root: Path
+
+
+@dataclass(frozen=True)
+class StatusRequest:
+    """``node-status``."""
+
+    target: NodeTarget
+    seq_length: int | None = None
+    """Tokens per sequence, for tokens/s."""
+    by_heartbeat: bool = False
+    """Answered from another machine that shares the files (alive = the node's supervisor's
+    heartbeat record is there, its exit record not), not from the node's process table."""
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """``node-stop``."""
+
+    target: NodeTarget
+    grace_s: float
+    """After SIGTERM to torchrun's group, how long before the sweep of what is left."""
+    dry_run: bool = False
+    """Say what would be signalled (a :class:`StopPreview`), signal nothing."""
+
+
+@dataclass(frozen=True)
+class CheckpointSpace:
+    """Where a run's checkpoints go and what they take: the free space there is checked."""
+
+    directory: str
+    parameters: int
+    """The model's parameters (a checkpoint's size)."""
+    keep: int
+    """Checkpoints kept on disk (training.keep_checkpoints): with the one being written, keep + 1 must fit."""
+
+
+@dataclass(frozen=True)
+class CheckRequest:
+    """What ``node-check`` checks on every node of a start (the same for each)."""
+
+    master_addr: str
+    nproc_per_node: int
+    nnodes: int
+    """Nodes in the run: with more than one, node 0 also needs MASTER_PORT + 1 (the coordination store)."""
+    shared_token: str | None = None
+    """A file the launcher wrote under the artifact root: every node must see it."""
+    required_paths: tuple[str, ...] = ()
+    tokenizer: tuple[str, str] | None = None
+    """(type, path): the tokenizer every node must load."""
+    required_modules: tuple[str, ...] = ()
+    """Optional modules the run imports (wandb)."""
+    needs_cuda: bool = False
+    """The ranks need CUDA (Megatron-LM's pretrain_gpt.py): a node without GPUs checks that torch sees one
+    in the ranks' environment."""
+    checkpoints: CheckpointSpace | None = None
+    """None: no checkpoints, or their size is not known."""
+    fp8: str | None = None
+    """training.fp8: every node checks transformer-engine and its GPUs' compute capability."""
+
+
+@dataclass(frozen=True)
+class NodeCheckRequest:
+    """``node-check``: one node's part of the preflight."""
+
+    target: NodeTarget
+    check: CheckRequest
+    master_port: int | None = None
+    """None: node 0 picks the first free port (MASTER_PORT unset); others: node 0 must answer there."""
+
+
+@dataclass(frozen=True)
+class LinktestRequest:
+    """``node-linktest``: this node's exchanges with its ring neighbours (all nodes at once)."""
+
+    target: NodeTarget
+    nnodes: int
+    master_addr: str
+    port: int
+    backend: Literal["gloo", "nccl"]
+    interface: str | None = None
+    """The interface the ranks will get (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME); None: the node's own setting."""
+    seconds: float | None = None
+    """How long to keep exchanging (LINK_TEST_S); None: linktest.py's MEASURE_S."""
+
+
+NODE_REQUESTS: dict[str, type] = {"node-start": NodePlan, "node-check": NodeCheckRequest, "node-stop": StopRequest,
+                                  "node-status": StatusRequest, "node-linktest": LinktestRequest}
+"""Each node command (but ``node-supervise``, which reads a plan file) and its request."""
+
 
 @dataclass(frozen=True)
 class NodeCall:
-    """``python -m orchestration <command> <args>`` on one node, with ``stdin`` (secrets) written to it."""
+    """``python -m orchestration <command> --request JSON`` on one node, with ``stdin`` (secrets) written to it."""
 
     command: str
-    args: tuple[str, ...]
+    request: str = field(repr=False)
+    """The command's request (:data:`NODE_REQUESTS`) as JSON."""
     stdin: str | None = field(default=None, repr=False)
     """One line for the command's standard input (None: /dev/null); never shown."""
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        return ("--request", self.request)
 
     def argv(self, python: str) -> list[str]:
         return [python, "-m", "orchestration", self.command, *self.args]
 
 
-def _run_args(run: str, node_rank: int, host: str, artifact_root: Path | str) -> tuple[str, ...]:
-    return (run, "--node-rank", str(node_rank), "--host", host, "--artifact-root", str(artifact_root))
+def _call(command: str, request: Any, stdin: str | None = None) -> NodeCall:
+    return NodeCall(command, json.dumps(unstructure(request)), stdin)
+
+
+def target(run: str, node_rank: int, host: str, artifact_root: Path | str) -> NodeTarget:
+    return NodeTarget(run, node_rank, host, Path(artifact_root))
 
 
 def start_call(plan: NodePlan, secrets: Mapping[str, str] | None = None) -> NodeCall:
-    """``node-start`` with the node's plan as an argument and the values of its ``secret_names``
+    """``node-start`` with the node's plan as its request and the values of its ``secret_names``
     (taken from ``secrets``) on standard input."""
     wanted = {name: (secrets or {})[name] for name in plan.secret_names if name in (secrets or {})}
-    return NodeCall("node-start", ("--plan", plan.to_json()), encode_secrets(wanted) if plan.secret_names else None)
+    return _call("node-start", plan, encode_secrets(wanted) if plan.secret_names else None)
 
 
 def encode_secrets(values: Mapping[str, str]) -> str:
@@ -196,66 +305,18 @@ def decode_secrets(line: str, names: Sequence[str]) -> dict[str, str]:
 
 def stop_call(run: str, node_rank: int, host: str, artifact_root: Path, grace_s: float = DEFAULT_STOP_GRACE_S,
               dry_run: bool = False) -> NodeCall:
-    return NodeCall("node-stop", (*_run_args(run, node_rank, host, artifact_root), "--grace-s", str(grace_s),
-                                  *(["--dry-run"] if dry_run else [])))
+    return _call("node-stop", StopRequest(target(run, node_rank, host, artifact_root), grace_s, dry_run))
 
 
 def status_call(run: str, node_rank: int, host: str, artifact_root: Path, seq_length: int | None = None,
                 by_heartbeat: bool = False) -> NodeCall:
-    """``by_heartbeat``: answered from another machine that shares the files (alive = the node's
-    supervisor's heartbeat record is there, its exit record not), not from the node's process table."""
-    return NodeCall("node-status", (*_run_args(run, node_rank, host, artifact_root),
-                                    *(["--seq-length", str(seq_length)] if seq_length else []),
-                                    *(["--by-heartbeat"] if by_heartbeat else [])))
-
-
-@dataclass(frozen=True)
-class CheckRequest:
-    """What ``node-check`` checks on a node (the same for every node but the port)."""
-
-    master_addr: str
-    nproc_per_node: int
-    shared_token: Path | None
-    """A file the launcher wrote under the artifact root: every node must see it."""
-    required_paths: tuple[str, ...] = ()
-    tokenizer: tuple[str, str] | None = None
-    """(type, path): the tokenizer every node must load."""
-    required_modules: tuple[str, ...] = ()
-    """Optional modules the run imports (wandb)."""
-    needs_cuda: bool = False
-    """The ranks need CUDA (Megatron-LM's pretrain_gpt.py): a node without GPUs checks that torch sees one
-    in the ranks' environment."""
-    checkpoint_dir: str | None = None
-    """Where the run's checkpoints go (with ``checkpoint_parameters``: the free space there is checked)."""
-    checkpoint_parameters: int | None = None
-    """The model's parameters, for the size of a checkpoint (None: no checkpoints, or not known)."""
-    keep_checkpoints: int = 2
-    """Checkpoints kept on disk: with the one being written, keep + 1 must fit."""
-    fp8: str | None = None
-    """training.fp8: every node checks transformer-engine and its GPUs' compute capability."""
-    nnodes: int = 1
-    """Nodes in the run: with more than one, node 0 also needs MASTER_PORT + 1 (the coordination store)."""
+    return _call("node-status", StatusRequest(target(run, node_rank, host, artifact_root), seq_length, by_heartbeat))
 
 
 def check_call(run: str, node_rank: int, host: str, artifact_root: Path, request: CheckRequest,
                master_port: int | None) -> NodeCall:
     """``master_port`` None: node 0 picks the first free port (MASTER_PORT unset)."""
-    args = [*_run_args(run, node_rank, host, artifact_root), "--master-addr", request.master_addr,
-            "--nproc-per-node", str(request.nproc_per_node), "--nnodes", str(request.nnodes)]
-    if request.shared_token is not None:
-        args += ["--shared-token", str(request.shared_token)]
-    if master_port is not None:
-        args += ["--master-port", str(master_port)]
-    args += [a for p in request.required_paths for a in ("--require-path", p)]
-    if request.tokenizer is not None:
-        args += ["--tokenizer-type", request.tokenizer[0], "--tokenizer-model", request.tokenizer[1]]
-    args += [a for m in request.required_modules for a in ("--require-module", m)]
-    args += ["--needs-cuda"] if request.needs_cuda else []
-    if request.checkpoint_dir and request.checkpoint_parameters:
-        args += ["--checkpoint-dir", request.checkpoint_dir, "--checkpoint-parameters", str(request.checkpoint_parameters),
-                 "--keep-checkpoints", str(request.keep_checkpoints)]
-    args += ["--fp8", request.fp8] if request.fp8 else []
-    return NodeCall("node-check", tuple(args))
+    return _call("node-check", NodeCheckRequest(target(run, node_rank, host, artifact_root), request, master_port))
 
 
 LINKTEST_TIMEOUT_S = 90.0
@@ -265,12 +326,9 @@ LINKTEST_TIMEOUT_S = 90.0
 def linktest_call(run: str, node_rank: int, host: str, artifact_root: Path, nnodes: int, master_addr: str, port: int,
                   backend: str, interface: str | None = None, seconds: float | None = None) -> NodeCall:
     """``node-linktest``: this node's exchanges with its ring neighbours (all nodes at once), over
-    ``interface`` (the one its ranks will get: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME) when given,
-    for ``seconds`` (LINK_TEST_S; the node's default when None)."""
-    return NodeCall("node-linktest", (*_run_args(run, node_rank, host, artifact_root), "--nnodes", str(nnodes),
-                                      "--master-addr", master_addr, "--port", str(port), "--backend", backend,
-                                      *(("--interface", interface) if interface else ()),
-                                      *(("--seconds", repr(seconds)) if seconds is not None else ())))
+    ``interface`` when given, for ``seconds`` (LINK_TEST_S; the node's default when None)."""
+    return _call("node-linktest", LinktestRequest(target(run, node_rank, host, artifact_root), nnodes, master_addr, port,
+                                                  backend, interface, seconds))
 
 
 def coordination_port(master_port: int) -> int:
@@ -285,47 +343,21 @@ def supervise_argv(python: str, plan_file: str) -> list[str]:
 
 
 def build_node_parser() -> argparse.ArgumentParser:
-    """The node side's parser of what the functions above write."""
+    """The node side's parser: each node command's one argument, its request as JSON."""
     parser = argparse.ArgumentParser(prog="python -m orchestration", description="node commands (sent by the launcher)")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("node-start").add_argument("--plan", required=True, help="this node's NodePlan as JSON")
     sub.add_parser("node-supervise").add_argument("--plan-file", required=True)
-    for name in ("node-check", "node-stop", "node-status", "node-linktest"):
-        p = sub.add_parser(name)
-        p.add_argument("run")
-        p.add_argument("--node-rank", type=int, required=True)
-        p.add_argument("--host", required=True)
-        p.add_argument("--artifact-root", type=Path, required=True)
-        if name == "node-check":
-            p.add_argument("--master-addr", required=True)
-            p.add_argument("--master-port", type=int, help="node 0: must be free; others: node 0 must answer there")
-            p.add_argument("--nproc-per-node", type=int, required=True)
-            p.add_argument("--shared-token", type=Path, help="a file node 0 wrote: the artifact root is shared")
-            p.add_argument("--require-path", action="append", default=[], help="a data or tokenizer path the run reads")
-            p.add_argument("--require-module", action="append", default=[], help="an optional module the run imports (wandb)")
-            p.add_argument("--tokenizer-type", help="the run's tokenizer type (with --tokenizer-model): it must load here")
-            p.add_argument("--tokenizer-model", help="the run's tokenizer file or directory")
-            p.add_argument("--needs-cuda", action="store_true", help="the ranks need torch to see a CUDA device")
-            p.add_argument("--checkpoint-dir", help="where the run's checkpoints go: its free space is checked")
-            p.add_argument("--checkpoint-parameters", type=int, help="the model's parameters (a checkpoint's size)")
-            p.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (+1 being written)")
-            p.add_argument("--fp8", help="training.fp8: check transformer-engine and the GPUs' compute capability")
-            p.add_argument("--nnodes", type=int, default=1, help="nodes in the run (more than one: node 0 needs MASTER_PORT + 1 too)")
-        if name == "node-stop":
-            p.add_argument("--grace-s", type=float, default=DEFAULT_STOP_GRACE_S)
-            p.add_argument("--dry-run", action="store_true", help="say what would be signalled, signal nothing")
-        if name == "node-linktest":
-            p.add_argument("--nnodes", type=int, required=True)
-            p.add_argument("--master-addr", required=True)
-            p.add_argument("--port", type=int, required=True)
-            p.add_argument("--backend", choices=("gloo", "nccl"), required=True)
-            p.add_argument("--interface", help="the socket interface the ranks will use (unset: the node's own setting)")
-            p.add_argument("--seconds", type=float, help="how long to keep exchanging (unset: linktest.py's MEASURE_S)")
-        if name == "node-status":
-            p.add_argument("--seq-length", type=int, help="tokens per sequence, for tokens/s")
-            p.add_argument("--by-heartbeat", action="store_true", help="alive = the supervisor's heartbeat record is "
-                           "there and its exit record not (another machine sharing the artifact root answers)")
+    for name, request in NODE_REQUESTS.items():
+        sub.add_parser(name).add_argument("--request", required=True, help=f"the {request.__name__} as JSON (node/wire.py)")
     return parser
+
+
+def decode_request(command: str, text: str):
+    """A node command's request from its JSON; a ValueError naming what does not fit."""
+    try:
+        return structure(NODE_REQUESTS[command], json.loads(text))
+    except ValueError as exc:  # not JSON, or a value that does not fit
+        raise ValueError(f"{command}'s request is not a {NODE_REQUESTS[command].__name__} ({exc})") from None
 
 
 # -- the answers ------------------------------------------------------------------------------------
@@ -450,8 +482,8 @@ T = TypeVar("T")
 
 
 def encode_payload(payload: Any) -> str:
-    """One JSON line of a payload dataclass (enums as their values)."""
-    return json.dumps(asdict(payload), default=lambda v: v.value if isinstance(v, enum.Enum) else str(v))
+    """One JSON line of a payload dataclass (megatron_ext/run_spec/convert.py: enums as their values)."""
+    return json.dumps(unstructure(payload))
 
 
 def encode_error(message: str) -> str:
@@ -459,22 +491,7 @@ def encode_error(message: str) -> str:
     return json.dumps({"error": message})
 
 
-def _coerce(value: Any, hint: Any) -> Any:
-    if value is None:
-        return None
-    origin = typing.get_origin(hint)
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if origin in (typing.Union, types.UnionType) and len(args) == 1:
-        return _coerce(value, args[0])
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return hint(value)
-    if origin is tuple and isinstance(value, list):
-        return tuple(value)
-    return value
-
-
 def decode_payload(cls: type[T], raw: Mapping[str, Any]) -> T:
-    """A payload dataclass from its JSON object (unknown keys dropped, enums and tuples restored)."""
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: _coerce(v, hints[k]) for k, v in raw.items() if k in names})
+    """A payload dataclass from its JSON object (unknown keys dropped, enums and tuples restored:
+    megatron_ext/run_spec/convert.py)."""
+    return structure(cls, raw)

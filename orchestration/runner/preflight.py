@@ -20,7 +20,8 @@ from megatron_ext.run_spec.model_size import count_model_parameters
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.cluster.fanout import call_nodes
 from orchestration.launch_env import LaunchEnv
-from orchestration.node.wire import LINKTEST_TIMEOUT_S, CheckRequest, LinkReport, NodeReport, check_call, linktest_call
+from orchestration.node.wire import (LINKTEST_TIMEOUT_S, CheckpointSpace, CheckRequest, LinkReport, NodeReport, check_call,
+                                     linktest_call)
 from orchestration.runner.links import LinkRow, link_rows, slow_link_problems
 from orchestration.runner.start_plan import StartInputs, checkpoint_target
 
@@ -73,12 +74,14 @@ def check_request(launch: LaunchEnv, inputs: StartInputs, shared_token: Path | N
     tok = params.data.tokenizer
     required = [*params.data.paths, *([tok.model_path] if tok.model_path else []),
                 *([params.model.hf_checkpoint] if params.model.hf_checkpoint else [])]  # MODEL = a Hugging Face directory
-    return CheckRequest(launch.master_addr, launch.nproc_per_node, shared_token, tuple(required),
+    size = parameters_to_save(params)
+    return CheckRequest(launch.master_addr, launch.nproc_per_node, launch.nnodes,
+                        str(shared_token) if shared_token is not None else None, tuple(required),
                         (tok.type, tok.model_path) if tok.model_path else None, required_modules(launch),
-                        needs_cuda=params.training.engine == "megatron-lm", nnodes=launch.nnodes,
-                        checkpoint_dir=str(checkpoint_target(launch, inputs.run)),
-                        checkpoint_parameters=parameters_to_save(params),
-                        keep_checkpoints=params.training.keep_checkpoints, fp8=params.training.fp8)
+                        needs_cuda=params.training.engine == "megatron-lm",
+                        checkpoints=CheckpointSpace(str(checkpoint_target(launch, inputs.run)), size,
+                                                    params.training.keep_checkpoints) if size else None,
+                        fp8=params.training.fp8)
 
 
 def parameters_to_save(params) -> int | None:

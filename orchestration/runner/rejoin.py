@@ -78,7 +78,10 @@ def plan_rejoin(launch: LaunchEnv, run: str, node_rank: int, host: str | None = 
         raise UserError(f"run {run!r} is not going on node 0 ({hosts[0]}: {state}): there is nothing to come back to; "
                         "start it again (the latest checkpoint resumes)")
     raw = read_json_settled(paths.node_plan_file(node_rank))
-    plan = decode_payload(NodePlan, raw) if isinstance(raw, dict) else None
+    try:
+        plan = decode_payload(NodePlan, raw) if isinstance(raw, dict) else None
+    except ValueError:  # written by another checkout
+        plan = None
     if plan is None or plan.run_id != run_id:
         raise UserError(f"node {node_rank}'s plan of this start ({paths.node_plan_file(node_rank)}) is "
                         + ("missing or torn" if plan is None else f"of another start ({plan.run_id})")
