@@ -311,9 +311,9 @@ def cmd_status(args, launch: LaunchEnv) -> int:
     if report.job:
         print(f"slurm job {report.job}: {report.job_state}" if not args.json else
               json_line({"slurm_job": report.job, "state": report.job_state}), flush=True)
-        if not args.json:  # read here from the records each node writes, not asked of the nodes
-            print(f"(the nodes as their records under {launch.artifact_root / 'run_state'} show them here; a shared "
-                  "file system may show another node's record up to a minute late)", flush=True)
+    if (report.job or launch.use_srun) and not args.json:  # read here from the records each node writes, not asked
+        print(f"(the nodes as their records under {launch.artifact_root / 'run_state'} show them here; a shared "
+              "file system may show another node's record up to a minute late)", flush=True)
     if args.json:
         for r in report.nodes:
             print(json_line(r.value) if r.ok else json_line({"node_rank": r.node_rank, "host": r.host,
