@@ -515,6 +515,7 @@ class Supervisor:
         request = self.board.request_join()
         self.say(f"back for run {self.plan.run}: node 0 takes this node at its next restart (after the ranks save "
                  "a checkpoint at their next step)")
+        self.beat(RunState.JOINING)  # before the pid file, which node-start waits for: status then shows it joining
         write_pid_file(self.plan.pid_file, processes.new_record(
             self.plan.run, self.plan.run_id, self.rank, self.plan.host, os.getpid(), ["node-supervise"],
             Path(self.plan.log_path), supervisor_pid=os.getpid()))
