@@ -355,6 +355,17 @@ def test_every_script_named_exists_and_the_readme_table_names_every_script():
     assert not unlisted, f"add these scripts to the README's scripts table: {unlisted}"
 
 
+def test_every_script_is_executable_in_the_repository():
+    """Every entry script runs as ``./training_scripts/x.sh`` in a fresh clone: git records 100755
+    (a file mode a checkout's umask cannot change)."""
+    listed = subprocess.run(["git", "ls-files", "-s", "training_scripts"], cwd=REPO, capture_output=True, text=True)
+    if listed.returncode != 0 or not listed.stdout:
+        pytest.skip("not a git checkout: the modes git records cannot be read")
+    modes = {line.split()[3]: line.split()[0] for line in listed.stdout.splitlines() if line.endswith(".sh")}
+    assert {path: mode for path, mode in modes.items() if mode != "100755"} == {}, \
+        "git update-index --chmod=+x these (and chmod +x)"
+
+
 # -- 2. variables named -----------------------------------------------------------------------------
 
 def named_variables(text: str) -> set[str]:
