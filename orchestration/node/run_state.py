@@ -185,8 +185,11 @@ def write_plan_file(paths: RunPaths, node_rank: int, plan_json: str) -> Path:
 
 
 def reset_node_files(paths: RunPaths, node_rank: int) -> None:
-    """A node's start: what the node's last start left (exit record, heartbeat) goes."""
-    for stale in (paths.node_exit_file(node_rank), paths.node_heartbeat_file(node_rank)):
+    """A node's start: what the node's last start left (exit record, heartbeat, pid file) goes.
+    Its processes are gone by then (node-start refuses a live one); a node brought back to the
+    same start (``rejoin``) would otherwise be taken as started by its old pid file, of the same
+    run id."""
+    for stale in (paths.node_exit_file(node_rank), paths.node_heartbeat_file(node_rank), paths.node_pid_file(node_rank)):
         stale.unlink(missing_ok=True)
 
 
