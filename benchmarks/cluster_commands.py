@@ -35,6 +35,7 @@ also after a failure or SIGTERM), a temporary folder with the artifact roots (ke
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import statistics
@@ -48,7 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
-from conftest import clean_env, free_port, last_iteration, tagged_pids, write_data_set  # noqa: E402
+from conftest import clean_env, free_port, last_iteration, tagged_pids, wait_for, write_data_set  # noqa: E402
 from megatron_ext.run_spec.procfs import process_environ  # noqa: E402
 
 STATUS_RUNS = 3
@@ -82,14 +83,10 @@ def check(proc: subprocess.CompletedProcess, what: str) -> None:
         raise RuntimeError(f"{what}: exit {proc.returncode}\n{tail}")
 
 
-def wait(predicate, timeout_s: float, poll_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    return predicate()
+def until_gone(run: str, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for the run's processes to go (what is left is measured, not an error)."""
+    with contextlib.suppress(AssertionError):
+        wait_for(lambda: not tagged_pids(run), timeout_s, interval_s=0.2, what=f"{run}'s processes to go")
 
 
 def renice_ranks(run: str) -> None:
@@ -138,8 +135,7 @@ class Bench:
         start_s, proc = script(repo, "start_multinode_training.sh", "gpt_smoke", self.data_set(nodes), run, env=env)
         check(proc, f"{run}: start")
         log = self.roots[repo] / "logs" / f"{run}_node0.log"
-        if not wait(lambda: last_iteration(log) >= 1, FIRST_ITERATION_TIMEOUT_S):
-            raise RuntimeError(f"{run}: no iteration in {log} within {FIRST_ITERATION_TIMEOUT_S} s")
+        wait_for(lambda: last_iteration(log) >= 1, FIRST_ITERATION_TIMEOUT_S, interval_s=0.2, what=f"an iteration in {log}")
         if self.renice:
             renice_ranks(run)
         status = []
@@ -150,7 +146,7 @@ class Bench:
         stop_s, proc = script(repo, "stop_multinode_training.sh", run, env=env)
         check(proc, f"{run}: stop")
         at_return = len(tagged_pids(run))
-        wait(lambda: not tagged_pids(run), 30)
+        until_gone(run, 30)
         left = tagged_pids(run)
         kill_pids(left)
         return start_s, statistics.median(status), stop_s, at_return, len(left)
@@ -163,7 +159,7 @@ class Bench:
         for repo, run, env in self.started:
             if tagged_pids(run):
                 script(repo, "stop_multinode_training.sh", run, env=env)
-                wait(lambda: not tagged_pids(run), 30)
+                until_gone(run, 30)
                 kill_pids(tagged_pids(run))
 
 

@@ -147,14 +147,19 @@ class Supervisor:
             self.board.request_save(why)
         return self.board.save_request()
 
+    @property
+    def absent(self) -> list[int]:
+        """The nodes of the start the current attempt runs without (lost, or brought back and joining)."""
+        return [n for n in range(self.nnodes) if n not in self.members]
+
     def _rejoin_request(self) -> str | None:
         """While nodes are out of the run (NNODES=MIN:MAX), node 0 looks for one brought back
         (``rejoin``) and claims the attempt's rejoin: every node then asks its ranks to save and
         end, and the next attempt takes the node back. The reason, once claimed."""
-        if len(self.members) == self.nnodes:
+        if not self.absent:
             return None
         if self.leader:
-            back = self.board.join_requests(n for n in range(self.nnodes) if n not in self.members)
+            back = self.board.join_requests(self.absent)
             if back:
                 self.board.claim_rejoin(self.attempt, back)
         back = self.board.rejoin(self.attempt)
@@ -366,7 +371,7 @@ class Supervisor:
         ledger = read_ledger(self.paths)
         if self.stopping:
             ends[self.rank] = AttemptEnd(self.rank, self.attempt, RunState.STOPPED, "stopped on request", requested=True)
-        back = self.board.join_requests(n for n in range(self.nnodes) if n not in self.members) if self.policy.min_nodes else ()
+        back = self.board.join_requests(self.absent) if self.policy.min_nodes else ()
         decision = attempts.decide(self.attempt, ends, ledger, self.policy, self.restarts, cause, failure, self.plan.hosts,
                                    joiners=back, rejoins_so_far=self.rejoins)
         if not decision.restart:  # the ledger's last word is how the run ended
@@ -430,8 +435,7 @@ class Supervisor:
             try:
                 self.board.mark_exited()
                 if self.leader:  # the store lives in this process: keep it until the others are done with it
-                    absent = [n for n in range(self.nnodes) if n not in self.members]
-                    back = self.board.join_requests(absent) if absent else []  # joining: told by exit/0
+                    back = self.board.join_requests(self.absent)  # joining: told by exit/0
                     others = [n for n in (*self.members, *back) if n != self.rank]
                     self._wait(self.policy.node_lost_s + HEARTBEAT_S,
                                lambda: all(self.board.exited(n) for n in others) or

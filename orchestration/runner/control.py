@@ -154,7 +154,7 @@ def collect_status(launch: LaunchEnv, run: str, only_this_node: bool = False) ->
     resolved = read_resolved(paths.params_path)
     seq = resolved.params.training.seq_length if resolved else None
     ledger = tuple(read_ledger(paths))
-    this_start = this_start_ledger(paths)
+    this_start = [r for r in ledger if resolved and r.run_id == resolved.runtime.run_id]
     rejoins = sum(1 for r in this_start[:-1] if r.state == RunState.PREEMPTED)  # saved for nodes back: not restarts
     max_attempts = (this_start[0].attempt + resolved.params.training.resilience.max_restarts + rejoins) if this_start else None
     job = batch_job_of(launch, run, only_this_node)
