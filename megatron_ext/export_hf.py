@@ -63,8 +63,9 @@ def checkpoint_to_export(paths: RunPaths, iteration: int | None) -> Path:
 def read_model_weights(checkpoint: Path, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model tensors of a checkpoint, by the names of ``template`` (a model's state dict):
     the checkpoint's ``model.`` entries, matched by name after any ``module.`` wrappers' prefixes
-    (DDP, Float16Module on GPUs), transformer-engine's fused-norm names read as the local spec's;
-    megatron-core's torch_dist checkpoints (CUDA stages 0-1) through training/checkpoint.py."""
+    (DDP, Float16Module on GPUs), transformer-engine's fused-norm names read as the local spec's,
+    SwiGLU's fc1 halves joined (:data:`SWIGLU_HALVES`); megatron-core's torch_dist checkpoints
+    (CUDA stages 0-1) through training/checkpoint.py."""
     import torch.distributed.checkpoint as dcp
 
     from megatron_ext.training.checkpoint import is_torch_dist, read_torch_dist_model_weights
@@ -76,24 +77,37 @@ def read_model_weights(checkpoint: Path, template: dict[str, torch.Tensor]) -> d
             raise UserError(f"{exc}; it was not written by this run's model") from None
 
     stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    by_name: dict[str, str] = {}
+    by_name: dict[str, tuple[str, ...]] = {}
     for key, meta in stored.items():
         if not key.startswith("model.") or not hasattr(meta, "size"):
             continue
         name = key.removeprefix("model.")
         while name.startswith("module."):
             name = name.removeprefix("module.")
-        by_name[local_name(name)] = key
-    missing = sorted(set(template) - set(by_name))
+        half = SWIGLU_HALVES.get(name.rsplit("_", 1)[-1]) if name.endswith(("weight_w", "weight_v")) else None
+        if half is None:
+            by_name[local_name(name)] = (key,)
+        else:  # Megatron-LM's fsdp_dtensor layout: SwiGLU's fc1 as its two halves, rows of w then v
+            parts = list(by_name.get(local_name(name[:-2]), (None, None)))
+            parts[half] = key
+            by_name[local_name(name[:-2])] = tuple(parts)
+    missing = sorted(name for name in template if None in by_name.get(name, (None,)))
     if missing:
         raise UserError(f"{checkpoint} holds no {missing[0]} ({len(missing)} model tensors missing); it was not written "
                         "by this run's model")
-    state = {by_name[name]: torch.empty(tuple(stored[by_name[name]].size), dtype=stored[by_name[name]].properties.dtype)
-             for name in template}
+    keys = [key for name in template for key in by_name[name]]
+    state = {key: torch.empty(tuple(stored[key].size), dtype=stored[key].properties.dtype) for key in keys}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no_dist's note that it loads in one process
         dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    return {name: state[by_name[name]] for name in template}
+    return {name: torch.cat([state[key] for key in by_name[name]]) if len(by_name[name]) > 1 else state[by_name[name][0]]
+            for name in template}
+
+
+SWIGLU_HALVES = {"w": 0, "v": 1}
+"""``linear_fc1.weight_w`` / ``_v``: the halves Megatron-LM's fsdp_dtensor checkpoints (and this
+project's CUDA stages 2-3) keep SwiGLU's fc1 as (megatron-core's ``handle_swiglu_in_state_dict``):
+the first rows, then the rest."""
 
 
 def tokenizer_ids(params: RunParams) -> tuple[int | None, int | None, Path | None]:

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from megatron_ext.run_spec.checkpoints import LATEST, latest_iteration
-from megatron_ext.run_spec.checksums import health, list_checkpoints, record_files, verify
+from megatron_ext.run_spec.checksums import health, list_checkpoints, record_files, verify, writer_rank, written_by
 from megatron_ext.run_spec.errors import FINAL, UserError
 from orchestration.analysis.checkpoint_health import check_run_checkpoints, format_checkpoint_report
 from megatron_ext.run_spec.run_paths import RunPaths
@@ -52,6 +52,21 @@ def test_a_changed_byte_a_truncated_file_and_a_missing_one_are_named(tmp_path):
     assert health(ckpt, 10).state == "damaged" and "meta.json: missing" in health(ckpt, 10).describe()
     old = _checkpoint(tmp_path, 5, recorded=False)
     assert health(old, 5).state == "unrecorded"
+
+
+def test_each_rank_reads_back_the_files_it_wrote():
+    """At a save and at a resume a rank reads the files its own node wrote (while in its page
+    cache), not a share of every node's over the shared file system: the writer is in the name of
+    torch.distributed.checkpoint's and megatron-core's data files and of this project's rank files;
+    rank 0 wrote the rest. At another world size each rank takes its share of the writers."""
+    names = ["__0_0.distcp", "__1_0.distcp", "__1_1.distcp", "__3_0.distcp", ".metadata", "common.pt", "metadata.json",
+             "meta.json", "rank0.pt", "rank1.pt", "rank3.pt", "rank12.pt", "model/__2_0.distcp"]
+    assert [writer_rank(n) for n in names] == [0, 1, 1, 3, 0, 0, 0, 0, 0, 1, 3, 12, 2]
+    assert written_by(names, 1, 4) == ["__1_0.distcp", "__1_1.distcp", "rank1.pt"]
+    assert written_by(names, 0, 4) == ["__0_0.distcp", ".metadata", "common.pt", "metadata.json", "meta.json", "rank0.pt",
+                                       "rank12.pt"]
+    everyone = [n for rank in range(2) for n in written_by(names, rank, 2)]
+    assert sorted(everyone) == sorted(names)  # at 2 ranks every file has one reader
 
 
 def test_the_report_names_the_checkpoint_a_start_resumes_from(tmp_path):

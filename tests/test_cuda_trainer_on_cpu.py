@@ -104,6 +104,13 @@ def test_resume_is_exact_at_every_stage(runs):
         assert two["gathers_after_load"][0] == 0 < two["gathers_after_load"][1], two  # pre-hook off, then on
     if stage >= 2:
         assert two["state_dict_roundtrip"] == "KeyError: 'param_groups'"
+    # Each rank recorded (read back) the files it wrote itself: its data file and rank file.
+    from megatron_ext.run_spec.checksums import writer_rank
+
+    folder = root / "two" / f"checkpoints_z{stage}" / "iter_0000003" / "checksums"
+    records = {r: set(json.loads((folder / f"rank{r}.json").read_text())["files"]) for r in (0, 1)}
+    assert {"__1_0.distcp", "rank1.pt"} <= records[1] and {"meta.json", "__0_0.distcp", "rank0.pt"} <= records[0], records
+    assert all(writer_rank(name) == r for r, names in records.items() for name in names), records
     # export_hf reads these layouts too: megatron-core's torch_dist (stages 0-1: stacked layers),
     # Megatron-FSDP's fp32 main weights under its module. prefix (stages 2-3), in one process.
     exported = exportable_weights(root / "two" / f"checkpoints_z{stage}" / "iter_0000003")
@@ -177,6 +184,37 @@ def test_stage_2_gathers_the_parameters_once_and_takes_one_norm_per_step(stage_2
     assert counts["default"]["gathers"] == [1, 1], counts  # 1 or 4 micro-batches: one gather per step, after the update
     assert min(counts["layers"]["gathers"]) > 1, counts  # layer units: gathered again in forward and backward (ZeRO-3's traffic)
     assert counts["default"]["norms"] == [1, 1], counts  # checked, clipped and reported from one norm
+
+
+@pytest.fixture(scope="module")
+def precision_probe(tmp_path_factory):
+    out = tmp_path_factory.mktemp("precision")
+    proc = run_worker("precision", "0,2,3", out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_gradients_are_fp32_unless_bf16_reduction_is_asked(stage, precision_probe):
+    """On every release admitted (this test runs again on Python 3.12 with megatron-core 0.19.2:
+    tests/test_other_python.py). From 0.19 Megatron-FSDP ignores ``grad_reduce_in_fp32`` and takes
+    its precision from ``megatron_fsdp_main_grads_dtype`` / ``megatron_fsdp_grad_comm_dtype``,
+    both the compute dtype by default: without them set, the fp32 run below accumulated bf16
+    main gradients and reduce-scattered bf16 (seen on 0.19.2 through this shim)."""
+    result = json.loads((precision_probe / f"precision_z{stage}.json").read_text())
+    collective = "all_reduce" if stage == 0 else "reduce_scatter_tensor"
+    for asked, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
+        got = result[asked]
+        assert got["main_grads"] == [dtype], result
+        assert dtype in got["collectives"][collective], result  # (the loss's own all-reduce is fp32)
+        if stage:
+            assert got["collectives"][collective] == [dtype], result
+        if got["policy"] is not None:  # megatron-core >= 0.19: Megatron-FSDP's mixed-precision policy
+            assert got["policy"] == {"main_grads_dtype": dtype, "grad_comm_dtype": dtype}, result
+            assert f"{dtype} main gradients, reduce-scattered in {dtype}" in got["note"], result
+        else:
+            assert got["note"].startswith(f"gradients: {asked} main gradients and reduction"), result
+    assert (result["fp32"]["policy"] is not None) == (stage >= 2 and not result["megatron_core"].startswith("0.16")), result
 
 
 def test_gradient_accumulation_fusion_under_megatron_fsdp_needs_bf16_reduction_and_untied_embeddings(stage_2_probes):

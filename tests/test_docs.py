@@ -64,7 +64,8 @@ PAGES = [README, *sorted(DOCS_DIR.glob("*.md"))]
 ENVIRONMENT_PAGE = DOCS_DIR / "environment.md"
 TESTING_PAGE = DOCS_DIR / "testing.md"
 SCRIPTS_DIR = REPO / "training_scripts"
-SOURCE_DIRS = ("orchestration", "megatron_ext", "training_scripts", ".ci")
+SOURCE_DIRS = ("orchestration", "megatron_ext", "training_scripts", ".ci", "tests/gpu")
+"""Where the sources are (tests/gpu: the GPU check, a tool a user runs on a lent machine)."""
 
 ENVIRONMENT_READERS = (
     "orchestration/launch_env.py",           # the launcher's one read of its environment

@@ -2,8 +2,9 @@
 
     bash training_scripts/check_checkpoints.sh demo          # every checkpoint of the run: verified or damaged
 
-Each rank, right after a save, records every file it wrote (size and CRC-32, read back while the
-bytes are still in the page cache) in ``checksums/rank<R>.json`` inside the checkpoint folder; the
+Each rank, right after a save, records every file it wrote (size and CRC-32, read back on the node
+that wrote them, while the bytes are still in its page cache: :func:`writer_rank`) in
+``checksums/rank<R>.json`` inside the checkpoint folder; the
 ``latest`` marker is written after every rank did (torch.distributed.checkpoint carries no
 checksum of its own). A checkpoint verifies when every recorded file is there with its size and
 CRC-32; a missing file, another size (a truncated copy, a quota hit) or other bytes make it
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,25 @@ def crc32_of(path: Path) -> tuple[int, str]:
             crc = zlib.crc32(chunk, crc)
             size += len(chunk)
     return size, f"{crc:08x}"
+
+
+_WRITTEN_BY = re.compile(r"__(\d+)_\d+\.distcp|rank(\d+)\.pt")
+
+
+def writer_rank(name: str) -> int:
+    """The rank that wrote ``name`` (a path inside a checkpoint): torch.distributed.checkpoint's
+    data files ``__R_I.distcp`` (megatron-core's torch_dist too: R is the writer's rank), this
+    project's ``rankR.pt``; rank 0 wrote everything else (``.metadata``, ``metadata.json``,
+    ``common.pt``, ``meta.json``). Pure."""
+    match = _WRITTEN_BY.fullmatch(Path(name).name)
+    return int(match.group(1) or match.group(2)) if match else 0
+
+
+def written_by(names: Iterable[str], rank: int, world: int) -> list[str]:
+    """The ``names`` that ``rank`` of ``world`` wrote (or, at another world size, its share of the
+    writers: rank ``writer_rank % world``), so that a rank reads back, at a save and at a resume,
+    the files its own node wrote rather than other nodes' over the shared file system. Pure."""
+    return [name for name in names if writer_rank(name) % world == rank]
 
 
 def record_files(checkpoint: Path, files: Iterable[Path], writer: str) -> Path:
@@ -91,14 +112,13 @@ def check_file(checkpoint: Path, name: str, entry: dict, sizes_only: bool = Fals
 
 
 def verify(checkpoint: Path, share: tuple[int, int] = (0, 1), sizes_only: bool = False) -> list[Damage] | None:
-    """Damage in the checkpoint's recorded files (``share`` = (k, n): only every n-th file from the
-    k-th, so that n ranks verify a checkpoint together, each reading its share once); None when
-    nothing was recorded."""
+    """Damage in the checkpoint's recorded files (``share`` = (k, n): the files rank k of n wrote,
+    :func:`written_by`, so that n ranks verify a checkpoint together, each reading its own node's
+    files once); None when nothing was recorded."""
     entries = recorded_files(checkpoint)
     if not entries:
         return None
-    k, n = share
-    names = sorted(entries)[k::n]
+    names = written_by(sorted(entries), *share)
     return [d for d in (check_file(checkpoint, name, entries[name], sizes_only) for name in names) if d is not None]
 
 

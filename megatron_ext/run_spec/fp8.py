@@ -19,7 +19,7 @@ MIN_COMPUTE_CAPABILITY = (8, 9)
 """FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.0) and later."""
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
+def version_tuple(version: str) -> tuple[int, ...]:
     parts = []
     for piece in version.split("+")[0].split("."):
         digits = "".join(c for c in piece if c.isdigit())
@@ -49,7 +49,7 @@ def fp8_problem(fp8_setting: str | None, transformer_engine_version: str | None,
     if transformer_engine_version is None:
         return (f"training.fp8={fp8_setting} runs through transformer-engine's fp8_autocast, and transformer-engine "
                 f"is not installed; use an image that has it (NGC PyTorch), install it (pip install -e .[gpu]), or {fix}")
-    if _version_tuple(transformer_engine_version)[:2] < MIN_TRANSFORMER_ENGINE:
+    if version_tuple(transformer_engine_version)[:2] < MIN_TRANSFORMER_ENGINE:
         need = ".".join(map(str, MIN_TRANSFORMER_ENGINE))
         return (f"training.fp8={fp8_setting} needs transformer-engine {need} or later (megatron-core's fp8 context); "
                 f"this one is {transformer_engine_version}; upgrade it, or {fix}")

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.run_spec.checkpoints import LATEST, CheckpointMeta, iteration_dir_name, read_meta
-from megatron_ext.run_spec.checksums import CHECKSUMS_DIR, DAMAGED_SUFFIX, list_checkpoints, record_files, verify
+from megatron_ext.run_spec.checksums import CHECKSUMS_DIR, DAMAGED_SUFFIX, list_checkpoints, record_files, verify, written_by
 from megatron_ext.run_spec.errors import FINAL, UserError
 
 
@@ -166,8 +166,10 @@ def save(trainer, checkpoints_dir: Path, meta: CheckpointMeta, keep: int) -> tup
         if rank == 0:
             (target / "meta.json").write_text(meta.to_json())
         dist.barrier()
-        files = sorted(p for p in target.rglob("*") if p.is_file() and p.parent.name != CHECKSUMS_DIR)
-        record_files(target, files[rank::world], f"rank{rank}")  # read back while in the page cache
+        files = {str(p.relative_to(target)): p for p in target.rglob("*") if p.is_file() and p.parent.name != CHECKSUMS_DIR}
+        # What this rank wrote, read back on its own node while in its page cache (not another
+        # node's files over the shared file system).
+        record_files(target, [files[name] for name in written_by(sorted(files), rank, world)], f"rank{rank}")
 
     started = time.monotonic()
     _collective_step(write_meta_and_checksums, checkpoints_dir, target)

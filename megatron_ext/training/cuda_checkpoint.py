@@ -20,8 +20,13 @@ line numbers are that tag's).
   tensor of its unpadded size that each rank reads its slice of
   (distrib_optimizer.py ~L1539-1687; the buckets must be the same: run_spec/checkpoints.py).
 - Stages 2-3 (Megatron-FSDP): ``--ckpt-format fsdp_dtensor`` (~L643-655, ~L911-934): the model's
-  state dict as it is (the fp32 main weights as DTensors) and the optimizer's ``fsdp_dtensor``
-  sharded state dict in one torch.distributed.checkpoint, which reshards DTensors by itself.
+  state dict (the fp32 main weights as DTensors) and the optimizer's ``fsdp_dtensor`` sharded
+  state dict in one torch.distributed.checkpoint, which reshards DTensors by itself, laid out as
+  ``preprocess_fsdp_dtensor_state_dict`` lays them out (~L955-975): with a gated linear unit
+  (SwiGLU: Qwen3, Llama; Megatron-LM's ``--swiglu``) every ``linear_fc1.weight`` and its Adam
+  moments are stored as their two halves, ``linear_fc1.weight_w`` and ``linear_fc1.weight_v``, so
+  that Megatron-LM's own loader reads this project's checkpoints and this project reads its
+  (tests/test_fsdp_dtensor_layout.py).
 
 What megatron-core leaves to its caller, found running its objects (tests/test_cuda_trainer_on_cpu.py):
 Adam's per-parameter state is made only for parameters that have a gradient and, with torch's
@@ -112,30 +117,102 @@ def load_torch_dist(trainer, directory: Path) -> None:
     restore_adam_steps(trainer.optimizers, state["optimizer"])
 
 
-def fsdp_dtensor_state(trainer, loading: bool) -> dict:
-    """Megatron-LM's fsdp_dtensor state (~L911-934, ~L955-980): the model's state dict as it is
-    and the optimizer's ``sharded_state_dict``, the same DTensors in the same order on every rank,
-    prepared with ``preprocess_state_dict_for_uneven_dtensor`` (the whole dict, ~L972). Loading:
-    ``sharded_state_dict(is_loading=True)`` first takes a dummy optimizer step to create the
-    moments (distrib_optimizer.py ~L1356); the load that follows overwrites what it moved, as in
-    Megatron-LM's load_checkpoint (~L1675-1710)."""
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
-
+def fsdp_dtensor_state(trainer, loading: bool, split_swiglu: bool = True) -> tuple[dict, dict]:
+    """Megatron-LM's fsdp_dtensor state (~L911-934, ~L955-975): (the raw state, the state laid out
+    for the checkpoint). Raw: the model's state dict as it is and the optimizer's
+    ``sharded_state_dict``, the same DTensors in the same order on every rank; laid out by
+    :func:`preprocess_fsdp_dtensor_state` (SwiGLU's fc1 in halves unless ``split_swiglu`` is off,
+    uneven DTensors). Loading: ``sharded_state_dict(is_loading=True)`` first takes a dummy optimizer
+    step to create the moments (distrib_optimizer.py ~L1356); the load that follows overwrites what
+    it moved, as in Megatron-LM's load_checkpoint (~L1675-1710)."""
     with_fsdp_shards_in_place(trainer.model)
-    state = {"model": trainer.model_state_dict()}
-    optimizer = trainer.optimizer.sharded_state_dict(state["model"], is_loading=loading,
+    raw = {"model": trainer.model_state_dict()}
+    optimizer = trainer.optimizer.sharded_state_dict(raw["model"], is_loading=loading,
                                                      metadata=dict(FSDP_DTENSOR_METADATA))
     inner = trainer.optimizer.optimizer
     fill_missing_adam_state(inner)
     params = [p for group in inner.param_groups for p in group["params"]]
     # The optimizer's entries refer to inner.state's own dicts: rebuilt from it, in parameter order.
     optimizer["state"] = {trainer.optimizer._param_name(p): inner.state[p] for p in params}
-    state["optimizer"] = optimizer
-    # Megatron-LM also splits SwiGLU's fc1 into its two halves (handle_swiglu_in_state_dict, ~L958)
-    # so that a checkpoint can change tensor-parallel size; without tensor parallelism (this
-    # project's runs) the fused weight reshards as it is.
+    raw["optimizer"] = optimizer
+    return raw, preprocess_fsdp_dtensor_state(trainer.model, raw, split_swiglu)
+
+
+def save_fsdp_dtensor(trainer, directory: Path) -> None:
+    """Every rank: Megatron-LM's fsdp_dtensor save (~L643-655): torch.distributed.checkpoint of the
+    laid-out state."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(fsdp_dtensor_state(trainer, loading=False)[1], checkpoint_id=str(directory))
+
+
+def saved_with_fused_fc1(directory: Path) -> bool:
+    """Whether a stage 2-3 checkpoint holds SwiGLU's fc1 whole (as this project wrote it before
+    taking Megatron-LM's layout), read from its torch.distributed.checkpoint metadata."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    return any(key.endswith(".mlp.linear_fc1.weight") for key in keys)
+
+
+def load_fsdp_dtensor(trainer, directory: Path) -> None:
+    """Every rank: Megatron-LM's fsdp_dtensor load (``_load_base_checkpoint`` ~L1292-1324): the
+    template laid out as the checkpoint is (Megatron-LM's halves, or a fused fc1 of this project's
+    older checkpoints: :func:`saved_with_fused_fc1`), loaded in place; the halves are views of the
+    local shards of the fc1 weight and its moments, so the load fills the raw state's tensors. Then,
+    as Megatron-LM puts the raw dicts back for ``load_state_dict`` (~L1320-1324), the model and the
+    optimizer take the raw state (the trainer's ``load_checkpoint_state``)."""
+    import torch.distributed.checkpoint as dcp
+
+    raw, state = fsdp_dtensor_state(trainer, loading=True, split_swiglu=not saved_with_fused_fc1(directory))
+    dcp.load(state, checkpoint_id=str(directory))
+    trainer.load_checkpoint_state(raw)
+
+
+def preprocess_fsdp_dtensor_state(model, raw: dict, split_swiglu: bool = True) -> dict:
+    """Megatron-LM core_v0.16.1's ``preprocess_fsdp_dtensor_state_dict`` (checkpointing.py
+    ~L955-975; core_v0.19.0 ~L1380-1397 is the same), calling megatron-core's own functions:
+    ``handle_fp8_extra_state_case`` (transformer-engine's ``_extra_state`` out of the model dict),
+    then, where the model has a gated linear unit (its ``--swiglu`` is ``gated_linear_unit``),
+    ``handle_swiglu_in_state_dict`` (megatron/core/transformer/fsdp_dtensor_checkpoint.py): every
+    ``linear_fc1.weight`` of the model and its ``exp_avg`` / ``exp_avg_sq`` in two DTensors,
+    ``..._w`` (the first half of its rows) and ``..._v``, each a view of this rank's part of the
+    shard. It is given what Megatron-LM gives it: ``unwrap_model`` of the wrapped model
+    (save_checkpoint ~L504, load_checkpoint ~L1504), which stops at MegatronFSDP (only DDP, both
+    FSDPs and Float16Module are unwrapped), so that ``get_parameter(f"module.{key}")`` of a model
+    key (``module.decoder...``: MegatronFSDP's child, the Float16Module) and of an optimizer name
+    less its first ``module.`` (``module.module.module.decoder...``: the adapter's
+    ``named_parameters``) both find the parameter. Then ``preprocess_state_dict_for_uneven_dtensor``
+    (the whole dict). No MoE here: Megatron-LM's ``handle_experts_in_state_dict`` (``--num-experts``)
+    does not apply. ``raw`` is left as it is (its dicts are copied; the tensors are shared)."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_fp8_extra_state_case, handle_swiglu_in_state_dict
+    from megatron.core.utils import unwrap_model
+
+    state = dict(raw)
+    state["model"] = dict(raw["model"])
+    handle_fp8_extra_state_case(state["model"])
+    unwrapped = unwrap_model(model)
+    if unwrapped.config.gated_linear_unit and split_swiglu:
+        _give_unsharded_parameters_their_slice(unwrapped)
+        state["model"], state["optimizer"] = handle_swiglu_in_state_dict(unwrapped, state["model"], state.get("optimizer"))
+        if state["optimizer"] is None:
+            del state["optimizer"]
     preprocess_state_dict_for_uneven_dtensor(state)
     return state
+
+
+def _give_unsharded_parameters_their_slice(module) -> None:
+    """``handle_swiglu_in_state_dict`` cuts each half out of this rank's part of the flat
+    parameter, ``megatron_fsdp_slice``, which Megatron-FSDP sets only where it keeps a model-weight
+    buffer (param_and_grad_buffer.py ~L2603-2608 at 0.16.1); ``no_shard``, this project's
+    Megatron-FSDP on one rank (cuda_trainer.wrap_cuda), keeps none, and the split raised
+    AttributeError at the first save. There the rank holds the whole parameter (a replicated
+    DTensor): its part is ``slice(0, numel)``, what the buffer would give for an unsharded one."""
+    for p in module.parameters():
+        local = getattr(p, "_local_tensor", None)
+        if not hasattr(p, "megatron_fsdp_slice") and local is not None and local.numel() == p.numel():
+            p.megatron_fsdp_slice = slice(0, p.numel())
 
 
 def _local_numel(p: torch.Tensor) -> int:
@@ -152,7 +229,12 @@ def fill_missing_adam_state(inner) -> int:
     the common ``step`` where the optimizer keeps one per parameter; ``exp_avg`` and
     ``exp_avg_sq`` when no parameter has state yet, plus a zero ``step`` for torch's Adam).
     Under Megatron-FSDP every rank's shard of the flat buffer holds elements of some parameter, so
-    the step comes from a parameter that stepped. Returns how many parameters were filled."""
+    the step comes from a parameter that stepped. The state is left in parameter order, the same on
+    every rank: megatron-core's ``sharded_param_state_fsdp_dtensor`` lists it in the order of
+    ``state`` (distrib_optimizer.py ~L1363 at 0.16.1), where a parameter filled late would come
+    last on some ranks only, and Megatron-LM's save and load pair the ranks' SwiGLU halves and
+    uneven DTensors by that order (mismatched collectives, seen as a chunk-metadata assertion).
+    Returns how many parameters were filled."""
     params = [p for group in inner.param_groups for p in group["params"]]
     stepped = [inner.state[p] for p in params if inner.state.get(p) and _local_numel(p)]
     template = stepped[0] if stepped else next((inner.state[p] for p in params if inner.state.get(p)), None)
@@ -172,6 +254,10 @@ def fill_missing_adam_state(inner) -> int:
                 entry[key] = torch.zeros_like(p, dtype=value.dtype if isinstance(value, torch.Tensor) else None)
         inner.state[p] = entry
         filled += 1
+    if [id(p) for p in inner.state] != [id(p) for p in params]:
+        ordered = [(p, inner.state[p]) for p in params]
+        inner.state.clear()
+        inner.state.update(ordered)
     return filled
 
 

@@ -3,7 +3,8 @@ Megatron-LM core_v0.16.1 drives them (megatron/training/training.py, checkpointi
 megatron/core/optimizer/optimizer.py; the line numbers below are that tag's).
 
 - Stage 0: megatron-core DDP + its mixed-precision optimizer (bf16 params, fp32 main params and
-  grads). Stage 1: + ``use_distributed_optimizer``. Stages 2-3: Megatron-FSDP ``optim_grads`` /
+  grads; on megatron-core 0.19+ Megatron-FSDP's gradient dtypes set too, :data:`FSDP_GRAD_DTYPE_FIELDS`,
+  as Megatron-LM core_v0.19.0's training.py ~L1999-2001 passes them). Stage 1: + ``use_distributed_optimizer``. Stages 2-3: Megatron-FSDP ``optim_grads`` /
   ``optim_grads_params`` + the distributed optimizer. Float16Module wraps the model before the
   data-parallel wrapper (training.py ~L1261); the DDP config is Megatron-LM's (~L1291-1322: fp32
   reduction, ``check_for_nan_in_grad`` on, ``bucket_size = max(4e7, 1e6 x dp)``); Megatron-FSDP
@@ -27,6 +28,7 @@ megatron/core/optimizer/optimizer.py; the line numbers below are that tag's).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from pathlib import Path
 
@@ -52,6 +54,10 @@ class CudaTrainer(Trainer):
         """The distributed or mixed-precision optimizers: a ChainedOptimizer's parts (what
         get_megatron_optimizer returns without FSDP), or the bare DistributedOptimizer (with it)."""
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    @property
+    def gradients_note(self) -> str:
+        return describe_gradients(self.model.ddp_config, self.stage)
 
     @property
     def _gathers_overlapped(self) -> bool:
@@ -129,8 +135,8 @@ class CudaTrainer(Trainer):
                 if isinstance(v, torch.Tensor) and not k.endswith("._extra_state")}  # handle_fp8_extra_state_case
 
     def checkpoint_state(self, loading: bool = False) -> dict:
-        """Stages 2-3: the fsdp_dtensor state (cuda_checkpoint.fsdp_dtensor_state)."""
-        return cuda_checkpoint.fsdp_dtensor_state(self, loading)
+        """Stages 2-3: the fsdp_dtensor state as it is laid out on disk (cuda_checkpoint.fsdp_dtensor_state)."""
+        return cuda_checkpoint.fsdp_dtensor_state(self, loading)[1]
 
     def load_checkpoint_state(self, state: dict) -> None:
         # Megatron-LM's load_model_state_dict: strict, and non-strict only if that raises (the
@@ -145,13 +151,13 @@ class CudaTrainer(Trainer):
 
     def save_state(self, directory: Path) -> None:
         if self.stage >= ZeroStage.GRADIENTS:
-            super().save_state(directory)
+            cuda_checkpoint.save_fsdp_dtensor(self, directory)
         else:
             cuda_checkpoint.save_torch_dist(self, directory)
 
     def load_state(self, directory: Path) -> None:
         if self.stage >= ZeroStage.GRADIENTS:
-            super().load_state(directory)
+            cuda_checkpoint.load_fsdp_dtensor(self, directory)
         else:
             cuda_checkpoint.load_torch_dist(self, directory)
 
@@ -169,14 +175,46 @@ def megatron_core_ddp_config(stage: int, grad_reduce_in_bf16: bool = False, data
     check on the gradient buckets (``--check-for-nan-in-loss-and-grad`` is on by default),
     reduction overlapped with backward, buckets of max(4e7, 1e6 x data-parallel size) elements,
     and from stage 1 parameter gathers overlapped with forward. ``premul_sum``: the fused
-    divide-and-reduce (an NCCL operation; gloo lacks it)."""
+    divide-and-reduce (an NCCL operation; gloo lacks it). Megatron-FSDP's own gradient dtypes
+    where the release has them: :func:`megatron_fsdp_grad_dtypes`."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
+    fields = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=not grad_reduce_in_bf16, overlap_grad_reduce=True, overlap_param_gather=stage >= 1,
         check_for_nan_in_grad=True, bucket_size=ddp_bucket_elements(data_parallel_size),
         gradient_reduce_div_fusion=premul_sum, **strategy_for(stage).megatron_core_ddp,
+        **megatron_fsdp_grad_dtypes(fields, grad_reduce_in_bf16),
     )
+
+
+FSDP_GRAD_DTYPE_FIELDS = ("megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype")
+"""Megatron-FSDP's gradient precision from megatron-core 0.19 on: its MixedPrecisionPolicy is built
+from these two fields (mcore_fsdp_adapter.py ~L134-138 at core_v0.19.0), both defaulting to the
+compute dtype (None: bf16 gradients accumulated and reduce-scattered in bf16,
+distributed_data_parallel_config.py ~L192-198), and ``grad_reduce_in_fp32`` no longer reaches it
+(0.16.1-0.18.2 read that flag: param_and_grad_buffer.py ~L2022-2030 at 0.16.1). Megatron-LM 0.19
+passes its ``--megatron-fsdp-main-grads-dtype`` / ``--megatron-fsdp-grad-comm-dtype`` (default
+``auto``; training.py ~L1999-2001)."""
+
+
+def megatron_fsdp_grad_dtypes(config_fields: set[str], grad_reduce_in_bf16: bool) -> dict:
+    """fp32 main gradients and fp32 gradient communication for Megatron-FSDP (bf16 with
+    ``grad_reduce_in_bf16``), on the releases whose DDP config has the fields
+    (:data:`FSDP_GRAD_DTYPE_FIELDS`); {} on older ones, where ``grad_reduce_in_fp32`` decides. Pure."""
+    dtype = torch.bfloat16 if grad_reduce_in_bf16 else torch.float32
+    return {name: dtype for name in FSDP_GRAD_DTYPE_FIELDS if name in config_fields}
+
+
+def describe_gradients(ddp_config, stage: int) -> str:
+    """The start line's gradient precision, read from the config megatron-core was given."""
+    if stage >= ZeroStage.GRADIENTS and all(hasattr(ddp_config, f) for f in FSDP_GRAD_DTYPE_FIELDS):
+        main, comm = (str(getattr(ddp_config, f)).removeprefix("torch.") for f in FSDP_GRAD_DTYPE_FIELDS)
+        return (f"gradients: {main} main gradients, reduce-scattered in {comm} (Megatron-FSDP's "
+                "megatron_fsdp_main_grads_dtype / megatron_fsdp_grad_comm_dtype)")
+    where = "Megatron-FSDP" if stage >= ZeroStage.GRADIENTS else "megatron-core DDP"
+    return (f"gradients: {'fp32' if ddp_config.grad_reduce_in_fp32 else 'bf16'} main gradients and reduction "
+            f"({where}'s grad_reduce_in_fp32={ddp_config.grad_reduce_in_fp32})")
 
 
 def megatron_core_optimizer_config(t: TrainingParams, stage: int, bf16: bool):

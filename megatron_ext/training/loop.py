@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.run_spec.errors import UserError
-from megatron_ext.run_spec.flops import describe_mfu_peak, flops_per_token, padded_vocab_size, peak_tflops_for, tflops_per_gpu
+from megatron_ext.run_spec.flops import (bf16_share_under_fp8, describe_mfu_peak, flops_per_token, padded_vocab_size,
+                                         peak_tflops_for, tflops_per_gpu)
 from megatron_ext.run_spec.fp8 import fp8_config_fields, fp8_problem
 from megatron_ext.run_spec.iteration_log import (
     IterationRecord, MetricsWriter, format_iteration_line, format_progress_line,
@@ -187,6 +188,8 @@ class Pretrain:
         """Every rank's forward time per step, one entry per log interval after a start's first."""
         self.slow: list[int] = []
         self.rank_hosts: list[str] | None = None
+        self.warm_up_note: str | None = None
+        """The fused kernels compiled before the first step (CUDA): what and how long."""
 
     # -- set up ---------------------------------------------------------------------------------
     def set_up(self) -> None:
@@ -229,7 +232,8 @@ class Pretrain:
         """Data, the model, its trainer for the ZeRO stage, the datasets, the FLOPs per step."""
         from megatron_ext.data.prepare import ensure_prepared
         from megatron_ext.training.datasets import build_datasets
-        from megatron_ext.training.model import build_gpt_model, choose_kernels, model_vocab_size, transformer_engine_available
+        from megatron_ext.training.model import (build_gpt_model, choose_kernels, installed_megatron_core, model_vocab_size,
+                                                 transformer_engine_version)
         from megatron_ext.training.hf_weights import load_hf_weights, restrict_logits
         from megatron_ext.training.trainers import wrap_cpu
 
@@ -242,8 +246,9 @@ class Pretrain:
         self.progress.phase("setup")
         self.real_vocab = model_vocab_size(m, self.prepared.vocab_size)
         self.vocab = padded_vocab_size(self.real_vocab, m.make_vocab_size_divisible_by)
-        self.kernels = choose_kernels(self.on_cuda, transformer_engine_available(), t.zero_stage,
-                                      grad_reduce_in_bf16=t.grad_reduce_in_bf16, tied_embeddings=m.tie_embeddings)
+        self.kernels = choose_kernels(self.on_cuda, transformer_engine_version(), t.zero_stage,
+                                      grad_reduce_in_bf16=t.grad_reduce_in_bf16, tied_embeddings=m.tie_embeddings,
+                                      megatron_core=installed_megatron_core())
         module = build_gpt_model(m, self.vocab, t.seq_length, params_dtype=torch.bfloat16 if self.on_cuda else torch.float32,
                                  kernels=self.kernels,
                                  **fp8_config_fields(t.fp8, t.fp8_amax_history_len, t.fp8_amax_compute_algo))
@@ -260,8 +265,15 @@ class Pretrain:
             module.cuda()
         if self.on_cuda:
             from megatron_ext.training.cuda_trainer import wrap_cuda
+            from megatron_ext.training.model import warm_up_fusions
 
             self.trainer = wrap_cuda(module, ZeroStage(t.zero_stage), t, self.device)
+            warm_started = time.monotonic()  # before the first step's clock: out of step times and MFU
+            warmed = warm_up_fusions(m, self.kernels, t.seq_length, t.micro_batch_size, self.vocab, torch.bfloat16,
+                                     self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)  # the warm-up's logits are no step's peak
+            self.warm_up_note = (f"fused kernels compiled before the first step in {time.monotonic() - warm_started:.1f} s: "
+                                 f"{', '.join(warmed)}" if warmed else None)
         else:
             self.trainer = wrap_cpu(module, ZeroStage(t.zero_stage), t)
         if self.ranks.rank == 0:
@@ -279,8 +291,9 @@ class Pretrain:
             print(f"dataset index ready in {time.monotonic() - index_started:.1f} s", flush=True)
         self.flops_per_iteration = flops_per_token(m, t.seq_length, self.vocab) * t.global_batch_size * t.seq_length
         device_name = torch.cuda.get_device_name(self.device) if self.on_cuda else None
-        self.peak_tflops = peak_tflops_for(device_name, fp8=t.fp8 is not None) if self.on_cuda else None
-        self.mfu_note = describe_mfu_peak(device_name, fp8=t.fp8 is not None) if self.on_cuda else "no MFU on CPU"
+        self.peak_tflops = peak_tflops_for(device_name) if self.on_cuda else None
+        bf16_share = bf16_share_under_fp8(m, t.seq_length, self.vocab) if t.fp8 else None
+        self.mfu_note = describe_mfu_peak(device_name, bf16_share) if self.on_cuda else "no MFU on CPU"
         self.start_iteration = self.resume()
         self.writer = MetricsWriter(self.paths.metrics_path, self.start_iteration) if self.ranks.rank == 0 else None
         self.tensorboard = open_tensorboard(self.paths.tensorboard_dir, self.start_iteration) if self.ranks.rank == 0 else None
@@ -295,7 +308,9 @@ class Pretrain:
                 f"run {self.paths.run}: model {m.name} data {self.params.data_set} | world size {self.ranks.world_size} "
                 f"| ZERO_STAGE={t.zero_stage} | {'cuda/nccl/bf16' if self.on_cuda else 'cpu/gloo/fp32'} "
                 f"| vocab {self.vocab} | {self.geometry.describe()}\nkernels: {self.kernels.describe()}"
-                + (f", fp8 {t.fp8}" if t.fp8 else "") + f"\n{self.mfu_note}",
+                + (f", fp8 {t.fp8}" if t.fp8 else "")
+                + (f"\n{self.trainer.gradients_note}" if self.trainer.gradients_note else "")
+                + (f"\n{self.warm_up_note}" if self.warm_up_note else "") + f"\n{self.mfu_note}",
                 flush=True,
             )
 

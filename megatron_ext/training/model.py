@@ -14,9 +14,11 @@ import warnings
 import torch
 
 from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.fp8 import version_tuple
 from megatron_ext.run_spec.flops import padded_vocab_size
 from megatron_ext.run_spec.model_size import ParameterCount
 from megatron_ext.run_spec.params import ModelPreset
+from megatron_ext.training.versions import parse_version
 
 
 def model_vocab_size(preset: ModelPreset, tokenizer_vocab: int | None) -> int:
@@ -87,13 +89,31 @@ class KernelChoices:
                 f"{self.attention}, fusions: {', '.join(fused) if fused else 'none'}")
 
 
-def choose_kernels(on_cuda: bool, transformer_engine: bool, zero_stage: int, find_spec=None,
-                   grad_reduce_in_bf16: bool = False, tied_embeddings: bool = True) -> KernelChoices:
-    """Pure apart from ``find_spec`` (``importlib.util.find_spec``: is a compiled extension installed)."""
+FSDP_FUSION_NEEDS_TE = ((0, 17), (2, 10))
+"""From megatron-core 0.17 on, Megatron-FSDP asserts transformer-engine >= 2.10 when
+gradient-accumulation fusion is on, at wrap time (mcore_fsdp_adapter.py ~L112 at core_v0.17.0,
+~L147-150 at core_v0.19.0; 0.16.1 has no such check): (the first release, the transformer-engine)."""
+
+
+def fsdp_allows_fusion(megatron_core: tuple[int, int] | None, transformer_engine: str | None) -> bool:
+    """Whether Megatron-FSDP accepts gradient-accumulation fusion with these releases
+    (:data:`FSDP_FUSION_NEEDS_TE`); an unknown megatron-core (None) gets the strict rule. Pure."""
+    since, te_min = FSDP_FUSION_NEEDS_TE
+    if megatron_core is not None and megatron_core < since:
+        return True
+    return transformer_engine is not None and version_tuple(transformer_engine)[:2] >= te_min
+
+
+def choose_kernels(on_cuda: bool, transformer_engine: str | None, zero_stage: int, find_spec=None,
+                   grad_reduce_in_bf16: bool = False, tied_embeddings: bool = True,
+                   megatron_core: tuple[int, int] | None = None) -> KernelChoices:
+    """``transformer_engine``: the version megatron-core would use (:func:`transformer_engine_version`),
+    or None; ``megatron_core``: its (major, minor). Pure apart from ``find_spec``
+    (``importlib.util.find_spec``: is a compiled extension installed)."""
     import importlib.util
 
     find_spec = find_spec or importlib.util.find_spec
-    te = on_cuda and transformer_engine
+    te = on_cuda and transformer_engine is not None
 
     def extension(name: str) -> bool:
         try:
@@ -119,9 +139,11 @@ def choose_kernels(on_cuda: bool, transformer_engine: bool, zero_stage: int, fin
         # a tied embedding's two gradients add up under DDP (language_module.py ~L201,
         # megatron_fsdp.py ~L561-590): through the device shim, fp32 reduction raises in the first
         # backward, tied embeddings lose a gradient (another loss from the second step), and only
-        # untied embeddings with bf16 reduction equal the unfused run.
+        # untied embeddings with bf16 reduction equal the unfused run; and from megatron-core 0.17
+        # only with transformer-engine >= 2.10 (fsdp_allows_fusion).
         gradient_accumulation_fusion=on_cuda and extension("fused_weight_gradient_mlp_cuda")
-        and (zero_stage < 2 or (grad_reduce_in_bf16 and not tied_embeddings)),
+        and (zero_stage < 2 or (grad_reduce_in_bf16 and not tied_embeddings
+                                and fsdp_allows_fusion(megatron_core, transformer_engine))),
         cross_entropy_loss_fusion=on_cuda,
     )
 
@@ -201,7 +223,8 @@ def layer_spec(preset: ModelPreset, kernels: KernelChoices):
 
 
 def transformer_engine_version() -> str | None:
-    """The installed transformer-engine's version, or None where it does not import."""
+    """The version of the transformer-engine megatron-core would use, or None where it would not
+    (:func:`transformer_engine_available`)."""
     if not transformer_engine_available():
         return None
     import transformer_engine
@@ -210,16 +233,77 @@ def transformer_engine_version() -> str | None:
 
 
 def transformer_engine_available() -> bool:
-    import importlib
-
+    """megatron-core's own answer, ``HAVE_TE`` (megatron/core/extensions/transformer_engine.py
+    ~L61-77 at core_v0.16.1 and core_v0.19.0: ``transformer_engine`` and its PyTorch extension,
+    ``transformer_engine.pytorch``, import). A pip-installed transformer-engine whose extension does
+    not load for this torch passes a top-level import but not this: megatron-core then has no TE
+    layers, and this program's TE layer spec would raise at build. The preflight names such an
+    install (``orchestration/node/preflight.py``, ``transformer_engine_problem``)."""
     try:
-        importlib.import_module("transformer_engine")
-    except Exception:  # ImportError, or a broken install raising anything else
+        from megatron.core.extensions import transformer_engine as te_extension
+    except Exception:  # a broken install raising anything while megatron-core imports it
         return False
-    return True
+    return bool(te_extension.HAVE_TE)
 
 
-CPU_KERNELS = choose_kernels(on_cuda=False, transformer_engine=False, zero_stage=0)
+def installed_megatron_core() -> tuple[int, int]:
+    """The installed megatron-core's (major, minor)."""
+    from megatron.core import package_info
+
+    return parse_version(package_info.__version__)
+
+
+CPU_KERNELS = choose_kernels(on_cuda=False, transformer_engine=None, zero_stage=0)
+
+
+def warm_up_fusions(preset: ModelPreset, kernels: KernelChoices, seq_length: int, micro_batch_size: int,
+                    padded_vocab: int, dtype: torch.dtype, device: torch.device) -> list[str]:
+    """Compile megatron-core's jit-fused functions before the first step, as Megatron-LM's
+    ``_warmup_jit_function`` does at start (initialize.py ~L463-520 at core_v0.16.1, ~L497-553 at
+    core_v0.19.0; its jit_fuser is torch.compile since torch 2.2), so that the first iteration's
+    time is a step's and not a compile's. Unlike Megatron-LM it calls them as this model's layers
+    do (mlp.py ~L195-208: ``bias_swiglu_impl`` or ``bias_gelu_impl``, with the preset's bias or
+    without; transformer_layer.py: ``bias_dropout_add_fused_train`` at the preset's dropout;
+    language_module.py ~L140-165: ``fused_vocab_parallel_cross_entropy`` on the padded
+    vocabulary's logits), with a training micro-batch's shapes and dtype, forward and backward
+    (Megatron-LM warms the forward only, ``bias_swiglu`` with a bias where Qwen3 has none, and not
+    the cross entropy: on a fresh H200 its first iteration still took 37 s against 1.4-2.6 s once
+    compiled, tests/gpu). The random state is left as it was. Returns the names of what it ran;
+    none without the fusions (the CPU)."""
+    from megatron.core import parallel_state
+    from megatron.core.fusions.fused_bias_dropout import bias_dropout_add_fused_train
+
+    warmed = []
+    s, b, h, f = seq_length, micro_batch_size, preset.hidden_size, preset.ffn_hidden_size
+
+    def tensor(*shape):
+        return torch.rand(*shape, dtype=dtype, device=device, requires_grad=True)
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if kernels.bias_activation_fusion and fuses_bias_activation(preset):
+            if preset.swiglu:
+                from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+
+                x, bias = tensor(s, b, 2 * f), tensor(2 * f) if preset.add_bias_linear else None
+                bias_swiglu_impl(x, bias).sum().backward()
+                warmed.append("bias_swiglu" if bias is not None else "swiglu")
+            else:
+                from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
+
+                bias_gelu_impl(tensor(s, b, f), tensor(f)).sum().backward()
+                warmed.append("bias_gelu")
+        if kernels.bias_dropout_fusion:
+            bias = tensor(h) if preset.add_bias_linear else None
+            bias_dropout_add_fused_train((tensor(s, b, h), bias), tensor(s, b, h), preset.hidden_dropout).sum().backward()
+            warmed.append("bias_dropout_add")
+        if kernels.cross_entropy_loss_fusion:
+            from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+            labels = torch.randint(0, padded_vocab, (s, b), device=device)
+            fused_vocab_parallel_cross_entropy(tensor(s, b, padded_vocab), labels,
+                                               parallel_state.get_tensor_model_parallel_group()).sum().backward()
+            warmed.append("cross_entropy")
+    return warmed
 
 
 def build_gpt_model(

@@ -110,6 +110,11 @@ class Trainer(abc.ABC):
 
     last_loss: torch.Tensor | None = None
 
+    @property
+    def gradients_note(self) -> str | None:
+        """The start line's gradient precision; None where it is the parameters' (fp32 on CPU)."""
+        return None
+
     @abc.abstractmethod
     def model_state_dict(self) -> dict:
         """The model's weights for a checkpoint."""

@@ -12,8 +12,10 @@ bus bandwidth. The figures, with the sources they follow:
 - Model states, bytes per parameter (Psi parameters, d data-parallel ranks). GPUs (bf16
   parameters, fp32 gradients and fp32 main parameters, as Megatron keeps them): stage 0 = 18 and
   stage 1 = 6 + 12/d (Megatron's table for the plain and the distributed optimizer), stage 2 =
-  2 + 14/d and stage 3 = 16/d (the ZeRO paper's mixed-precision Adam, K = 12). CPU (fp32 AdamW,
-  torch): 16, 8 + 8/d, 16/d (peak 4 + 12/d while FSDP2 holds every gathered parameter), 16/d.
+  2 + 16/d and stage 3 = 18/d (Megatron-FSDP's fp32 main-gradient shard, 4/d, and K = 12 for the
+  fp32 main parameters and Adam's moments; with ``training.grad_reduce_in_bf16`` the shard is bf16,
+  2/d: the ZeRO paper's 2 + 14/d and 16/d). CPU (fp32 AdamW, torch): 16, 8 + 8/d, 16/d (peak
+  4 + 12/d while FSDP2 holds every gathered parameter), 16/d.
 - Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models", whose per-layer ``s*b*h*(34 + 5*a*s/h)`` bytes (16-bit, no parallelism) is re-derived
   here tensor by tensor for the preset's layer (grouped-query attention, SwiGLU, QK-layernorm),
@@ -22,21 +24,37 @@ bus bandwidth. The figures, with the sources they follow:
   recomputation each layer keeps only its input and one layer is rebuilt at a time. An
   estimate: allocator fragmentation, workspace and communication buffers are what the headroom
   is for.
-- Data-parallel traffic per GPU per optimizer step (the ZeRO paper: 2 Psi elements for stages
-  0-2, 3 Psi for stage 3): gradients move in the reduction dtype (fp32 unless
-  ``training.grad_reduce_in_bf16``), parameters in bf16; each collective carries the ring factor
-  (d - 1)/d, so dividing by the NCCL *bus* bandwidth gives its time.
-- MFU estimate per stage (:func:`estimate_mfu`): the step's model FLOPs (Megatron's formula,
-  megatron_ext/run_spec/flops.py) over the dense peak (BF16, or FP8 with ``training.fp8``) give
-  the compute time at ``assumed_mfu`` (the kernels' share of the peak while they run); added to
-  it: the data-parallel traffic not hidden behind the compute it overlaps (forward = 1/3,
-  backward = 2/3 of the compute; gradient reduction overlaps backward at every stage, parameter
-  gathers overlap forward at stage 1 and forward + backward at stage 3, while Megatron-FSDP's
-  stage 2 gathers once after the update, not overlapped), and the optimizer step, which streams
-  26 bytes per parameter this GPU updates (fp32 main parameter, both moments and gradient read,
-  the three fp32 values written, the bf16 parameter written) at the device's memory bandwidth.
-  Not modelled: data loading, kernel launches, stragglers, and the gap between an NCCL ring's
-  bus bandwidth and what overlapped collectives get.
+- Data-parallel traffic per GPU per optimizer step of a micro-batches per GPU (:func:`dp_traffic`),
+  each collective with the ring factor r = (d - 1)/d, so dividing by the NCCL *bus* bandwidth
+  gives its time; g = the gradient reduction's bytes (4, or 2 with ``training.grad_reduce_in_bf16``),
+  p = the parameters' (2), Psi_o = the parameters outside the transformer layers:
+
+      stage 0  2 r Psi g                         gradients all-reduced once (no_sync on the other micro-batches)
+      stage 1  r Psi (g + p)                     gradients reduce-scattered once, parameters gathered once
+      stage 2  r Psi (a g + p)                   Megatron-FSDP: gradients reduce-scattered at every
+                                                 micro-batch, parameters gathered once after the update
+      stage 3  r (a Psi g + (2a (Psi - Psi_o)    + every layer gathered before each forward and each
+               + Psi_o) p)                       backward, the rest once a step
+
+  benchmarks/dp_traffic.py counts what megatron-core's objects hand the collectives (gloo, the
+  device shim) and finds these within 0.2% (bucket padding). The CPU path (torch, fp32): 2 Psi,
+  3 Psi (stage 1 broadcasts the updated parameters), (a + 1) Psi and (2a + 1) Psi (FSDP2 gathers
+  before every forward, stage 3 also every backward, and reduce-scatters once), times 4 r bytes.
+- MFU estimate per stage (:func:`estimate_mfu`): always against the dense BF16 peak (with
+  ``training.fp8`` too, so runs compare). The step's model FLOPs (Megatron's formula,
+  megatron_ext/run_spec/flops.py) at ``assumed_mfu`` (the kernels' share of the peak while they
+  run) give the compute time: at the BF16 peak, or with FP8 the linear layers' share
+  (:func:`fp8_flops_share`, ~72% for Qwen3-1.7B at 4096) at the FP8 peak and core attention and
+  the logits at BF16's. Added to it: each part of the traffic not hidden behind the compute it
+  overlaps (forward = 1/3, backward = 2/3 of the compute, split evenly over the micro-batches):
+  stages 0-1's reduction behind the last micro-batch's backward (the others run under no_sync),
+  stage 1's gather behind the first forward, stages 2-3's reduce-scatters behind every backward,
+  stage 3's gathers behind every forward and backward, stage 2's one gather after the update
+  behind nothing; and the optimizer step, which streams 26 bytes per parameter this GPU updates
+  (fp32 main parameter, both moments and gradient read, the three fp32 values written, the bf16
+  parameter written) at the device's memory bandwidth. Not modelled: data loading, kernel
+  launches, stragglers, and the gap between an NCCL ring's bus bandwidth and what overlapped
+  collectives get.
 
 Pure: takes presets and numbers, returns a :class:`MemoryPlan` (its text is
 :func:`orchestration.analysis.tables.format_memory_plan`). Parameter counts are computed from the
@@ -49,12 +67,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from typing import Literal
 
 from megatron_ext.run_spec.errors import UserError
-from megatron_ext.run_spec.flops import flops_per_token
+from megatron_ext.run_spec.flops import bf16_share_under_fp8, flops_per_token
 from megatron_ext.run_spec.model_size import count_model_parameters
 from megatron_ext.run_spec.params import ModelPreset, RunOverrides, RunParams, batch_geometry, load_model, load_run_params
 
@@ -120,11 +138,14 @@ class StateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def state_bytes_per_parameter(stage: int, d: int, precision: Precision) -> StateBytes:
-    """The table in the module docstring, for ``d`` data-parallel ranks."""
+def state_bytes_per_parameter(stage: int, d: int, precision: Precision, grad_bytes: int = 4) -> StateBytes:
+    """The table in the module docstring, for ``d`` data-parallel ranks; ``grad_bytes``: the GPU
+    gradient shard's element at stages 2-3 (Megatron-FSDP's main gradients: 4 with fp32 reduction,
+    2 with ``training.grad_reduce_in_bf16``)."""
     s = Fraction(1, d)
     if precision == "bf16":
-        table = {0: (2, 4, 12), 1: (2, 4, 12 * s), 2: (2, 2 * s, 12 * s), 3: (2 * s, 2 * s, 12 * s)}
+        g = grad_bytes * s
+        table = {0: (2, 4, 12), 1: (2, 4, 12 * s), 2: (2, g, 12 * s), 3: (2 * s, g, 12 * s)}
         return StateBytes(*(Fraction(x) for x in table[stage]))
     table = {0: (4, 4, 8), 1: (4, 4, 8 * s), 2: (4 * s, 4 * s, 8 * s), 3: (4 * s, 4 * s, 8 * s)}
     extra = 4 - 4 * s if stage == 2 else Fraction(0)
@@ -164,14 +185,63 @@ def estimate_activation_bytes(preset: ModelPreset, seq_length: int, micro_batch:
     return ActivationBytes(per_layer=per_layer, full=full, recompute=recompute)
 
 
-def dp_traffic_bytes(stage: int, psi: int, d: int, grad_bytes: int, param_bytes: int) -> int:
-    """Bytes each GPU sends (and receives) over data-parallel ranks per optimizer step: stage 0
-    all-reduces gradients (2 Psi), stages 1-2 reduce-scatter gradients and all-gather parameters
-    (Psi + Psi), stage 3 all-gathers parameters twice (forward, backward) and reduce-scatters
-    gradients (3 Psi); each with the ring factor (d - 1)/d."""
+@dataclass(frozen=True)
+class StepTraffic:
+    """One stage's data-parallel bytes per GPU per optimizer step, by the compute each can hide behind."""
+
+    first_forward: int
+    """During the first micro-batch's forward (stage 1's parameter gather)."""
+    last_backward: int
+    """During the last micro-batch's backward (stages 0-1's gradient reduction)."""
+    forwards: int
+    """During every micro-batch's forward (stage 3's parameter gathers)."""
+    backwards: int
+    """During every micro-batch's backward (stages 2-3's reduce-scatters, stage 3's gathers)."""
+    after_step: int
+    """After the update, behind no compute (stage 2's parameter gather)."""
+
+    @property
+    def total(self) -> int:
+        return self.first_forward + self.last_backward + self.forwards + self.backwards + self.after_step
+
+
+def dp_traffic(stage: int, psi: int, d: int, grad_bytes: int, param_bytes: int, micro_batches: int = 1,
+               outside_layers: int = 0, precision: Precision = "bf16") -> StepTraffic:
+    """What each GPU sends (and receives) over data-parallel ranks in one optimizer step of
+    ``micro_batches`` (a) micro-batches per rank, each collective with the ring factor (d - 1)/d;
+    g = ``grad_bytes``, p = ``param_bytes``, Psi_o = ``outside_layers`` (the parameters outside
+    the transformer layers). GPUs (megatron-core): stage 0 all-reduces the gradients once (no_sync
+    on the other micro-batches), 2 Psi g; stage 1 reduce-scatters them once and all-gathers the
+    parameters once, Psi (g + p); Megatron-FSDP reduce-scatters at every micro-batch's backward and
+    all-gathers the parameters once after the update (stage 2: a Psi g + Psi p), or every layer's
+    before each forward and each backward and the rest once a step (stage 3:
+    a Psi g + (2a (Psi - Psi_o) + Psi_o) p). CPU (torch, fp32): stage 0 the same all-reduce;
+    stage 1 that all-reduce and each rank's updated parameters broadcast to the others (3 Psi
+    4 bytes); FSDP2 gathers before every forward (and, stage 3, every backward) and
+    reduce-scatters once, at the last micro-batch (stage 2: (a + 1) Psi, stage 3: (2a + 1) Psi).
+    benchmarks/dp_traffic.py measures all of it."""
+    if micro_batches < 1:
+        raise UserError(f"micro_batches={micro_batches} must be >= 1 (micro-batches per rank per optimizer step)")
     ring = Fraction(d - 1, d)
-    grads, params = psi * grad_bytes * ring, psi * param_bytes * ring
-    return math.ceil({0: 2 * grads, 1: grads + params, 2: grads + params, 3: grads + 2 * params}[stage])
+    a = micro_batches
+
+    def volume(elements: int, nbytes: int) -> int:
+        return math.ceil(elements * nbytes * ring)
+
+    grads, params = volume(psi, grad_bytes), volume(psi, param_bytes)
+    layers, outside = volume(psi - outside_layers, param_bytes), volume(outside_layers, param_bytes)
+    if precision == "fp32":
+        return {0: StepTraffic(0, 2 * grads, 0, 0, 0), 1: StepTraffic(0, 2 * grads, 0, 0, params),
+                2: StepTraffic(0, grads, a * params, 0, 0), 3: StepTraffic(0, grads, a * params, a * params, 0)}[stage]
+    return {0: StepTraffic(0, 2 * grads, 0, 0, 0), 1: StepTraffic(params, grads, 0, 0, 0),
+            2: StepTraffic(0, 0, 0, a * grads, params),
+            3: StepTraffic(0, 0, a * layers + outside, a * (grads + layers), 0)}[stage]
+
+
+def dp_traffic_bytes(stage: int, psi: int, d: int, grad_bytes: int, param_bytes: int, micro_batches: int = 1,
+                     outside_layers: int = 0, precision: Precision = "bf16") -> int:
+    """:func:`dp_traffic`'s total: bytes per GPU per optimizer step."""
+    return dp_traffic(stage, psi, d, grad_bytes, param_bytes, micro_batches, outside_layers, precision).total
 
 
 @dataclass(frozen=True)
@@ -215,7 +285,9 @@ class MemoryPlan:
     seq_length: int
     micro_batch_size: int
     global_batch_size: int | None
-    gradient_accumulation_steps: int | None
+    gradient_accumulation_steps: int
+    """Micro-batches per GPU per optimizer step, what the traffic is for: the data set's (or the
+    global batch over micro batch x GPUs); 1 when neither is given."""
     grad_reduce_in_bf16: bool
     bus_bandwidth_gbs: float
     stages: tuple[StagePlan, ...]
@@ -225,8 +297,14 @@ class MemoryPlan:
     """Paper compute time of one optimizer step at ``assumed_mfu`` (needs the global batch and the device peak)."""
     assumed_mfu: float
     peak_tflops: float | None = None
-    """The dense peak MFU is against (BF16, or FP8 with ``fp8``)."""
+    """The dense BF16 peak: what MFU is against, with FP8 too (comparable across runs)."""
     fp8: bool = False
+    fp8_peak_tflops: float | None = None
+    """With ``fp8``: the dense FP8 peak the compute time assumes for the linear layers' FLOPs."""
+    fp8_flops_share: float | None = None
+    """With ``fp8``: the linear layers' share of the model FLOPs (:func:`fp8_flops_share`)."""
+    parameters_outside_layers: int = 0
+    """Outside the transformer layers (:func:`parameters_outside_layers`): stage 3 gathers them once a step."""
     mfu_estimates: tuple[MfuEstimate, ...] = ()
     """Per stage, with the global batch, the device's peak and its memory bandwidth (:func:`estimate_mfu`)."""
 
@@ -241,22 +319,49 @@ class MemoryPlan:
         return json.dumps(asdict(self))
 
 
+def fp8_flops_share(preset: ModelPreset, seq_length: int, padded_vocab: int) -> float:
+    """The share of the step's model FLOPs in the linear layers (QKV, projection, MLP), what
+    Transformer Engine runs in FP8: the rest of :func:`bf16_share_under_fp8` (core attention and
+    the logits stay BF16)."""
+    return 1.0 - bf16_share_under_fp8(preset, seq_length, padded_vocab)
+
+
+def compute_seconds(flops_per_step: float, d: int, peak_tflops: float, assumed_mfu: float,
+                    fp8_peak_tflops: float | None = None, fp8_share: float = 0.0) -> float:
+    """A step's compute per GPU: its FLOPs at ``assumed_mfu`` of the dense BF16 peak, or, with an
+    FP8 peak, ``fp8_share`` of them at that peak and the rest at BF16's."""
+    share = fp8_share if fp8_peak_tflops else 0.0
+    per_peak = (1 - share) / peak_tflops + (share / fp8_peak_tflops if share else 0.0)
+    return flops_per_step * per_peak / (d * 1e12 * assumed_mfu)
+
+
 def estimate_mfu(stage: int, psi: int, d: int, flops_per_step: float, peak_tflops: float, assumed_mfu: float,
-                 grad_bytes: int, memory_bandwidth_gbs: float, bus_bandwidth_gbs: float) -> MfuEstimate:
-    """One stage's step time and MFU on paper (the module docstring states the assumptions)."""
-    compute = flops_per_step / (d * peak_tflops * 1e12 * assumed_mfu)
+                 grad_bytes: int, memory_bandwidth_gbs: float, bus_bandwidth_gbs: float, *, micro_batches: int = 1,
+                 param_bytes: int = 2, outside_layers: int = 0, fp8_peak_tflops: float | None = None,
+                 fp8_share: float = 0.0) -> MfuEstimate:
+    """One stage's step time and MFU on paper (the module docstring states the assumptions). MFU is
+    against the dense BF16 peak, ``peak_tflops``, with FP8 too; the traffic is :func:`dp_traffic`'s,
+    each part set against the compute it overlaps."""
+    compute = compute_seconds(flops_per_step, d, peak_tflops, assumed_mfu, fp8_peak_tflops, fp8_share)
     forward, backward = compute / 3, 2 * compute / 3
-    ring = (d - 1) / d
-    grads_s = psi * grad_bytes * ring * (2 if stage == 0 else 1) / (bus_bandwidth_gbs * GB)
-    params_s = psi * 2 * ring * (2 if stage == 3 else 1) / (bus_bandwidth_gbs * GB) if stage else 0.0
-    overlapped_by = {1: forward, 2: 0.0, 3: compute}.get(stage, 0.0)
-    exposed = max(0.0, grads_s - backward) + max(0.0, params_s - overlapped_by)
+    t = dp_traffic(stage, psi, d, grad_bytes, param_bytes, micro_batches, outside_layers)
+    a, bus = micro_batches, bus_bandwidth_gbs * GB
+    behind = ((t.first_forward, forward / a), (t.last_backward, backward / a), (t.forwards, forward),
+              (t.backwards, backward), (t.after_step, 0.0))
+    exposed = sum(max(0.0, volume / bus - window) for volume, window in behind)
     updated = psi if stage == 0 else psi / d
     optimizer = updated * OPTIMIZER_BYTES_PER_PARAMETER / (memory_bandwidth_gbs * GB)
     step = compute + exposed + optimizer
     ideal = flops_per_step / (d * peak_tflops * 1e12)
     return MfuEstimate(stage=stage, compute_s=compute, exposed_traffic_s=exposed, optimizer_s=optimizer, step_s=step,
                        mfu=ideal / step)
+
+
+def parameters_outside_layers(preset: ModelPreset, vocab_size: int | None) -> int:
+    """What sits outside the transformer layers (embedding, learned positions, final norm, an
+    untied output layer): Megatron-FSDP's parameters outside its units (TransformerLayer) at
+    stage 3, gathered once a step and kept."""
+    return count_model_parameters(replace(preset, num_layers=0), vocab_size).total
 
 
 def plan_memory(preset: ModelPreset, *, vocab_size: int | None, nnodes: int, nproc_per_node: int, seq_length: int,
@@ -266,13 +371,16 @@ def plan_memory(preset: ModelPreset, *, vocab_size: int | None, nnodes: int, npr
                 global_batch_size: int | None = None, gradient_accumulation_steps: int | None = None,
                 assumed_mfu: float = DEFAULT_ASSUMED_MFU, data_set: str | None = None,
                 stages: tuple[int, ...] = (0, 1, 2, 3), fp8: bool = False) -> MemoryPlan:
-    """Every stage's plan for ``nnodes x nproc_per_node`` data-parallel GPUs (TP = PP = 1)."""
+    """Every stage's plan for ``nnodes x nproc_per_node`` data-parallel GPUs (TP = PP = 1);
+    ``gradient_accumulation_steps``: micro-batches per GPU per step (default: the global batch's, else 1)."""
     if not 0 <= headroom < 1:
         raise UserError(f"headroom={headroom} must be in [0, 1); e.g. 0.1 keeps 10% of the device free")
     if bus_bandwidth_gbs <= 0:
         raise UserError(f"bus bandwidth {bus_bandwidth_gbs} GB/s must be > 0; e.g. {DEFAULT_BUS_BANDWIDTH_GBS}")
     count = count_model_parameters(preset, vocab_size)
     psi, d = count.total, nnodes * nproc_per_node
+    accumulation = gradient_accumulation_steps or _accumulation_steps(global_batch_size, micro_batch_size, d)
+    outside = parameters_outside_layers(preset, vocab_size)
     value_bytes = 2 if precision == "bf16" else 4
     acts = estimate_activation_bytes(preset, seq_length, micro_batch_size, count.padded_vocab, value_bytes)
     memory = device_bytes if device_bytes is not None else device.memory_bytes
@@ -281,9 +389,9 @@ def plan_memory(preset: ModelPreset, *, vocab_size: int | None, nnodes: int, npr
     param_bytes = value_bytes
     plans = []
     for stage in stages:
-        per = state_bytes_per_parameter(stage, d, precision)
+        per = state_bytes_per_parameter(stage, d, precision, grad_bytes)
         states, peak = _bytes(psi, per.total), _bytes(psi, per.total + per.peak_extra)
-        traffic = dp_traffic_bytes(stage, psi, d, grad_bytes, param_bytes)
+        traffic = dp_traffic_bytes(stage, psi, d, grad_bytes, param_bytes, accumulation, outside, precision)
         total, total_rc = peak + acts.full, peak + acts.recompute
         plans.append(StagePlan(
             stage=stage, params_bytes=_bytes(psi, per.params), grads_bytes=_bytes(psi, per.grads),
@@ -294,25 +402,42 @@ def plan_memory(preset: ModelPreset, *, vocab_size: int | None, nnodes: int, npr
             traffic_bytes=traffic, traffic_s=traffic / (bus_bandwidth_gbs * GB),
         ))
     compute_s, estimates = None, ()
-    peak = device.fp8_peak_tflops if fp8 else device.peak_tflops
-    if global_batch_size and peak:
+    peak_tflops = device.peak_tflops
+    fp8_peak = device.fp8_peak_tflops if fp8 else None
+    share = fp8_flops_share(preset, seq_length, count.padded_vocab) if fp8_peak else None
+    if global_batch_size and peak_tflops:
         flops = flops_per_token(preset, seq_length, count.padded_vocab) * global_batch_size * seq_length
-        compute_s = flops / (d * peak * 1e12 * assumed_mfu)
+        compute_s = compute_seconds(flops, d, peak_tflops, assumed_mfu, fp8_peak, share or 0.0)
         if device.memory_bandwidth_gbs:
-            estimates = tuple(estimate_mfu(p.stage, psi, d, flops, peak, assumed_mfu, grad_bytes,
-                                           device.memory_bandwidth_gbs, bus_bandwidth_gbs) for p in plans)
+            estimates = tuple(estimate_mfu(p.stage, psi, d, flops, peak_tflops, assumed_mfu, grad_bytes,
+                                           device.memory_bandwidth_gbs, bus_bandwidth_gbs, micro_batches=accumulation,
+                                           param_bytes=param_bytes, outside_layers=outside, fp8_peak_tflops=fp8_peak,
+                                           fp8_share=share or 0.0) for p in plans)
     return MemoryPlan(
         model=preset.name, data_set=data_set, parameters=psi, embedding_parameters=count.embedding,
         padded_vocab=count.padded_vocab, num_gpus=d, nnodes=nnodes, nproc_per_node=nproc_per_node,
         precision=precision, device=device.name if device_bytes is None else f"{device_bytes / GB:g} GB device",
         device_bytes=memory, headroom=headroom, seq_length=seq_length, micro_batch_size=micro_batch_size,
-        global_batch_size=global_batch_size, gradient_accumulation_steps=gradient_accumulation_steps,
+        global_batch_size=global_batch_size, gradient_accumulation_steps=accumulation,
         grad_reduce_in_bf16=grad_reduce_in_bf16,
         bus_bandwidth_gbs=bus_bandwidth_gbs, stages=tuple(plans),
         lowest_fitting_stage=next((p.stage for p in plans if p.fits), None),
         lowest_fitting_stage_recompute=next((p.stage for p in plans if p.fits_recompute), None),
-        compute_s=compute_s, assumed_mfu=assumed_mfu, peak_tflops=peak, fp8=fp8, mfu_estimates=estimates,
+        compute_s=compute_s, assumed_mfu=assumed_mfu, peak_tflops=peak_tflops, fp8=fp8, fp8_peak_tflops=fp8_peak,
+        fp8_flops_share=share, parameters_outside_layers=outside, mfu_estimates=estimates,
     )
+
+
+def _accumulation_steps(global_batch_size: int | None, micro_batch_size: int, d: int) -> int:
+    """Micro-batches per GPU per step of ``global_batch_size`` sequences; 1 without one."""
+    if not global_batch_size:
+        return 1
+    per_step = micro_batch_size * d
+    if global_batch_size % per_step:
+        raise UserError(f"global_batch_size={global_batch_size} is not divisible by micro_batch_size({micro_batch_size}) "
+                        f"x data-parallel size({d}) = {per_step}; change one of them "
+                        f"(e.g. global_batch_size={per_step * max(1, round(global_batch_size / per_step))})")
+    return global_batch_size // per_step
 
 
 def tokenizer_vocab(params: RunParams) -> int | None:
@@ -333,16 +458,22 @@ def run_vocab(params: RunParams) -> int | None:
 
 def plan_for_run(params: RunParams, nnodes: int, nproc_per_node: int, precision: Precision,
                  grad_reduce_in_bf16: bool | None = None) -> MemoryPlan | None:
-    """The plan of one resolved run (its stage among all four); None when its vocabulary is unknown."""
+    """The plan of one resolved run (its stage among all four); None when its vocabulary is unknown
+    or its batch does not divide over ``nnodes x nproc_per_node`` ranks (no step to plan)."""
     vocab = run_vocab(params)
     if vocab is None:
         return None
     t = params.training
+    try:
+        geometry = batch_geometry(t, nnodes * nproc_per_node)
+    except UserError:
+        return None
     return plan_memory(params.model, vocab_size=vocab, nnodes=nnodes, nproc_per_node=nproc_per_node,
                        seq_length=t.seq_length, micro_batch_size=t.micro_batch_size, precision=precision,
                        device=DEVICES["cpu" if precision == "fp32" else DEFAULT_DEVICE],
                        grad_reduce_in_bf16=t.grad_reduce_in_bf16 if grad_reduce_in_bf16 is None else grad_reduce_in_bf16,
-                       global_batch_size=t.global_batch_size, data_set=params.data_set, fp8=t.fp8 is not None)
+                       global_batch_size=geometry.global_batch_size, gradient_accumulation_steps=geometry.accumulation_steps,
+                       data_set=params.data_set, fp8=t.fp8 is not None)
 
 
 # -- the command's request ------------------------------------------------------------------------

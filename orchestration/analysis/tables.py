@@ -73,33 +73,51 @@ def format_memory_plan(plan: MemoryPlan) -> str:
         else:
             lines.append(f"no stage fits in {_gb(p.usable_bytes)} GB usable, even with full recomputation; "
                          "use more GPUs, a smaller micro batch or sequence, or tensor/pipeline parallelism")
+    a = p.gradient_accumulation_steps
+    micro = f"{a} micro-batch{'es' if a > 1 else ''} per {rank}" + ("" if p.global_batch_size else " (no global batch given)")
     if p.compute_s:
+        fp8 = (f"; FP8 peak ({p.fp8_peak_tflops:g} TFLOP/s) for the linear layers' {p.fp8_flops_share:.0%} of the FLOPs, "
+               "BF16 for core attention and logits" if p.fp8_peak_tflops and p.fp8_flops_share else "")
         lines.append(f"compute per step at {p.assumed_mfu:.0%} MFU: {p.compute_s * 1000:,.0f} ms "
-                     f"(global batch {p.global_batch_size} x {p.seq_length} tokens); data-parallel traffic is "
+                     f"(global batch {p.global_batch_size} x {p.seq_length} tokens, {micro}{fp8}); data-parallel traffic is "
                      + ", ".join(f"stage {s.stage} {s.traffic_s / p.compute_s:.1%}" for s in p.stages)
                      + " of it before any overlap")
     if p.mfu_estimates:
-        kind = "FP8" if p.fp8 else "BF16"
-        lines.append(f"MFU estimate against the dense {kind} peak ({p.peak_tflops:g} TFLOP/s): "
+        lines.append(f"MFU estimate against the dense BF16 peak ({p.peak_tflops:g} TFLOP/s"
+                     + (", with FP8 too" if p.fp8 else "") + "): "
                      + ", ".join(f"stage {e.stage} {e.mfu:.1%} ({e.step_s * 1000:,.0f} ms/step: exposed traffic "
                                  f"{e.exposed_traffic_s * 1000:,.0f} ms, optimizer {e.optimizer_s * 1000:,.0f} ms)"
                                  for e in p.mfu_estimates))
         lines.append(f"  assumes the kernels at {p.assumed_mfu:.0%} of the peak while they run, forward 1/3 and backward 2/3 "
-                     "of the compute, gradient reduction hidden behind backward, parameter gathers behind forward "
-                     "(stage 1) or forward + backward (stage 3), stage 2's one gather after the update exposed, the "
-                     "optimizer streaming 26 bytes per updated parameter at the device's memory bandwidth; not "
-                     "modelled: data loading, launches, stragglers")
+                     "of the compute split evenly over the micro-batches, the gradient reduction behind the last "
+                     "micro-batch's backward (stages 0-1) or every backward (stages 2-3), parameter gathers behind the "
+                     "first forward (stage 1) or every forward and backward (stage 3), stage 2's one gather after the "
+                     "update exposed, the optimizer streaming 26 bytes per updated parameter at the device's memory "
+                     "bandwidth; not modelled: data loading, launches, stragglers")
+    bus = (f"time = bytes / bus bandwidth ({p.bus_bandwidth_gbs:g} GB/s"
+           + (": 4x8 H100 NCCL all-reduce, measured)" if p.bus_bandwidth_gbs == DEFAULT_BUS_BANDWIDTH_GBS else ")"))
+    if p.precision == "bf16":
+        traffic = (f"traffic per step of {micro}, megatron-core (r = (d-1)/d, g = {'2 (bf16' if reduce == 'bf16' else '4 (fp32'} "
+                   "gradient reduction), p = 2 (bf16 parameters), a micro-batches): stage 0 all-reduces the gradients "
+                   "once (2 r Psi g), stage 1 reduce-scatters them once and gathers the parameters once (r Psi (g + p)), "
+                   "Megatron-FSDP reduce-scatters at every micro-batch and gathers once after the update (stage 2: "
+                   "r Psi (a g + p)) or every layer before each forward and backward and the rest once "
+                   f"(stage 3: r (a Psi g + (2a (Psi - Psi_o) + Psi_o) p), Psi_o = {p.parameters_outside_layers:,} "
+                   f"outside the layers); benchmarks/dp_traffic.py measures it; {bus}")
+    else:
+        traffic = (f"traffic per step of {micro}, CPU path (fp32, r = (d-1)/d, a micro-batches): 4 r bytes times 2 Psi "
+                   "(DDP all-reduce), 3 Psi (+ ZeRO's parameter broadcasts), (a + 1) Psi and (2a + 1) Psi (FSDP2 gathers "
+                   f"before every forward, stage 3 every backward too, one reduce-scatter); {bus}")
     lines += [
         "model states: stages 0-1 Megatron's bytes per parameter (18, 6 + 12/d with bf16 params, fp32 grads and "
-        "main params), stages 2-3 the ZeRO paper's (2 + 14/d, 16/d)" if p.precision == "bf16" else
+        "main params), stages 2-3 Megatron-FSDP's "
+        + ("(2 + 14/d, 16/d: bf16 gradient shards)" if reduce == "bf16" else "(2 + 16/d, 18/d: fp32 gradient shards)")
+        if p.precision == "bf16" else
         "model states: fp32 AdamW (16, 8 + 8/d, 16/d with peak 4 + 12/d, 16/d bytes per parameter)",
         "activations: an estimate after Korthikanti et al. 2022 (\"Reducing Activation Recomputation in Large "
         "Transformer Models\"), re-derived for this layer (GQA, SwiGLU, QK-norm) with flash/SDPA attention; "
         "recompute = full recomputation (each layer keeps its input)",
-        f"traffic: ZeRO paper volumes (2 Psi stages 0-2, 3 Psi stage 3), gradients reduced in {reduce}, "
-        f"parameters gathered in {'bf16' if p.precision == 'bf16' else 'fp32'}, ring factor (d-1)/d; "
-        f"time = bytes / bus bandwidth ({p.bus_bandwidth_gbs:g} GB/s"
-        + (": 4x8 H100 NCCL all-reduce, measured)" if p.bus_bandwidth_gbs == DEFAULT_BUS_BANDWIDTH_GBS else ")"),
+        traffic,
     ]
     return "\n".join(lines)
 

@@ -3,8 +3,8 @@
     python -m orchestration preflight gpt_smoke smoke demo       # the checks start runs, on their own
 
 :func:`inspect_node` (run by ``node-check`` on every node in parallel): the run is not live there;
-the software (Python, torch, megatron-core, transformer-engine, the project's revision) and whether
-the program accepts that megatron-core; the data paths and tokenizer the run reads; the optional
+the software (Python, torch, megatron-core, transformer-engine, the project's revision), whether
+the program accepts that megatron-core and whether megatron-core can use that transformer-engine; the data paths and tokenizer the run reads; the optional
 modules it imports (wandb with WANDB_PROJECT set); the artifact root writable and the same one node
 0 sees (a token the launcher wrote); MASTER_ADDR resolves and node 0 answers on MASTER_PORT (a
 refused connection proves the path; a timeout means a firewall drops the traffic, e.g. Docker's
@@ -157,6 +157,39 @@ def cuda_problem(environ: Mapping[str, str]) -> str | None:
             "which trains on the CPU too")
 
 
+TE_PROBE = """
+import sys
+try:
+    import transformer_engine.pytorch
+except BaseException as exc:
+    print(f"{type(exc).__name__}: {exc}".splitlines()[0][:300]); sys.exit(1)
+from megatron.core.extensions.transformer_engine import HAVE_TE
+print("ok" if HAVE_TE else "megatron-core's HAVE_TE is False"); sys.exit(0 if HAVE_TE else 1)
+"""
+"""megatron-core's own test (``HAVE_TE``: megatron/core/extensions/transformer_engine.py ~L61-77),
+preceded by the import that fails in a broken install, for its error."""
+
+
+def transformer_engine_problem(version: str, environ: Mapping[str, str]) -> str | None:
+    """Why megatron-core could not use the installed transformer-engine ``version`` (its package
+    metadata is there): asked in a child with the ranks' environment, or None when it can. A
+    pip-installed transformer-engine whose PyTorch extension does not load for this torch imports
+    at the top level but not as ``transformer_engine.pytorch``: megatron-core then runs without
+    its layers (slower, and Megatron-LM's ``--transformer-impl transformer_engine`` fails)."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", TE_PROBE], env=dict(environ), capture_output=True, text=True,
+                              timeout=CUDA_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return f"transformer-engine {version}: importing transformer_engine.pytorch took over {CUDA_PROBE_TIMEOUT_S:.0f} s"
+    if proc.returncode == 0:
+        return None
+    why = (proc.stdout.strip().splitlines() or proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return (f"transformer-engine {version} is installed but megatron-core cannot use it: importing "
+            f"transformer_engine.pytorch fails here ({why}); reinstall it for this torch "
+            "(pip install --no-build-isolation 'transformer_engine[pytorch]'), or uninstall it "
+            "(pip uninstall transformer-engine transformer-engine-torch) to train without it")
+
+
 def compute_capability() -> tuple[int, int] | None:
     """The first visible GPU's compute capability from nvidia-smi (no CUDA initialisation in this
     process), or None where it does not answer."""
@@ -267,6 +300,10 @@ def inspect_node(request: NodeCheckRequest, run_state_dir: Path, visible_gpus: i
             problems.append(problem)
     if check.needs_cuda and not visible_gpus:
         problem = cuda_problem(environ or {})
+        if problem:
+            problems.append(problem)
+    if report.software.get("transformer-engine") is not None:
+        problem = transformer_engine_problem(report.software["transformer-engine"], environ or {})
         if problem:
             problems.append(problem)
     if check.fp8:

@@ -174,8 +174,11 @@ def collective_patches() -> dict[str, Any]:
 
 
 def set_attributes(target, values: dict[str, Any]) -> dict[str, Any]:
-    """Set ``values`` on ``target``; returns what was there (to put back)."""
-    saved = {name: getattr(target, name) for name in values}
+    """Set ``values`` on ``target``; returns what was there (to put back). A class's own entries are
+    taken from its ``__dict__``: ``getattr`` on a class gives a pybind11 method as a plain function,
+    which, set back, no longer receives ``self`` (gloo collectives after the block then failed)."""
+    own = vars(target) if isinstance(target, type) else {}
+    saved = {name: own[name] if name in own else getattr(target, name) for name in values}
     for name, value in values.items():
         setattr(target, name, value)
     return saved

@@ -69,7 +69,8 @@ def build(stage: int, units: str = "default", tied: bool = True, **training):
     from megatron_ext.run_spec.params import TrainingParams, load_model
     from megatron_ext.run_spec.zero import ZeroStage
     from megatron_ext.training.cuda_trainer import wrap_cuda
-    from megatron_ext.training.model import CPU_KERNELS, build_gpt_model, choose_kernels, transformer_engine_available
+    from megatron_ext.training.model import (CPU_KERNELS, build_gpt_model, choose_kernels, installed_megatron_core,
+                                             transformer_engine_version)
 
     torch.manual_seed(1234)  # the same initialisation for every model a process builds:
     if DEVICE.type == "cpu":  # the model-parallel RNG tracker too (the shim's, or megatron-core's own)
@@ -82,7 +83,8 @@ def build(stage: int, units: str = "default", tied: bool = True, **training):
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
     fusion = training.pop("gradient_accumulation_fusion", False)
     kernels = (dataclasses.replace(CPU_KERNELS, device="cuda", gradient_accumulation_fusion=fusion)
-               if DEVICE.type == "cpu" else choose_kernels(True, transformer_engine_available(), stage))
+               if DEVICE.type == "cpu" else choose_kernels(True, transformer_engine_version(), stage,
+                                                         megatron_core=installed_megatron_core()))
     preset = load_model("gpt_smoke") if tied else dataclasses.replace(load_model("gpt_smoke"), tie_embeddings=False)
     module = build_gpt_model(preset, VOCAB, SEQ, params_dtype=torch.bfloat16, kernels=kernels)
     if DEVICE.type == "cuda":
@@ -281,14 +283,74 @@ def fusion(stage: int) -> dict:
     return result
 
 
+@contextlib.contextmanager
+def collective_dtypes(seen: dict[str, set[str]]):
+    """The dtypes of what each gradient collective is given inside the block (``seen``: name -> dtypes)."""
+    names = ("all_reduce", "reduce_scatter_tensor")
+    originals = {name: getattr(dist, name) for name in names}
+
+    def recording(name):
+        def record(*a, **k):  # all_reduce(tensor, ...), reduce_scatter_tensor(output, input, ...)
+            given = (a[0] if a else k["tensor"]) if name == "all_reduce" else (a[1] if len(a) > 1 else k["input"])
+            seen.setdefault(name, set()).add(str(given.dtype).removeprefix("torch."))
+            return originals[name](*a, **k)
+        return record
+
+    for name in names:
+        setattr(dist, name, recording(name))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def precision(stage: int) -> dict:
+    """What gradient precision megatron-core was told and what it did, with fp32 reduction (the
+    default) and with ``grad_reduce_in_bf16``: Megatron-FSDP's mixed-precision policy where the
+    release has one, the dtype of the main gradients after a step's backward (each parameter's
+    ``main_grad`` under DDP, Megatron-FSDP's gradient buffers), and the
+    dtypes the gradient collectives were given (the loss's own all-reduce aside: fp32)."""
+    result = {}
+    for name, bf16 in (("fp32", False), ("bf16", True)):
+        trainer, t = build(stage, grad_reduce_in_bf16=bf16)
+        policy = getattr(trainer.model, "mp_policy", None)
+        seen: dict[str, set[str]] = {}
+        main_grads: set[str] = set()
+        original_step = trainer.step
+
+        def step_after_reading(lr, wd):  # after the last backward and the reduction it started
+            trainer.model.finish_grad_sync()
+            buffer = getattr(trainer.model.module, "param_and_grad_buffer", None)  # Megatron-FSDP's
+            grads = ([g.main_grad_buffer for g in buffer.parameter_groups] if buffer is not None else
+                     [getattr(p, "main_grad", None) for p in trainer.module.parameters()])
+            main_grads.update(str(g.dtype).removeprefix("torch.") for g in grads if g is not None)
+            return original_step(lr, wd)
+
+        trainer.step = step_after_reading
+        with collective_dtypes(seen):
+            run_steps(trainer, t, [1])
+        result[name] = {
+            "policy": {f: str(getattr(policy, f)).removeprefix("torch.") for f in ("main_grads_dtype", "grad_comm_dtype")}
+            if policy is not None else None,
+            "note": trainer.gradients_note,
+            "main_grads": sorted(main_grads),
+            "collectives": {k: sorted(v) for k, v in seen.items()},
+        }
+    from megatron.core import package_info
+
+    result["megatron_core"] = package_info.__version__
+    return result
+
+
 def stages(text: str) -> list[int]:
     return [int(s) for s in text.split(",")]
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("modes", nargs="+", choices=["resume", "nan", "gathers", "fusion"], metavar="mode",
-                   help="resume, nan, gathers, fusion; several run in order (nan alone: its ranks exit)")
+    p.add_argument("modes", nargs="+", choices=["resume", "nan", "gathers", "fusion", "precision"],
+                   metavar="mode", help="resume, nan, gathers, fusion, precision; several run in order (nan alone: its ranks exit)")
     p.add_argument("--stage", type=stages, required=True, help="a ZeRO stage, or several: 0,1,2,3")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=6)
@@ -337,6 +399,8 @@ def main() -> None:
                         result = {units: gathers_per_step(stage, units) for units in ("default", "layers")}
                     elif mode == "fusion":
                         result = fusion(stage)
+                    elif mode == "precision":
+                        result = precision(stage)
                     elif mode == "nan":
                         result = nan_step(stage)
                         (args.out / f"nan_rank{dist.get_rank()}.json").write_text(json.dumps(result))

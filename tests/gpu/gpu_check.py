@@ -1,17 +1,26 @@
 """The GPU check for a lent machine (one GPU): a preflight of seconds, then what matters most
 first, row by row, inside a time budget.
 
-    python3 tests/gpu/prepare_device_check.py   # here, first: the wheel into .whl/, the carry list, the command
-    bash tests/gpu/device_check.sh               # there: runs this file
+    python3 tests/gpu/prepare_device_check.py   # here, first: the wheels into .whl/, the carry list, the command
+    bash tests/gpu/device_check.sh --megatron-core 0.19.2   # there: runs this file for that release
     python3 tests/gpu/gpu_check.py --dry-run     # anywhere: the preflight's findings and the row plan
 
-Preflight (before anything slow): python3 3.12 (the carried wheel's), torch with a CUDA device,
-megatron-core importable or its wheel in .whl/ (installed then into /tmp/gpu_check_site), free
-disk, $OUT; every problem is printed at once and the check exits 2.
+``--megatron-core VERSION`` is the release under test: the installed megatron-core when it is that
+release, else its carried wheel (``.whl/megatron_core-VERSION-cp312-*.whl``), installed into
+/tmp/gpu_check_site/VERSION; without the option, the installed one or the newest wheel carried. Every
+row's line names the release it ran (one process per release: device_check.sh runs them in turn).
+
+Preflight (before anything slow): python3 3.12 (the carried wheels'), torch with a CUDA device,
+megatron-core importable or its wheel in .whl/, the program's own imports (PyYAML, numpy, pydantic:
+installed from .whl/deps when missing), free disk, $OUT; every problem is printed at once and the
+check exits 2.
 
 Rows (each a process tree in its own session, killed as a group past its limit; each line is
-appended to $OUT/gpu_check.txt as it finishes, so a timeout keeps what was done):
+appended to $OUT/gpu_check-<release>.txt as it finishes, so a timeout keeps what was done):
 
+0. The gradient precision at stages 2 and 3 (tests/cuda_on_cpu/worker.py ``precision`` on the
+   GPU): fp32 main gradients and fp32 reduction unless bf16 reduction is asked, whatever the
+   release (Megatron-FSDP's own dtypes from 0.19).
 1. Qwen3-1.7B at full depth (28 layers, sequence 4096, micro batch 4, DP=1) under ZERO_STAGE 0-3,
    BF16: TFLOP/s/GPU, MFU (against the dense peak it names), peak memory, last loss
    (tests/gpu/test_gpu_stages.py); the same in FP8 at stages 0 and 2 where transformer-engine is
@@ -50,12 +59,15 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "gpu"))
 
 from test_gpu_stages import (  # noqa: E402
-    HEADER, RUNNING, data_yaml, format_row, kill_group, pretrain_argv, run_in_own_group, run_stage,
+    HEADER, RUNNING, data_yaml, format_row, free_port, kill_group, pretrain_argv, run_in_own_group, run_stage,
 )
 
 WORKER = REPO / "tests" / "cuda_on_cpu" / "worker.py"
-WHEEL_GLOB = "megatron_core-0.16.1-cp312-*.whl"
+WHEEL_GLOB = "megatron_core-*-cp312-*.whl"
 SITE = Path("/tmp/gpu_check_site")
+"""Each release's wheel installs into SITE/<version>, the carried dependencies into SITE/deps."""
+DEPS_DIR = ".whl/deps"
+"""Wheels of the program's own imports for the GPU machine's Python (prepare_device_check.py)."""
 RESUME_TOLERANCE = 1e-3
 """Relative: bf16 kernels on a GPU need not be bitwise deterministic; a wrong optimizer state
 shows as a jump of 1e-2 or more from the second resumed step on."""
@@ -82,7 +94,11 @@ class Facts:
     pip: bool = True
     """pip imports (it installs the carried wheel)."""
     missing_modules: tuple[str, ...] = ()
-    """The program's own imports that are not there (PyYAML, numpy)."""
+    """The program's own imports that are not there (PyYAML, numpy, pydantic)."""
+    carried_deps: bool = False
+    """Wheels for them are carried (.whl/deps): a missing module is installed from there."""
+    release: str | None = None
+    """The megatron-core release under test (--megatron-core), or None: whatever is installed or carried."""
 
 
 def preflight_problems(f: Facts) -> list[str]:
@@ -92,25 +108,33 @@ def preflight_problems(f: Facts) -> list[str]:
         problems.append("torch does not import for python3 here: use the machine's python3 (the one with torch)")
     elif f.cuda_devices == 0:
         problems.append(f"torch {f.torch} sees no CUDA device: this check needs a GPU machine")
-    if f.megatron_core is None and f.wheel is None:
-        problems.append(f"megatron-core does not import and no {WHEEL_GLOB} is in .whl/: on the developer machine run "
-                        "python3 tests/gpu/prepare_device_check.py and send .whl along (carry)")
-    if f.megatron_core is None and f.wheel is not None and f.python != (3, 12):
+    installs = f.megatron_core is None or (f.release is not None and not f.megatron_core.startswith(f.release))
+    if installs and f.wheel is None:
+        wanted = f"megatron_core-{f.release or '*'}-cp312-*.whl"
+        problems.append(f"megatron-core {f.release or ''} does not import and no {wanted} is in .whl/: on the developer "
+                        "machine run python3 tests/gpu/prepare_device_check.py and send .whl along (carry)")
+    if installs and f.wheel is not None and f.python != (3, 12):
         problems.append(f"the carried wheel is for Python 3.12, python3 here is {f.python[0]}.{f.python[1]}")
-    if f.megatron_core is None and f.wheel is not None and not f.pip:
-        problems.append("pip does not import for python3 here, and it installs the carried wheel: use a python3 with pip "
+    if (installs and f.wheel is not None or f.missing_modules and f.carried_deps) and not f.pip:
+        problems.append("pip does not import for python3 here, and it installs the carried wheels: use a python3 with pip "
                         "(python3 -m ensurepip), or an image with megatron-core installed")
-    for module in f.missing_modules:
-        problems.append(f"{module} does not import for python3 here (the training program imports it): use an image "
-                        "that has it (NGC PyTorch has PyYAML and numpy)")
+    for module in () if f.carried_deps else f.missing_modules:
+        problems.append(f"{module} does not import for python3 here (the training program imports it): carry its "
+                        f"wheel in {DEPS_DIR} (prepare_device_check.py), or use an image that has it")
     if f.free_gb < 10:
         problems.append(f"{f.free_gb:.1f} GB free in {tempfile.gettempdir()}: the rows need 10 GB (30 for the checkpoint row)")
     return problems
 
 
-def _wheel() -> Path | None:
+def _release_key(wheel: Path) -> tuple:
+    return tuple(int(x) if x.isdigit() else 0 for x in wheel.name.split("-")[1].split("."))
+
+
+def _wheel(release: str | None = None) -> Path | None:
+    """The carried wheel of ``release``, or (None) the newest carried."""
     for directory in (REPO / ".whl", REPO / "shared" / "wheels"):
-        found = sorted(directory.glob(WHEEL_GLOB)) if directory.is_dir() else []
+        found = sorted(directory.glob(WHEEL_GLOB), key=_release_key) if directory.is_dir() else []
+        found = [w for w in found if release is None or w.name.split("-")[1] == release]
         if found:
             return found[-1]
     return None
@@ -132,7 +156,7 @@ def _version(module: str, *distributions: str) -> str | None:
     return "?"
 
 
-def gather_facts() -> Facts:
+def gather_facts(release: str | None = None) -> Facts:
     torch_version = _version("torch", "torch")
     devices, name = 0, None
     if torch_version:
@@ -140,29 +164,37 @@ def gather_facts() -> Facts:
 
         devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
         name = torch.cuda.get_device_name(0) if devices else None
-    wheel = _wheel()
+    wheel = _wheel(release)
     return Facts(python=sys.version_info[:2], torch=torch_version, cuda_devices=devices, device_name=name,
                  megatron_core=_version("megatron.core", "megatron-core", "megatron_core"), wheel=str(wheel) if wheel else None,
                  transformer_engine=_version("transformer_engine", "transformer-engine", "transformer_engine"),
                  free_gb=shutil.disk_usage(tempfile.gettempdir()).free / 1e9, out_dir=os.environ.get("OUT"),
                  pip=importlib.util.find_spec("pip") is not None,
-                 missing_modules=tuple(m for m in PROGRAM_MODULES if importlib.util.find_spec(m) is None))
+                 missing_modules=tuple(m for m in PROGRAM_MODULES if importlib.util.find_spec(m) is None),
+                 carried_deps=any((REPO / DEPS_DIR).glob("*.whl")), release=release)
 
 
-PROGRAM_MODULES = ("yaml", "numpy")
+PROGRAM_MODULES = ("yaml", "numpy", "pydantic")
 """What megatron_ext imports besides torch and megatron-core."""
 
 
-def install_wheel(wheel: str) -> str:
-    """pip-install the carried wheel (no index, no dependencies) into SITE; returns its version. A
-    failed install is a SystemExit with pip's last line (one message, no traceback)."""
+def install_wheels(wheels: list[str], target: Path) -> None:
+    """pip-install carried wheels (no index, no dependencies) into ``target``, first on this
+    process's path and the rows' PYTHONPATH. A failed install is a SystemExit with pip's last line
+    (one message, no traceback)."""
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                           "--no-cache-dir", "--upgrade", "--target", str(SITE), wheel], capture_output=True, text=True)
+                           "--no-cache-dir", "--upgrade", "--target", str(target), *wheels], capture_output=True, text=True)
     if proc.returncode != 0:
         last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise SystemExit(f"error: pip could not install {Path(wheel).name}: {last[0]}")
-    sys.path.insert(0, str(SITE))
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), os.environ.get("PYTHONPATH")]))
+        raise SystemExit(f"error: pip could not install {', '.join(Path(w).name for w in wheels)}: {last[0]}")
+    sys.path.insert(0, str(target))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))
+    importlib.invalidate_caches()
+
+
+def install_wheel(wheel: str) -> str:
+    """The carried megatron-core wheel into SITE/<its version>; returns the version that imports."""
+    install_wheels([wheel], SITE / Path(wheel).name.split("-")[1])
     import megatron.core  # noqa: F401  (it imports: the rows' children get the same PYTHONPATH)
 
     return _version("megatron.core", "megatron-core", "megatron_core") or "?"
@@ -179,11 +211,12 @@ class Row:
     """Writes under the folder it is given; returns its line (its own limit kills its process group)."""
 
 
-def plan_rows(rows: list[Row], budget_s: float, only: set[str] | None = None) -> tuple[list[Row], list[Row]]:
+def plan_rows(rows: list[Row], budget_s: float, only: list[str] | None = None) -> tuple[list[Row], list[Row]]:
     """(the rows expected to run, in order, by their estimates within ``budget_s``; the rows that
-    would be cut by the budget). ``only``: just those rows. While running, each row is checked
-    against the time actually left."""
-    chosen = [r for r in rows if not only or r.name in only]
+    would be cut by the budget). ``only``: just those rows, in that order. While running, each row
+    is checked against the time actually left."""
+    by_name = {r.name: r for r in rows}
+    chosen = [by_name[name] for name in only if name in by_name] if only else list(rows)
     expected, spent = [], 0.0
     for row in chosen:
         if spent + row.estimate_s > budget_s:
@@ -193,9 +226,9 @@ def plan_rows(rows: list[Row], budget_s: float, only: set[str] | None = None) ->
     return expected, chosen[len(expected):]
 
 
-def worker(mode: str, stage: int, out: Path, limit_s: float) -> tuple[int, str]:
+def worker(mode: str, stage: int | str, out: Path, limit_s: float) -> tuple[int, str]:
     return run_in_own_group([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
-                             str(29600 + stage), str(WORKER), mode, "--stage", str(stage), "--out", str(out),
+                             str(free_port()), str(WORKER), mode, "--stage", str(stage), "--out", str(out),
                              "--device", "cuda"], limit_s, cwd=REPO)
 
 
@@ -224,6 +257,28 @@ def nan_row(stage: int, out: Path, limit_s: float = 90) -> str:
     verdict = "PASS" if code != 0 and r.get("unchanged") and named else "FAIL"
     return (f"NaN z{stage}: {verdict} (threshold: exit != 0, update not applied, rank 0 named): exit {code}, update "
             f"applied: {'no' if r.get('unchanged') else 'YES'}; {(r['error'] or '')[:240]}")
+
+
+def precision_row(out: Path, limit_s: float = 90) -> str:
+    """Stages 2 and 3: the gradient precision asked (fp32, then bf16 reduction) against what
+    megatron-core built and did (worker.py ``precision``)."""
+    code, tail = worker("precision", "2,3", out, limit_s)
+    verdicts = []
+    for stage in (2, 3):
+        path = out / f"precision_z{stage}.json"
+        if not path.exists():
+            return f"precision z2-z3: FAIL (exit {code}): {tail[-1200:]}"
+        r = json.loads(path.read_text())
+        for asked, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
+            got = r[asked]
+            # Sharded, the gradients are reduce-scattered; at DP=1 (no_shard) all-reduced, beside the loss's fp32.
+            reduced = got["collectives"].get("reduce_scatter_tensor") or got["collectives"].get("all_reduce", [])
+            ok = got["main_grads"] == [dtype] and dtype in reduced and got["policy"] in (
+                None, {"main_grads_dtype": dtype, "grad_comm_dtype": dtype})
+            verdicts.append(f"z{stage} {asked}: {'PASS' if ok else 'FAIL'} (main gradients {'/'.join(got['main_grads'])}, "
+                            f"reduced in {'/'.join(reduced) or 'nothing'}"
+                            f"{', policy ' + got['policy']['main_grads_dtype'] + '/' + got['policy']['grad_comm_dtype'] if got['policy'] else ''})")
+    return "precision (threshold: what was asked, fp32 unless bf16 reduction): " + "; ".join(verdicts)
 
 
 def gathers_row(out: Path, limit_s: float = 90) -> str:
@@ -262,7 +317,8 @@ def checkpoint_row(out: Path, limit_s: float = 240) -> str:
 
 
 def all_rows(transformer_engine: bool) -> list[Row]:
-    rows = [Row(f"full-z{s}", 70 if s == 0 else 40, lambda out, s=s: format_row(run_stage(s, out))) for s in range(4)]
+    rows = [Row("precision-z2-z3", 30, precision_row)]
+    rows += [Row(f"full-z{s}", 70 if s == 0 else 40, lambda out, s=s: format_row(run_stage(s, out))) for s in range(4)]
     if transformer_engine:
         rows += [Row(f"full-z{s}-fp8", 45, lambda out, s=s: format_row(run_stage(s, out, fp8="hybrid"))) for s in (0, 2)]
     rows.append(Row("checkpoint-z0", 110, checkpoint_row))
@@ -277,17 +333,19 @@ def all_rows(transformer_engine: bool) -> list[Row]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--megatron-core", metavar="VERSION", help="the release under test: installed, or its carried wheel "
+                   "(default: the installed one, else the newest carried)")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="wall time for the rows (default %(default)s)")
     p.add_argument("--only", help="comma list of row names to run (see --dry-run)")
     p.add_argument("--dry-run", action="store_true", help="print the preflight's findings and the row plan, run nothing")
     args = p.parse_args(argv)
     started = time.monotonic()
-    facts = gather_facts()
+    facts = gather_facts(args.megatron_core)
     problems = preflight_problems(facts)
-    only = set(args.only.split(",")) if args.only else None
+    only = args.only.split(",") if args.only else None
     expected, cut = plan_rows(all_rows(facts.transformer_engine is not None), args.budget_s, only)
     rows = expected + cut
-    if only and (unknown := only - {r.name for r in all_rows(True)}):
+    if only and (unknown := set(only) - {r.name for r in all_rows(True)}):
         problems.append(f"--only names unknown rows {sorted(unknown)}; see --dry-run")
     print(f"preflight: python {facts.python[0]}.{facts.python[1]}, torch {facts.torch}, {facts.cuda_devices} CUDA "
           f"device(s) {facts.device_name or ''}, megatron-core {facts.megatron_core or 'not importable'}"
@@ -304,11 +362,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run:
         return 0
-    if facts.megatron_core is None:
-        print(f"installed megatron-core {install_wheel(facts.wheel)} from {Path(facts.wheel).name} "
-              f"({time.monotonic() - started:.0f} s)", flush=True)
+    if facts.missing_modules:
+        install_wheels(sorted(str(w) for w in (REPO / DEPS_DIR).glob("*.whl")), SITE / "deps")
+        print(f"installed {', '.join(facts.missing_modules)} from {DEPS_DIR}", flush=True)
+    release = facts.megatron_core
+    if release is None or (args.megatron_core and not release.startswith(args.megatron_core)):
+        release = install_wheel(facts.wheel)
+        print(f"installed megatron-core {release} from {Path(facts.wheel).name} ({time.monotonic() - started:.0f} s)",
+              flush=True)
     out_dir = Path(facts.out_dir or "/tmp")
-    report = out_dir / "gpu_check.txt"
+    report = out_dir / f"gpu_check-{release}.txt"
     report.write_text("")
 
     def say(line: str) -> None:
@@ -323,18 +386,18 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(124)
 
     signal.signal(signal.SIGTERM, stopped)
-    say(f"{facts.device_name}; megatron-core {_version('megatron.core', 'megatron-core', 'megatron_core')}; "
-        f"torch {facts.torch}")
+    say(f"{facts.device_name}; megatron-core {release}; torch {facts.torch}; python {facts.python[0]}.{facts.python[1]}; "
+        f"transformer-engine {facts.transformer_engine or 'none'}")
     if facts.transformer_engine is None:
         say("FP8 rows: skipped: transformer-engine is not installed here")
     say(HEADER)
+    skipped = []
     with tempfile.TemporaryDirectory() as d:
-        for i, row in enumerate(rows):
+        for row in rows:
             budget_left = args.budget_s - (time.monotonic() - started)
-            if budget_left < row.estimate_s:
-                say(f"budget: {budget_left:.0f} s left, {row.name} needs ~{row.estimate_s:.0f} s: "
-                    f"{len(rows) - i} row(s) not run ({', '.join(r.name for r in rows[i:])})")
-                break
+            if budget_left < row.estimate_s:  # a smaller row after it may still fit
+                skipped.append(row.name)
+                continue
             row_dir = Path(d) / row.name
             row_dir.mkdir()
             t0 = time.monotonic()
@@ -342,7 +405,10 @@ def main(argv: list[str] | None = None) -> int:
                 line = row.run(row_dir)
             except Exception as exc:  # a row's own failure is its line; the next row runs
                 line = f"{row.name}: FAIL ({type(exc).__name__}: {exc})"
-            say(f"{line}  [{row.name} {time.monotonic() - t0:.0f} s]")
+            say(f"{line}  [{row.name} {time.monotonic() - t0:.0f} s, megatron-core {release}]")
+    if skipped:
+        say(f"budget: {len(skipped)} row(s) not run, their estimates past the {args.budget_s:.0f} s budget: "
+            f"{', '.join(skipped)}")
     say(f"total {time.monotonic() - started:.0f} s")
     return 0
 

@@ -5,13 +5,15 @@
 A lent machine gets a copy of the checkout's working tree: tracked files, untracked files git does
 not ignore, and the ignored folders named to go along (``carry``); ``../shared`` beside the
 checkout is not there, and it reaches no package registry. Its Python (3.12, torch with CUDA) has
-no megatron-core. So: find the megatron-core 0.16.1 wheel for Python 3.12 (``--wheel-dir``,
-``$WHEEL_DIR``, ``../shared/wheels`` beside the checkout, ``shared/wheels`` in it), copy it into
-``.whl/`` in the checkout, make git ignore that folder through ``.git/info/exclude`` (this
-clone's own ignore list: a ``.gitignore`` entry would be committed, and a folder ignored either
-way travels only when carried), and print the carry list and the one command to run there.
-Downloads nothing; a missing wheel is one message and exit 2. Side effects: ``.whl/`` and the
-exclude file.
+no megatron-core and no pydantic. So: find the megatron-core wheels for Python 3.12 of every
+release the check runs (RELEASES: ``--wheel-dir``, ``$WHEEL_DIR``, ``../shared/wheels`` beside the
+checkout, ``shared/wheels`` in it), copy them into ``.whl/`` in the checkout, fetch the wheels of
+the program's own imports for that Python (DEPENDENCIES, into ``.whl/deps``: ``pip download``
+from this machine's registry, once; ``--no-download`` to skip), make git ignore ``.whl/`` through
+``.git/info/exclude`` (this clone's own ignore list: a ``.gitignore`` entry would be committed, and
+a folder ignored either way travels only when carried), and print the carry list and the one
+command to run there. A missing megatron-core wheel is one message and exit 2. Side effects:
+``.whl/`` and the exclude file.
 """
 
 from __future__ import annotations
@@ -25,9 +27,26 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-WHEEL_GLOB = "megatron_core-0.16.1-cp312-*.whl"
+RELEASES = ("0.16.1", "0.19.2")
+"""The megatron-core releases the GPU check runs, in order: the project's pin, then the newest."""
+WHEEL_GLOB = "megatron_core-{release}-cp312-*.whl"
 CARRY = ".whl"
-COMMAND = "bash tests/gpu/device_check.sh"
+DEPENDENCIES = ("pydantic", "numpy")
+"""The program's imports the lent machine's image lacks or may lack (its README: it has PyYAML)."""
+PIP_TARGET = ("--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp", "--platform",
+              "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64")
+ROWS = {"0.16.1": "precision-z2-z3,full-z0,full-z2,resume-z1,nan-z2",
+        "0.19.2": "precision-z2-z3,full-z0,full-z2,full-z3,full-z1,resume-z2,nan-z0,resume-z3"}
+"""Each release's rows, most valuable first: 0.19.2's gradient precision (its Megatron-FSDP's own
+dtypes) and every stage; for 0.16.1 what differs from 0.19.2 in the code it runs."""
+LIMITS_S = {"0.16.1": 250, "0.19.2": 310}
+"""Each release's wall-time limit in the one command (its rows' budget is 40 s less: device_check.sh),
+together under a device call's 600 s with room for the machine's start in a 15-minute lease. On
+2026-12-04 (one H200, bare machine) a row took: precision 32-40 s, full-z0 77-86 s on a fresh
+machine (the compile of the fused kernels), 34 s after, the other full rows 35-37 s, resume
+29-43 s, NaN 18-21 s; installing a wheel and the dependencies a few seconds."""
+COMMAND = "; ".join(f"DEVICE_CHECK_LIMIT_S={LIMITS_S[r]} bash tests/gpu/device_check.sh --megatron-core {r} --only {ROWS[r]}"
+                    for r in RELEASES)
 TREE_LIMIT_BYTES = 64 * 2**20
 """What travels to a lent machine at most (its README)."""
 
@@ -36,11 +55,13 @@ TREE_LIMIT_BYTES = 64 * 2**20
 class Preparation:
     """What the command will do (the plan a dry run prints)."""
 
-    wheel: Path
-    target: Path
+    wheels: tuple[Path, ...]
+    target_dir: Path
     exclude_file: Path
     add_exclude: bool
     """Whether ``/.whl/`` must still be added to the exclude file."""
+    download: bool = True
+    """Fetch the DEPENDENCIES' wheels into ``target_dir/deps`` (unless there already)."""
 
 
 def wheel_dirs(repo: Path, given: str | None, env_dir: str | None) -> list[Path]:
@@ -48,9 +69,9 @@ def wheel_dirs(repo: Path, given: str | None, env_dir: str | None) -> list[Path]
     return [Path(d) for d in (given, env_dir) if d] + [repo.parent / "shared" / "wheels", repo / "shared" / "wheels"]
 
 
-def find_wheel(dirs: list[Path]) -> Path | None:
+def find_wheel(dirs: list[Path], release: str) -> Path | None:
     for directory in dirs:
-        found = sorted(directory.glob(WHEEL_GLOB)) if directory.is_dir() else []
+        found = sorted(directory.glob(WHEEL_GLOB.format(release=release))) if directory.is_dir() else []
         if found:
             return found[-1]
     return None
@@ -64,23 +85,36 @@ def exclude_file(repo: Path) -> Path:
     return path if path.is_absolute() else repo / path
 
 
-def plan_preparation(repo: Path, wheel: Path, exclude: Path) -> Preparation:
+def plan_preparation(repo: Path, wheels: list[Path], exclude: Path, download: bool = True) -> Preparation:
     lines = exclude.read_text().splitlines() if exclude.is_file() else []
-    return Preparation(wheel=wheel, target=repo / CARRY / wheel.name, exclude_file=exclude,
-                       add_exclude=f"/{CARRY}/" not in lines)
+    return Preparation(wheels=tuple(wheels), target_dir=repo / CARRY, exclude_file=exclude,
+                       add_exclude=f"/{CARRY}/" not in lines, download=download)
 
 
-def apply(plan: Preparation) -> None:
-    plan.target.parent.mkdir(exist_ok=True)
-    for old in plan.target.parent.glob("megatron_core-*.whl"):  # one version only: two stop the install
-        if old.name != plan.target.name:
+def apply(plan: Preparation) -> str | None:
+    """Copies, downloads, the exclude entry; a failed download is returned (the check then needs an
+    image that has those modules), not raised."""
+    plan.target_dir.mkdir(exist_ok=True)
+    names = {w.name for w in plan.wheels}
+    for old in plan.target_dir.glob("megatron_core-*.whl"):  # the releases asked for, no other
+        if old.name not in names:
             old.unlink()
-    if not plan.target.is_file() or plan.target.stat().st_size != plan.wheel.stat().st_size:
-        shutil.copyfile(plan.wheel, plan.target)
+    for wheel in plan.wheels:
+        target = plan.target_dir / wheel.name
+        if not target.is_file() or target.stat().st_size != wheel.stat().st_size:
+            shutil.copyfile(wheel, target)
     if plan.add_exclude:
         plan.exclude_file.parent.mkdir(parents=True, exist_ok=True)
         existing = plan.exclude_file.read_text() if plan.exclude_file.is_file() else ""
         plan.exclude_file.write_text(existing + ("" if existing.endswith("\n") or not existing else "\n") + f"/{CARRY}/\n")
+    deps = plan.target_dir / "deps"
+    if not plan.download or any(deps.glob("pydantic-*.whl")):
+        return None
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", *PIP_TARGET, "-d", str(deps), *DEPENDENCIES],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        return (proc.stderr or proc.stdout).strip().splitlines()[-1:][0] if (proc.stderr or proc.stdout).strip() else "failed"
+    return None
 
 
 def travelling_bytes(repo: Path) -> int:
@@ -94,24 +128,29 @@ def travelling_bytes(repo: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--wheel-dir", help="a folder holding the megatron-core 0.16.1 cp312 wheel")
+    p.add_argument("--wheel-dir", help="a folder holding the megatron-core cp312 wheels of " + ", ".join(RELEASES))
+    p.add_argument("--no-download", action="store_true", help=f"do not fetch {', '.join(DEPENDENCIES)} for Python 3.12")
     p.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[2], help=argparse.SUPPRESS)
     p.add_argument("--dry-run", action="store_true", help="print what it would do, change nothing")
     args = p.parse_args(argv)
     repo = args.repo.resolve()
     dirs = wheel_dirs(repo, args.wheel_dir, os.environ.get("WHEEL_DIR"))
-    wheel = find_wheel(dirs)
-    if wheel is None:
-        print(f"error: no {WHEEL_GLOB} in {', '.join(map(str, dirs))}; give --wheel-dir (or WHEEL_DIR), or on a machine "
-              "with a registry: python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 "
-              "--implementation cp --platform manylinux_2_28_x86_64 -d DIR megatron-core==0.16.1", file=sys.stderr)
+    wheels = {release: find_wheel(dirs, release) for release in RELEASES}
+    if missing := [r for r, w in wheels.items() if w is None]:
+        print(f"error: no {', '.join(WHEEL_GLOB.format(release=r) for r in missing)} in {', '.join(map(str, dirs))}; give "
+              "--wheel-dir (or WHEEL_DIR), or on a machine with a registry: python3 -m pip download --no-deps "
+              f"{' '.join(PIP_TARGET)} -d DIR " + " ".join(f"megatron-core=={r}" for r in missing), file=sys.stderr)
         return 2
-    plan = plan_preparation(repo, wheel, exclude_file(repo))
-    print(f"wheel: {wheel} -> {plan.target.relative_to(repo)}; "
+    plan = plan_preparation(repo, list(wheels.values()), exclude_file(repo), download=not args.no_download)
+    print(f"wheels: {', '.join(w.name for w in plan.wheels)} -> {CARRY}/; "
+          + (f"{', '.join(DEPENDENCIES)} for Python 3.12 -> {CARRY}/deps; " if plan.download else "")
           + (f"adds /{CARRY}/ to {plan.exclude_file}" if plan.add_exclude else f"/{CARRY}/ already in {plan.exclude_file}"))
     if args.dry_run:
         return 0
-    apply(plan)
+    failed = apply(plan)
+    if failed:
+        print(f"warning: pip download of {', '.join(DEPENDENCIES)} failed ({failed}): the GPU machine's image must have "
+              "them", file=sys.stderr)
     size = travelling_bytes(repo)
     print(f"what travels: {size / 2**20:.1f} MiB of the {TREE_LIMIT_BYTES // 2**20} MiB a call may send"
           + ("" if size <= TREE_LIMIT_BYTES else ": too much, ignore or remove large untracked files first"))

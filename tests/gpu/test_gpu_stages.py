@@ -5,8 +5,8 @@
 Skipped without CUDA (CI has none). Each stage runs this project's program (megatron_ext.pretrain
 under torchrun, one process) on Megatron's mock data for ITERS iterations of one micro batch of
 MICRO_BATCH sequences, and its row gives TFLOP/s/GPU and MFU (medians after the first two
-iterations; MFU against the dense BF16 peak, or FP8 with ``fp8``), peak CUDA memory and the last
-loss. At data-parallel size 1 nothing is sharded: stage 1's distributed optimizer holds the whole
+iterations; MFU against the dense BF16 peak, FP8 runs too), peak CUDA memory, the last loss, and
+the first iteration's time with the fused-kernel warm-up that precedes it (out of the medians). At data-parallel size 1 nothing is sharded: stage 1's distributed optimizer holds the whole
 state, stages 2-3 run Megatron-FSDP's ``no_shard`` (cuda_trainer.wrap_cuda says why), so the
 rows' memory is about the same and the sharded memory comes from the planner (plan_memory.sh);
 their speed is each mode's single-GPU cost, with no data-parallel traffic overlapped or paid.
@@ -108,9 +108,12 @@ def run_stage(stage: int, root: Path, fp8: str | None = None, timeout_s: float =
         return {**row, "error": out[-1500:]}
     kernels = next((line for line in out.splitlines() if line.startswith("kernels:")), "")
     peak = next((line for line in out.splitlines() if line.startswith(("MFU against", "no MFU"))), "")
-    records = read_metrics(root / "runs" / run / "metrics.jsonl")[2:]
+    warm_up = next((line for line in out.splitlines() if line.startswith("fused kernels compiled")), "no warm-up line")
+    every = read_metrics(root / "runs" / run / "metrics.jsonl")
+    records = every[2:]
     last = records[-1]
-    return {**row, "tflops": statistics.median(r.tflops_per_gpu for r in records),
+    return {**row, "first_s": every[0].step_time_s, "warm_up": warm_up,
+            "tflops": statistics.median(r.tflops_per_gpu for r in records),
             "mfu": statistics.median(r.mfu for r in records) if last.mfu is not None else None,
             "peak_gib": last.cuda_peak_allocated_bytes / 2**30, "loss": last.lm_loss, "kernels": kernels, "peak": peak}
 
@@ -124,7 +127,8 @@ def format_row(r: dict) -> str:
         return f"{r['stage']:>5} {r['precision']:>6} failed: {r['error']}"
     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
     return (f"{r['stage']:>5} {r['precision']:>6} {r['tflops']:>11.1f} {mfu:>6} {r['peak_gib']:>9.2f} {r['loss']:>10.4f}  "
-            f"{r['peak']}; {r['kernels']}")
+            f"first iteration {r.get('first_s', float('nan')):.2f} s after: {r.get('warm_up', '-')}; {r['peak']}; "
+            f"{r['kernels']}")
 
 
 def run_stages(root: Path) -> list[dict]:
