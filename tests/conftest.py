@@ -283,6 +283,32 @@ def megatron_lm_checkout(tmp_path_factory) -> Path:
     return checkout
 
 
+VENV_312_PYTHON = REPO / ".venv-py312" / "bin" / "python"
+"""Python 3.12 with megatron-core 0.19.2 (.ci/py312_env.sh): what Megatron-LM core_v0.19.0 needs."""
+
+
+@pytest.fixture(scope="session")
+def megatron_lm_019_checkout(tmp_path_factory) -> Path:
+    """Megatron-LM core_v0.19.0 (its tarball beside core_v0.16.1's) extracted once per session, for
+    ranks on ``VENV_312_PYTHON``; skipped, saying why, without either or without the packages its
+    ranks import there."""
+    import tarfile
+
+    tarball = MEGATRON_LM_TARBALL.with_name("core_v0.19.0.tar.gz")
+    if not VENV_312_PYTHON.exists():
+        pytest.skip(f"no {VENV_312_PYTHON} (core_v0.19.0 needs Python 3.12): bash .ci/py312_env.sh")
+    if not tarball.is_file():
+        pytest.skip(f"no Megatron-LM core_v0.19.0 checkout: put core_v0.19.0.tar.gz at {tarball}")
+    probe = subprocess.run([str(VENV_312_PYTHON), "-c", "import importlib.util as u; print(' '.join(m for m in "
+                            "('triton', 'pybind11') if u.find_spec(m) is None))"], capture_output=True, text=True)
+    if probe.stdout.strip():
+        pytest.skip(f"Megatron-LM's ranks import {probe.stdout.strip()}, missing in {VENV_312_PYTHON}")
+    root = tmp_path_factory.mktemp("megatron_lm_019")
+    with tarfile.open(tarball) as tar:
+        tar.extractall(root, filter="data")
+    return next(root.iterdir())
+
+
 def megatron_lm_env(checkout: Path, **extra: str) -> dict[str, str]:
     """What a test's launcher command needs to run Megatron-LM's ranks on this CPU: the engine, the
     checkout, and the CUDA-on-CPU shim in every rank (tests/megatron_lm_shim; forwarded as PYTHON*

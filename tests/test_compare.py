@@ -273,6 +273,47 @@ Root Cause (first observed failure):
 """
 
 
+DEAD_WORLD_LOG = """\
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "/opt/Megatron-LM/megatron/core/datasets/helpers.py", line 3, in <module>
+[rank0]:     from megatron.core.datasets import helpers_cpp
+[rank0]: ModuleNotFoundError: No module named 'megatron.core.datasets.helpers_cpp'
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "/opt/Megatron-LM/pretrain_gpt.py", line 300, in <module>
+[rank1]:     torch.distributed.barrier()
+[rank1]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:40421
+E1204 10:00:07 torch/distributed/elastic/multiprocessing/api.py:882] failed (exitcode: 1) local_rank: 1 (pid: 2001) of binary: python
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-04_10:00:07
+  host      : node0
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 2001)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+"""
+"""Megatron-LM core_v0.19.0's ranks on Python 3.12 with helpers built for 3.11 (issue 40): rank 0's
+import error is the cause; rank 1 died of it, and torchrun names rank 1, the first to exit."""
+
+
+def test_the_failure_line_names_the_first_cause_whichever_rank_it_was_on():
+    score, reason = failure_reason(DEAD_WORLD_LOG)
+    assert score == 2 and reason.startswith(
+        "rank 0: ModuleNotFoundError: No module named 'megatron.core.datasets.helpers_cpp' (torchrun: rank 1: "), reason
+    from orchestration.node.failure import failure_summary
+
+    first = failure_summary(0, "node0", 1, DEAD_WORLD_LOG).splitlines()[0]
+    assert first == ("node 0 (node0) failed: torchrun exit code 1; rank 1 exited first; the cause, on rank 0: "
+                     "ModuleNotFoundError: No module named 'megatron.core.datasets.helpers_cpp'"), first
+    # The other way round (the peer's error printed first): still the import error.
+    lines = DEAD_WORLD_LOG.splitlines()
+    swapped = "\n".join(lines[4:8] + lines[:4] + lines[8:])
+    assert failure_reason(swapped)[1].startswith("rank 0: ModuleNotFoundError"), failure_reason(swapped)
+    # Only peers' errors: the last one, as before.
+    only_peers = DEAD_WORLD_LOG.replace("ModuleNotFoundError: No module named", "RuntimeError: Connection reset by peer:")
+    assert "Connection closed by peer" in failure_reason(only_peers)[1]
+
+
 def test_failure_reason_picks_the_telling_line():
     score, reason = failure_reason(OOM_LOG)
     assert score == 2 and reason.startswith("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.32 GiB")

@@ -10,6 +10,10 @@ stand in for NCCL: what this cannot show is said there and in docs/megatron-lm.m
 - A SIGKILLed rank is restarted (MAX_RESTARTS) from latest_checkpointed_iteration.txt; a SIGSTOPped
   rank is a hang the watchdog finds and dumps; a start after that resumes; ``stop --save`` saves at
   the next step through --exit-signal-handler; nothing is left.
+- Megatron-LM core_v0.19.0 on Python 3.12 (megatron-core 0.19.2's environment): stages 0 and 2 train
+  through the launcher with the same loss, status reads its lines; its dataset helpers are built
+  for the ranks' Python before the start (its own Makefile took a cpython-311 suffix from
+  python3-config, and every rank died at import).
 - MEGATRON_LM_EXTRA_ARGS reach pretrain_gpt.py after the rendered flags (its own parser checks
   them); a rank's error (transformer-engine layers asked for where none is installed) is the
   run's failure reason, not only "torchrun exit code 1".
@@ -31,7 +35,7 @@ import pytest
 from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.run_spec.iteration_log import parse_log
 
-from conftest import clean_env, free_port, megatron_lm_env, run_script, tagged_pids, wait_for
+from conftest import VENV_312_PYTHON, clean_env, free_port, megatron_lm_env, run_script, tagged_pids, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -97,6 +101,26 @@ def test_every_stage_trains_the_same_loss_and_the_comparison_reads_it(sweep):
     assert len(table) == 4 and all("megatron-lm" in row for row in table), proc.stdout
     compare = run_script("compare_runs.sh", "lmsweep_z0", "lmsweep_z3", "--name", "lm_stages", env=sweep_env_of(root))
     assert compare.returncode == 0 and (root / "compare" / "lm_stages.json").is_file(), compare.stderr
+
+
+def test_core_v0_19_0_trains_on_python_3_12_through_the_launcher(megatron_lm_019_checkout, tmp_path):
+    """The issue-40 start: accepted, and every rank died with ModuleNotFoundError helpers_cpp (named as
+    the peer's 'Connection closed'); the shim also answers torch.accelerator (the CUDA build of torch)."""
+    root = tmp_path / "art"
+    env = megatron_lm_env(megatron_lm_019_checkout, ARTIFACT_ROOT=str(root), NPROC_PER_NODE="2",
+                          MASTER_PORT=str(free_port()), LAUNCHER_PYTHON=str(VENV_312_PYTHON), STAGES="0,2")
+    data = data_set(tmp_path / "four.yaml", SWEEP_ITERS)
+    proc = run_script("compare_zero_stages.sh", "qwen3_smoke", data, "lm19", env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    datasets = megatron_lm_019_checkout / "megatron" / "core" / "datasets"
+    assert list(datasets.glob("helpers_cpp.cpython-312-*.so")), sorted(p.name for p in datasets.iterdir())
+    losses = {stage: _losses(root, f"lm19_z{stage}") for stage in (0, 2)}
+    assert sorted(losses[0]) == list(range(1, SWEEP_ITERS + 1))
+    for it, ref in losses[0].items():  # DDP and Megatron-FSDP (optim_grads, rendered explicitly)
+        assert abs(losses[2][it] - ref) <= 1e-4 * abs(ref), (it, losses[2][it], ref)
+    status = run_script("status_training.sh", "lm19_z2", "--json", env=sweep_env_of(root))
+    node = json.loads(status.stdout.splitlines()[0])
+    assert node["state"] == "finished" and node["last_iteration"] == SWEEP_ITERS, node
 
 
 def sweep_env_of(root: Path) -> dict[str, str]:

@@ -5,7 +5,9 @@
 The files are read as bash would source them, in order (:mod:`orchestration.import_args.shell`);
 their flags are split with the flag table of Megatron-LM core_v0.16.1, or of the checkout given
 with ``--megatron-lm-dir`` / MEGATRON_LM_DIR (:func:`load_flag_table`); a later file's flag
-overrides an earlier file's (:mod:`orchestration.import_args.given_flags`). Each flag then either
+overrides an earlier file's (:mod:`orchestration.import_args.given_flags`). Flags of older releases
+the checkout retired are translated, dropped or refused first, one line each in the report
+(:func:`retire_old_flags`). Each flag then either
 maps onto a field of the params or is listed (:mod:`orchestration.import_args.mapping`);
 :mod:`orchestration.import_args.report` writes the result.
 
@@ -14,6 +16,7 @@ Pure apart from :func:`read_arg_files` and :func:`load_flag_table`, which read f
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -24,6 +27,7 @@ from orchestration.import_args.mapping import ImportedArgs, map_flags
 from orchestration.import_args.shell import FileArgs, ShellWord, read_files
 from orchestration.megatron_lm.checkout import read_checkout
 from orchestration.megatron_lm.flags import FlagTable, shipped_flag_table
+from orchestration.megatron_lm.retired_flags import retire_flags
 
 
 def load_flag_table(megatron_lm_dir: str | None) -> FlagTable:
@@ -34,8 +38,19 @@ def load_flag_table(megatron_lm_dir: str | None) -> FlagTable:
     return shipped_flag_table()
 
 
+def retire_old_flags(files: Sequence[FileArgs], table: FlagTable) -> tuple[list[FileArgs], list[str]]:
+    """The files with the flags of older releases that ``table``'s checkout retired translated or
+    dropped (:mod:`orchestration.megatron_lm.retired_flags`), and one line per change; a UserError
+    naming file and line for a flag it refuses."""
+    words, lines = retire_flags([(i, w) for i, f in enumerate(files) for w in f.args], table, where=lambda w: w[1].where,
+                                text=lambda w: w[1].text if w[1].unresolved is None else None,
+                                rename=lambda w, flag: (w[0], dataclasses.replace(w[1], text=flag)))
+    return [dataclasses.replace(f, args=tuple(w for i, w in words if i == n)) for n, f in enumerate(files)], lines
+
+
 def import_flags(files: Sequence[FileArgs], table: FlagTable) -> ImportedArgs:
     """Map the files' flags (later files override) onto the params; everything else is listed."""
+    files, retired = retire_old_flags(files, table)
     per_file, unknown, launcher = [], [], []
     for f in files:
         known, strange = collect_flags(f.args, table)
@@ -53,7 +68,7 @@ def import_flags(files: Sequence[FileArgs], table: FlagTable) -> ImportedArgs:
         raise unknown_flags_error(unknown, table)
     skipped = [NotImported(g.flag, tuple(w.text for w in g.values), TORCHRUN_REASON, g.where, LAUNCHER) for g in launcher]
     return map_flags(merge_flags(per_file, table), table.release, [f"{f.path} ({f.origin})" for f in files],
-                     [n for f in files for n in f.notes], skipped)
+                     [n for f in files for n in f.notes] + retired, skipped)
 
 
 def read_arg_files(paths: Sequence[str]) -> list[tuple[str, str]]:

@@ -68,7 +68,8 @@ class ImportedArgs:
     """``path (origin)`` per file."""
     release: str
     notes: tuple[str, ...] = ()
-    """Lines of the files the shell reader ignored on purpose."""
+    """Lines of the files the shell reader ignored on purpose, and the flags of older releases the checkout
+    retired (translated or dropped: orchestration/megatron_lm/retired_flags.py)."""
     converted: tuple[tuple[str, tuple[str, ...]], ...] = ()
     """Flags read into a field in another form (``--lr-warmup-fraction`` -> lr_warmup_iters)."""
 

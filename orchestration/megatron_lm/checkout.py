@@ -11,7 +11,9 @@ field ``foo_bar`` -> ``--foo-bar``; a bool defaulting to True -> ``--no-foo-bar`
 ``--disable-foo-bar``, no value; ``Literal[...]`` -> choices; ``list[...]`` -> one or more values;
 ``metadata={"argparse_meta": {...}}`` overrides names, choices and nargs. Given a release name, the
 command writes the flags as a table (:func:`orchestration.megatron_lm.flags.format_flag_table`).
-Reads files; nothing else.
+The Python it needs: ``requires-python`` in its ``pyproject.toml`` (core_v0.19: ``>=3.12``; a
+checkout without the file states none), which every node's preflight checks
+(:mod:`megatron_ext.run_spec.python_version`). Reads files; nothing else.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import enum
 import importlib
 import re
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.python_version import PythonRequirement
 from orchestration.megatron_lm.flags import FlagSpec, FlagTable, format_flag_table
 
 _NO_VALUE_ACTIONS = {"store_true", "store_false", "store_const", "count", "help", "version"}
@@ -38,10 +42,20 @@ class Checkout:
     """Every option string of its parser, optional ones included."""
     skipped: tuple[str, ...] = ()
     """Config fields whose annotation the reader could not read (their flags are missing)."""
+    requires_python: str | None = None
+    """``requires-python`` of its ``pyproject.toml`` (``>=3.12``); None: the checkout states none."""
 
     @property
     def version_text(self) -> str:
         return ".".join(map(str, self.version))
+
+    @property
+    def python_requirement(self) -> PythonRequirement | None:
+        """The Python every node must run, as the preflight checks it (None: not stated)."""
+        if self.requires_python is None:
+            return None
+        return PythonRequirement(f"Megatron-LM {self.version_text} (MEGATRON_LM_DIR={self.root})", self.requires_python,
+                                 "requires-python in its pyproject.toml")
 
     @property
     def flags(self) -> dict[str, tuple[str, ...]]:
@@ -66,6 +80,20 @@ def read_version(root: Path) -> tuple[int, int, int]:
         return int(values["MAJOR"]), int(values["MINOR"]), int(values["PATCH"])
     except KeyError:
         raise UserError(f"{path} defines no MAJOR/MINOR/PATCH; cannot tell the Megatron-LM version") from None
+
+
+def read_requires_python(root: Path) -> str | None:
+    """``[project] requires-python`` of the checkout's ``pyproject.toml``; None without the file or the key."""
+    path = root / "pyproject.toml"
+    if not path.is_file():
+        return None
+    try:
+        project = tomllib.loads(path.read_text()).get("project", {})
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{path} is not TOML ({exc}); restore the checkout's pyproject.toml, which states the Python "
+                        "it needs") from None
+    value = project.get("requires-python") if isinstance(project, dict) else None
+    return value.strip() if isinstance(value, str) and value.strip() else None
 
 
 def _literal(node: ast.AST):
@@ -381,7 +409,8 @@ def read_checkout(root: str | Path) -> Checkout:
     skipped: list[str] = []
     flags = read_flags(root, skipped)
     version = read_version(root)
-    return Checkout(root, version, FlagTable(f"{'.'.join(map(str, version))} ({root})", flags), tuple(skipped))
+    return Checkout(root, version, FlagTable(f"{'.'.join(map(str, version))} ({root})", flags), tuple(skipped),
+                    read_requires_python(root))
 
 
 if __name__ == "__main__":
@@ -391,4 +420,5 @@ if __name__ == "__main__":
                                            "read from its arguments.py by orchestration/megatron_lm/checkout.py"))
     else:
         print(f"Megatron-LM {c.version_text}: {len(c.flags)} flags"
+              + (f"; Python {c.requires_python} (its pyproject.toml)" if c.requires_python else "")
               + (f"; {len(c.skipped)} config field(s) skipped: {', '.join(c.skipped)}" if c.skipped else ""))

@@ -9,22 +9,29 @@ start read (:mod:`orchestration.megatron_lm.checkout`), and names the check a st
 anything starts: :func:`check_arguments`, Megatron-LM's own ``parse_args`` + ``validate_args`` at
 the run's world size (:mod:`orchestration.megatron_lm.validate`, a child process); where the
 checkout does not import here, every flag is checked against the checkout's source instead and
-the note says so. Either way a refusal is a :class:`UserError` before anything starts.
+the note says so (where this Python is older than the checkout's requires-python, the note says
+that every node's preflight refuses it). Either way a refusal is a :class:`UserError` before
+anything starts. The extra arguments (``MEGATRON_LM_EXTRA_ARGS``, ``training.megatron_lm_extra_args``)
+lose or change the flags of older releases the checkout retired, one note each
+(:mod:`orchestration.megatron_lm.retired_flags`).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import RunParams
+from megatron_ext.run_spec.python_version import python_problem
 from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.run_spec.wandb_run import wandb_resume_env
 from megatron_ext.run_spec.zero import stage_environment
 from orchestration.launch_env import LaunchEnv
 from orchestration.megatron_lm.checkout import Checkout
 from orchestration.megatron_lm.render import NodeKernels, check_flags, load_flags, render_pretrain_gpt
+from orchestration.megatron_lm.retired_flags import retire_flags
 from orchestration.megatron_lm.validate import DEFAULT_DEVICE_ARCH, validate_with_megatron
 from orchestration.node.wire import NodeReport
 
@@ -32,6 +39,7 @@ if TYPE_CHECKING:
     from megatron_ext.data.prepare import PreparedData
 
 CHECK_ARGUMENTS = "check-arguments"
+BUILD_HELPERS = "build-dataset-helpers"
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,8 @@ class ProgramPlan:
     each rank on a preemption, a time limit or ``stop --save``)."""
     checks: tuple[tuple[str, str], ...] = ()
     """(step name, what it checks): what a start (and its dry run) checks before anything starts."""
+    prepare: tuple[tuple[str, str], ...] = ()
+    """(step name, what it does): what a start (not its dry run) does before the nodes start."""
     program_args: tuple[str, ...] = ()
     """Megatron-LM: ``pretrain_gpt.py``'s arguments alone (what its own parser checks)."""
     resume_args: tuple[str, ...] = ()
@@ -123,6 +133,15 @@ def known_limits(params: RunParams, version: tuple[int, ...], kernels: NodeKerne
     return notes
 
 
+def retire_extra_args(checkout: Checkout, given: Sequence[tuple[str, Sequence[str]]]) -> tuple[tuple[str, ...], list[str]]:
+    """The extra arguments (``given``: (where they come from, their words), in order) for the checkout:
+    flags of older releases it renamed translated, those whose effect is its default dropped, one
+    line each (:mod:`orchestration.megatron_lm.retired_flags`); a UserError for one it refuses. Pure."""
+    words, lines = retire_flags([(source, word) for source, words in given for word in words], checkout.table,
+                                where=lambda w: w[0], text=lambda w: w[1], rename=lambda w, flag: (w[0], flag))
+    return tuple(word for _, word in words), lines
+
+
 def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, launch: LaunchEnv,
                  checkout: Checkout | None = None, prepared: PreparedData | None = None,
                  answers: Sequence[NodeReport] | None = None, has_checkpoint: bool = False) -> ProgramPlan:
@@ -140,7 +159,8 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
     if checkout is None or prepared is None:
         raise UserError("ENGINE=megatron-lm needs MEGATRON_LM_DIR, the Megatron-LM checkout holding pretrain_gpt.py")
     kernels = NodeKernels.from_answers(answers) if answers else NodeKernels(*(launch.visible_gpus > 0,) * 3)
-    extra = (*t.megatron_lm_extra_args, *launch.megatron_lm_extra_args)
+    extra, retired = retire_extra_args(checkout, [("training.megatron_lm_extra_args", t.megatron_lm_extra_args),
+                                                  ("MEGATRON_LM_EXTRA_ARGS", launch.megatron_lm_extra_args)])
     limits = known_limits(params, checkout.version, kernels, has_checkpoint, extra)
     render = render_pretrain_gpt(params, prepared, paths, checkout.version[:2], kernels, known=checkout.flags,
                                  wandb=launch.wandb, extra_args=extra, load=has_checkpoint)
@@ -153,8 +173,11 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
     check = (CHECK_ARGUMENTS, f"Megatron-LM {checkout.version_text}'s own parse_args + validate_args on the arguments at "
                               f"world size {launch.world_size}, and its tokenizer build (a child process)")
     kernel_note = f"Megatron-LM renders for the nodes: {kernels.describe()}" + ("" if answers else " (assumed: no node answered)")
+    helpers = (BUILD_HELPERS, f"build Megatron-LM's dataset helpers for the ranks' Python ({launch.python}) with the "
+                              "checkout's Makefile, here on node 0 where its rank 0 would (dataset_helpers.py)")
     return ProgramPlan("megatron-lm", (str(checkout.root / "pretrain_gpt.py"), *render.args), {**render.env, **wandb_env},
-                       (kernel_note, signal_note, *limits), save_signal=render.save_signal, checks=(check,),
+                       (kernel_note, signal_note, *retired, *limits), save_signal=render.save_signal, checks=(check,),
+                       prepare=(helpers,),
                        program_args=tuple(render.args), resume_args=tuple(load_flags(paths)) if not has_checkpoint else ())
 
 
@@ -168,6 +191,12 @@ def check_arguments(program: ProgramPlan | None, launch: LaunchEnv, checkout: Ch
     rank_env = {k: v for k, v in launch.forwarded.items() if k not in program.env}
     rank_env.update({k: v for k, v in program.env.items() if v is not None})
     tokenizer_made_by_preparation = not data_ready and tokenizer_path is None
+    requirement = checkout.python_requirement
+    problem = (python_problem(requirement, sys.version_info[:3], launch.python, "the launcher")
+               if requirement is not None and launch.python == sys.executable else None)
+    if problem is not None:  # its import would fail in the child: say why, and what the preflight does with it
+        return _checked_from_source(program, checkout, "Megatron-LM's own argument check cannot run here, and every "
+                                    f"node's preflight refuses a start on this Python: {problem}")
     verdict = validate_with_megatron(checkout.root, program.program_args, launch.world_size, rank_env,
                                      device_arch(launch), python=launch.python,
                                      build_tokenizer=not tokenizer_made_by_preparation)
@@ -188,10 +217,15 @@ def check_arguments(program: ProgramPlan | None, launch: LaunchEnv, checkout: Ch
         note = (f"Megatron-LM {checkout.version_text}'s own parse_args + validate_args accept the arguments at world size "
                 f"{launch.world_size}")
         return (note + (f" ({verdict.message})" if verdict.message else "") + made,)
-    fallback = (f"Megatron-LM's own argument check cannot run here ({verdict.message}); checked every flag "
-                f"against the checkout's source instead")
+    return _checked_from_source(program, checkout, f"Megatron-LM's own argument check cannot run here "
+                                f"({verdict.message}); checked every flag against the checkout's source instead")
+
+
+def _checked_from_source(program: ProgramPlan, checkout: Checkout, note: str) -> tuple[str, ...]:
+    """Every flag checked against the checkout's source where its own check cannot run: ``note``,
+    or a UserError naming the flag with ``note`` under it."""
     try:
         check_flags(list(program.program_args), checkout.flags, checkout.version_text)
     except UserError as exc:
-        raise UserError(f"{exc}\nnote: {fallback}") from None
-    return (fallback,)
+        raise UserError(f"{exc}\nnote: {note}") from None
+    return (note,)

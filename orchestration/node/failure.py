@@ -15,7 +15,7 @@ import re
 import signal
 from dataclasses import dataclass
 
-_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s*")
+_RANK_PREFIX = re.compile(r"^\[(?:default)?rank(\d+)\]:\s*")
 _EXCEPTION = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt))(?::\s*(.*))?$")
 _ROOT_FIELD = re.compile(r"^\s*(rank|exitcode|traceback)\s*:\s*(.*)$")
 ROOT_CAUSE = "Root Cause (first observed failure):"
@@ -70,6 +70,44 @@ def root_cause(log_text: str) -> RootCause | None:
     return RootCause(first_int(fields.get("rank")), first_int(fields.get("exitcode")), fields.get("traceback", ""))
 
 
+PEER_CONSEQUENCES = (
+    "Connection closed by peer", "Connection reset by peer", "Broken pipe",  # gloo, when a peer's process is gone
+    "remote process exited or there was a network error",  # NCCL
+    "NCCL communicator was aborted", "ProcessGroupNCCL's watchdog",
+)
+"""What a rank raises because another rank died: never the cause while another rank names one."""
+
+
+def _rank_exceptions(log_text: str, last: int = 400) -> list[tuple[int | None, re.Match]]:
+    """(rank, match) of every exception line in the log's tail, in order: the rank from torch's
+    ``[rankN]:`` prefix, None for a line without one."""
+    found = []
+    for raw in log_text.splitlines()[-last:]:
+        prefix = _RANK_PREFIX.match(raw.rstrip())
+        m = _EXCEPTION.match(_RANK_PREFIX.sub("", raw.rstrip()).strip())
+        if m and not m.group(1).endswith(("ChildFailedError", "SignalException")):
+            found.append((int(prefix.group(1)) if prefix else None, m))
+    return found
+
+
+def first_cause(log_text: str, exited_first: int | None = None) -> tuple[int | None, re.Match] | None:
+    """The exception that started a failure, whichever rank it was on: each rank's last exception
+    (the end of its traceback chain) that is not a consequence of a peer's death
+    (:data:`PEER_CONSEQUENCES`; every rank of a dead world raises one, and the one printed last used
+    to be named): the one of ``exited_first`` (torchrun's root-cause rank) if it has such, else the
+    first in the log; else the last exception. None without any."""
+    found = _rank_exceptions(log_text)
+    if not found:
+        return None
+    last_of_rank: dict[int | None, tuple[int, re.Match]] = {}
+    for index, (rank, m) in enumerate(found):
+        last_of_rank[rank] = (index, m)
+    ordered = sorted((index, rank, m) for rank, (index, m) in last_of_rank.items())
+    causes = [(rank, m) for _, rank, m in ordered if not any(p in (m.group(2) or "") for p in PEER_CONSEQUENCES)]
+    own = [c for c in causes if c[0] == exited_first and exited_first is not None]
+    return (own or causes)[0] if causes else found[-1]
+
+
 def _cut(text: str) -> str:
     return text if len(text) <= REASON_MAX_CHARS else text[:REASON_MAX_CHARS - 3] + "..."
 
@@ -77,9 +115,10 @@ def _cut(text: str) -> str:
 def failure_reason(log_text: str) -> tuple[int, str]:
     """(how telling, reason) from a node log's tail: a program ``error:`` line (3); else a rank
     killed by a signal other than SIGTERM/SIGINT, from torchrun's root cause (2: the other ranks'
-    errors follow from it); else the last exception line other than torchrun's own (2: e.g.
-    ``torch.OutOfMemoryError: CUDA out of memory...``); else torchrun's root cause or the signal
-    it got (1); else the last line (0)."""
+    errors follow from it); else the first cause among the ranks' exceptions (2: e.g.
+    ``torch.OutOfMemoryError: CUDA out of memory...``, :func:`first_cause`; its rank named when
+    torchrun's root cause is another); else torchrun's root cause or the signal it got (1); else the
+    last line (0)."""
     lines = _clean_lines(log_text)
     errors = [line for line in lines if line.startswith("error: ")]
     exceptions = [m for m in (_EXCEPTION.match(line.strip()) for line in lines)
@@ -90,11 +129,12 @@ def failure_reason(log_text: str) -> tuple[int, str]:
         return 3, _cut(errors[-1])
     if cause and cause.killed_by_signal:
         return 2, _cut(torchrun)
-    real = [m for m in exceptions if not m.group(1).endswith("SignalException")]
-    if real:
-        m = real[-1]
+    cause_found = first_cause(log_text, cause.rank if cause else None)
+    if cause_found:
+        rank, m = cause_found
         text = f"{m.group(1)}: {m.group(2)}" if m.group(2) else m.group(1)
-        return 2, _cut(text + (f" (torchrun: {torchrun})" if torchrun else ""))
+        where = f"rank {rank}: " if rank is not None and (cause is None or cause.rank != rank) else ""
+        return 2, _cut(where + text + (f" (torchrun: {torchrun})" if torchrun else ""))
     if exceptions:  # torchrun itself got a signal: someone stopped it
         return 1, _cut(f"{exceptions[-1].group(1).rsplit('.', 1)[-1]}: {exceptions[-1].group(2) or ''}".strip())
     if torchrun:
@@ -122,6 +162,8 @@ def failure_summary(node_rank: int, host: str, code: int, log_tail: str, excerpt
     rank = f"rank {cause.rank}" if cause and cause.rank is not None else "rank unknown"
     score, reason = failure_reason(log_tail)
     why = f": {reason.split(' (torchrun: ')[0]}" if score >= 2 and not (cause and cause.killed_by_signal) else ""
+    if why.startswith(": rank "):  # the cause was on another rank than the one torchrun saw exit first
+        why = f" exited first; the cause, on {why[2:]}"
     excerpt = "\n".join(log_tail.splitlines()[-excerpt_lines:])
     return (f"node {node_rank} ({host}) failed: torchrun {what}; {rank}{why}\n"
             f"--- last lines of node {node_rank}'s log ---\n{excerpt}\n")

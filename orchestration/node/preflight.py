@@ -3,7 +3,8 @@
     python -m orchestration preflight gpt_smoke smoke demo       # the checks start runs, on their own
 
 :func:`inspect_node` (run by ``node-check`` on every node in parallel): the run is not live there;
-the software (Python, torch, megatron-core, transformer-engine, the project's revision), whether
+the software (Python, torch, megatron-core, transformer-engine, the project's revision), the Python
+a Megatron-LM checkout needs (its requires-python, sent by the launcher), whether
 the program accepts that megatron-core and whether megatron-core can use that transformer-engine; the data paths and tokenizer the run reads; the optional
 modules it imports (wandb with WANDB_PROJECT set); the artifact root writable and the same one node
 0 sees (a token the launcher wrote); MASTER_ADDR resolves and node 0 answers on MASTER_PORT (a
@@ -31,6 +32,7 @@ from typing import Mapping, Sequence
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.fp8 import fp8_problem
 from megatron_ext.run_spec.model_size import CHECKPOINT_BYTES_PER_PARAMETER, checkpoint_bytes
+from megatron_ext.run_spec.python_version import python_problem
 from megatron_ext.run_spec.wandb_run import wandb_missing_message
 from megatron_ext.training.versions import check_megatron_core
 from orchestration.node.processes import port_is_free
@@ -243,6 +245,10 @@ def inspect_node(request: NodeCheckRequest, run_state_dir: Path, visible_gpus: i
     report = NodeReport(node_rank, host, software=installed_software(project_dir), local_dir=str(node_local_dir()),
                         visible_gpus=visible_gpus)
     problems = report.problems
+    if check.python is not None:  # the ranks' program (a Megatron-LM checkout) would fail at its first import
+        problem = python_problem(check.python, sys.version_info[:3], sys.executable)
+        if problem:
+            problems.append(problem)
     mcore = report.software.get("megatron-core")
     if report.software.get("torch") is None:
         problems.append("torch is not installed; run training_scripts/setup_env.sh on this node")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence, TypeVar
 
 from megatron_ext.run_spec.convert import structure, unstructure
+from megatron_ext.run_spec.python_version import PythonRequirement
 from megatron_ext.run_spec.resilience import ATTEMPT_ENV
 from orchestration.node.run_state import RunState
 
@@ -218,6 +219,9 @@ class CheckRequest:
     """None: no checkpoints, or their size is not known."""
     fp8: str | None = None
     """training.fp8: every node checks transformer-engine and its GPUs' compute capability."""
+    python: PythonRequirement | None = None
+    """The Python the ranks' program needs (a Megatron-LM checkout's requires-python): every node checks
+    its own interpreter against it."""
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,8 @@ def required_modules(launch: LaunchEnv) -> tuple[str, ...]:
 
 def check_request(launch: LaunchEnv, inputs: StartInputs, shared_token: Path | None) -> CheckRequest:
     """What every node checks for this start: the data, tokenizer and model directory the ranks read,
-    the tokenizer loading, the optional modules, the shared artifact root."""
+    the tokenizer loading, the optional modules, the shared artifact root, and the Python a
+    Megatron-LM checkout needs."""
     params = inputs.params
     tok = params.data.tokenizer
     required = [*params.data.paths, *([tok.model_path] if tok.model_path else []),
@@ -81,7 +82,8 @@ def check_request(launch: LaunchEnv, inputs: StartInputs, shared_token: Path | N
                         needs_cuda=params.training.engine == "megatron-lm",
                         checkpoints=CheckpointSpace(str(checkpoint_target(launch, inputs.run)), size,
                                                     params.training.keep_checkpoints) if size else None,
-                        fp8=params.training.fp8)
+                        fp8=params.training.fp8,
+                        python=inputs.checkout.python_requirement if inputs.checkout is not None else None)
 
 
 def parameters_to_save(params) -> int | None:

@@ -27,7 +27,8 @@ from megatron_ext.run_spec.wandb_run import WandbState, read_wandb_state, write_
 from orchestration.cluster import slurm
 from orchestration.cluster.fanout import NodeResult, call_nodes
 from orchestration.launch_env import LaunchEnv
-from orchestration.megatron_lm.program import CHECK_ARGUMENTS, check_arguments
+from orchestration.megatron_lm.dataset_helpers import ensure_built
+from orchestration.megatron_lm.program import BUILD_HELPERS, CHECK_ARGUMENTS, check_arguments
 from orchestration.node.run_state import read_exit, wait_until_started, write_plan_file
 from orchestration.node.wire import NodeStarted, StopResult, start_call
 from orchestration.runner.control import RunEnd, stop_nodes, wait_until_ended
@@ -121,6 +122,8 @@ def start_run(launch: LaunchEnv, planned: PlannedStart) -> StartResult:
             data_ready = True
         elif step.name == CHECK_ARGUMENTS:
             notes += _check_arguments(launch, plan, planned.inputs, data_ready)
+        elif step.name == BUILD_HELPERS:
+            notes += (ensure_built(planned.inputs.checkout.root, launch.python),)
         elif step.name == "link-checkpoints":
             target = checkpoint_target(launch, plan.run)
             target.mkdir(parents=True, exist_ok=True)

@@ -301,6 +301,7 @@ def plan_steps(inputs: StartInputs, program: ProgramPlan, nnodes: int) -> tuple[
         steps.append(Step("prepare-data", f"tokenize {inputs.params.data.source} into {inputs.prepared.prefixes[0]} "
                                           "(Megatron-LM reads prepared prefixes)"))
     steps += [Step(name, text, check=True) for name, text in program.checks]
+    steps += [Step(name, text) for name, text in program.prepare]
     if inputs.link_checkpoints:
         steps.append(Step("link-checkpoints", "link the run's checkpoint folder under the artifact root to CHECKPOINT_ROOT"))
     steps.append(Step("write-params", "write the resolved parameters beside the logs"))

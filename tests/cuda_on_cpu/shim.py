@@ -129,6 +129,9 @@ class Stream:
     def synchronize(self):
         pass
 
+    def is_capturing(self) -> bool:  # torch.accelerator.current_stream()'s: the optimizers' graph-capture check
+        return False
+
     def query(self):
         return True
 

@@ -225,6 +225,22 @@ def install() -> None:
     shim.set_attributes(torch.cuda.random, {k: v for k, v in cuda.items() if hasattr(torch.cuda.random, k)})
     shim.set_attributes(torch.cuda.nvtx, {"range_push": _Nvtx.range_push, "range_pop": _Nvtx.range_pop,
                                           "mark": _Nvtx.mark, "range": _Nvtx.range})
+    # The CUDA build of torch on a machine without a GPU: what asks torch.accelerator (the
+    # DataLoader's pin-memory thread, the optimizers' graph-capture check) gets the same answers,
+    # and that thread's pin_memory (outside the device mode, which is the main thread's) is dropped.
+    import torch.accelerator
+    import torch.utils.data._utils.pin_memory as pin
+
+    shim.set_attributes(torch.accelerator, {
+        name: value for name, value in {
+            "is_available": lambda: True, "device_count": lambda: count,
+            "current_accelerator": lambda check_available=False: torch.device("cuda"),
+            "current_device_index": lambda: local_rank, "current_device_idx": lambda: local_rank,
+            "set_device_index": lambda device: None, "set_device_idx": lambda device: None,
+            "synchronize": lambda device=None: None, "current_stream": lambda device=None: shim.Stream(),
+            "set_stream": lambda stream: None,
+        }.items() if hasattr(torch.accelerator, name)})
+    shim.set_attributes(pin, {"pin_memory": lambda data, device=None: data})
     torch.utils.cpp_extension.CUDA_HOME = str(HERE)  # bin/nvcc -V prints a CUDA version
     _patch_distributed(torch, shim.cpu_device)
     shim.set_attributes(torch.distributed.ProcessGroup, shim.collective_patches())
