@@ -179,6 +179,16 @@ def test_extra_arguments_written_for_0_16_are_translated_dropped_or_refused_on_0
     assert not [n for n in old.notes if "not in Megatron-LM" in n]
 
 
+def test_the_start_says_once_that_0_19_deprecates_gpt_model(read, tmp_path):
+    """core_v0.19.0's GPTModel logs its deprecation on every rank; the plan says it once, before the
+    start, with what the launcher runs (read from the checkout's source; core_v0.16.1 has none)."""
+    new, old = (_plan(read[tag], tmp_path, {}).notes for tag in ("core_v0.19.0", "core_v0.16.1"))
+    said = [n for n in new if "deprecates GPTModel" in n]
+    assert len(said) == 1 and said[0].startswith("Megatron-LM 0.19.1 deprecates GPTModel (each rank logs 'GPTModel IS "
+                                                 "DEPRECATED'"), new
+    assert not any("deprecates GPTModel" in n for n in old), old
+
+
 def test_an_argument_file_for_0_16_imports_against_a_0_19_checkout(read, tmp_path):
     """import-megatron-args with the core_v0.19.0 checkout: the old flags are translated or dropped,
     each a note naming file and line; a refused one is one error naming file and line."""

@@ -44,6 +44,8 @@ class Checkout:
     """Config fields whose annotation the reader could not read (their flags are missing)."""
     requires_python: str | None = None
     """``requires-python`` of its ``pyproject.toml`` (``>=3.12``); None: the checkout states none."""
+    gpt_model_deprecated: bool = False
+    """Its GPTModel says it is deprecated as it is built (core_v0.19.0: in favour of HybridModel)."""
 
     @property
     def version_text(self) -> str:
@@ -94,6 +96,17 @@ def read_requires_python(root: Path) -> str | None:
                         "it needs") from None
     value = project.get("requires-python") if isinstance(project, dict) else None
     return value.strip() if isinstance(value, str) and value.strip() else None
+
+
+GPT_MODEL_DEPRECATION = "GPTModel IS DEPRECATED"
+"""What core_v0.19.0's GPTModel logs on every rank as it is built (megatron/core/models/gpt/gpt_model.py
+~L118-124: bug fixes only, the migration to HybridModel in its docs/user-guide/hybrid-model-migration.md)."""
+
+
+def reads_gpt_model_deprecated(root: Path) -> bool:
+    """Whether the checkout's GPTModel says it is deprecated (:data:`GPT_MODEL_DEPRECATION`)."""
+    path = root / "megatron" / "core" / "models" / "gpt" / "gpt_model.py"
+    return path.is_file() and GPT_MODEL_DEPRECATION in path.read_text(errors="replace")
 
 
 def _literal(node: ast.AST):
@@ -410,7 +423,7 @@ def read_checkout(root: str | Path) -> Checkout:
     flags = read_flags(root, skipped)
     version = read_version(root)
     return Checkout(root, version, FlagTable(f"{'.'.join(map(str, version))} ({root})", flags), tuple(skipped),
-                    read_requires_python(root))
+                    read_requires_python(root), reads_gpt_model_deprecated(root))
 
 
 if __name__ == "__main__":

@@ -173,6 +173,10 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
     check = (CHECK_ARGUMENTS, f"Megatron-LM {checkout.version_text}'s own parse_args + validate_args on the arguments at "
                               f"world size {launch.world_size}, and its tokenizer build (a child process)")
     kernel_note = f"Megatron-LM renders for the nodes: {kernels.describe()}" + ("" if answers else " (assumed: no node answered)")
+    if checkout.gpt_model_deprecated:
+        limits = (*limits, f"Megatron-LM {checkout.version_text} deprecates GPTModel (each rank logs 'GPTModel IS "
+                           "DEPRECATED': bug fixes only, HybridModel and pretrain_hybrid.py are its successors); its "
+                           "pretrain_gpt.py still trains it, and that is what this launcher runs: docs/megatron-lm.md")
     helpers = (BUILD_HELPERS, f"build Megatron-LM's dataset helpers for the ranks' Python ({launch.python}) with the "
                               "checkout's Makefile, here on node 0 where its rank 0 would (dataset_helpers.py)")
     return ProgramPlan("megatron-lm", (str(checkout.root / "pretrain_gpt.py"), *render.args), {**render.env, **wandb_env},
