@@ -10,10 +10,11 @@ stand in for NCCL: what this cannot show is said there and in docs/megatron-lm.m
 - A SIGKILLed rank is restarted (MAX_RESTARTS) from latest_checkpointed_iteration.txt; a SIGSTOPped
   rank is a hang the watchdog finds and dumps; a start after that resumes; ``stop --save`` saves at
   the next step through --exit-signal-handler; nothing is left.
-- Megatron-LM core_v0.19.0 on Python 3.12 (megatron-core 0.19.2's environment): stages 0 and 2 train
-  through the launcher with the same loss, status reads its lines; its dataset helpers are built
-  for the ranks' Python before the start (its own Makefile took a cpython-311 suffix from
-  python3-config, and every rank died at import).
+- Megatron-LM core_v0.19.0 on Python 3.12 (megatron-core 0.19.2's environment): every stage trains
+  through the launcher with the same loss over 6 iterations, status and compare read it; its dataset
+  helpers are built for the ranks' Python before the start (its own Makefile took a cpython-311
+  suffix from python3-config, and every rank died at import); the restart, hang, resume and
+  ``stop --save`` scenario runs on both releases.
 - MEGATRON_LM_EXTRA_ARGS reach pretrain_gpt.py after the rendered flags (its own parser checks
   them); a rank's error (transformer-engine layers asked for where none is installed) is the
   run's failure reason, not only "torchrun exit code 1".
@@ -103,24 +104,29 @@ def test_every_stage_trains_the_same_loss_and_the_comparison_reads_it(sweep):
     assert compare.returncode == 0 and (root / "compare" / "lm_stages.json").is_file(), compare.stderr
 
 
-def test_core_v0_19_0_trains_on_python_3_12_through_the_launcher(megatron_lm_019_checkout, tmp_path):
+def test_core_v0_19_0_trains_every_stage_on_python_3_12_through_the_launcher(megatron_lm_019_checkout, tmp_path):
     """The issue-40 start: accepted, and every rank died with ModuleNotFoundError helpers_cpp (named as
-    the peer's 'Connection closed'); the shim also answers torch.accelerator (the CUDA build of torch)."""
-    root = tmp_path / "art"
+    the peer's 'Connection closed'); the shim also answers torch.accelerator (the CUDA build of torch).
+    Every stage over 6 iterations with stage 0's loss (DDP, the distributed optimizer, Megatron-FSDP
+    with its sharding strategy rendered: 0.19 flipped its default)."""
+    root, iters = tmp_path / "art", 6
     env = megatron_lm_env(megatron_lm_019_checkout, ARTIFACT_ROOT=str(root), NPROC_PER_NODE="2",
-                          MASTER_PORT=str(free_port()), LAUNCHER_PYTHON=str(VENV_312_PYTHON), STAGES="0,2")
-    data = data_set(tmp_path / "four.yaml", SWEEP_ITERS)
+                          MASTER_PORT=str(free_port()), LAUNCHER_PYTHON=str(VENV_312_PYTHON))
+    data = data_set(tmp_path / "six.yaml", iters)
     proc = run_script("compare_zero_stages.sh", "qwen3_smoke", data, "lm19", env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     datasets = megatron_lm_019_checkout / "megatron" / "core" / "datasets"
     assert list(datasets.glob("helpers_cpp.cpython-312-*.so")), sorted(p.name for p in datasets.iterdir())
-    losses = {stage: _losses(root, f"lm19_z{stage}") for stage in (0, 2)}
-    assert sorted(losses[0]) == list(range(1, SWEEP_ITERS + 1))
-    for it, ref in losses[0].items():  # DDP and Megatron-FSDP (optim_grads, rendered explicitly)
-        assert abs(losses[2][it] - ref) <= 1e-4 * abs(ref), (it, losses[2][it], ref)
+    losses = {stage: _losses(root, f"lm19_z{stage}") for stage in range(4)}
+    assert sorted(losses[0]) == list(range(1, iters + 1))
+    for stage in (1, 2, 3):
+        for it, ref in losses[0].items():
+            assert abs(losses[stage][it] - ref) <= 1e-4 * abs(ref), (stage, it, losses[stage][it], ref)
     status = run_script("status_training.sh", "lm19_z2", "--json", env=sweep_env_of(root))
     node = json.loads(status.stdout.splitlines()[0])
-    assert node["state"] == "finished" and node["last_iteration"] == SWEEP_ITERS, node
+    assert node["state"] == "finished" and node["last_iteration"] == iters, node
+    compare = run_script("compare_runs.sh", "lm19_z0", "lm19_z3", "--name", "lm19_stages", env=sweep_env_of(root))
+    assert compare.returncode == 0 and (root / "compare" / "lm19_stages.json").is_file(), compare.stderr
 
 
 def sweep_env_of(root: Path) -> dict[str, str]:
@@ -167,13 +173,26 @@ def _last_iteration(log: Path, after: str = "") -> int:
     return records[-1].iteration if records else 0
 
 
-def test_restart_hang_stop_save_and_resume(lm_env, artifact_root, tmp_path, stop_after):
+@pytest.fixture(params=["core_v0.16.1", "core_v0.19.0"])
+def release_env(request, artifact_root) -> tuple[str, dict[str, str]]:
+    """(release, the launcher's environment for it): core_v0.16.1 on this Python, core_v0.19.0 on
+    Python 3.12 (skipped, saying why, without its tarball or .venv-py312)."""
+    if request.param == "core_v0.16.1":
+        return request.param, request.getfixturevalue("lm_env")
+    checkout = request.getfixturevalue("megatron_lm_019_checkout")
+    return request.param, megatron_lm_env(checkout, ARTIFACT_ROOT=str(artifact_root), NPROC_PER_NODE="2",
+                                          MASTER_PORT=str(free_port()), LAUNCHER_PYTHON=str(VENV_312_PYTHON))
+
+
+def test_restart_hang_stop_save_and_resume(release_env, artifact_root, tmp_path, stop_after):
     """One run through everything a week meets: a SIGKILLed rank restarted from the latest checkpoint
     (--load added for the attempt: the first started without one), a SIGSTOPped rank found by the
     watchdog with its stack dumped, a start that resumes, and ``stop --save`` (SIGUSR1 to every
     rank: Megatron-LM's --exit-signal-handler saves and exits 0) past that checkpoint. Each start
-    takes a free port (a stopped run's port may linger a while)."""
-    run, data = "lm_week", data_set(tmp_path / "week.yaml", train_iters=60, save_interval=3, resilience="restart_backoff_s: 1")
+    takes a free port (a stopped run's port may linger a while). On core_v0.16.1 and core_v0.19.0."""
+    release, lm_env = release_env
+    run = f"lm_week_{release[-6:].replace('.', '')}"
+    data = data_set(tmp_path / "week.yaml", train_iters=60, save_interval=3, resilience="restart_backoff_s: 1")
     stop_after.append(run)
     # A step may take 10 s, a save 60 s (a torch_dist save's first one starts its writer processes: ~20 s here).
     env = {**lm_env, "MAX_RESTARTS": "1", "HANG_STEP_FLOOR_S": "10", "HANG_CHECKPOINT_S": "60"}
