@@ -91,12 +91,16 @@ def check_megatron_lm_params(params: RunParams) -> None:
 FSDP_SAVE_HANG = ("Megatron-LM {version}'s Megatron-FSDP hangs at the first checkpoint save when a data-parallel "
                   "rank holds an empty shard of a parameter, which a real model at data-parallel size 2 and more "
                   "always has (ranks build different sets of optimizer-state DTensors: upstream NVIDIA/Megatron-LM "
-                  "issue 4910, open at core_v0.16.1)")
+                  "issue 4910, open at core_v0.16.1 and seen again at core_v0.19.0)")
 STAGE1_NO_RESUME = ("Megatron-LM {version}'s distributed optimizer cannot resume on nodes without transformer-engine "
                     "or apex: it falls back to torch's Adam, whose state is empty when the checkpoint loads "
-                    "(distrib_optimizer.py:642 `assert len(steps) == 1`, or KeyError 'step')")
-KNOWN_LIMITS_UP_TO = (0, 16)
-"""The newest Megatron-LM release these limits were read in and measured on (core_v0.16.1)."""
+                    "(distrib_optimizer.py `assert len(steps) == 1`: line 642 at core_v0.16.1, 839 at core_v0.19.0; "
+                    "or KeyError 'step')")
+KNOWN_LIMITS_UP_TO = (0, 19)
+"""The newest Megatron-LM release these limits were read in and measured on: core_v0.16.1, and
+core_v0.19.0 (its own pretrain_gpt.py on 2 CPU ranks through the device shim, issue 40: the
+distributed optimizer's resume asserts, Megatron-FSDP's first save hangs). A newer release gets no
+refusal until it is measured (the start then says only what it renders)."""
 
 
 def known_limits(params: RunParams, version: tuple[int, ...], kernels: NodeKernels, has_checkpoint: bool,
