@@ -10,7 +10,7 @@ Runs the CUDA trainer's real megatron-core objects (DDP, the distributed optimiz
 ``optim_grads`` / ``optim_grads_params``, built by tests/cuda_on_cpu/worker.py's ``build`` and
 stepped by its ``train_step``) on the CPU under the device shim (tests/cuda_on_cpu/shim.py), gloo
 in place of NCCL, ``--nproc`` ranks of torchrun, and counts what every collective is given. The
-counters sit on torch.distributed.ProcessGroup's methods (``allreduce``, ``reduce_scatter_single``,
+counters (worker.py's ``counting_collectives``) sit on torch.distributed.ProcessGroup's methods (``allreduce``, ``reduce_scatter_single``,
 ``all_gather_single``, their ``_coalesced`` forms, ...), which every torch.distributed function
 reaches, however megatron-core names it: its DDP binds ``torch.distributed.all_gather_into_tensor``
 and ``reduce_scatter_tensor`` to module globals at import (param_and_grad_buffer.py ~L33-42), so
@@ -50,61 +50,11 @@ REPO = Path(__file__).resolve().parent.parent
 SMALL_BYTES = 64
 """Collectives this size or smaller are scalars (loss, norms, checks), not data-parallel traffic."""
 
-KINDS = {  # torch.distributed.ProcessGroup method -> (kind, how to read the full buffer's tensors from its arguments)
-    "allreduce": ("all_reduce", lambda a: a[0]),
-    "allreduce_coalesced": ("all_reduce", lambda a: a[0]),
-    "reduce_scatter": ("reduce_scatter", lambda a: [t for ts in a[1] for t in ts]),
-    "_reduce_scatter_base": ("reduce_scatter", lambda a: [a[1]]),
-    "reduce_scatter_single": ("reduce_scatter", lambda a: [a[1]]),
-    "reduce_scatter_tensor_coalesced": ("reduce_scatter", lambda a: a[1]),
-    "reduce_scatter_single_coalesced": ("reduce_scatter", lambda a: a[1]),
-    "allgather": ("all_gather", lambda a: [t for ts in a[0] for t in ts]),
-    "_allgather_base": ("all_gather", lambda a: [a[0]]),
-    "all_gather_single": ("all_gather", lambda a: [a[0]]),
-    "allgather_into_tensor_coalesced": ("all_gather", lambda a: a[0]),
-    "all_gather_single_coalesced": ("all_gather", lambda a: a[0]),
-    "allgather_coalesced": ("all_gather", lambda a: [t for ts in a[0] for t in ts]),
-    "broadcast": ("broadcast", lambda a: a[0]),
-    "alltoall_base": ("all_to_all", lambda a: [a[1]]),
-}
 RING = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "all_to_all": 1}
 """Times (d-1)/d of the buffer a ring sends per rank."""
 
 
 # -- in each rank ---------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def counting_collectives(log: list[tuple[str, str, int]]):
-    """Append (kind, dtype, bytes of the full buffer) to ``log`` for every collective in the block
-    on a group of more than one rank (megatron-core's cross entropy all-reduces over the
-    tensor-parallel group, one rank here: no traffic)."""
-    import torch.distributed as dist
-
-    pg = dist.ProcessGroup
-    saved = {name: vars(pg)[name] for name in KINDS if name in vars(pg)}  # descriptors: a pybind method read with
-    # getattr is a bare builtin, which drops ``self`` once set back on the class
-
-    def counted(name, descriptor):
-        kind, buffers = KINDS[name]
-
-        def collective(self, *args, **kwargs):
-            method = descriptor.__get__(self, type(self))
-            if self.size() == 1:
-                return method(*args, **kwargs)
-            tensors = [t for t in buffers(args) if t is not None]
-            size = sum(t.numel() * t.element_size() for t in tensors)
-            log.append((kind, str(tensors[0].dtype).removeprefix("torch.") if tensors else "-", size))
-            return method(*args, **kwargs)
-        return collective
-
-    for name, descriptor in saved.items():
-        setattr(pg, name, counted(name, descriptor))
-    try:
-        yield
-    finally:
-        for name, descriptor in saved.items():
-            setattr(pg, name, descriptor)
-
 
 def cpu_trainer(stage: int):
     """The CPU path's trainer (torch DDP, ZeroRedundancyOptimizer, FSDP2; fp32), as the program builds it."""
@@ -134,7 +84,7 @@ def cpu_trainer(stage: int):
 
 def measure(engine: str, stage: int, micro_batches: list[int], grad_reduce_in_bf16: bool, steps: int) -> dict:
     """One stage: a warm-up step, then ``steps`` counted steps per micro-batch count."""
-    from cuda_on_cpu.worker import build, run_steps, train_step
+    from cuda_on_cpu.worker import build, counting_collectives, run_steps, train_step
 
     trainer, t = build(stage, grad_reduce_in_bf16=grad_reduce_in_bf16) if engine == "cuda" else cpu_trainer(stage)
     params = {id(p): p for p in trainer.module.parameters()}  # unique: tied weights count once

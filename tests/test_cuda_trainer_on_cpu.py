@@ -202,7 +202,7 @@ def test_gradients_are_fp32_unless_bf16_reduction_is_asked(stage, precision_prob
     both the compute dtype by default: without them set, the fp32 run below accumulated bf16
     main gradients and reduce-scattered bf16 (seen on 0.19.2 through this shim)."""
     result = json.loads((precision_probe / f"precision_z{stage}.json").read_text())
-    collective = "all_reduce" if stage == 0 else "reduce_scatter_tensor"
+    collective = "all_reduce" if stage == 0 else "reduce_scatter"
     for asked, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
         got = result[asked]
         assert got["main_grads"] == [dtype], result

@@ -74,8 +74,6 @@ def ensure_built(checkout: Path, python: str) -> str:
     build = plan_build(checkout, python)
     if not (build.directory / "Makefile").is_file():
         return f"no {build.directory / 'Makefile'}: this checkout builds no dataset helpers"
-    source = build.directory / "helpers.cpp"
-    fresh = build.library.is_file() and (not source.is_file() or build.library.stat().st_mtime >= source.stat().st_mtime)
     started = time.monotonic()
     try:
         proc = subprocess.run(build.argv(), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
@@ -88,7 +86,9 @@ def ensure_built(checkout: Path, python: str) -> str:
         raise UserError(f"building Megatron-LM's dataset helpers for {python} failed: {' '.join(build.argv())}: {why}; "
                         "install a C++ compiler and the Python headers (python3-dev), or fix the checkout")
     return (f"Megatron-LM's dataset helpers for the ranks' Python: {build.library.name} "
-            + ("already built" if fresh else f"built in {time.monotonic() - started:.1f} s"))
+            # make echoes the compile command when it builds (no file times compared here)
+            + (f"built in {time.monotonic() - started:.1f} s" if f"-o {build.library.name}" in proc.stdout
+               else "already built"))
 
 
 def main(argv: list[str] | None = None) -> int:

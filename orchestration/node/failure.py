@@ -79,37 +79,76 @@ PEER_CONSEQUENCES = (
 
 
 def _rank_exceptions(log_text: str, last: int = 400) -> list[tuple[int | None, re.Match]]:
-    """(rank, match) of every exception line in the log's tail, in order: the rank from torch's
-    ``[rankN]:`` prefix, None for a line without one."""
+    """(rank, match) of every exception line in the log's tail but torchrun's own ChildFailedError,
+    in order: the rank from torch's ``[rankN]:`` prefix, None for a line without one."""
     found = []
     for raw in log_text.splitlines()[-last:]:
         prefix = _RANK_PREFIX.match(raw.rstrip())
         m = _EXCEPTION.match(_RANK_PREFIX.sub("", raw.rstrip()).strip())
-        if m and not m.group(1).endswith(("ChildFailedError", "SignalException")):
+        if m and not m.group(1).endswith("ChildFailedError"):
             found.append((int(prefix.group(1)) if prefix else None, m))
     return found
 
 
-def first_cause(log_text: str, exited_first: int | None = None) -> tuple[int | None, re.Match] | None:
-    """The exception that started a failure, whichever rank it was on: each rank's last exception
-    (the end of its traceback chain) that is not a consequence of a peer's death
-    (:data:`PEER_CONSEQUENCES`; every rank of a dead world raises one, and the one printed last used
-    to be named): the one of ``exited_first`` (torchrun's root-cause rank) if it has such, else the
-    first in the log; else the last exception. None without any."""
-    found = _rank_exceptions(log_text)
-    if not found:
+def first_cause(found: list[tuple[int | None, re.Match]],
+                exited_first: int | None = None) -> tuple[int | None, re.Match] | None:
+    """The exception that started a failure, whichever rank it was on, among ``found``
+    (:func:`_rank_exceptions`; a SignalException is torchrun being stopped, never a cause): each
+    rank's last exception (the end of its traceback chain) that is not a consequence of a peer's
+    death (:data:`PEER_CONSEQUENCES`; every rank of a dead world raises one, and the one printed
+    last used to be named): the one of ``exited_first`` (torchrun's root-cause rank) if it has such,
+    else the first in the log; else the last exception. None without any."""
+    real = [(rank, m) for rank, m in found if not m.group(1).endswith("SignalException")]
+    if not real:
         return None
     last_of_rank: dict[int | None, tuple[int, re.Match]] = {}
-    for index, (rank, m) in enumerate(found):
+    for index, (rank, m) in enumerate(real):
         last_of_rank[rank] = (index, m)
     ordered = sorted((index, rank, m) for rank, (index, m) in last_of_rank.items())
     causes = [(rank, m) for _, rank, m in ordered if not any(p in (m.group(2) or "") for p in PEER_CONSEQUENCES)]
     own = [c for c in causes if c[0] == exited_first and exited_first is not None]
-    return (own or causes)[0] if causes else found[-1]
+    return (own or causes)[0] if causes else real[-1]
 
 
 def _cut(text: str) -> str:
     return text if len(text) <= REASON_MAX_CHARS else text[:REASON_MAX_CHARS - 3] + "..."
+
+
+@dataclass(frozen=True)
+class _Reason:
+    score: int
+    """How telling (see :func:`failure_reason`)."""
+    text: str
+    rank: int | None = None
+    """The rank the cause was on, where it is not the one torchrun's root cause names."""
+    torchrun: str = ""
+    """torchrun's root cause, beside a rank's exception."""
+
+
+def _reason(log_text: str) -> _Reason:
+    lines = _clean_lines(log_text)
+    errors = [line for line in lines if line.startswith("error: ")]
+    found = _rank_exceptions(log_text)
+    cause = root_cause(log_text)
+    torchrun = cause.describe() if cause else ""
+    if errors:
+        return _Reason(3, errors[-1])
+    if cause and cause.killed_by_signal:
+        return _Reason(2, torchrun)
+    cause_found = first_cause(found, cause.rank if cause else None)
+    if cause_found:
+        rank, m = cause_found
+        return _Reason(2, f"{m.group(1)}: {m.group(2)}" if m.group(2) else m.group(1),
+                       rank if rank is not None and (cause is None or cause.rank != rank) else None, torchrun)
+    if found:  # torchrun itself got a signal: someone stopped it
+        m = found[-1][1]
+        return _Reason(1, f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2) or ''}".strip())
+    if torchrun:
+        return _Reason(1, torchrun)
+    meaningful = [line for line in lines if line.strip() and not set(line.strip()) <= set("=-")]
+    if meaningful:
+        return _Reason(0, meaningful[-1].strip())
+    return _Reason(0, "the run ended before its last iteration and its log is empty")
 
 
 def failure_reason(log_text: str) -> tuple[int, str]:
@@ -119,30 +158,9 @@ def failure_reason(log_text: str) -> tuple[int, str]:
     ``torch.OutOfMemoryError: CUDA out of memory...``, :func:`first_cause`; its rank named when
     torchrun's root cause is another); else torchrun's root cause or the signal it got (1); else the
     last line (0)."""
-    lines = _clean_lines(log_text)
-    errors = [line for line in lines if line.startswith("error: ")]
-    exceptions = [m for m in (_EXCEPTION.match(line.strip()) for line in lines)
-                  if m and not m.group(1).endswith("ChildFailedError")]
-    cause = root_cause(log_text)
-    torchrun = cause.describe() if cause else ""
-    if errors:
-        return 3, _cut(errors[-1])
-    if cause and cause.killed_by_signal:
-        return 2, _cut(torchrun)
-    cause_found = first_cause(log_text, cause.rank if cause else None)
-    if cause_found:
-        rank, m = cause_found
-        text = f"{m.group(1)}: {m.group(2)}" if m.group(2) else m.group(1)
-        where = f"rank {rank}: " if rank is not None and (cause is None or cause.rank != rank) else ""
-        return 2, _cut(where + text + (f" (torchrun: {torchrun})" if torchrun else ""))
-    if exceptions:  # torchrun itself got a signal: someone stopped it
-        return 1, _cut(f"{exceptions[-1].group(1).rsplit('.', 1)[-1]}: {exceptions[-1].group(2) or ''}".strip())
-    if torchrun:
-        return 1, _cut(torchrun)
-    meaningful = [line for line in lines if line.strip() and not set(line.strip()) <= set("=-")]
-    if meaningful:
-        return 0, _cut(meaningful[-1].strip())
-    return 0, "the run ended before its last iteration and its log is empty"
+    r = _reason(log_text)
+    where = f"rank {r.rank}: " if r.rank is not None else ""
+    return r.score, _cut(where + r.text + (f" (torchrun: {r.torchrun})" if r.torchrun else ""))
 
 
 def describe_returncode(code: int) -> tuple[int | None, str | None]:
@@ -160,10 +178,11 @@ def failure_summary(node_rank: int, host: str, code: int, log_tail: str, excerpt
     cause = root_cause(log_tail)
     what = f"exit code {exit_code}" if sig is None else f"signal {sig}"
     rank = f"rank {cause.rank}" if cause and cause.rank is not None else "rank unknown"
-    score, reason = failure_reason(log_tail)
-    why = f": {reason.split(' (torchrun: ')[0]}" if score >= 2 and not (cause and cause.killed_by_signal) else ""
-    if why.startswith(": rank "):  # the cause was on another rank than the one torchrun saw exit first
-        why = f" exited first; the cause, on {why[2:]}"
+    r = _reason(log_tail)
+    why = ""
+    if r.score >= 2 and not (cause and cause.killed_by_signal):
+        why = (f": {_cut(r.text)}" if r.rank is None  # the cause was on another rank than the one that exited first
+               else f" exited first; the cause, on {_cut(f'rank {r.rank}: {r.text}')}")
     excerpt = "\n".join(log_tail.splitlines()[-excerpt_lines:])
     return (f"node {node_rank} ({host}) failed: torchrun {what}; {rank}{why}\n"
             f"--- last lines of node {node_rank}'s log ---\n{excerpt}\n")

@@ -143,14 +143,22 @@ def tokenizer_problem(kind: str, path: str) -> str | None:
 CUDA_PROBE_TIMEOUT_S = 120.0
 
 
+def _ask_python(code: str, environ: Mapping[str, str]) -> subprocess.CompletedProcess | None:
+    """``code`` run by this node's Python in a child with ``environ`` (the ranks'), or None when it
+    did not end within CUDA_PROBE_TIMEOUT_S."""
+    try:
+        return subprocess.run([sys.executable, "-c", code], env=dict(environ), capture_output=True, text=True,
+                              timeout=CUDA_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def cuda_problem(environ: Mapping[str, str]) -> str | None:
     """Why a rank on this GPU-less node would find no CUDA device: torch asked in a child with the
     node's environment and a rank's LOCAL_RANK (what a CUDA-on-CPU shim keys on), or None when torch sees one."""
-    code = "import torch; print('cuda' if torch.cuda.is_available() else 'none')"
-    try:
-        proc = subprocess.run([sys.executable, "-c", code], env={**environ, "LOCAL_RANK": "0"}, capture_output=True,
-                              text=True, timeout=CUDA_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
+    proc = _ask_python("import torch; print('cuda' if torch.cuda.is_available() else 'none')",
+                       {**environ, "LOCAL_RANK": "0"})
+    if proc is None:
         return f"torch did not answer whether it sees a CUDA device within {CUDA_PROBE_TIMEOUT_S:.0f} s"
     if proc.stdout.strip().endswith("cuda"):
         return None
@@ -178,10 +186,8 @@ def transformer_engine_problem(version: str, environ: Mapping[str, str]) -> str 
     pip-installed transformer-engine whose PyTorch extension does not load for this torch imports
     at the top level but not as ``transformer_engine.pytorch``: megatron-core then runs without
     its layers (slower, and Megatron-LM's ``--transformer-impl transformer_engine`` fails)."""
-    try:
-        proc = subprocess.run([sys.executable, "-c", TE_PROBE], env=dict(environ), capture_output=True, text=True,
-                              timeout=CUDA_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
+    proc = _ask_python(TE_PROBE, environ)
+    if proc is None:
         return f"transformer-engine {version}: importing transformer_engine.pytorch took over {CUDA_PROBE_TIMEOUT_S:.0f} s"
     if proc.returncode == 0:
         return None

@@ -283,26 +283,58 @@ def fusion(stage: int) -> dict:
     return result
 
 
+KINDS = {  # torch.distributed.ProcessGroup method -> (kind, how to read the full buffer's tensors from its arguments)
+    "allreduce": ("all_reduce", lambda a: a[0]),
+    "allreduce_coalesced": ("all_reduce", lambda a: a[0]),
+    "reduce_scatter": ("reduce_scatter", lambda a: [t for ts in a[1] for t in ts]),
+    "_reduce_scatter_base": ("reduce_scatter", lambda a: [a[1]]),
+    "reduce_scatter_single": ("reduce_scatter", lambda a: [a[1]]),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", lambda a: a[1]),
+    "reduce_scatter_single_coalesced": ("reduce_scatter", lambda a: a[1]),
+    "allgather": ("all_gather", lambda a: [t for ts in a[0] for t in ts]),
+    "_allgather_base": ("all_gather", lambda a: [a[0]]),
+    "all_gather_single": ("all_gather", lambda a: [a[0]]),
+    "allgather_into_tensor_coalesced": ("all_gather", lambda a: a[0]),
+    "all_gather_single_coalesced": ("all_gather", lambda a: a[0]),
+    "allgather_coalesced": ("all_gather", lambda a: [t for ts in a[0] for t in ts]),
+    "broadcast": ("broadcast", lambda a: a[0]),
+    "alltoall_base": ("all_to_all", lambda a: [a[1]]),
+}
+
 @contextlib.contextmanager
-def collective_dtypes(seen: dict[str, set[str]]):
-    """The dtypes of what each gradient collective is given inside the block (``seen``: name -> dtypes)."""
-    names = ("all_reduce", "reduce_scatter_tensor")
-    originals = {name: getattr(dist, name) for name in names}
+def counting_collectives(log: list[tuple[str, str, int]], single_rank_groups: bool = False):
+    """Append (kind, dtype, bytes of the full buffer) to ``log`` for every collective in the block
+    on a group of more than one rank (megatron-core's cross entropy all-reduces over the
+    tensor-parallel group, one rank here: no traffic), or of any size with ``single_rank_groups``
+    (one rank's reductions still show their dtype). On torch.distributed.ProcessGroup's methods,
+    which every torch.distributed function reaches however megatron-core names it (its DDP binds
+    ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` to module globals at import,
+    param_and_grad_buffer.py ~L33-42: counters on the module's functions miss those); used by
+    ``precision`` and benchmarks/dp_traffic.py."""
+    pg = dist.ProcessGroup
+    saved = {name: vars(pg)[name] for name in KINDS if name in vars(pg)}  # descriptors: a pybind method read with
+    # getattr is a bare builtin, which drops ``self`` once set back on the class
 
-    def recording(name):
-        def record(*a, **k):  # all_reduce(tensor, ...), reduce_scatter_tensor(output, input, ...)
-            given = (a[0] if a else k["tensor"]) if name == "all_reduce" else (a[1] if len(a) > 1 else k["input"])
-            seen.setdefault(name, set()).add(str(given.dtype).removeprefix("torch."))
-            return originals[name](*a, **k)
-        return record
+    def counted(name, descriptor):
+        kind, buffers = KINDS[name]
 
-    for name in names:
-        setattr(dist, name, recording(name))
+        def collective(self, *args, **kwargs):
+            method = descriptor.__get__(self, type(self))
+            if self.size() == 1 and not single_rank_groups:
+                return method(*args, **kwargs)
+            tensors = [t for t in buffers(args) if t is not None]
+            size = sum(t.numel() * t.element_size() for t in tensors)
+            log.append((kind, str(tensors[0].dtype).removeprefix("torch.") if tensors else "-", size))
+            return method(*args, **kwargs)
+        return collective
+
+    for name, descriptor in saved.items():
+        setattr(pg, name, counted(name, descriptor))
     try:
         yield
     finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+        for name, descriptor in saved.items():
+            setattr(pg, name, descriptor)
 
 
 def precision(stage: int) -> dict:
@@ -315,7 +347,7 @@ def precision(stage: int) -> dict:
     for name, bf16 in (("fp32", False), ("bf16", True)):
         trainer, t = build(stage, grad_reduce_in_bf16=bf16)
         policy = getattr(trainer.model, "mp_policy", None)
-        seen: dict[str, set[str]] = {}
+        log: list[tuple[str, str, int]] = []
         main_grads: set[str] = set()
         original_step = trainer.step
 
@@ -328,14 +360,14 @@ def precision(stage: int) -> dict:
             return original_step(lr, wd)
 
         trainer.step = step_after_reading
-        with collective_dtypes(seen):
+        with counting_collectives(log, single_rank_groups=True):
             run_steps(trainer, t, [1])
         result[name] = {
             "policy": {f: str(getattr(policy, f)).removeprefix("torch.") for f in ("main_grads_dtype", "grad_comm_dtype")}
             if policy is not None else None,
             "note": trainer.gradients_note,
             "main_grads": sorted(main_grads),
-            "collectives": {k: sorted(v) for k, v in seen.items()},
+            "collectives": {kind: sorted({dtype for k, dtype, _ in log if k == kind}) for kind in {k for k, _, _ in log}},
         }
     from megatron.core import package_info
 

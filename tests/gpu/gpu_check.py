@@ -58,12 +58,12 @@ from typing import Callable
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "gpu"))
 
+from prepare_device_check import WHEEL_GLOB, find_wheel, wheel_release  # noqa: E402
 from test_gpu_stages import (  # noqa: E402
     HEADER, RUNNING, data_yaml, format_row, free_port, kill_group, pretrain_argv, run_in_own_group, run_stage,
 )
 
 WORKER = REPO / "tests" / "cuda_on_cpu" / "worker.py"
-WHEEL_GLOB = "megatron_core-*-cp312-*.whl"
 SITE = Path("/tmp/gpu_check_site")
 """Each release's wheel installs into SITE/<version>, the carried dependencies into SITE/deps."""
 DEPS_DIR = ".whl/deps"
@@ -110,7 +110,7 @@ def preflight_problems(f: Facts) -> list[str]:
         problems.append(f"torch {f.torch} sees no CUDA device: this check needs a GPU machine")
     installs = f.megatron_core is None or (f.release is not None and not f.megatron_core.startswith(f.release))
     if installs and f.wheel is None:
-        wanted = f"megatron_core-{f.release or '*'}-cp312-*.whl"
+        wanted = WHEEL_GLOB.format(release=f.release or "*")
         problems.append(f"megatron-core {f.release or ''} does not import and no {wanted} is in .whl/: on the developer "
                         "machine run python3 tests/gpu/prepare_device_check.py and send .whl along (carry)")
     if installs and f.wheel is not None and f.python != (3, 12):
@@ -126,18 +126,9 @@ def preflight_problems(f: Facts) -> list[str]:
     return problems
 
 
-def _release_key(wheel: Path) -> tuple:
-    return tuple(int(x) if x.isdigit() else 0 for x in wheel.name.split("-")[1].split("."))
-
-
 def _wheel(release: str | None = None) -> Path | None:
     """The carried wheel of ``release``, or (None) the newest carried."""
-    for directory in (REPO / ".whl", REPO / "shared" / "wheels"):
-        found = sorted(directory.glob(WHEEL_GLOB), key=_release_key) if directory.is_dir() else []
-        found = [w for w in found if release is None or w.name.split("-")[1] == release]
-        if found:
-            return found[-1]
-    return None
+    return find_wheel([REPO / ".whl", REPO / "shared" / "wheels"], release)
 
 
 def _version(module: str, *distributions: str) -> str | None:
@@ -194,7 +185,7 @@ def install_wheels(wheels: list[str], target: Path) -> None:
 
 def install_wheel(wheel: str) -> str:
     """The carried megatron-core wheel into SITE/<its version>; returns the version that imports."""
-    install_wheels([wheel], SITE / Path(wheel).name.split("-")[1])
+    install_wheels([wheel], SITE / wheel_release(Path(wheel)))
     import megatron.core  # noqa: F401  (it imports: the rows' children get the same PYTHONPATH)
 
     return _version("megatron.core", "megatron-core", "megatron_core") or "?"
@@ -272,7 +263,7 @@ def precision_row(out: Path, limit_s: float = 90) -> str:
         for asked, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
             got = r[asked]
             # Sharded, the gradients are reduce-scattered; at DP=1 (no_shard) all-reduced, beside the loss's fp32.
-            reduced = got["collectives"].get("reduce_scatter_tensor") or got["collectives"].get("all_reduce", [])
+            reduced = got["collectives"].get("reduce_scatter") or got["collectives"].get("all_reduce", [])
             ok = got["main_grads"] == [dtype] and dtype in reduced and got["policy"] in (
                 None, {"main_grads_dtype": dtype, "grad_comm_dtype": dtype})
             verdicts.append(f"z{stage} {asked}: {'PASS' if ok else 'FAIL'} (main gradients {'/'.join(got['main_grads'])}, "

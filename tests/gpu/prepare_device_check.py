@@ -69,9 +69,18 @@ def wheel_dirs(repo: Path, given: str | None, env_dir: str | None) -> list[Path]
     return [Path(d) for d in (given, env_dir) if d] + [repo.parent / "shared" / "wheels", repo / "shared" / "wheels"]
 
 
-def find_wheel(dirs: list[Path], release: str) -> Path | None:
+def wheel_release(wheel: Path) -> str:
+    """``0.19.2`` of ``megatron_core-0.19.2-cp312-...whl``."""
+    return wheel.name.split("-")[1]
+
+
+def find_wheel(dirs: list[Path], release: str | None = None) -> Path | None:
+    """The wheel of ``release`` (None: the newest release) in the first of ``dirs`` holding one."""
+    def newest(wheel: Path) -> tuple:
+        return tuple(int(x) if x.isdigit() else 0 for x in wheel_release(wheel).split("."))
+
     for directory in dirs:
-        found = sorted(directory.glob(WHEEL_GLOB.format(release=release))) if directory.is_dir() else []
+        found = sorted(directory.glob(WHEEL_GLOB.format(release=release or "*")), key=newest) if directory.is_dir() else []
         if found:
             return found[-1]
     return None
