@@ -266,25 +266,51 @@ def cluster_hang_seconds(work: Path) -> float:
         cluster.close()
 
 
-def slow_rank_seconds(work: Path) -> tuple[float, str]:
-    """Seconds from node 1's worker slowing (stopped 3/4 of the time) to rank 0's warning, and the warning."""
-    from test_multinode import _workers_on, slowed
+SLOW_KINDS = (("uniformly ~1.5x (stopped 10 ms of every 30 ms)", 0.01, 0.02),
+              ("in bursts (stopped 0.4 s of every 0.8 s)", 0.4, 0.4))
+
+
+def slow_rank_seconds(work: Path) -> list[tuple[str, float, str]]:
+    """For each kind of slowness of rank 1 (gpt_smoke, one node, 2 CPU processes): seconds from its
+    start to rank 0's warning (each from a window with nobody slow in it: 21 s free before), and
+    the warning."""
+    from conftest import slowed
 
     run = "bench_slow"
-    cluster, env = _cluster_run(work, run, 5000, "max_restarts: 0", "2")
-    root = Path(env["ARTIFACT_ROOT"])
+    root = work / f"{run}_artifacts"
+    env = clean_env(ARTIFACT_ROOT=str(root), MASTER_PORT=str(free_port()))
+    data = write_data_set(work / f"{run}.yaml", train_iters=50000, global_batch=8)
     log = root / "logs" / f"{run}_node0.log"
+    said = lambda: [l for l in log.read_text(errors="replace").splitlines()  # noqa: E731
+                    if l.startswith(("warning: slow rank", "note: no slow rank"))]
+    out = []
+    assert script("start_training.sh", "gpt_smoke", data, run, env=env).returncode == 0
     try:
-        wait(lambda: last_iteration(root / "logs" / f"{run}_node1.log") >= 3, 300)
-        worker = _workers_on(run, 1)[1]
-        at = time.monotonic()
-        with slowed(worker):
-            wait(lambda: "warning: slow rank" in log.read_text(errors="replace"), 300)
-            took = time.monotonic() - at
-        return took, next(l for l in log.read_text().splitlines() if l.startswith("warning: slow rank"))
+        wait(lambda: last_iteration(log) >= 3, 300)
+        worker = next(p for p in tagged_pids(run) if process_environ(p).get("RANK") == "1")
+        for kind, stopped_s, running_s in SLOW_KINDS:
+            time.sleep(21)
+            before = len(said())
+            with slowed(worker, stopped_s, running_s):
+                at = time.monotonic()
+                wait(lambda: len(said()) > before and said()[-1].startswith("warning: slow rank"), 300, poll_s=0.2)
+                out.append((kind, time.monotonic() - at, said()[-1]))
+            wait(lambda: said()[-1].startswith("note: no slow rank"), 300)
+        return out
     finally:
-        script("stop_multinode_training.sh", run, env=env)
-        cluster.close()
+        script("stop_training.sh", run, env=env)
+
+
+def busy_clock_cost() -> float:
+    """The CPU busy clock's own cost: CPU seconds of this process per second while it samples and
+    the main thread sleeps (what a waiting rank pays)."""
+    from megatron_ext.training.busy_clock import SampledBusyClock, process_cpu_s
+
+    clock = SampledBusyClock()
+    before, at = process_cpu_s(), time.monotonic()
+    with clock.counting():
+        time.sleep(5)
+    return (process_cpu_s() - before) / (time.monotonic() - at)
 
 
 def main() -> None:
@@ -293,7 +319,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=6, help="runs with and without progress reporting (ABBA order)")
     p.add_argument("--progress-only", action="store_true", help="only the progress reporting's cost")
     p.add_argument("--only", default="", help="comma-separated parts to run: progress, checksums, links, faults, "
-                   "lost, rejoin (with lost), hang, slow (the last four: a namespace cluster, root)")
+                   "lost, rejoin (with lost), hang (these three: a namespace cluster, root), slow")
     p.add_argument("--per-step-work", action="store_true", help=argparse.SUPPRESS)  # a rank of per_step_work()
     args = p.parse_args()
     if args.per_step_work:
@@ -330,9 +356,10 @@ def main() -> None:
         print(f"\na hang across nodes (node 1's worker SIGSTOPped, HANG_STEP_FLOOR_S 10): {cluster_hang_seconds(root):.1f} s "
               "to every worker gone on both nodes")
     if "slow" in parts:
-        took, line = slow_rank_seconds(root)
-        print(f"\na slow rank (node 1's worker stopped 3/4 of the time, log every iteration): named {took:.1f} s after it "
-              f"slowed\n  {line}")
+        print("\na slow rank (gpt_smoke, 1 node x 2 CPU processes, rank 1 slowed; default rule: 1.25x over 20 s, a log "
+              f"every iteration); the busy clock costs {busy_clock_cost():.2%} of a core")
+        for kind, took, line in slow_rank_seconds(root):
+            print(f"  {kind}: named {took:.1f} s after it slowed\n    {line}")
     if "faults" in parts:
         print(f"\nfaults (MAX_RESTARTS=1, HANG_STEP_FLOOR_S={args.floor_s:g}, checkpoint every 20 iterations)")
         print(f"{'fault':<24} {'to every process gone s':>23} {'to next attempt first iteration s':>34}")

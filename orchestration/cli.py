@@ -97,7 +97,11 @@ def format_problems(problems: Sequence[Problem]) -> str:
 # -- start, train, preflight ----------------------------------------------------------------------
 
 def note_links(planned: PlannedStart) -> None:
-    """Several nodes: the links the preflight measured, as a table (stderr)."""
+    """The checks a node could not run (GPU health it could not read), and with several nodes the
+    links the preflight measured, as a table (stderr)."""
+    for r in planned.preflight.reports:
+        for text in r.notes:
+            note(f"node {r.node_rank} ({r.host}): {text}")
     if planned.preflight.links:
         note("links between the nodes (each node's exchanges with its ring neighbours, the run's backend):\n"
              + format_links(planned.preflight.links))

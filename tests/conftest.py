@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -124,8 +128,6 @@ def run_session(cmd: list[str], env: dict[str, str], timeout: float, cwd: Path =
     that session killed when it ends. Not pipes: a rank that dies leaves megatron-core's
     async-save Manager process behind (a child of the rank), which holds inherited pipes open until
     the timeout."""
-    import contextlib
-    import signal
     import tempfile
 
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -185,8 +187,6 @@ def tagged_pids(run: str) -> list[int]:
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.5, what: str = "condition"):
-    import time
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
@@ -316,3 +316,27 @@ def megatron_lm_env(checkout: Path, **extra: str) -> dict[str, str]:
     return clean_env(ENGINE="megatron-lm", MEGATRON_LM_DIR=str(checkout), MEGATRON_LM_CPU_SHIM="1",
                      PYTHONPATH=f"{MEGATRON_LM_SHIM}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep),
                      **extra)
+
+
+@contextlib.contextmanager
+def slowed(pid: int, stopped_s: float = 0.15, running_s: float = 0.05):
+    """``pid`` SIGSTOPped and SIGCONTed in a duty cycle (by default stopped 3/4 of the time) while
+    in the context: a rank that computes slower while its peers wait for it (a throttled GPU, a
+    noisy neighbour; with a long period, one slow in bursts)."""
+    done = threading.Event()
+
+    def cycle():
+        while not done.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(stopped_s)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(running_s)
+
+    thread = threading.Thread(target=cycle, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        os.kill(pid, signal.SIGCONT)

@@ -104,8 +104,24 @@ class NamespaceCluster:
         for i, node in enumerate(self.nodes):
             self._add_namespace(i, node)
 
+    def hosts_file(self, node: Node) -> Path:
+        """The node's /etc/hosts: ``ip netns exec`` binds /etc/netns/NAME/hosts over /etc/hosts for
+        what it runs (the node's sshd, so its sessions): this machine's, plus every node's name."""
+        return Path("/etc/netns") / node.namespace / "hosts"
+
+    def set_hosts(self, node: Node, names: dict[str, str] | None = None) -> None:
+        """Rewrite ``node``'s hosts file in place (the bind mount follows the inode): every node's
+        name at its address, then ``names`` (name -> address) over them, as a cluster's DNS or a
+        node's stale /etc/hosts would."""
+        mapping = {n.alias: n.address for n in self.nodes} | dict(names or {})
+        base = Path("/etc/hosts").read_text() if Path("/etc/hosts").exists() else "127.0.0.1 localhost\n"
+        with open(self.hosts_file(node), "w") as f:
+            f.write(base.rstrip("\n") + "\n" + "".join(f"{address} {name}\n" for name, address in mapping.items()))
+
     def _add_namespace(self, i: int, node: Node) -> None:
         host_end = f"{self.prefix}v{i}"
+        self.hosts_file(node).parent.mkdir(parents=True, exist_ok=True)
+        self.set_hosts(node)
         _sh("ip", "netns", "add", node.namespace)
         _sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", self.interface, "netns", node.namespace)
         _sh("ip", "link", "set", host_end, "master", self.bridge)
@@ -257,6 +273,7 @@ class NamespaceCluster:
                 except ProcessLookupError:
                     pass
             _sh("ip", "netns", "del", node.namespace, check=False)
+            shutil.rmtree(self.hosts_file(node).parent, ignore_errors=True)
         if self._created_bridge:
             _sh("ip", "link", "del", self.bridge, check=False)
         # A namespace goes once its last user has (a killed process still exiting, a FUSE mount):

@@ -581,6 +581,22 @@ def test_the_save_signal_is_what_each_release_has(flag_list):
 
 
 @pytest.mark.parametrize("flag_list", FLAG_LISTS, ids=lambda p: p.stem.removeprefix("flags_"))
+def test_the_flight_recorder_dumps_into_the_run_s_hangs_folder_where_the_release_can(flag_list):
+    """--flight-recorder-dump-path (core_v0.17.1 and later: NCCL's watchdog writes each rank's record there
+    at a timeout) points into runs/<run>/hangs; releases without the flag get none."""
+    version, flags = reference_flags(flag_list)
+    params = with_batch_geometry(load_run_params("gpt_smoke", "smoke", RunOverrides(1, "megatron-lm")), 2)[0]
+    paths = RunPaths(Path("/tmp/artifacts"), "r")
+    args = render_pretrain_gpt(params, planned_prepared(params.data, paths.data_cache_dir), paths, version, known=flags).args
+    check_flags(args, flags, flag_list.stem)
+    if "--flight-recorder-dump-path" in flags:
+        assert args[args.index("--flight-recorder-dump-path") + 1] == "/tmp/artifacts/runs/r/hangs/nccl_flight_recorder_rank"
+    else:
+        assert "--flight-recorder-dump-path" not in args
+    assert ("--flight-recorder-dump-path" in flags) == (version >= (0, 17)), version
+
+
+@pytest.mark.parametrize("flag_list", FLAG_LISTS, ids=lambda p: p.stem.removeprefix("flags_"))
 def test_wandb_settings_render_megatron_lm_s_wandb_flags(flag_list, tmp_path):
     """WANDB_PROJECT set: --wandb-project, --wandb-exp-name (the run name unless WANDB_NAME), --wandb-save-dir
     (the run directory: wandb writes runs/<run>/wandb/), --wandb-entity where the release defines it

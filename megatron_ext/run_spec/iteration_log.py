@@ -78,8 +78,9 @@ class IterationRecord:
     """CPU: peak model-state bytes, per rank."""
     valid_loss: float | None = None
     """Validation loss, on iterations that ran a validation pass."""
-    forward_s_per_rank: list[float] | None = None
-    """Each rank's forward time per step over the log interval (seconds): the slow-rank measure."""
+    busy_s_per_rank: list[float] | None = None
+    """Each rank's busy time per step over the log interval (seconds; its step less its waits for
+    the others in collectives: training/busy_clock.py): the slow-rank measure."""
     slow_ranks: list[int] | None = None
     """The ranks named slow at this record (training.resilience.slow_rank_ratio; none: [])."""
     time: float = 0.0

@@ -80,12 +80,14 @@ class ResilienceParams:
     join_s: float = 120.0
     """How long node 0 waits for every node's end of an attempt, and for the nodes of the next one
     to be ready (seconds); a node later than that is lost."""
-    slow_rank_ratio: float = 1.5
-    """A rank whose forward time per step is at least this many times the median of the other
-    ranks' (:func:`slow_ranks`) ..."""
-    slow_rank_intervals: int = 3
-    """... in this many log intervals in a row is named as slow: a warning in the log, in status
-    and in the metrics (this project's program; the run goes on: every rank waits for it)."""
+    slow_rank_ratio: float = 1.25
+    """A rank whose busy time (its training steps less its waits for the others in collectives:
+    training/busy_clock.py) is at least this many times the median of the other ranks' ..."""
+    slow_rank_window_s: float = 20.0
+    """... summed over the log intervals of the last this many seconds (at least one interval) is
+    named as slow: a warning in the log, in status and in the metrics (this project's program; the
+    run goes on: every rank waits for it). Summed, so a rank slow in bursts is named as surely as
+    a steadily slow one."""
 
     def describe(self) -> str:
         """The start line's words for it."""
@@ -148,8 +150,9 @@ def check_resilience(p: ResilienceParams, where: str) -> None:
     if not p.slow_rank_ratio > 1:
         raise UserError(f"{where}.slow_rank_ratio={p.slow_rank_ratio} must be > 1 (a rank this many times slower than "
                         "the median of the others is named), e.g. 1.5")
-    if p.slow_rank_intervals < 1:
-        raise UserError(f"{where}.slow_rank_intervals={p.slow_rank_intervals} must be >= 1 (log intervals in a row)")
+    if not p.slow_rank_window_s > 0:
+        raise UserError(f"{where}.slow_rank_window_s={p.slow_rank_window_s} must be > 0 (seconds of log intervals "
+                        "summed), e.g. 20")
 
 
 # -- what each rank reports ---------------------------------------------------------------------
@@ -221,44 +224,76 @@ SLOW_RANK_CLEARED = "note: no slow rank"
 
 
 @dataclass(frozen=True)
+class BusyInterval:
+    """One log interval as the slow-rank rule sees it."""
+
+    steps: int
+    seconds: float
+    """Its wall time."""
+    busy: tuple[float, ...]
+    """Every rank's busy seconds in it (training/busy_clock.py), by global rank."""
+
+
+@dataclass(frozen=True)
 class SlowRank:
-    """A rank slower than the others in every one of the last log intervals looked at."""
+    """A rank whose busy time over the window is at least the ratio x the others' median."""
 
     rank: int
     seconds: float
-    """Its forward time per step in the latest interval."""
+    """Its busy time per step over the window."""
     others_median_s: float
-    """The median of the other ranks' in that interval."""
+    """The median of the other ranks' busy time per step over the window."""
+    window_s: float
+    """The wall time the window covers."""
 
     @property
     def ratio(self) -> float:
         return self.seconds / self.others_median_s if self.others_median_s > 0 else float("inf")
 
 
-def slow_ranks(history: list[list[float]], ratio: float, intervals: int) -> list[SlowRank]:
-    """The ranks whose time is at least ``ratio`` x the median of the *other* ranks' in each of the
-    last ``intervals`` entries of ``history`` (one entry per log interval: every rank's forward time
-    per step). Against the others' median, not everyone's: with 2 ranks a rank 3x slower is 3x its
-    peer, where the median of both would call it 1.5x. A ratio, not seconds, so equal ranks on a
-    noisy machine are never named, and one rank's hiccup is not a pattern. Pure."""
-    recent = history[-intervals:]
-    if len(recent) < intervals or not recent or len(recent[-1]) < 2:
+def window_of(intervals: list[BusyInterval], window_s: float) -> list[BusyInterval]:
+    """The newest intervals that together cover at least ``window_s`` (all of them while they do
+    not yet: a start's first seconds). Pure."""
+    out, covered = [], 0.0
+    for interval in reversed(intervals):
+        out.append(interval)
+        covered += interval.seconds
+        if covered >= window_s:
+            break
+    return out[::-1]
+
+
+def slow_ranks(intervals: list[BusyInterval], ratio: float, window_s: float) -> list[SlowRank]:
+    """The ranks whose busy time summed over the last ``window_s`` seconds of log intervals is at
+    least ``ratio`` x the median of the *other* ranks' sums. Summed over time, not judged step by
+    step or interval by interval: a rank stopped for 0.4 s of every 0.8 s is slow in some steps and
+    not in others, and what it costs the others is the sum. Busy time leaves out each rank's waits
+    for the others, so the ranks that wait for a slow one are never named; a ratio, not seconds, so
+    a machine that slows every rank alike (a CPU hog beside the run) names none. Against the
+    others' median, not everyone's: with 2 ranks a rank 3x slower is 3x its peer. Nothing until the
+    intervals cover the window: a start's first seconds are no pattern. Pure."""
+    recent = window_of(intervals, window_s)
+    covered = sum(i.seconds for i in recent)
+    if covered < window_s or len(recent[-1].busy) < 2:
         return []
+    steps = max(1, sum(i.steps for i in recent))
+    sums = [sum(i.busy[rank] for i in recent if rank < len(i.busy)) for rank in range(len(recent[-1].busy))]
     out = []
-    for rank in range(len(recent[-1])):
-        medians = [statistics.median(times[:rank] + times[rank + 1:]) for times in recent]
-        if all(m > 0 and times[rank] >= ratio * m for times, m in zip(recent, medians)):
-            out.append(SlowRank(rank, recent[-1][rank], medians[-1]))
+    for rank, mine in enumerate(sums):
+        median = statistics.median(sums[:rank] + sums[rank + 1:])
+        if median > 0 and mine >= ratio * median:
+            out.append(SlowRank(rank, mine / steps, median / steps, covered))
     return out
 
 
-def describe_slow_ranks(slow: list[SlowRank], ranks_per_node: int, hosts: list[str], ratio: float,
-                        intervals: int) -> str:
+def describe_slow_ranks(slow: list[SlowRank], ranks_per_node: int, hosts: list[str], ratio: float) -> str:
     """Rank 0's log line for them (node, host, local rank / GPU, the time against the median)."""
     def one(s: SlowRank) -> str:
         node = s.rank // ranks_per_node
         host = f", {hosts[s.rank]}" if s.rank < len(hosts) and hosts[s.rank] else ""
-        return (f"{s.rank} (node {node}{host}, local rank {s.rank % ranks_per_node}): forward {s.seconds:.3f} s per "
-                f"step, {s.ratio:.1f}x the median of the other ranks ({s.others_median_s:.3f} s)")
-    return (f"{SLOW_RANK_WARNING}{'s' if len(slow) > 1 else ''} {'; '.join(one(s) for s in slow)}, in {intervals} log "
-            f"interval(s) in a row; every rank waits for it (training.resilience.slow_rank_ratio {ratio:g})")
+        return (f"{s.rank} (node {node}{host}, local rank {s.rank % ranks_per_node}): busy {s.seconds:.3f} s per step, "
+                f"{s.ratio:.1f}x the median of the other ranks ({s.others_median_s:.3f} s)")
+    window = max(s.window_s for s in slow)
+    return (f"{SLOW_RANK_WARNING}{'s' if len(slow) > 1 else ''} {'; '.join(one(s) for s in slow)}, over the last "
+            f"{window:.0f} s (busy: its steps less its waits for the others); every rank waits for it "
+            f"(training.resilience.slow_rank_ratio {ratio:g})")

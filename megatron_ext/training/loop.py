@@ -22,7 +22,6 @@ import math
 import os
 import socket
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,10 +38,11 @@ from megatron_ext.run_spec.iteration_log import (
 from megatron_ext.run_spec.checkpoints import CheckpointMeta, check_resumable, latest_iteration, read_meta
 from megatron_ext.run_spec.hf_config import hf_model_type
 from megatron_ext.run_spec.params import COLLECTIVE_TIMEOUT_S, BatchGeometry, RunParams, TrainingParams
-from megatron_ext.run_spec.resilience import SLOW_RANK_CLEARED, describe_slow_ranks, slow_ranks
+from megatron_ext.run_spec.resilience import SLOW_RANK_CLEARED, BusyInterval, describe_slow_ranks, slow_ranks, window_of
 from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.run_spec.wandb_run import WandbSettings
 from megatron_ext.run_spec.zero import ZeroStage
+from megatron_ext.training.busy_clock import busy_clock
 from megatron_ext.training.manual_gc import ManualGc
 from megatron_ext.training.progress import ProgressReporter, SaveRequest
 from megatron_ext.training.trainers import NonFiniteGradients
@@ -137,42 +137,6 @@ class _Interval:
     """Skipped iterations whose loss was NaN or infinite (Megatron's "number of nan iterations")."""
 
 
-class ForwardClock:
-    """This rank's forward time over a log interval: the slow-rank measure. At stages 0-1 the
-    forward pass holds no collective, so a rank's own slowness shows there and its peers' waiting
-    does not (they wait in the gradient reduction and the step); at stages 2-3 the parameter
-    all-gathers inside it spread one rank's slowness over every rank's forward, so a slow rank may
-    go unnamed there (the step time still shows the slowdown). On CUDA by events (the kernels' time,
-    not their launch), read after the log interval's synchronize; on the CPU by the clock."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        self.seconds = 0.0
-        self.events: list = []
-
-    @contextlib.contextmanager
-    def timing(self):
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self.events.append((start, end))
-        else:
-            began = time.perf_counter()
-            yield
-            self.seconds += time.perf_counter() - began
-
-    def take(self) -> float:
-        """Seconds since the last take (CUDA: waits for the last forward's end event, complete
-        already at a log interval, where the loop synchronizes)."""
-        if self.events:
-            self.events[-1][1].synchronize()
-        total = self.seconds + sum(start.elapsed_time(end) for start, end in self.events) / 1000.0
-        self.seconds, self.events = 0.0, []
-        return total
-
-
 class Pretrain:
     def __init__(self, inputs: RunInputs):
         self.inputs = inputs
@@ -183,9 +147,10 @@ class Pretrain:
         self.progress = ProgressReporter(self.ranks.progress_dir, self.ranks.rank, self.ranks.local_rank, self.ranks.attempt)
         self.save_request = SaveRequest(self.progress.enabled)
         self.gc = ManualGc(self.t.manual_gc, self.t.manual_gc_interval)
-        self.forward_clock = ForwardClock(self.on_cuda)
-        self.forward_history: deque[list[float]] = deque(maxlen=self.t.resilience.slow_rank_intervals)
-        """Every rank's forward time per step, one entry per log interval after a start's first."""
+        self.busy_clock = busy_clock(self.on_cuda)
+        self.busy_intervals: list[BusyInterval] = []
+        """Every rank's busy time, one entry per log interval after a start's first, the last
+        training.resilience.slow_rank_window_s seconds of them."""
         self.slow: list[int] = []
         self.rank_hosts: list[str] | None = None
         self.warm_up_note: str | None = None
@@ -357,11 +322,11 @@ class Pretrain:
                 then = (first, micro + 1) if micro + 1 < accumulation else (first + self.t.global_batch_size, 0)
                 with self.trainer.sync_context(micro == accumulation - 1):
                     batch = self._batch(self.train_ds, first, micro, then)
-                    with self.forward_clock.timing():
+                    with self.busy_clock.compute():
                         loss = self._loss(batch)
-                    if micro == 0 and sample_memory:
-                        self.trainer.sample_memory()
-                    (loss / accumulation).backward()
+                        if micro == 0 and sample_memory:
+                            self.trainer.sample_memory()
+                        (loss / accumulation).backward()
                 loss_sum += loss.detach() / accumulation
             self.trainer.last_loss = loss_sum
             grad_norm, skipped = self.trainer.step(lr, self.t.weight_decay)
@@ -375,12 +340,12 @@ class Pretrain:
     # -- log ------------------------------------------------------------------------------------
     def log(self, iteration: int, interval: _Interval, grad_norm: float, valid_loss: float | None,
             elapsed_s: float) -> None:
-        """One collective (all ranks): the interval's loss, every rank's forward time per step and
-        memory figures (and once, every rank's host name)."""
+        """One collective (all ranks): the interval's loss, every rank's busy time and memory
+        figures (and once, every rank's host name)."""
         memory = self.trainer.memory_values()
         loss_sum = float(interval.loss_sum.item()) if interval.loss_sum is not None else 0.0
-        forward_s = self.forward_clock.take() / max(1, interval.iterations)
-        mine = torch.tensor([loss_sum, forward_s, *map(float, memory)], dtype=torch.float64, device=self.device)
+        busy_s = self.busy_clock.take()
+        mine = torch.tensor([loss_sum, busy_s, *map(float, memory)], dtype=torch.float64, device=self.device)
         gathered = [torch.zeros_like(mine) for _ in range(self.ranks.world_size)]
         dist.all_gather(gathered, mine)
         if self.rank_hosts is None:
@@ -390,8 +355,8 @@ class Pretrain:
             return  # writes metrics and TensorBoard, the last rank W&B
         t, world = self.t, self.ranks.world_size
         rows = [g.tolist() for g in gathered]
-        forward = [r[1] for r in rows]
-        self.note_slow_ranks(iteration, forward)
+        busy = [r[1] for r in rows]
+        self.note_slow_ranks(iteration, BusyInterval(interval.iterations, interval.step_s, tuple(busy)))
         lm_loss = sum(r[0] for r in rows) / (world * max(1, interval.advanced))
         step_s = interval.step_s / interval.iterations
         tflops = tflops_per_gpu(self.flops_per_iteration, step_s, world)
@@ -402,7 +367,7 @@ class Pretrain:
             tokens_per_s=t.global_batch_size * t.seq_length / step_s, tflops_per_gpu=tflops,
             global_batch_size=t.global_batch_size, world_size=world, zero_stage=t.zero_stage,
             mfu=tflops / self.peak_tflops if self.peak_tflops else None, valid_loss=valid_loss, time=time.time(),
-            forward_s_per_rank=forward, slow_ranks=list(self.slow) if world > 1 else None,
+            busy_s_per_rank=[b / max(1, interval.iterations) for b in busy], slow_ranks=list(self.slow) if world > 1 else None,
             **self.trainer.memory_columns([[int(v) for v in r[2:]] for r in rows]),
         )
         if self.writer:
@@ -415,20 +380,20 @@ class Pretrain:
             print(format_iteration_line(record), flush=True)
             print(format_progress_line(record, elapsed_s), flush=True)
 
-    def note_slow_ranks(self, iteration: int, forward: list[float]) -> None:
+    def note_slow_ranks(self, iteration: int, interval: BusyInterval) -> None:
         """Rank 0 names the ranks slower than the others (training.resilience.slow_rank_ratio and
-        _intervals; run_spec/resilience.py), once when they become slow and once when they catch up.
+        _window_s; run_spec/resilience.py), once when they become slow and once when they catch up.
         A start's first interval (allocation, first collectives) is not counted."""
         if iteration == self.start_iteration + 1 or self.ranks.world_size < 2:
             return
         r = self.t.resilience
-        self.forward_history.append(forward)
-        slow = slow_ranks(list(self.forward_history), r.slow_rank_ratio, r.slow_rank_intervals)
+        self.busy_intervals = window_of(self.busy_intervals + [interval], r.slow_rank_window_s)
+        slow = slow_ranks(self.busy_intervals, r.slow_rank_ratio, r.slow_rank_window_s)
         named = [s.rank for s in slow]
         if named != self.slow and self.ranks.rank == 0:
             if slow:
-                print(describe_slow_ranks(slow, self.ranks.local_world_size, self.rank_hosts or [], r.slow_rank_ratio,
-                                          r.slow_rank_intervals) + f" (iteration {iteration})", flush=True)
+                print(describe_slow_ranks(slow, self.ranks.local_world_size, self.rank_hosts or [], r.slow_rank_ratio)
+                      + f" (iteration {iteration})", flush=True)
             else:
                 print(f"{SLOW_RANK_CLEARED} (iteration {iteration}): rank(s) {', '.join(map(str, self.slow))} caught up",
                       flush=True)
@@ -506,7 +471,8 @@ class Pretrain:
             logs = self._logs_at(iteration)
             self.progress.phase("step", iteration)
             step_start = time.time()
-            with self.trainer.first_iteration() if iteration == self.start_iteration + 1 else contextlib.nullcontext():
+            with (self.trainer.first_iteration() if iteration == self.start_iteration + 1 else contextlib.nullcontext(),
+                  self.busy_clock.counting()):
                 loss, grad_norm, skipped = self.train_step(iteration, sample_memory=logs)
             if self.on_cuda and logs:  # the step's time, at log intervals only (Megatron-LM: train_sync_interval)
                 torch.cuda.synchronize()

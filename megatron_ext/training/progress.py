@@ -35,6 +35,16 @@ DUMP_FLIGHT_RECORDER = getattr(torch._C._distributed_c10d, "_dump_fr_trace_json"
 """torch >= 2.6: every collective this process issued, per process group, gloo and NCCL alike."""
 
 
+def process_groups() -> dict[str, dict[str, str]]:
+    """Every process group this rank belongs to, as the flight recorder's ``pg_config`` names them
+    (name -> name, description, global ranks). ProcessGroupGloo records its ranks before the group
+    has a name, so its dump's own ``pg_config`` is one unnamed entry (torch 2.13; torch's analyser
+    then fails): rebuilt here from torch.distributed's own table of groups."""
+    world = dist.distributed_c10d._world
+    return {pg.group_name: {"name": pg.group_name, "desc": pg.group_desc, "ranks": str(sorted(ranks))}
+            for pg, ranks in list(world.pg_group_ranks.items()) if isinstance(pg, dist.ProcessGroup)}
+
+
 class ProgressReporter:
     def __init__(self, directory: Path | None, rank: int, local_rank: int, attempt: int):
         self.directory = directory
@@ -83,7 +93,9 @@ class ProgressReporter:
             try:
                 if DUMP_FLIGHT_RECORDER is None:
                     raise RuntimeError("this torch has no flight recorder dump (_dump_fr_trace_json)")
-                text = DUMP_FLIGHT_RECORDER(True, False)
+                record = json.loads(DUMP_FLIGHT_RECORDER(True, False))
+                record["pg_config"] = process_groups()
+                text = json.dumps(record)
             except Exception as exc:  # the recorder off, or a torch without it
                 text = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
             tmp = out.with_name(f".{out.name}.tmp")

@@ -213,7 +213,22 @@ def logging_and_checkpoint_flags(p: RunParams, paths: RunPaths, wandb: WandbSett
         *(["--save", str(paths.checkpoints_dir), "--save-interval", str(t.save_interval)] if t.save_interval else []),
         *(load_flags(paths) if load else []),
         *init_flags(p),
+        *flight_recorder_flags(paths, known),
     ]
+
+
+FLIGHT_RECORDER_PREFIX = "nccl_flight_recorder_rank"
+"""The files Megatron-LM's flight recorder writes into the run's hangs folder: ``<prefix><rank>``."""
+
+
+def flight_recorder_flags(paths: RunPaths, known: Collection[str] = ()) -> list[str]:
+    """Where the checkout has ``--flight-recorder-dump-path`` (core_v0.17.1 and later; core_v0.19.0's
+    initialize.py L291-320 sets torch's TORCH_FR_DUMP_TEMP_FILE from it, and NCCL's watchdog writes
+    every rank's record there when a collective times out), the run's hangs folder, beside the
+    stacks the supervisor dumps (pickles: ``python -m torch.distributed.flight_recorder.fr_trace``)."""
+    if "--flight-recorder-dump-path" not in known:
+        return []
+    return ["--flight-recorder-dump-path", str(paths.run_dir / "hangs" / FLIGHT_RECORDER_PREFIX)]
 
 
 def init_flags(p: RunParams) -> list[str]:

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping
 
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.fp8 import fp8_problem
@@ -35,6 +35,7 @@ from megatron_ext.run_spec.model_size import CHECKPOINT_BYTES_PER_PARAMETER, che
 from megatron_ext.run_spec.python_version import python_problem
 from megatron_ext.run_spec.wandb_run import wandb_missing_message
 from megatron_ext.training.versions import check_megatron_core
+from orchestration.node.gpu_health import read_gpu_health
 from orchestration.node.processes import port_is_free
 from orchestration.node.wire import NodeCheckRequest, NodeReport, coordination_port
 
@@ -98,6 +99,28 @@ def route_interface(address: str) -> str | None:
             if len(parts) > 3 and parts[3].split("/")[0] == ip:
                 return parts[1]
     return dev
+
+
+def resolve_ipv4(address: str) -> str | None:
+    """The IPv4 address this node resolves ``address`` to (its /etc/hosts, then DNS), or None."""
+    try:
+        return socket.getaddrinfo(address, None, socket.AF_INET)[0][4][0]
+    except (OSError, IndexError):
+        return None
+
+
+def loopback_master_problem(address: str, resolved: str | None, nnodes: int) -> str | None:
+    """Several nodes and MASTER_ADDR resolving to a loopback address here: this node would look for
+    the rendezvous on itself and wait in a world of its own (torchrun hangs with no error; its
+    issue threads report it: a hostname line ``127.0.1.1 node0`` in /etc/hosts). Pure."""
+    if nnodes < 2 or resolved is None or not resolved.startswith("127."):
+        return None
+    named = "" if address == resolved else f" resolves to {resolved} here, a loopback address:"
+    return (f"MASTER_ADDR={address}{named or ' is a loopback address:'} this node would rendezvous with itself and wait "
+            f"for the others in a world of its own; " + (
+                f"map {address} to node 0's network address in this node's /etc/hosts (a hostname line such as "
+                f"'{resolved} {address}' does this), or set MASTER_ADDR to node 0's IP address" if named else
+                "set MASTER_ADDR to node 0's network address (a name or IP every node reaches it at)"))
 
 
 def probe_master(address: str, port: int) -> str | None:
@@ -305,6 +328,10 @@ def inspect_node(request: NodeCheckRequest, run_state_dir: Path, visible_gpus: i
         if problem:
             problems.append(problem)
     report.interface = route_interface(check.master_addr)
+    report.master_address = resolve_ipv4(check.master_addr)
+    problem = loopback_master_problem(check.master_addr, report.master_address, check.nnodes)
+    if problem:
+        problems.append(problem)
     if check.checkpoints is not None:
         space = check.checkpoints
         problem = disk_problem(Path(space.directory), space.parameters, space.keep, "cuda" if visible_gpus else "cpu")
@@ -323,6 +350,11 @@ def inspect_node(request: NodeCheckRequest, run_state_dir: Path, visible_gpus: i
                               compute_capability() if visible_gpus else None)
         if problem:
             problems.append(problem)
+    if visible_gpus:
+        health = read_gpu_health()
+        if health is not None:
+            problems.extend(f"{f.gpu}: {f.what}; {f.fix}" for f in health.findings)
+            report.notes.extend(health.notes)
     if visible_gpus and check.nproc_per_node > visible_gpus:
         problems.append(f"NPROC_PER_NODE={check.nproc_per_node} but this node shows {visible_gpus} GPU(s); use at most "
                         f"{visible_gpus} (or check CUDA_VISIBLE_DEVICES)")

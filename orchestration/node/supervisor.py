@@ -52,6 +52,7 @@ from orchestration.node.run_state import (HEARTBEAT_S, NodeExit, RunState, clear
                                           write_exit, write_failure, write_heartbeat)
 from orchestration.node.run_state import begin_attempt, end_attempt, read_ledger, write_pid_file
 from orchestration.node.wire import NodePlan, decode_payload
+from orchestration.node.flight_recorder import StuckCollective, read_flight_recorders, stuck_collective
 from orchestration.node.watchdog import Watchdog, dump_node, find_suspects, read_node_report, worker_pids
 
 log = logging.getLogger(__name__)
@@ -184,6 +185,7 @@ class Supervisor:
     def _start_torchrun(self, checkpoint: int | None) -> subprocess.Popen:
         shutil.rmtree(self.progress_dir, ignore_errors=True)
         self.progress_dir.mkdir(parents=True)
+        (self.paths.run_dir / "hangs").mkdir(parents=True, exist_ok=True)  # Megatron-LM's flight recorder writes there
         # exactly the plan's, by its per-attempt rules (the attempt, its nodes, the resume flag)
         env = self.plan.process_environment(self.node_env, self.attempt, self.members)
         argv = self.plan.attempt_argv(checkpoint is not None, self.members)
@@ -536,7 +538,8 @@ class Supervisor:
 
 
 def hang_summary(paths: RunPaths, attempt: int, claim: attempts.HangClaim, reports: dict, plan: NodePlan) -> str:
-    """The failure file of a hung attempt: who (the suspects), where, for how long, and the dumps."""
+    """The failure file of a hung attempt: who (the suspects), where, for how long, the collective
+    the ranks hung in (torch's flight-recorder analyser: node/flight_recorder.py), and the dumps."""
     everyone = [r for rs in reports.values() if rs for r in rs]
     suspects = find_suspects(everyone)
     missing = sorted(n for n, rs in reports.items() if rs is None)
@@ -546,9 +549,14 @@ def hang_summary(paths: RunPaths, attempt: int, claim: attempts.HangClaim, repor
     where = (f" in {first.phase} of iteration {first.iteration} for {first.phase_elapsed_s:.0f} s"
              + (f" (limit {first.limit_s:.0f} s)" if first.limit_s else "") if first and first.phase else "")
     ranks = ", ".join(f"rank {r.rank} (node {r.node_rank})" for r in suspects.ranks) or "no rank"
+    collective = stuck_collective(*read_flight_recorders(everyone)) if everyone else "no rank reported"
+    named = f"; {collective.describe()}" if isinstance(collective, StuckCollective) else ""
     head = (f"{hosts} hung: {ranks} {suspects.why}{where}"
-            + (f"; {suspects.others}" if suspects.others else "") + f"; every rank's stack: {paths.hangs_dir(attempt)}")
+            + (f"; {suspects.others}" if suspects.others else "") + named
+            + f"; every rank's stack: {paths.hangs_dir(attempt)}")
     lines = [head, f"--- attempt {attempt}, detected by node {claim.node_rank}: {claim.detail} ---"]
+    if not named:
+        lines.append(f"flight recorder: {collective}")
     for r in sorted(everyone, key=lambda r: r.rank):
         progress = (f"{r.phase} of iteration {r.iteration} for {r.phase_elapsed_s:.0f} s" if r.phase else "no progress report")
         stack = "in a collective" if r.in_collective else "outside any collective" if r.in_collective is False else "stack not read"

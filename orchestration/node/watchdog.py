@@ -159,6 +159,8 @@ class RankReport:
     """The flight recorder's last collective sequence number on the default process group."""
     last_collective: str | None = None
     """What that collective was (``gloo:all_reduce``, ``nccl:_reduce_scatter_base``, ...)."""
+    flight_recorder: str | None = None
+    """Its flight recorder's file beside the dump (None: the rank did not answer)."""
 
 
 def process_state(pid: int) -> str:
@@ -247,18 +249,28 @@ def in_collective(stack: str) -> bool:
 
 def request_flight_recorders(progress_dir: Path, ranks: list[int], stopped: set[int]) -> dict[int, Path]:
     """Ask this node's ranks for their flight recorder; the files of those that answered within
-    FLIGHT_RECORDER_WAIT_S (a stopped rank cannot)."""
+    FLIGHT_RECORDER_WAIT_S (a stopped rank cannot). An answer is a file that changed since the
+    request (another inode or modification time), never a time compared with this process's clock:
+    the file system's clock may not be this process's (a file server's, a faked one)."""
     request = progress_dir / DUMP_REQUEST
+    files = {rank: progress_dir / f"rank{rank}.fr.json" for rank in ranks if rank not in stopped}
+    before = {rank: _identity(f) for rank, f in files.items()}
     asked = time.time()
     request.touch()
     os.utime(request, (asked, asked))
-    files = {rank: progress_dir / f"rank{rank}.fr.json" for rank in ranks if rank not in stopped}
+    answered = lambda: {r: f for r, f in files.items() if _identity(f) not in (None, before[r])}  # noqa: E731
     deadline = time.monotonic() + FLIGHT_RECORDER_WAIT_S
-    while time.monotonic() < deadline:
-        if all(f.exists() and f.stat().st_mtime >= asked - 1 for f in files.values()):
-            break
+    while time.monotonic() < deadline and len(answered()) < len(files):
         time.sleep(0.1)
-    return {rank: f for rank, f in files.items() if f.exists() and f.stat().st_mtime >= asked - 1}
+    return answered()
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 def last_collective(flight_recorder: dict) -> tuple[int | None, str | None, str]:
@@ -297,8 +309,8 @@ def dump_node(run: str, node_rank: int, host: str, nproc_per_node: int, progress
         elapsed = now - p.phase_started_at if p else None
         dump = out_dir / f"node{node_rank}_rank{rank}.txt"
         seq, name, recorded = None, None, "flight recorder: no answer (the rank is stopped, or did not answer in time)"
-        if rank in recorders:
-            copy = out_dir / f"node{node_rank}_rank{rank}.flight_recorder.json"
+        copy = out_dir / f"node{node_rank}_rank{rank}.flight_recorder.json" if rank in recorders else None
+        if copy is not None:
             shutil.copyfile(recorders[rank], copy)
             try:
                 seq, name, recorded = last_collective(json.loads(copy.read_text()))
@@ -312,7 +324,8 @@ def dump_node(run: str, node_rank: int, host: str, nproc_per_node: int, progress
         dump.write_text("\n".join(header) + stack + "\n")
         reports.append(RankReport(rank, node_rank, host, pid, state, p.phase if p else None, p.iteration if p else None,
                                   elapsed, limit, p.phase_started_at if p else None, read,
-                                  in_collective(stack) if read else None, str(dump), seq, name))
+                                  in_collective(stack) if read else None, str(dump), seq, name,
+                                  str(copy) if copy is not None else None))
     write_json_atomic(out_dir / f"node{node_rank}.json", unstructure(reports))
     return reports
 

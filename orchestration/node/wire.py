@@ -457,11 +457,15 @@ class NodeReport:
     """python, torch, megatron-core, transformer-engine, apex, project (git revision): None = absent."""
     interface: str | None = None
     """The interface that routes to MASTER_ADDR here."""
+    master_address: str | None = None
+    """The IPv4 address MASTER_ADDR resolves to here (None: it does not resolve)."""
     free_port: int | None = None
     """Node 0 with MASTER_PORT unset: the first free port from 6000."""
     local_dir: str | None = None
     """A node-local directory (tmpfs where there is one) for the ranks' progress files."""
     visible_gpus: int = 0
+    notes: list[str] = field(default_factory=list)
+    """Checks that could not run here, and why (no problem, but no all-clear either)."""
 
 
 @dataclass

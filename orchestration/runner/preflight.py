@@ -49,9 +49,19 @@ class Preflight:
         return not self.answered
 
 
-def cluster_problems(reports: Sequence[NodeReport]) -> list[Problem]:
-    """Every node's own problems, and software that differs from node 0's."""
+def cluster_problems(reports: Sequence[NodeReport], master_addr: str | None = None) -> list[Problem]:
+    """Every node's own problems, software that differs from node 0's, and MASTER_ADDR resolved
+    to another address than node 0 resolves it to (a stale /etc/hosts: that node's rendezvous goes
+    elsewhere). Pure."""
     out = [(r.node_rank, r.host, p) for r in reports for p in r.problems]
+    node0 = next((r for r in reports if r.node_rank == 0), None)
+    if master_addr is not None and node0 is not None and node0.master_address is not None:
+        for r in reports:
+            if r.master_address not in (None, node0.master_address) and not (r.master_address or "").startswith("127."):
+                out.append((r.node_rank, r.host, f"MASTER_ADDR={master_addr} resolves to {r.master_address} here but to "
+                                                 f"{node0.master_address} on node 0: this node would look for the "
+                                                 "rendezvous elsewhere; make every node resolve it alike (/etc/hosts, "
+                                                 "DNS), or set MASTER_ADDR to node 0's IP address"))
     if reports:
         base = reports[0]
         for r in reports[1:]:
@@ -118,7 +128,7 @@ def run_preflight(launch: LaunchEnv, inputs: StartInputs) -> Preflight:
             except OSError:
                 break
     reports = tuple(r.value for r in results if r.ok)
-    problems = cluster_problems(reports)
+    problems = cluster_problems(reports, launch.master_addr)
     problems += [(r.node_rank, r.host, r.error if r.error is not None else r.describe_failure())
                  for r in results if not r.ok]
     answered = all(r.returncode in (0, EXIT_USER_ERROR) for r in results)
