@@ -258,3 +258,18 @@ def test_setup_decides_by_metadata_and_never_replaces():
     commands, messages = plan_installs((3, 12), "2.11.0", "0.19.2", ImportError("libcudart.so.13: cannot open"))
     assert commands == [] and messages[-1].startswith("error: megatron-core 0.19.2 is installed but does not import")
     assert plan_installs((3, 12), "2.11.0+cu130", "0.16.1", None)[0] == []  # a container's builds stay
+
+
+def test_the_link_table_times_an_nccl_all_reduce_per_neighbour_pair_or_says_it_skipped():
+    """NCCL: one 256 MB all-reduce per pair of ring neighbours (each pair a process group every
+    node creates in the same order); gloo: skipped, said under the table."""
+    from orchestration.node.linktest import ring_pairs
+    from orchestration.node.wire import LinkReport
+    from orchestration.runner.links import format_links, link_rows
+
+    assert ring_pairs(1) == [] and ring_pairs(2) == [(0, 1)] and ring_pairs(4) == [(0, 1), (0, 3), (1, 2), (2, 3)]
+    gpus = [LinkReport(0, "g0", {"1": 40.0}, "NET/IB", allreduce_s={"1": 0.0125}),
+            LinkReport(1, "g1", {"0": 41.0}, "NET/IB", allreduce_s={"0": 0.0127})]
+    assert format_links(link_rows(gpus)).splitlines()[-1] == "one 256 MB NCCL all-reduce per neighbour pair: node0-node1 12.7 ms"
+    cpus = [LinkReport(0, "c0", {"1": 0.4}, "TCP (gloo)"), LinkReport(1, "c1", {"0": 0.4}, "TCP (gloo)")]
+    assert format_links(link_rows(cpus)).splitlines()[-1].endswith("skipped (gloo: no GPUs)")

@@ -500,6 +500,7 @@ def test_links_are_measured_and_a_slow_one_is_named_and_refused(cluster, cluster
     assert equal.returncode == 0 and "<- slow" not in equal.stdout, equal.stdout + equal.stderr
     rows = [l for l in equal.stdout.splitlines() if l[:1].isdigit()]
     assert len(rows) == 3 and all("TCP (gloo)" in r and cluster.interface in r for r in rows), equal.stdout
+    assert "one 256 MB NCCL all-reduce per neighbour pair: skipped (gloo: no GPUs)" in equal.stdout, equal.stdout
     cluster.throttle(cluster.nodes[1], "200mbit")  # a 25 MB/s port: far below the others
     try:
         slow = run_script("preflight_training.sh", "gpt_smoke", data, "links", env=env)

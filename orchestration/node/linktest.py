@@ -8,7 +8,8 @@ never holds a process group); they meet at MASTER_ADDR:port (a TCP store on node
 exchanges a buffer with both ring neighbours at once — sends to the next and the previous, receives
 from both — for a bounded time, and reports the bytes per second of each exchange (the slower
 direction of the pair bounds it, as it bounds a ring all-reduce). With NCCL the transport each
-peer uses is read from NCCL_DEBUG=INFO's lines (IB, Socket, P2P). The launcher puts the nodes'
+peer uses is read from NCCL_DEBUG=INFO's lines (IB, Socket, P2P), and one 256 MB all-reduce per
+pair of ring neighbours is timed (skipped on gloo: the table says so). The launcher puts the nodes'
 answers side by side (orchestration/runner/preflight.py). Side effects: a process group, a TCP
 store on node 0, the network, for a few seconds.
 """
@@ -40,9 +41,44 @@ def neighbours(rank: int, nnodes: int) -> tuple[int, ...]:
     return tuple(sorted({(rank + 1) % nnodes, (rank - 1) % nnodes} - {rank}))
 
 
+ALLREDUCE_BYTES = 256 * 2**20
+"""NCCL only: one all-reduce of this size per pair of ring neighbours, timed (a collective's own
+path: NCCL's algorithm and protocol choice, not only the link)."""
+
+
+def ring_pairs(nnodes: int) -> list[tuple[int, int]]:
+    """Every pair of ring neighbours once, in the same order on every node (each pair is a process
+    group every node creates, members or not). Pure."""
+    return sorted({tuple(sorted((r, (r + 1) % nnodes))) for r in range(nnodes) if nnodes > 1})
+
+
+def time_pair_allreduces(rank: int, nnodes: int, device, nbytes: int = ALLREDUCE_BYTES) -> dict[int, float]:
+    """NCCL: neighbour -> seconds of one all-reduce of ``nbytes`` in the pair's own group (after one
+    warm-up), every pair in turn. A collective of the process group: every node calls it."""
+    import torch
+    import torch.distributed as dist
+
+    out = {}
+    buffer = None
+    for pair in ring_pairs(nnodes):
+        group = dist.new_group(list(pair))
+        if rank not in pair:
+            continue
+        if buffer is None:
+            buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        dist.all_reduce(buffer, group=group)  # warm-up: the pair's communicator
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dist.all_reduce(buffer, group=group)
+        torch.cuda.synchronize()
+        out[pair[1] if pair[0] == rank else pair[0]] = time.perf_counter() - t0
+    return out
+
+
 def measure(rank: int, nnodes: int, master_addr: str, port: int, backend: str, nbytes: int,
-            seconds: float = MEASURE_S) -> dict[int, float]:
-    """Neighbour -> GB/s, in this process (a process group of one process per node)."""
+            seconds: float = MEASURE_S) -> tuple[dict[int, float], dict[int, float]]:
+    """(neighbour -> GB/s of the exchanges, neighbour -> seconds of one 256 MB all-reduce with it:
+    NCCL only), in this process (a process group of one process per node)."""
     import torch
     import torch.distributed as dist
 
@@ -91,7 +127,8 @@ def measure(rank: int, nnodes: int, master_addr: str, port: int, backend: str, n
             dist.all_reduce(done, op=dist.ReduceOp.MIN)  # every node stops at the same exchange
             if done.item() > 0:
                 break
-        return {peer: moved[peer] / busy[peer] / 1e9 for peer in peers if busy[peer] > 0}
+        rates = {peer: moved[peer] / busy[peer] / 1e9 for peer in peers if busy[peer] > 0}
+        return rates, time_pair_allreduces(rank, nnodes, device) if backend == "nccl" else {}
     finally:
         dist.destroy_process_group()
 
@@ -121,10 +158,11 @@ def run_linktest(request: LinktestRequest, environ: Mapping[str, str], python: s
     if proc.returncode != 0 or line is None:
         tail = " ".join((proc.stderr or proc.stdout).strip().splitlines()[-2:])[-300:]
         return LinkReport(node_rank, host, seconds=time.monotonic() - t0, error=f"the link test failed: {tail}")
-    rates = {str(k): v for k, v in json.loads(line).items()}
+    answer = json.loads(line)
     transports = sorted(set(_TRANSPORT.findall(proc.stderr)))
     transport = ", ".join(transports) if transports else ("TCP (gloo)" if backend == "gloo" else "")
-    return LinkReport(node_rank, host, rates, transport, time.monotonic() - t0)
+    return LinkReport(node_rank, host, {str(k): v for k, v in answer["rates"].items()}, transport,
+                      time.monotonic() - t0, allreduce_s={str(k): v for k, v in answer["allreduce_s"].items()})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -137,9 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--bytes", type=int, help="buffer per exchange (default by backend)")
     p.add_argument("--seconds", type=float, default=MEASURE_S, help=f"how long to keep exchanging (default {MEASURE_S})")
     args = p.parse_args(argv)
-    rates = measure(args.rank, args.nnodes, args.master_addr, args.port, args.backend,
-                    args.bytes or DEFAULT_BYTES[args.backend], args.seconds)
-    print(json.dumps(rates), flush=True)
+    rates, allreduce_s = measure(args.rank, args.nnodes, args.master_addr, args.port, args.backend,
+                                 args.bytes or DEFAULT_BYTES[args.backend], args.seconds)
+    print(json.dumps({"rates": rates, "allreduce_s": allreduce_s}), flush=True)
     return 0
 
 

@@ -481,6 +481,9 @@ class LinkReport:
     seconds: float = 0.0
     """The measurement's wall time on this node, rendezvous included."""
     error: str | None = None
+    allreduce_s: dict[str, float] = field(default_factory=dict)
+    """NCCL: neighbour node rank (as text) -> seconds of one 256 MB all-reduce in the pair's own
+    group; empty on gloo (skipped)."""
 
 
 

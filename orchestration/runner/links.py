@@ -37,6 +37,8 @@ class LinkRow:
     transport: str
     slow: bool
     error: str | None = None
+    allreduce_s: dict[str, float] | None = None
+    """NCCL: neighbour -> seconds of one 256 MB all-reduce with it; None: skipped (gloo)."""
 
 
 def link_rows(reports: Sequence[LinkReport], interfaces: Mapping[int, str | None] | None = None) -> list[LinkRow]:
@@ -45,7 +47,8 @@ def link_rows(reports: Sequence[LinkReport], interfaces: Mapping[int, str | None
     median = statistics.median(best.values()) if best else None
     compare = len(best) >= 3 and median
     return [LinkRow(r.node_rank, r.host, (interfaces or {}).get(r.node_rank), best.get(r.node_rank), dict(r.rates_gbs),
-                    r.transport, bool(compare and best.get(r.node_rank, median) < SLOW_LINK_FRACTION * median), r.error)
+                    r.transport, bool(compare and best.get(r.node_rank, median) < SLOW_LINK_FRACTION * median), r.error,
+                    dict(r.allreduce_s) or None)
             for r in sorted(reports, key=lambda r: r.node_rank)]
 
 
@@ -65,6 +68,7 @@ def slow_link_problems(rows: Sequence[LinkRow]) -> list[tuple[int, str, str]]:
 
 
 def format_links(rows: Sequence[LinkRow]) -> str:
+    """The table; then the 256 MB all-reduce per neighbour pair (NCCL), or that it was skipped (gloo)."""
     lines = [f"{'node':<5} {'host':<16} {'interface':<10} {'transport':<16} {'best GB/s':>10}  links (neighbour: GB/s)"]
     for r in rows:
         links = ", ".join(f"node{k}: {v:.3f}" for k, v in sorted(r.links.items()))
@@ -72,4 +76,10 @@ def format_links(rows: Sequence[LinkRow]) -> str:
         flag = "  <- slow" if r.slow else ""
         lines.append(f"{r.node_rank:<5} {r.host:<16} {r.interface or '-':<10} {r.transport or '-':<16} {best:>10}  "
                      f"{links or r.error or '-'}{flag}")
+    timed = {tuple(sorted((r.node_rank, int(k)))): v for r in rows for k, v in (r.allreduce_s or {}).items()}
+    if timed:
+        lines.append("one 256 MB NCCL all-reduce per neighbour pair: " + ", ".join(
+            f"node{a}-node{b} {s * 1000:.1f} ms" for (a, b), s in sorted(timed.items())))
+    elif rows:
+        lines.append("one 256 MB NCCL all-reduce per neighbour pair: skipped (gloo: no GPUs)")
     return "\n".join(lines)
