@@ -96,6 +96,18 @@ def format_problems(problems: Sequence[Problem]) -> str:
 
 # -- start, train, preflight ----------------------------------------------------------------------
 
+def note_left_out(planned: PlannedStart) -> None:
+    """NNODES=MIN:MAX: the nodes the start leaves out, why, and how to bring one back (stderr)."""
+    if not planned.left_out:
+        return
+    nodes = sorted({(rank, host) for rank, host, _ in planned.left_out})
+    total = len(planned.plan.nodes)
+    note(f"left out of the start (NNODES=MIN:MAX): the run starts on {total - len(nodes)} of {total} nodes without "
+         f"node(s) {', '.join(f'{r} ({h})' for r, h in nodes)}, whose preflight found:\n"
+         f"{format_problems(planned.left_out)}\nonce fixed, bring one back with rejoin_multinode_training.sh "
+         f"{planned.plan.run} NODE_RANK (every node saves at its next step and the run goes on with it)")
+
+
 def note_links(planned: PlannedStart) -> None:
     """The checks a node could not run (GPU health it could not read), and with several nodes the
     links the preflight measured, as a table (stderr)."""
@@ -110,6 +122,7 @@ def note_links(planned: PlannedStart) -> None:
 def print_plan(planned: PlannedStart, launch: LaunchEnv) -> int:
     """The dry run: the checks' notes, the plan (a header line, then one JSON line per node), and
     what a start would make of the preflight; the exit code a start would have up to there."""
+    note_left_out(planned)
     note_links(planned)
     for text in run_checks(launch, planned):
         note(text)
@@ -146,6 +159,7 @@ def cmd_start(args, launch: LaunchEnv) -> int:
         note(text)
     if launch.dry_run:
         return print_plan(planned, launch)
+    note_left_out(planned)
     note_links(planned)
     result, refused = _start(launch, planned)
     if refused is not None:
@@ -215,6 +229,9 @@ def cmd_preflight(args, launch: LaunchEnv) -> int:
     planned = plan_settled_start(launch, args.model, args.data, args.run, nodes)
     if planned.preflight.links:
         print(format_links(planned.preflight.links))
+    if planned.left_out:  # NNODES=MIN:MAX: a start would go on without them; the table says why
+        print(format_problems(planned.left_out))
+        note_left_out(planned)
     if planned.preflight.problems:
         print(format_problems(planned.preflight.problems))
         return EXIT_USER_ERROR if planned.preflight.answered else EXIT_NODE_FAILED
@@ -222,7 +239,8 @@ def cmd_preflight(args, launch: LaunchEnv) -> int:
         print(f"note: {text}")
     for text in planned.plan.notes:
         print(f"note: {text}")
-    print(f"preflight: no problem on {len(nodes)} node(s)")
+    left = len({rank for rank, _, _ in planned.left_out})
+    print(f"preflight: no problem on {len(nodes) - left} node(s)" + (f"; {left} left out" if left else ""))
     return EXIT_OK
 
 

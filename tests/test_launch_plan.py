@@ -234,7 +234,7 @@ def test_dry_run_prints_the_plan_and_one_json_line_per_node_and_starts_nothing(t
     assert [(l["node_rank"], l["host"]) for l in lines] == [(0, "node0"), (1, "node1")]
     assert set(lines[0]) == {"run", "run_id", "node_rank", "host", "argv", "env", "unset", "cwd", "log_path", "pid_path",
                              "engine", "resilience", "first_attempt", "save_signal", "secret_names", "per_attempt",
-                             "resets_run_state", "resume_args", "hosts", "rejoin"}
+                             "resets_run_state", "resume_args", "hosts", "first_members", "rejoin"}
     # Secrets are named, never shown: the plan says which variables the ranks get, not their values.
     assert lines[0]["secret_names"] == ["HF_TOKEN", "WANDB_API_KEY"] and lines[0]["env"]["WANDB_PROJECT"] == "p"
     assert key not in proc.stdout + proc.stderr and token not in proc.stdout + proc.stderr
@@ -273,3 +273,17 @@ def test_the_link_table_times_an_nccl_all_reduce_per_neighbour_pair_or_says_it_s
     assert format_links(link_rows(gpus)).splitlines()[-1] == "one 256 MB NCCL all-reduce per neighbour pair: node0-node1 12.7 ms"
     cpus = [LinkReport(0, "c0", {"1": 0.4}, "TCP (gloo)"), LinkReport(1, "c1", {"0": 0.4}, "TCP (gloo)")]
     assert format_links(link_rows(cpus)).splitlines()[-1].endswith("skipped (gloo: no GPUs)")
+
+
+def test_nnodes_min_max_leaves_out_the_nodes_the_preflight_refused_while_enough_are_left():
+    from orchestration.runner.preflight import Preflight, leave_out
+
+    bad = Preflight((), ((2, "g2", "GPU 3: 2 uncorrected ECC errors; reset it"), (3, "g3", "MASTER_ADDR=... loopback")), True)
+    kept, left = leave_out(bad, 2, 4)
+    assert kept.problems == () and left == bad.problems  # 2 of 4 left: enough for MIN 2
+    assert leave_out(bad, 3, 4) == (bad, ())  # too few left: the start refuses
+    assert leave_out(bad, None, 4) == (bad, ())  # NNODES=4: every node or none
+    on_node0 = Preflight((), ((0, "g0", "MASTER_PORT=6000 is in use"),), True)
+    assert leave_out(on_node0, 1, 4) == (on_node0, ())  # node 0 leads: never left out
+    unanswered = Preflight((), ((2, "g2", "no answer"),), False)
+    assert leave_out(unanswered, 1, 4) == (unanswered, ())  # unsettled: a start stops there

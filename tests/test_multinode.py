@@ -584,6 +584,40 @@ def test_a_node_lost_for_good_leaves_the_run_going_on_and_comes_back(cluster, cl
     assert tagged_pids(run) == []
 
 
+def test_a_node_the_preflight_refuses_is_left_out_with_nnodes_min_max_and_brought_back(cluster, cluster_env,
+                                                                                      artifact_root, tmp_path):
+    """NNODES=1:2, MASTER_ADDR=node0, and node 1's /etc/hosts maps node0 to 127.0.1.1 (it would
+    rendezvous with itself): the start leaves node 1 out, says why and how to bring it back, and
+    the run trains on node 0 alone. With node 1's /etc/hosts mended, rejoin_multinode_training.sh
+    takes it back and both nodes train. (Without MIN:MAX the same start refuses:
+    test_preflight_finds_every_problem_on_every_node_at_once.)"""
+    data = write_data_set(tmp_path / "long.yaml", train_iters=5000, global_batch=8, save_interval=5,
+                          resilience="restart_backoff_s: 1, join_s: 30")
+    run = "mn_left_out"
+    env = {**cluster_env, "NNODES": "1:2", "MASTER_ADDR": "node0", "MASTER_PORT": "29676", "NPROC_PER_NODE": "1"}
+    node1 = cluster.nodes[1]
+    cluster.set_hosts(node1, {"node0": "127.0.1.1"})
+    try:
+        start = run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=env)
+        assert start.returncode == 0, start.stdout + start.stderr
+        said = " ".join(start.stderr.split())
+        assert ("left out of the start (NNODES=MIN:MAX): the run starts on 1 of 2 nodes without node(s) 1 (node1), whose "
+                "preflight found:") in said and "MASTER_ADDR=node0 resolves to 127.0.1.1 here" in said, start.stderr
+        assert f"rejoin_multinode_training.sh {run} NODE_RANK" in said
+        wait_for(lambda: last_iteration(artifact_root / "logs" / f"{run}_node0.log") >= 3, 240, what="node 0 to train alone")
+        assert _workers_on(run, 1) == {}
+        cluster.set_hosts(node1)
+        back = run_script("rejoin_multinode_training.sh", run, "1", env=env)
+        assert back.returncode == 0 and "[node1 node1] joining run mn_left_out" in back.stdout, back.stdout + back.stderr
+        wait_for(lambda: last_iteration(artifact_root / "logs" / f"{run}_node1.log") >= 1, 240, what="node 1 to train")
+        metrics = [json.loads(l) for l in (artifact_root / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+        assert metrics[0]["world_size"] == 1 and metrics[-1]["world_size"] == 2, metrics[-1]
+    finally:
+        cluster.set_hosts(node1)
+        run_script("stop_multinode_training.sh", run, env=env)
+    assert tagged_pids(run) == []
+
+
 def test_megatron_lm_trains_across_two_nodes_over_ssh(cluster_env, artifact_root, tmp_path, megatron_lm_checkout):
     """ENGINE=megatron-lm on the namespace cluster: Megatron-LM core_v0.16.1's own pretrain_gpt.py,
     2 nodes x 1 rank over ssh (the checkout and the CUDA-on-CPU shim on the file system both nodes

@@ -89,8 +89,9 @@ class Supervisor:
         self.joined: tuple[int, ...] = ()
         """The nodes the current attempt took back (the ledger records them)."""
         self.progress_dir = Path(plan.env[PROGRESS_DIR_ENV])
-        self.members: tuple[int, ...] = tuple(range(self.nnodes))
-        """The nodes (ranks in the start's plan) of the current attempt: all, or those left after a lost one."""
+        self.members: tuple[int, ...] = tuple(plan.first_members) or tuple(range(self.nnodes))
+        """The nodes (ranks in the start's plan) of the current attempt: all, those the start did not
+        leave out, or those left after a lost one."""
         self.decided = self.members
         self.board: Board | None = None
         """The run's shared state over the network (orchestration/node/board.py), from :meth:`run`."""

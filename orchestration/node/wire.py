@@ -97,6 +97,9 @@ class NodePlan:
     resume_args: tuple[str, ...] = ()
     """Appended to :attr:`argv` for an attempt that starts with a checkpoint in the run's folder
     (Megatron-LM's ``--load``, which must be absent while there is none)."""
+    first_members: tuple[int, ...] = ()
+    """The nodes of the first attempt (empty: every node): a start with NNODES=MIN:MAX leaves out
+    the nodes its preflight refused, while enough are left (``rejoin`` brings one back)."""
     rejoin: bool = False
     """This node comes back to the run going on without it (NNODES=MIN:MAX; ``rejoin``): its
     supervisor asks node 0 for a place and waits, ``joining``, for the next restart, instead of

@@ -11,6 +11,7 @@ removed again (with the folders the check created).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -47,6 +48,17 @@ class Preflight:
     @property
     def unreachable(self) -> bool:
         return not self.answered
+
+
+def leave_out(preflight: Preflight, min_nodes: int | None, nnodes: int) -> tuple[Preflight, tuple[Problem, ...]]:
+    """NNODES=MIN:MAX: the nodes whose preflight found problems are left out of the start while at
+    least MIN nodes are left, node 0 (the rendezvous host and leader) among them, and every node
+    answered; (the preflight without their problems, their problems). Otherwise nothing is left
+    out: the start refuses as ever. Pure."""
+    bad = {rank for rank, _, _ in preflight.problems}
+    if not bad or min_nodes is None or not preflight.answered or 0 in bad or nnodes - len(bad) < min_nodes:
+        return preflight, ()
+    return dataclasses.replace(preflight, problems=()), preflight.problems
 
 
 def cluster_problems(reports: Sequence[NodeReport], master_addr: str | None = None) -> list[Problem]:

@@ -32,7 +32,7 @@ from orchestration.megatron_lm.program import BUILD_HELPERS, CHECK_ARGUMENTS, ch
 from orchestration.node.run_state import read_exit, wait_until_started, write_plan_file
 from orchestration.node.wire import NodeStarted, StopResult, start_call
 from orchestration.runner.control import RunEnd, stop_nodes, wait_until_ended
-from orchestration.runner.preflight import Preflight, run_preflight
+from orchestration.runner.preflight import Preflight, Problem, leave_out, run_preflight
 from orchestration.runner.start_plan import StartInputs, StartPlan, checkpoint_target, plan_start, read_start_inputs
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ class PlannedStart:
     inputs: StartInputs
     preflight: Preflight
     plan: StartPlan
+    left_out: tuple[Problem, ...] = ()
+    """NNODES=MIN:MAX: the problems of the nodes the start leaves out (the run goes on without them)."""
 
     @property
     def refused(self) -> bool:
@@ -55,12 +57,18 @@ class PlannedStart:
 
 
 def plan_settled_start(launch: LaunchEnv, model: str, data: str, run: str, nodes: Sequence[tuple[int, str]]) -> PlannedStart:
-    """Read, ask every node, plan with their answers (unsettled when a node did not answer)."""
+    """Read, ask every node, plan with their answers (unsettled when a node did not answer); with
+    NNODES=MIN:MAX (not inside Slurm, whose step runs on every node) the nodes the preflight refused
+    are left out while enough are left (runner/preflight.py :func:`leave_out`)."""
     inputs = read_start_inputs(launch, model, data, run, nodes)
     t0 = time.monotonic()
     preflight = run_preflight(launch, inputs)
     log.debug("preflight of %d node(s): %.2f s, %d problem(s)", len(nodes), time.monotonic() - t0, len(preflight.problems))
-    return PlannedStart(inputs, preflight, plan_start(launch, inputs, preflight.answers))
+    left_out: tuple[Problem, ...] = ()
+    if not launch.use_srun:
+        preflight, left_out = leave_out(preflight, launch.min_nodes, launch.nnodes)
+    plan = plan_start(launch, inputs, preflight.answers, left_out=sorted({rank for rank, _, _ in left_out}))
+    return PlannedStart(inputs, preflight, plan, left_out)
 
 
 def run_checks(launch: LaunchEnv, planned: PlannedStart) -> tuple[str, ...]:
@@ -137,7 +145,7 @@ def start_run(launch: LaunchEnv, planned: PlannedStart) -> StartResult:
             if wandb_id and read_wandb_state(paths) is None:
                 write_wandb_state(paths, WandbState(wandb_id))
         elif step.name == "start-nodes":
-            results = start_srun_step(launch, plan, paths) if launch.use_srun else start_nodes(launch, plan)
+            results = start_srun_step(launch, plan, paths) if launch.use_srun else start_nodes(launch, plan, paths)
         log.debug("step %s: %.2f s", step.name, time.monotonic() - t0)
     rolled_back: list[NodeResult[StopResult]] = []
     if not all(r.ok for r in results):
@@ -147,10 +155,15 @@ def start_run(launch: LaunchEnv, planned: PlannedStart) -> StartResult:
     return StartResult(plan, planned.preflight, notes, tuple(results), tuple(rolled_back))
 
 
-def start_nodes(launch: LaunchEnv, plan: StartPlan) -> list[NodeResult[NodeStarted]]:
-    """``node-start`` with each node's plan, every node at once (this machine's in this process)."""
+def start_nodes(launch: LaunchEnv, plan: StartPlan, paths: RunPaths) -> list[NodeResult[NodeStarted]]:
+    """``node-start`` with each node's plan, every node of the first attempt at once (this
+    machine's in this process); a node left out gets only its plan file (what ``rejoin`` sends it)."""
     by_rank = {p.node_rank: p for p in plan.nodes}
-    return call_nodes(launch, [(p.node_rank, p.host) for p in plan.nodes],
+    first = set(plan.nodes[0].first_members) if plan.nodes and plan.nodes[0].first_members else set(by_rank)
+    for node_plan in plan.nodes:
+        if node_plan.node_rank not in first:
+            write_plan_file(paths, node_plan.node_rank, node_plan.to_json())
+    return call_nodes(launch, [(p.node_rank, p.host) for p in plan.nodes if p.node_rank in first],
                       lambda rank, host: start_call(by_rank[rank], launch.secrets), NodeStarted)
 
 

@@ -310,9 +310,11 @@ def plan_steps(inputs: StartInputs, program: ProgramPlan, nnodes: int) -> tuple[
     return tuple(steps)
 
 
-def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeReport] | None = None) -> StartPlan:
+def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeReport] | None = None,
+               left_out: Sequence[int] = ()) -> StartPlan:
     """The plan of every node in ``inputs.nodes``, settled by ``answers`` (every node's preflight
-    report) when given. Pure."""
+    report) when given; ``left_out``: nodes the first attempt runs without (NNODES=MIN:MAX). Pure."""
+    first_members = tuple(rank for rank, _ in inputs.nodes if rank not in left_out) if left_out else ()
     launch, interfaces, local_dirs, settled_notes = settle(launch, answers)
     params, paths = inputs.params, RunPaths(launch.artifact_root, inputs.run)
     program = plan_program(params, inputs.model, inputs.data, paths, launch, inputs.checkout, inputs.prepared, answers,
@@ -330,7 +332,7 @@ def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeRep
             first_attempt=inputs.first_attempt, save_signal=program.save_signal,
             secret_names=tuple(sorted(launch.secrets)), resets_run_state=rank == 0,
             per_attempt={**PER_ATTEMPT, **(PER_ATTEMPT_ELASTIC if params.training.resilience.min_nodes else {})},
-            resume_args=program.resume_args, hosts=tuple(launch.hosts),
+            resume_args=program.resume_args, hosts=tuple(launch.hosts), first_members=first_members,
         ))
     runtime = RunRuntime(
         run=inputs.run, run_id=inputs.run_id, engine=program.engine, nnodes=launch.nnodes,
