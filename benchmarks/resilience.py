@@ -270,8 +270,9 @@ def cluster_hang_seconds(work: Path) -> float:
 SLOW_KINDS = (("a CPU hog beside the run (nobody slow)", None, None),
               ("rank 1 uniformly ~1.5x (stopped 10 ms of every 30 ms)", 0.01, 0.02),
               ("rank 1 in bursts (stopped 0.4 s of every 0.8 s)", 0.4, 0.4))
-SLOW_PHASE_S = 25.0
-"""How long each kind lasts: past the default window (20 s), so a kind never named was judged."""
+SLOW_PHASE_S = 40.0
+"""How long each kind lasts: past the default window (20 s) and its quarter in a row, so a kind
+never named was judged."""
 
 
 def slow_rank_seconds(work: Path) -> list[tuple[str, float | None, float, str | None]]:

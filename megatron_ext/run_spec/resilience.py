@@ -84,10 +84,10 @@ class ResilienceParams:
     """A rank whose busy time (its training steps less its waits for the others in collectives:
     training/busy_clock.py) is at least this many times the median of the other ranks' ..."""
     slow_rank_window_s: float = 20.0
-    """... summed over the log intervals of the last this many seconds (at least one interval) is
-    named as slow: a warning in the log, in status and in the metrics (this project's program; the
-    run goes on: every rank waits for it). Summed, so a rank slow in bursts is named as surely as
-    a steadily slow one."""
+    """... summed over the log intervals of the last this many seconds (at least one interval), and
+    so for a quarter of it in a row, is named as slow: a warning in the log, in status and in the
+    metrics (this project's program; the run goes on: every rank waits for it). Summed, so a rank
+    slow in bursts is named as surely as a steadily slow one."""
 
     def describe(self) -> str:
         """The start line's words for it."""
@@ -284,6 +284,18 @@ def slow_ranks(intervals: list[BusyInterval], ratio: float, window_s: float) -> 
         if median > 0 and mine >= ratio * median:
             out.append(SlowRank(rank, mine / steps, median / steps, covered))
     return out
+
+
+PERSIST_SHARE = 0.25
+"""A rank is named once it has stayed slow (by :func:`slow_ranks`) through this share of the window
+of step time in a row: a machine that shares its CPU unfairly for a moment (one rank descheduled
+more than the other for a few seconds) names no one; a slow rank, steady or in bursts, stays."""
+
+
+def still_slow(slow: list[SlowRank], slow_for_s: dict[int, float], interval_s: float) -> dict[int, float]:
+    """Seconds of steps each rank of ``slow`` has stayed slow through, this interval's
+    ``interval_s`` added to the count ``slow_for_s`` kept so far (a rank not slow now starts again). Pure."""
+    return {s.rank: slow_for_s.get(s.rank, 0.0) + interval_s for s in slow}
 
 
 def describe_slow_ranks(slow: list[SlowRank], ranks_per_node: int, hosts: list[str], ratio: float) -> str:

@@ -38,7 +38,8 @@ from megatron_ext.run_spec.iteration_log import (
 from megatron_ext.run_spec.checkpoints import CheckpointMeta, check_resumable, latest_iteration, read_meta
 from megatron_ext.run_spec.hf_config import hf_model_type
 from megatron_ext.run_spec.params import COLLECTIVE_TIMEOUT_S, BatchGeometry, RunParams, TrainingParams
-from megatron_ext.run_spec.resilience import SLOW_RANK_CLEARED, BusyInterval, describe_slow_ranks, slow_ranks, window_of
+from megatron_ext.run_spec.resilience import (PERSIST_SHARE, SLOW_RANK_CLEARED, BusyInterval, describe_slow_ranks,
+                                             slow_ranks, still_slow, window_of)
 from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.run_spec.wandb_run import WandbSettings
 from megatron_ext.run_spec.zero import ZeroStage
@@ -152,6 +153,8 @@ class Pretrain:
         """Every rank's busy time, one entry per log interval after a start's first, the last
         training.resilience.slow_rank_window_s seconds of them."""
         self.slow: list[int] = []
+        self.slow_for_s: dict[int, float] = {}
+        """Seconds of steps each rank over the ratio has stayed so (named at PERSIST_SHARE of the window)."""
         self.rank_hosts: list[str] | None = None
         self.warm_up_note: str | None = None
         """The fused kernels compiled before the first step (CUDA): what and how long."""
@@ -382,13 +385,16 @@ class Pretrain:
 
     def note_slow_ranks(self, iteration: int, interval: BusyInterval) -> None:
         """Rank 0 names the ranks slower than the others (training.resilience.slow_rank_ratio and
-        _window_s; run_spec/resilience.py), once when they become slow and once when they catch up.
-        A start's first interval (allocation, first collectives) is not counted."""
+        _window_s; run_spec/resilience.py) once they have stayed so for PERSIST_SHARE of the window,
+        and says when they catch up. A start's first interval (allocation, first collectives) is not
+        counted."""
         if iteration == self.start_iteration + 1 or self.ranks.world_size < 2:
             return
         r = self.t.resilience
         self.busy_intervals = window_of(self.busy_intervals + [interval], r.slow_rank_window_s)
-        slow = slow_ranks(self.busy_intervals, r.slow_rank_ratio, r.slow_rank_window_s)
+        over = slow_ranks(self.busy_intervals, r.slow_rank_ratio, r.slow_rank_window_s)
+        self.slow_for_s = still_slow(over, self.slow_for_s, interval.seconds)
+        slow = [s for s in over if s.rank in self.slow or self.slow_for_s[s.rank] >= PERSIST_SHARE * r.slow_rank_window_s]
         named = [s.rank for s in slow]
         if named != self.slow and self.ranks.rank == 0:
             if slow:
