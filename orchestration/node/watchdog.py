@@ -249,28 +249,21 @@ def in_collective(stack: str) -> bool:
 
 def request_flight_recorders(progress_dir: Path, ranks: list[int], stopped: set[int]) -> dict[int, Path]:
     """Ask this node's ranks for their flight recorder; the files of those that answered within
-    FLIGHT_RECORDER_WAIT_S (a stopped rank cannot). An answer is a file that changed since the
-    request (another inode or modification time), never a time compared with this process's clock:
-    the file system's clock may not be this process's (a file server's, a faked one)."""
+    FLIGHT_RECORDER_WAIT_S (a stopped rank cannot). The progress directory is node-local and only
+    this node's ranks write there: an earlier answer is removed before asking, so an answer is a file
+    that exists, with no time or file identity compared (the file system's clock may not be this
+    process's: a faked one, a file server's)."""
     request = progress_dir / DUMP_REQUEST
     files = {rank: progress_dir / f"rank{rank}.fr.json" for rank in ranks if rank not in stopped}
-    before = {rank: _identity(f) for rank, f in files.items()}
+    for f in files.values():
+        f.unlink(missing_ok=True)
     asked = time.time()
     request.touch()
     os.utime(request, (asked, asked))
-    answered = lambda: {r: f for r, f in files.items() if _identity(f) not in (None, before[r])}  # noqa: E731
     deadline = time.monotonic() + FLIGHT_RECORDER_WAIT_S
-    while time.monotonic() < deadline and len(answered()) < len(files):
+    while time.monotonic() < deadline and not all(f.exists() for f in files.values()):
         time.sleep(0.1)
-    return answered()
-
-
-def _identity(path: Path) -> tuple[int, int] | None:
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return None
-    return st.st_ino, st.st_mtime_ns
+    return {rank: f for rank, f in files.items() if f.exists()}
 
 
 def last_collective(flight_recorder: dict) -> tuple[int | None, str | None, str]:
