@@ -25,10 +25,24 @@ def stores(request):
         store = MemoryStore()
         yield store, store
         return
-    master_port = free_port()  # the store listens one above
-    server = open_store("run-1", 2, True, "127.0.0.1", master_port, connect_s=5)
-    client = open_store("run-1", 2, False, "127.0.0.1", master_port, connect_s=5)
-    yield server, client
+    yield connected_stores()
+
+
+def connected_stores():
+    """Node 0's store on a port found free and node 1's connection to it, checked to be that
+    store: the other xdist worker's runs and connections share this machine's ports, and one may
+    take the port between the look and the listen (tried again on another)."""
+    for attempt in range(5):
+        master_port = free_port()  # the store listens one above
+        try:
+            server = open_store("run-1", 2, True, "127.0.0.1", master_port, connect_s=5)
+            client = open_store("run-1", 2, False, "127.0.0.1", master_port, connect_s=5)
+        except BoardUnreachable:
+            continue
+        server.set("probe", str(attempt))
+        if client.check(["probe"]) and client.get("probe").decode() == str(attempt):
+            return server, client
+    raise AssertionError("no store of this test's own on a free port in 5 tries")
 
 
 class Clock:

@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, clean_env, megatron_lm_env, run_torchrun, write_data_set
+from conftest import REPO, clean_env, free_port, megatron_lm_env, run_torchrun, write_data_set
 
 ITERS = 20
 LOSS_BOUND = 1e-5
@@ -65,7 +65,8 @@ def train(artifact_root: Path, data: str, run: str, stage: int = 0, checkout: Pa
     """``python -m orchestration train gpt_smoke DATA RUN`` on 2 processes: this program, or with
     ``checkout`` Megatron-LM's pretrain_gpt.py (ENGINE=megatron-lm, the CPU shim). Returns the process
     and this program's metrics records (Megatron-LM's losses are in its node log)."""
-    extra = dict(ARTIFACT_ROOT=str(artifact_root), NPROC_PER_NODE="2", ZERO_STAGE=str(stage))
+    extra = dict(ARTIFACT_ROOT=str(artifact_root), NPROC_PER_NODE="2", ZERO_STAGE=str(stage),
+                 MASTER_PORT=str(free_port()))  # its own: the other worker's runs share this machine
     env = megatron_lm_env(checkout, **extra) if checkout else clean_env(**extra)
     proc = subprocess.run([sys.executable, "-m", "orchestration", "train", "gpt_smoke", data, run], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
