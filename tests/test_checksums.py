@@ -15,6 +15,7 @@ from megatron_ext.run_spec.checkpoints import LATEST, latest_iteration
 from megatron_ext.run_spec.checksums import health, list_checkpoints, record_files, verify, writer_rank, written_by
 from megatron_ext.run_spec.errors import FINAL, UserError
 from orchestration.analysis.checkpoint_health import check_run_checkpoints, format_checkpoint_report
+from orchestration.node.resume_point import ResumePoint
 from megatron_ext.run_spec.run_paths import RunPaths
 
 
@@ -124,3 +125,84 @@ def test_no_checkpoint_that_verifies_is_one_error_that_ends_the_run(tmp_path, gr
     assert text.startswith(f"no checkpoint of this run verifies ({FINAL}): iteration 10: .metadata: missing; "
                            "iteration 5: __0_0.distcp: other bytes") and "check_checkpoints.sh" in text
     assert latest_iteration(tmp_path) == 10  # nothing moved when nothing can be loaded
+
+
+def _megatron_lm_checkpoint(save_dir, iteration: int, manifest: bool = True):
+    """A Megatron-LM torch_dist folder as its --verify-integrity save leaves it (integrity.json,
+    then the tracker), written by the Megatron-LM export's own writer of the manifest."""
+    from megatron_ext.run_spec.checkpoints import MEGATRON_LM_LATEST
+    from megatron_ext.run_spec.checksums import write_integrity_manifest
+
+    folder = save_dir / f"iter_{iteration:07d}"
+    folder.mkdir(parents=True)
+    (folder / "__0_0.distcp").write_bytes(bytes(range(256)) * 64)
+    (folder / ".metadata").write_bytes(b"m" * 100)
+    (folder / "common.pt").write_bytes(b"c" * 50)
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    if manifest:
+        write_integrity_manifest(folder)
+    (save_dir / MEGATRON_LM_LATEST).write_text(str(iteration))
+    return folder
+
+
+def test_megatron_lm_s_integrity_manifest_is_read_as_a_record(tmp_path):
+    """integrity.json as megatron-core 0.19's save_integrity_manifest writes it ({"algorithm":
+    "sha256", "files": {name: digest}}; tests/test_megatron_lm_loop.py reads one Megatron-LM wrote)."""
+    ckpt = _megatron_lm_checkpoint(tmp_path, 3)
+    manifest = json.loads((ckpt / "integrity.json").read_text())
+    assert manifest["algorithm"] == "sha256" and sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+    assert health(ckpt, 3).state == "verified"
+    _flip(ckpt / "__0_0.distcp")
+    [damage] = verify(ckpt)
+    assert damage.file == "__0_0.distcp" and damage.why.startswith("other bytes (SHA-256 ")
+    assert verify(ckpt, sizes_only=True) == []  # no sizes recorded: the quick look sees a missing file only
+    (ckpt / "common.pt").unlink()
+    assert "common.pt: missing" in [d.describe() for d in verify(ckpt, sizes_only=True)]
+    (ckpt / "integrity.json").write_text("{not json")
+    assert health(ckpt, 3).describe() == "iteration 3: damaged (integrity.json: its checksum record does not read)"
+    assert health(_megatron_lm_checkpoint(tmp_path, 6, manifest=False), 6).state == "unrecorded"
+
+
+def test_node_0_picks_megatron_lm_s_newest_checkpoint_that_verifies(tmp_path):
+    """orchestration/node/resume_point.py: the tracker's checkpoint damaged, the one before is
+    taken (the damaged one moved aside, the tracker pointed back); a folder newer than the tracker
+    (a save that did not finish) is not looked at; none that verifies refuses; no checkpoint of the
+    run's own verifies what the init checkpoint carries."""
+    from megatron_ext.run_spec.checkpoints import MEGATRON_LM_LATEST
+    from megatron_ext.run_spec.checksums import write_integrity_manifest
+    from orchestration.node.resume_point import choose, take
+
+    save = tmp_path / "checkpoints"
+    assert choose(save) == ((ResumePoint(None, True)), ())  # a fresh start: each save writes a manifest
+    init = tmp_path / "init"
+    _megatron_lm_checkpoint(init, 1, manifest=False)
+    assert choose(save, str(init))[0] == ResumePoint(None, False)  # Megatron-LM would refuse it with the flag
+    _megatron_lm_checkpoint(save, 3)
+    _megatron_lm_checkpoint(save, 6, manifest=False)  # a run begun on a release without the flag
+    _flip(_megatron_lm_checkpoint(save, 9) / "__0_0.distcp")
+    _megatron_lm_checkpoint(save, 12)
+    (save / MEGATRON_LM_LATEST).write_text("9")  # 12's save did not finish
+    point, damaged = choose(save)
+    assert (point.iteration, point.verify, [h.iteration for h in damaged]) == (6, False, [9])
+    assert point.describe().startswith("the checkpoint of iteration 9 is damaged (__0_0.distcp: other bytes (SHA-256 ")
+    assert point.describe().endswith("moved aside as iter_0000009.damaged; Megatron-LM loads the checkpoint of "
+                                     "iteration 6 (without --verify-integrity)")
+    take(point, damaged, save)
+    assert latest_iteration(save) == 6 and (save / "iter_0000009.damaged").is_dir() and not (save / "iter_0000009").exists()
+    write_integrity_manifest(save / "iter_0000006")  # (without, it is taken as it is: "unrecorded")
+    (save / "iter_0000006" / ".metadata").unlink()
+    (save / "iter_0000003" / "common.pt").write_bytes(b"x")
+    refused = choose(save)[0]
+    assert refused.refused.startswith("no checkpoint of this run verifies (iteration 6: damaged (.metadata: missing)")
+    assert "check_checkpoints.sh" in refused.refused and refused.iteration is None
+
+
+def test_an_attempt_names_node_0_s_choice():
+    from orchestration.node.wire import CheckpointChoice, NodePlan
+
+    plan = NodePlan("r", "r-1", 1, "n1", ("torchrun", "--nnodes", "2", "--node-rank", "1", "pretrain_gpt.py"), {}, (),
+                    ".", "log", "pid", resume_args=("--load", "/c"),
+                    checkpoint_choice=CheckpointChoice(integrity_args=("--verify-integrity",)))
+    assert plan.attempt_argv(True, None, ResumePoint(6, False))[-4:] == ("--load", "/c", "--ckpt-step", "6")
+    assert plan.attempt_argv(False, None, ResumePoint(None, True))[-2:] == ("pretrain_gpt.py", "--verify-integrity")
+    assert NodePlan.from_json(plan.to_json()) == plan

@@ -597,6 +597,19 @@ def test_the_flight_recorder_dumps_into_the_run_s_hangs_folder_where_the_release
 
 
 @pytest.mark.parametrize("flag_list", FLAG_LISTS, ids=lambda p: p.stem.removeprefix("flags_"))
+def test_checkpoint_integrity_where_the_release_has_it_and_the_stage_saves_torch_dist(flag_list):
+    """--verify-integrity (core_v0.17.1 and later; torch_dist only, so stages 0-1) is each attempt's
+    to add by node 0's choice (orchestration/node/resume_point.py); a real flag of the release."""
+    from orchestration.megatron_lm.render import integrity_flags
+
+    version, flags = reference_flags(flag_list)
+    for stage in range(4):
+        rendered = integrity_flags(stage, flags)
+        check_flags(rendered, flags, flag_list.stem)
+        assert rendered == (["--verify-integrity"] if version >= (0, 17) and stage < 2 else []), (version, stage)
+
+
+@pytest.mark.parametrize("flag_list", FLAG_LISTS, ids=lambda p: p.stem.removeprefix("flags_"))
 def test_wandb_settings_render_megatron_lm_s_wandb_flags(flag_list, tmp_path):
     """WANDB_PROJECT set: --wandb-project, --wandb-exp-name (the run name unless WANDB_NAME), --wandb-save-dir
     (the run directory: wandb writes runs/<run>/wandb/), --wandb-entity where the release defines it

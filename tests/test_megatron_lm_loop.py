@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -184,6 +185,12 @@ def release_env(request, artifact_root) -> tuple[str, dict[str, str]]:
                                           MASTER_PORT=str(free_port()), LAUNCHER_PYTHON=str(VENV_312_PYTHON))
 
 
+def _flip_byte(path: Path, at: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 def test_restart_hang_stop_save_and_resume(release_env, artifact_root, tmp_path, stop_after):
     """One run through everything a week meets: a SIGKILLed rank restarted from the latest checkpoint
     (--load added for the attempt: the first started without one), a SIGSTOPped rank found by the
@@ -208,8 +215,10 @@ def test_restart_hang_stop_save_and_resume(release_env, artifact_root, tmp_path,
              what="the restart")
     record = wait_for(lambda: (r := json.loads((artifact_root / "run_state" / f"{run}_node0.pid").read_text()))["argv"] != argv
                       and r, 60, what="attempt 2's torchrun")
-    assert record["argv"][-2:] == ["--load", str(checkpoints)]  # the attempt's resume flag, by the plan's rule
     resumed_at = latest_iteration(checkpoints)
+    integrity = ["--verify-integrity"] if release == "core_v0.19.0" else []  # torch_dist's file hashes, 0.17.1 and later
+    # the attempt's resume flag by the plan's rule, then node 0's choice of the checkpoint
+    assert record["argv"][-4 - len(integrity):] == ["--load", str(checkpoints), "--ckpt-step", str(resumed_at), *integrity]
     attempt_2 = "attempt 2 of 2: starting torchrun"
     saved_in_2 = lambda: "successfully saved" in log.read_text().rpartition(attempt_2)[2]  # noqa: E731
     wait_for(lambda: saved_in_2() and _last_iteration(log, attempt_2) >= resumed_at + 4, 300,
@@ -223,11 +232,21 @@ def test_restart_hang_stop_save_and_resume(release_env, artifact_root, tmp_path,
     assert failure.startswith("node 0 hung: rank 1 (node 0) stopped (process state T"), failure
     dump = next((artifact_root / "runs" / run / "hangs").glob("*/node0_rank1.txt")).read_text()
     assert f"pid {stopped}" in dump and "pretrain_gpt.py" in dump, dump[-2000:]  # the stopped rank's own stack
-    again = run_script("start_training.sh", "gpt_smoke", data, run, env={**env, **port(), "MAX_RESTARTS": "0"})
     saved = latest_iteration(checkpoints)
+    if integrity:  # a damaged latest checkpoint (its manifest says so) is passed over, as this program's ranks do
+        _flip_byte(next((checkpoints / f"iter_{saved:07d}").glob("__0_*.distcp")))
+        listed = run_script("check_checkpoints.sh", run, env=env).stdout
+        assert re.search(rf"^ +{saved - 3} +verified +-$", listed, re.M) and \
+            re.search(rf"^ +{saved} +damaged +__0_\d+\.distcp: other bytes \(SHA-256 ", listed, re.M), listed
+    again = run_script("start_training.sh", "gpt_smoke", data, run, env={**env, **port(), "MAX_RESTARTS": "0"})
     assert again.returncode == 0 and f"resuming from iteration {saved}" in again.stdout, again.stdout + again.stderr
+    if integrity:
+        wait_for(lambda: f"moved aside as iter_{saved:07d}.damaged; Megatron-LM loads the checkpoint of iteration "
+                         f"{saved - 3} (with --verify-integrity)" in log.read_text(), 120, what="node 0's choice")
+        saved -= 3
     wait_for(lambda: _last_iteration(log, "attempt 1 of 1: starting torchrun") >= saved + 1, 300,
              what="the resumed start's first iteration")
+    assert f"] at iteration {saved}" in log.read_text().rpartition("attempt 1 of 1")[2]
     stop = run_script("stop_training.sh", run, "--save", env=env, timeout=400)
     assert stop.returncode == 0 and "node0 preempted" in stop.stdout, stop.stdout + stop.stderr
     assert "exiting program after receiving" in log.read_text() and tagged_pids(run) == []

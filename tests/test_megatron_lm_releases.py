@@ -189,6 +189,19 @@ def test_the_start_says_once_that_0_19_deprecates_gpt_model(read, tmp_path):
     assert not any("deprecates GPTModel" in n for n in old), old
 
 
+def test_the_hybrid_program_needs_transformer_engine_layers_in_0_19(checkouts):
+    """Why pretrain_hybrid.py is not offered (docs/megatron-lm.md, "GPTModel, deprecated in 0.19"):
+    its builder takes layers only from --spec, and every spec core_v0.19.0 ships for it is built of
+    transformer-engine layers, which nodes without transformer-engine (and the CPU) cannot run."""
+    root = checkouts["core_v0.19.0"]
+    assert "You must provide a valid hybrid layer spec via --spec" in (root / "hybrid_builders.py").read_text()
+    for spec in ("megatron/core/models/hybrid/hybrid_layer_specs.py", "megatron/core/post_training/modelopt/hybrid/model_specs.py"):
+        imports = re.search(r"from megatron\.core\.extensions\.transformer_engine import \(?([^)]*?)\)?\n(?!\s)",
+                            (root / spec).read_text(), re.S)
+        assert imports and "TENorm" in imports.group(1), spec
+    assert sorted(p.name for p in (root / "megatron/core/models/hybrid").glob("*spec*.py")) == ["hybrid_layer_specs.py"]
+
+
 def test_an_argument_file_for_0_16_imports_against_a_0_19_checkout(read, tmp_path):
     """import-megatron-args with the core_v0.19.0 checkout: the old flags are translated or dropped,
     each a note naming file and line; a refused one is one error naming file and line."""

@@ -8,13 +8,18 @@ that wrote them, while the bytes are still in its page cache: :func:`writer_rank
 ``latest`` marker is written after every rank did (torch.distributed.checkpoint carries no
 checksum of its own). A checkpoint verifies when every recorded file is there with its size and
 CRC-32; a missing file, another size (a truncated copy, a quota hit) or other bytes make it
-damaged, naming the file. A checkpoint without records (written before this existed, or by
-Megatron-LM before the supervisor recorded it) is "unrecorded": loaded as before, never called
-verified. Reads and writes the checkpoint's files only.
+damaged, naming the file. A checkpoint without records (written before this existed, or by a
+Megatron-LM release without ``--verify-integrity``) is "unrecorded": loaded as before, never
+called verified. Megatron-LM's own record counts too: a checkpoint saved with ``--verify-integrity``
+(core_v0.17.1 and later, torch_dist) holds ``integrity.json``, the SHA-256 of each file
+(megatron-core's dist_checkpointing/validation.py ``save_integrity_manifest``, read at
+core_v0.19.0), checked here the same way (no sizes recorded: a size check sees only a missing
+file). Reads and writes the checkpoint's files only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -27,6 +32,8 @@ CHECKSUMS_DIR = "checksums"
 DAMAGED_SUFFIX = ".damaged"
 """A checkpoint a resume found damaged is kept beside the others as ``iter_N`` + this."""
 CHUNK_BYTES = 8 * 2**20
+INTEGRITY_FILE = "integrity.json"
+"""Megatron-core's manifest in a torch_dist folder: ``{"algorithm": "sha256", "files": {name: hex digest}}``."""
 
 
 def crc32_of(path: Path) -> tuple[int, str]:
@@ -37,6 +44,14 @@ def crc32_of(path: Path) -> tuple[int, str]:
             crc = zlib.crc32(chunk, crc)
             size += len(chunk)
     return size, f"{crc:08x}"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 _WRITTEN_BY = re.compile(r"__(\d+)_\d+\.distcp|rank(\d+)\.pt")
@@ -72,9 +87,36 @@ def record_files(checkpoint: Path, files: Iterable[Path], writer: str) -> Path:
     return out
 
 
+def write_integrity_manifest(checkpoint: Path) -> Path:
+    """Megatron-core's ``integrity.json`` for the files at the top of ``checkpoint`` (as its
+    ``save_integrity_manifest`` writes it), so that Megatron-LM's ``--verify-integrity`` loads a
+    checkpoint this project wrote (the Megatron-LM export)."""
+    files = {p.name: sha256_of(p) for p in sorted(checkpoint.iterdir()) if p.is_file() and p.name != INTEGRITY_FILE}
+    out = checkpoint / INTEGRITY_FILE
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps({"algorithm": "sha256", "files": files}, indent=2))
+    os.replace(tmp, out)
+    return out
+
+
+def manifest_files(checkpoint: Path) -> dict[str, dict]:
+    """The files Megatron-LM's ``integrity.json`` lists: name -> {sha256} (empty without one)."""
+    path = checkpoint / INTEGRITY_FILE
+    if not path.is_file():
+        return {}
+    try:
+        manifest = json.loads(path.read_text())
+        if manifest.get("algorithm", "sha256") != "sha256":
+            raise ValueError(manifest["algorithm"])
+        return {name: {"sha256": digest} for name, digest in manifest["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {INTEGRITY_FILE: {"crc32": "unreadable record"}}
+
+
 def recorded_files(checkpoint: Path) -> dict[str, dict]:
-    """Every file the checkpoint's writers recorded: relative path -> {bytes, crc32}."""
-    entries: dict[str, dict] = {}
+    """Every file the checkpoint's writers recorded: relative path -> {bytes, crc32}, or {sha256}
+    from Megatron-LM's manifest."""
+    entries: dict[str, dict] = manifest_files(checkpoint)
     for record in sorted((checkpoint / CHECKSUMS_DIR).glob("*.json")):
         try:
             entries.update(json.loads(record.read_text())["files"])
@@ -102,11 +144,15 @@ def check_file(checkpoint: Path, name: str, entry: dict, sizes_only: bool = Fals
     if not path.is_file():
         return Damage(name, "missing")
     size = path.stat().st_size
-    if size != entry["bytes"]:
+    if "bytes" in entry and size != entry["bytes"]:
         return Damage(name, f"{size:,} bytes where {entry['bytes']:,} were written"
                             + (" (truncated)" if size < entry["bytes"] else ""))
     if sizes_only:
         return None
+    if "sha256" in entry:
+        digest = sha256_of(path)
+        return None if digest == entry["sha256"] else \
+            Damage(name, f"other bytes (SHA-256 {digest[:16]}..., written {entry['sha256'][:16]}...)")
     crc = crc32_of(path)[1]
     return None if crc == entry["crc32"] else Damage(name, f"other bytes (CRC-32 {crc}, written {entry['crc32']})")
 

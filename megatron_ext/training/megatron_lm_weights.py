@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_ext.run_spec.checksums import write_integrity_manifest
 from megatron_ext.run_spec.checkpoints import MEGATRON_LM_LATEST, iteration_dir_name
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.megatron_lm_checkpoints import LEGACY_FILE, MegatronLMCheckpoint
@@ -241,7 +242,8 @@ def write_megatron_lm_checkpoint(module: torch.nn.Module, save_dir: Path, iterat
         warnings.simplefilter("ignore")
         dist_checkpointing.save(state, str(target), _torch_dist_writer(),
                                 **serializable_content_metadata(dist_checkpointing.save, metadata))
-    if first:  # the tracker last (Megatron-LM writes it after the save, checkpointing.py L703-723)
+    if first:  # Megatron-LM's --verify-integrity manifest (0.17.1+ loads check it), then the tracker last
+        write_integrity_manifest(target)  # (Megatron-LM writes the tracker after the save, checkpointing.py L703-723)
         tmp = save_dir / f".{MEGATRON_LM_LATEST}.tmp"
         tmp.write_text(str(iteration))
         os.replace(tmp, save_dir / MEGATRON_LM_LATEST)

@@ -30,10 +30,10 @@ from megatron_ext.run_spec.wandb_run import wandb_resume_env
 from megatron_ext.run_spec.zero import stage_environment
 from orchestration.launch_env import LaunchEnv
 from orchestration.megatron_lm.checkout import Checkout
-from orchestration.megatron_lm.render import NodeKernels, check_flags, load_flags, render_pretrain_gpt
+from orchestration.megatron_lm.render import NodeKernels, check_flags, integrity_flags, load_flags, render_pretrain_gpt
 from orchestration.megatron_lm.retired_flags import retire_flags
 from orchestration.megatron_lm.validate import DEFAULT_DEVICE_ARCH, validate_with_megatron
-from orchestration.node.wire import NodeReport
+from orchestration.node.wire import CheckpointChoice, NodeReport
 
 if TYPE_CHECKING:
     from megatron_ext.data.prepare import PreparedData
@@ -63,6 +63,8 @@ class ProgramPlan:
     resume_args: tuple[str, ...] = ()
     """Megatron-LM: appended for an attempt that starts with a checkpoint the plan's argv does not load
     (a run that started afresh and restarts: ``--load``)."""
+    checkpoint_choice: CheckpointChoice | None = None
+    """Megatron-LM: node 0 picks each attempt's checkpoint (``--ckpt-step``, ``--verify-integrity``)."""
 
 
 def device_arch(launch: LaunchEnv) -> int:
@@ -186,7 +188,9 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
     return ProgramPlan("megatron-lm", (str(checkout.root / "pretrain_gpt.py"), *render.args), {**render.env, **wandb_env},
                        (kernel_note, signal_note, *retired, *limits), save_signal=render.save_signal, checks=(check,),
                        prepare=(helpers,),
-                       program_args=tuple(render.args), resume_args=tuple(load_flags(paths)) if not has_checkpoint else ())
+                       program_args=tuple(render.args), resume_args=tuple(load_flags(paths)) if not has_checkpoint else (),
+                       checkpoint_choice=CheckpointChoice(integrity_args=tuple(integrity_flags(t.zero_stage, checkout.flags)),
+                                                          init_checkpoint=t.init_checkpoint or ""))
 
 
 def check_arguments(program: ProgramPlan | None, launch: LaunchEnv, checkout: Checkout | None, tokenizer_path: str | None,

@@ -231,6 +231,14 @@ def flight_recorder_flags(paths: RunPaths, known: Collection[str] = ()) -> list[
     return ["--flight-recorder-dump-path", str(paths.run_dir / "hangs" / FLIGHT_RECORDER_PREFIX)]
 
 
+def integrity_flags(stage: int, known: Collection[str] = ()) -> list[str]:
+    """``--verify-integrity`` where the checkout has it (core_v0.17.1 and later) and the stage saves
+    torch_dist (stages 0-1: Megatron-LM refuses it with fsdp_dtensor, training_config.py L645 at
+    core_v0.19.0): each save writes ``integrity.json``, the SHA-256 of every file, and each load
+    checks it. Node 0 adds it to an attempt whose checkpoint has one (orchestration/node/resume_point.py)."""
+    return ["--verify-integrity"] if "--verify-integrity" in known and stage < 2 else []
+
+
 def init_flags(p: RunParams) -> list[str]:
     """``training.init_checkpoint`` as Megatron-LM's own start from a checkpoint's weights: its
     load_checkpoint reads ``--pretrained-checkpoint`` while ``--load`` holds no checkpoint (iteration 0,

@@ -37,6 +37,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 
 from megatron_ext.run_spec.convert import structure, unstructure
 from orchestration.node.attempts import AttemptEnd, Decision, HangClaim
+from orchestration.node.resume_point import ResumePoint
 from orchestration.node.watchdog import Hang
 from orchestration.node.wire import coordination_port
 
@@ -185,6 +186,13 @@ class Board:
     def read_decision(self, attempt: int) -> Decision | None:
         raw = self._get(f"a{attempt}/decision")
         return structure(Decision, json.loads(raw)) if raw else None
+
+    def write_resume_point(self, attempt: int, point: ResumePoint) -> None:
+        self._call("set", f"a{attempt}/resume", json.dumps(unstructure(point)))
+
+    def read_resume_point(self, attempt: int) -> ResumePoint | None:
+        raw = self._get(f"a{attempt}/resume")
+        return structure(ResumePoint, json.loads(raw)) if raw else None
 
     def mark_ready(self, attempt: int) -> None:
         self._call("set", f"a{attempt}/ready/{self.rank}", "1")

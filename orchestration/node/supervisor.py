@@ -23,7 +23,9 @@ plan's per-attempt rule), writes the pid file, and then every :data:`POLL_S` sec
   (not through torchrun, whose handler would tear them down);
 - SIGTERM (``stop``): it lets torchrun stop and records ``stopped``.
 
-After an attempt that failed or hung every node writes how it ended; node 0 decides (restart after
+Before each attempt of a Megatron-LM run node 0 picks the checkpoint it loads, passing over and
+moving aside a damaged one, and every node names it (orchestration/node/resume_point.py; this
+program's ranks pick their own). After an attempt that failed or hung every node writes how it ended; node 0 decides (restart after
 a backoff from the latest complete checkpoint, or end: failed, hung, gave up), every node follows
 (orchestration/node/attempts.py). The node's final state goes to ``<run>_node<N>.exit.json``.
 Side effects: processes, the run_state files, the node log, the node-local progress directory.
@@ -41,13 +43,15 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from megatron_ext.run_spec.checkpoints import latest_iteration
+from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED, parse_log
 from megatron_ext.run_spec.resilience import PROGRESS_DIR_ENV, ResilienceParams, read_progress
 from megatron_ext.run_spec.run_paths import RunPaths
-from orchestration.node import attempts, processes
+from orchestration.node import attempts, processes, resume_point
 from orchestration.node.attempts import AttemptEnd, Decision
 from orchestration.node.board import Board, BoardUnreachable, open_store
 from orchestration.node.failure import describe_returncode, failure_summary
+from orchestration.node.resume_point import ResumePoint
 from orchestration.node.run_state import (HEARTBEAT_S, NodeExit, RunState, clear_failure, read_save_request, tail,
                                           write_exit, write_failure, write_heartbeat)
 from orchestration.node.run_state import begin_attempt, end_attempt, read_ledger, write_pid_file
@@ -183,13 +187,13 @@ class Supervisor:
 
     # -- one attempt --------------------------------------------------------------------------
 
-    def _start_torchrun(self, checkpoint: int | None) -> subprocess.Popen:
+    def _start_torchrun(self, checkpoint: int | None, point: ResumePoint | None) -> subprocess.Popen:
         shutil.rmtree(self.progress_dir, ignore_errors=True)
         self.progress_dir.mkdir(parents=True)
         (self.paths.run_dir / "hangs").mkdir(parents=True, exist_ok=True)  # Megatron-LM's flight recorder writes there
         # exactly the plan's, by its per-attempt rules (the attempt, its nodes, the resume flag)
         env = self.plan.process_environment(self.node_env, self.attempt, self.members)
-        argv = self.plan.attempt_argv(checkpoint is not None, self.members)
+        argv = self.plan.attempt_argv(checkpoint is not None, self.members, point)
         with open(self.plan.log_path, "ab", buffering=0) as out:
             proc = subprocess.Popen(list(argv), cwd=self.plan.cwd, env=env, stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT)
@@ -288,14 +292,34 @@ class Supervisor:
                 self._claim_failure(hang_summary(self.paths, self.attempt, claim, reports, self.plan))
         return reported
 
-    def run_attempt(self) -> AttemptEnd:
-        checkpoint = latest_iteration(self.paths.checkpoints_dir)
+    def resume_point(self) -> ResumePoint | None:
+        """Megatron-LM's attempts: node 0 picks the checkpoint (resume_point.py) and puts it on the
+        board; the others wait for it. None where the ranks pick their own (this program)."""
+        choice = self.plan.checkpoint_choice
+        if choice is None:
+            return None
+        if not self.leader:
+            point = self._wait(self.policy.join_s, lambda: self.board.read_resume_point(self.attempt), RunState.RESTARTING)
+            return point or ResumePoint(None, False, refused=f"node 0 named no checkpoint for attempt {self.attempt} "
+                                                             f"within {self.policy.join_s:.0f} s")
+        try:
+            point, damaged = resume_point.choose(self.paths.checkpoints_dir, choice.init_checkpoint)
+            resume_point.take(point, damaged, self.paths.checkpoints_dir)
+        except (OSError, UserError) as exc:
+            point = ResumePoint(None, False, refused=f"could not choose the checkpoint to resume from: {exc}")
+        self.board.write_resume_point(self.attempt, point)
+        return point
+
+    def run_attempt(self, point: ResumePoint | None = None) -> AttemptEnd:
+        checkpoint = latest_iteration(self.paths.checkpoints_dir) if point is None else point.iteration
         if self.leader:
             begin_attempt(self.paths, self.attempt, self.plan.run_id, checkpoint, self.members, self.joined)
         total = self.plan.first_attempt + self.policy.max_restarts + self.rejoins
         self.say(f"attempt {self.attempt} of {total}: {ATTEMPT_STARTED}"
                  + (f" (the ranks resume from the checkpoint at iteration {checkpoint})" if checkpoint is not None else ""))
-        proc = self._start_torchrun(checkpoint)
+        if point is not None and self.leader:
+            self.say(point.describe())
+        proc = self._start_torchrun(checkpoint, point)
         watchdog = Watchdog(self.policy, self.rank, len(self.members), self.nproc, self.progress_dir, self.plan.engine,
                             Path(self.plan.log_path), time.time(), place=self.members.index(self.rank))
         saving, signalled, reported, last_beat = None, set(), False, 0.0
@@ -483,7 +507,11 @@ class Supervisor:
             if self.attempt > self.plan.first_attempt and not self.join(self.decided):
                 return self.finish(RunState.STOPPED if self.stopping else RunState.FAILED,
                                    "stopped on request" if self.stopping else self._failure() or "a node did not join")
-            end = self.run_attempt()
+            point = self.resume_point()
+            if point is not None and point.refused:
+                return self.finish(RunState.STOPPED, "stopped on request") if self.stopping else \
+                    self.finish(RunState.FAILED, point.refused)
+            end = self.run_attempt(point)
             # the ranks saved and ended for nodes brought back, not for a save request: the run goes on
             rejoining = (end.state in (RunState.PREEMPTED, RunState.FINISHED) and self.board.rejoin(self.attempt)
                          and not self.board.save_request())

@@ -30,6 +30,7 @@ from typing import Any, Literal, Mapping, Sequence, TypeVar
 from megatron_ext.run_spec.convert import structure, unstructure
 from megatron_ext.run_spec.python_version import PythonRequirement
 from megatron_ext.run_spec.resilience import ATTEMPT_ENV
+from orchestration.node.resume_point import ResumePoint
 from orchestration.node.run_state import RunState
 
 MEMBERSHIP_RULE = ("the nodes of the attempt: every node, or, after a node is lost, the nodes left (at least "
@@ -52,6 +53,18 @@ def node_label(node_rank: int, host: str) -> str:
 def stop_command(run: str, multinode: bool) -> str:
     """The stop script that fits a run started on one node (``--this-node``) or on every node."""
     return f"{'stop_multinode_training.sh' if multinode else 'stop_training.sh'} {run}"
+
+
+@dataclass(frozen=True)
+class CheckpointChoice:
+    """Megatron-LM's: node 0 picks each attempt's checkpoint and every node names it
+    (orchestration/node/resume_point.py)."""
+
+    step_flag: str = "--ckpt-step"
+    integrity_args: tuple[str, ...] = ()
+    """``--verify-integrity`` where the checkout has it and the stage saves torch_dist."""
+    init_checkpoint: str = ""
+    """training.init_checkpoint: what an attempt without a checkpoint of the run's own loads."""
 
 
 @dataclass(frozen=True)
@@ -100,20 +113,29 @@ class NodePlan:
     first_members: tuple[int, ...] = ()
     """The nodes of the first attempt (empty: every node): a start with NNODES=MIN:MAX leaves out
     the nodes its preflight refused, while enough are left (``rejoin`` brings one back)."""
+    checkpoint_choice: CheckpointChoice | None = None
+    """Megatron-LM: node 0 picks each attempt's checkpoint (None: the ranks do, this program's)."""
     rejoin: bool = False
     """This node comes back to the run going on without it (NNODES=MIN:MAX; ``rejoin``): its
     supervisor asks node 0 for a place and waits, ``joining``, for the next restart, instead of
     starting an attempt of its own."""
 
-    def attempt_argv(self, has_checkpoint: bool, members: Sequence[int] | None = None) -> tuple[str, ...]:
+    def attempt_argv(self, has_checkpoint: bool, members: Sequence[int] | None = None,
+                     point: ResumePoint | None = None) -> tuple[str, ...]:
         """The torchrun command of an attempt: :attr:`argv` on the nodes ``members`` (default all:
         torchrun's --nnodes and this node's --node-rank among them), plus :attr:`resume_args` once
-        there is a checkpoint."""
+        there is a checkpoint, plus what :attr:`checkpoint_choice` makes of node 0's ``point``."""
         argv = list(self.argv)
         if members is not None:
             argv[argv.index("--nnodes") + 1] = str(len(members))
             argv[argv.index("--node-rank") + 1] = str(list(members).index(self.node_rank))
-        return (*argv, *self.resume_args) if has_checkpoint else tuple(argv)
+        if has_checkpoint:
+            argv += self.resume_args
+        choice = self.checkpoint_choice
+        if choice is not None and point is not None:
+            argv += [choice.step_flag, str(point.iteration)] if point.iteration is not None else []
+            argv += choice.integrity_args if point.verify else ()
+        return tuple(argv)
 
     def to_json(self) -> str:
         return json.dumps(unstructure(self))

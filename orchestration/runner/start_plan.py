@@ -332,7 +332,8 @@ def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeRep
             first_attempt=inputs.first_attempt, save_signal=program.save_signal,
             secret_names=tuple(sorted(launch.secrets)), resets_run_state=rank == 0,
             per_attempt={**PER_ATTEMPT, **(PER_ATTEMPT_ELASTIC if params.training.resilience.min_nodes else {})},
-            resume_args=program.resume_args, hosts=tuple(launch.hosts), first_members=first_members,
+            resume_args=program.resume_args, checkpoint_choice=program.checkpoint_choice, hosts=tuple(launch.hosts),
+            first_members=first_members,
         ))
     runtime = RunRuntime(
         run=inputs.run, run_id=inputs.run_id, engine=program.engine, nnodes=launch.nnodes,
