@@ -1,6 +1,8 @@
 """Tokens/s of this program against Megatron-LM's own pretrain_gpt.py: same model, data, ranks, stage.
 
     python benchmarks/engines.py --megatron-lm-dir /opt/Megatron-LM --repeats 3 --iters 20 [--model qwen3_smoke --stage 1]
+    python benchmarks/engines.py --megatron-lm-dir core_v0.16.1/ --megatron-lm-dir core_v0.19.0/ \
+        --python python3 --python .venv-py312/bin/python          # both releases, each on its own Python
 
 Both engines start through the launcher (``python -m orchestration train``: ENGINE=megatron-core, then
 ENGINE=megatron-lm), alternating, on the same prepared data set (the smoke corpus), the same number
@@ -8,7 +10,9 @@ of processes and the same ZeRO stage. Per run, the median of the iterations' tok
 first two (warm-up: the first holds the lazy initialisations, the second the optimizer state's);
 per engine, the median over runs. Megatron-LM's iterations come from its node log through the
 project's reader (its line of iteration 2 averages iterations 1 and 2; the reader takes that apart). Prints one table with the ratio this program / Megatron-LM,
-measured side by side in this one invocation.
+measured side by side in this one invocation. Several checkouts (``--megatron-lm-dir`` again, each
+with its ``--python``: the launcher's and the ranks' Python, for both engines, so that this program
+runs on the megatron-core of that Python) give a pair of rows and a ratio per release.
 
 On a machine without a GPU, Megatron-LM's ranks run through the CUDA-on-CPU shim of the tests
 (tests/megatron_lm_shim: every torch call passes its TorchFunctionMode), with megatron-core's
@@ -40,15 +44,15 @@ SKIPPED_ITERATIONS = 2
 DROP = ("ZERO_STAGE", "ENGINE", "CONTAINER_NAME", "DRY_RUN", "MEGATRON_LM_DIR", "HOSTS", "HOSTFILE", "NNODES", "MASTER_PORT")
 
 
-def run_engine(engine: str, model: str, data: str, run: str, args, root: Path) -> list[float]:
+def run_engine(engine: str, model: str, data: str, run: str, args, root: Path, checkout: str, python: str) -> list[float]:
     """One run through the launcher; the tokens/s of its iterations after the first two."""
     env = {k: v for k, v in os.environ.items() if k not in DROP}
     env.update(ARTIFACT_ROOT=str(root), NPROC_PER_NODE=str(args.nproc), ZERO_STAGE=str(args.stage), ENGINE=engine)
     if engine == "megatron-lm":
-        env.update(MEGATRON_LM_DIR=str(args.megatron_lm_dir))
+        env.update(MEGATRON_LM_DIR=checkout)
         if not _has_gpu():
             env.update(MEGATRON_LM_CPU_SHIM="1", PYTHONPATH=os.pathsep.join(filter(None, [str(SHIM), env.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-m", "orchestration", "train", model, data, run], cwd=REPO, env=env,
+    proc = subprocess.run([python, "-m", "orchestration", "train", model, data, run], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=1800)
     log = root / "logs" / f"{run}_node0.log"
     if proc.returncode != 0:
@@ -69,32 +73,49 @@ def _has_gpu() -> bool:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--megatron-lm-dir", default=os.environ.get("MEGATRON_LM_DIR"),
-                   help="the Megatron-LM checkout (default $MEGATRON_LM_DIR)")
+    p.add_argument("--megatron-lm-dir", action="append", default=[],
+                   help="a Megatron-LM checkout (default $MEGATRON_LM_DIR); again for another release")
+    p.add_argument("--python", action="append", default=[],
+                   help="the ranks' Python for each checkout, in order (default this one)")
     p.add_argument("--model", default="gpt_smoke")
     p.add_argument("--stage", type=int, default=0, choices=(0, 1), help="ZeRO stage (Megatron-LM's 2-3 hang at the save)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3, help="runs per engine, alternating (medians)")
     args = p.parse_args()
-    if not args.megatron_lm_dir:
+    checkouts = args.megatron_lm_dir or [c for c in [os.environ.get("MEGATRON_LM_DIR")] if c]
+    if not checkouts:
         raise SystemExit("give --megatron-lm-dir (or MEGATRON_LM_DIR): a Megatron-LM checkout with pretrain_gpt.py")
+    if len(args.python) > len(checkouts):
+        raise SystemExit(f"{len(args.python)} --python for {len(checkouts)} --megatron-lm-dir: give one per checkout, in order")
+    pythons = args.python + [sys.executable] * (len(checkouts) - len(args.python))
     root = Path(os.environ.get("ARTIFACT_ROOT") or tempfile.mkdtemp(prefix="bench_engines_"))
     data = write_data_set(root / "engines.yaml", args.iters)  # the smoke corpus and schedule, a global batch of 16
-    per_run: dict[str, list[float]] = {"megatron-core": [], "megatron-lm": []}
-    for attempt in range(args.repeats):  # alternating, so drift on a shared machine hits both alike
-        for engine in per_run:
-            speeds = run_engine(engine, args.model, data, f"bench_{engine}_{attempt}_{os.getpid()}", args, root)
-            per_run[engine].append(statistics.median(speeds))
-    median = {engine: statistics.median(runs) for engine, runs in per_run.items()}
+    rows = []
+    for checkout, python in zip(checkouts, pythons):
+        per_run: dict[str, list[float]] = {"megatron-core": [], "megatron-lm": []}
+        for attempt in range(args.repeats):  # alternating, so drift on a shared machine hits both alike
+            for engine in per_run:
+                run = f"bench_{engine}_{len(rows)}_{attempt}_{os.getpid()}"
+                per_run[engine].append(statistics.median(run_engine(engine, args.model, data, run, args, root, checkout, python)))
+        rows.append((release_of(checkout), per_run))
     print(f"{args.model} on the embedded corpus, {args.nproc} processes, ZeRO stage {args.stage}, {args.iters} iterations "
           f"(the first {SKIPPED_ITERATIONS} left out), {args.repeats} runs per engine alternating, medians; "
           f"{'GPUs' if _has_gpu() else 'CPU (Megatron-LM through the CUDA-on-CPU shim)'}")
-    print(f"{'engine':<28} {'tokens/s':>10} {'per run':<30}")
+    print(f"{'release':<14} {'engine':<28} {'tokens/s':>10} {'per run':<30}")
     names = {"megatron-core": "this program (megatron-core)", "megatron-lm": "Megatron-LM pretrain_gpt.py"}
-    for engine, runs in per_run.items():
-        print(f"{names[engine]:<28} {median[engine]:>10,.0f} {', '.join(f'{r:,.0f}' for r in runs):<30}")
-    print(f"{'ratio this program / Megatron-LM':<28} {median['megatron-core'] / median['megatron-lm']:>10.2f}")
+    for release, per_run in rows:
+        median = {engine: statistics.median(runs) for engine, runs in per_run.items()}
+        for engine, runs in per_run.items():
+            print(f"{release:<14} {names[engine]:<28} {median[engine]:>10,.0f} {', '.join(f'{r:,.0f}' for r in runs):<30}")
+        print(f"{release:<14} {'ratio this program / Megatron-LM':<28} {median['megatron-core'] / median['megatron-lm']:>10.2f}")
+
+
+def release_of(checkout: str) -> str:
+    """The checkout's megatron-core version, as the launcher reads it."""
+    from orchestration.megatron_lm.checkout import read_checkout
+
+    return read_checkout(Path(checkout)).version_text
 
 
 if __name__ == "__main__":

@@ -287,6 +287,15 @@ VENV_312_PYTHON = REPO / ".venv-py312" / "bin" / "python"
 """Python 3.12 with megatron-core 0.19.2 (.ci/py312_env.sh): what Megatron-LM core_v0.19.0 needs."""
 
 
+def newest_megatron_lm(request) -> tuple[str, Path, dict[str, str]]:
+    """(tag, checkout, the launcher variables its ranks need): core_v0.19.0 on Python 3.12 where it
+    can run here, else core_v0.16.1 on this Python (a test of the launcher's paths, not of a release)."""
+    try:
+        return "core_v0.19.0", request.getfixturevalue("megatron_lm_019_checkout"), {"LAUNCHER_PYTHON": str(VENV_312_PYTHON)}
+    except pytest.skip.Exception:
+        return "core_v0.16.1", request.getfixturevalue("megatron_lm_checkout"), {}
+
+
 @pytest.fixture(scope="session")
 def megatron_lm_019_checkout(tmp_path_factory) -> Path:
     """Megatron-LM core_v0.19.0 (its tarball beside core_v0.16.1's) extracted once per session, for

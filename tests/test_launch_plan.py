@@ -14,7 +14,6 @@ import pytest
 
 from megatron_ext.run_spec.run_paths import check_run_name
 from megatron_ext.run_spec.errors import UserError
-from megatron_ext.run_spec.params import load_run_params, with_batch_geometry
 from orchestration.cluster.transports import DockerExec, Srun, Ssh, ThisMachine, transport_for
 from orchestration.launch_env import read_launch_env, visible_gpu_count
 from orchestration.node.wire import NodePlan, NodeReport

@@ -22,8 +22,8 @@ from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.run_spec.procfs import process_environ
 
 from netns_cluster import NamespaceCluster, missing_prerequisites
-from conftest import (REPO, TEST_DATA, clean_env, last_iteration, slowed, megatron_lm_env, plan_header, planned_nodes, require, run_script,
-                      run_torchrun, tagged_pids, wait_for, write_data_set)
+from conftest import (REPO, TEST_DATA, clean_env, last_iteration, slowed, megatron_lm_env, newest_megatron_lm, plan_header,
+                      planned_nodes, require, run_script, run_torchrun, tagged_pids, wait_for, write_data_set)
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
@@ -618,15 +618,18 @@ def test_a_node_the_preflight_refuses_is_left_out_with_nnodes_min_max_and_brough
     assert tagged_pids(run) == []
 
 
-def test_megatron_lm_trains_across_two_nodes_over_ssh(cluster_env, artifact_root, tmp_path, megatron_lm_checkout):
-    """ENGINE=megatron-lm on the namespace cluster: Megatron-LM core_v0.16.1's own pretrain_gpt.py,
-    2 nodes x 1 rank over ssh (the checkout and the CUDA-on-CPU shim on the file system both nodes
-    see, forwarded as the MEGATRON_* and PYTHON* variables are), trains to its last iteration; its
-    iteration lines are on the last node's log, and status reads them there."""
+def test_megatron_lm_trains_across_two_nodes_over_ssh(cluster_env, artifact_root, tmp_path, request):
+    """ENGINE=megatron-lm on the namespace cluster: Megatron-LM core_v0.19.0's own pretrain_gpt.py on
+    Python 3.12 (core_v0.16.1 where that cannot run here), 2 nodes x 1 rank over ssh (the checkout
+    and the CUDA-on-CPU shim on the file system both nodes see, forwarded as the MEGATRON_* and
+    PYTHON* variables are), trains to its last iteration, each node naming what node 0 chose to load
+    (nothing: --verify-integrity on 0.19); its iteration lines are on the last node's log, and
+    status reads them there."""
     from megatron_ext.run_spec.iteration_log import parse_log
     from test_megatron_lm_loop import data_set
 
-    env = megatron_lm_env(megatron_lm_checkout, **{**cluster_env, "NPROC_PER_NODE": "1", "MASTER_PORT": "29671"})
+    tag, checkout, python = newest_megatron_lm(request)
+    env = megatron_lm_env(checkout, **{**cluster_env, "NPROC_PER_NODE": "1", "MASTER_PORT": "29671", **python})
     data = data_set(tmp_path / "lm.yaml", train_iters=4)
     run = "mn_lm"
     try:
@@ -636,6 +639,9 @@ def test_megatron_lm_trains_across_two_nodes_over_ssh(cluster_env, artifact_root
         wait_for(lambda: not tagged_pids(run), 400, what="Megatron-LM's run to finish on both nodes")
     finally:
         run_script("stop_multinode_training.sh", run, env=env)
+    if tag == "core_v0.19.0":  # node 0's choice (nothing to load, verify) reached node 1's torchrun over the board
+        node1 = (artifact_root / "logs" / f"{run}_node1.log").read_text(errors="replace")
+        assert "Megatron-LM loads no checkpoint of its own (with --verify-integrity)" in node1, node1[-3000:]
     records, _ = parse_log((artifact_root / "logs" / f"{run}_node1.log").read_text(errors="replace"), engine="megatron-lm")
     assert [r.iteration for r in records] == [1, 2, 3, 4], (artifact_root / "logs" / f"{run}_node1.log").read_text()[-3000:]
     status = run_script("status_training.sh", run, env=env).stdout

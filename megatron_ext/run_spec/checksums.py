@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
+
+from megatron_ext.run_spec.json_files import write_text_atomic
 
 CHECKSUMS_DIR = "checksums"
 DAMAGED_SUFFIX = ".damaged"
@@ -80,10 +81,7 @@ def record_files(checkpoint: Path, files: Iterable[Path], writer: str) -> Path:
         size, crc = crc32_of(path)
         entries[str(path.relative_to(checkpoint))] = {"bytes": size, "crc32": crc}
     out = checkpoint / CHECKSUMS_DIR / f"{writer}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps({"algorithm": "crc32", "files": entries}, indent=0, sort_keys=True))
-    os.replace(tmp, out)
+    write_text_atomic(out, json.dumps({"algorithm": "crc32", "files": entries}, indent=0, sort_keys=True))
     return out
 
 
@@ -93,9 +91,7 @@ def write_integrity_manifest(checkpoint: Path) -> Path:
     checkpoint this project wrote (the Megatron-LM export)."""
     files = {p.name: sha256_of(p) for p in sorted(checkpoint.iterdir()) if p.is_file() and p.name != INTEGRITY_FILE}
     out = checkpoint / INTEGRITY_FILE
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps({"algorithm": "sha256", "files": files}, indent=2))
-    os.replace(tmp, out)
+    write_text_atomic(out, json.dumps({"algorithm": "sha256", "files": files}, indent=2))
     return out
 
 

@@ -1,4 +1,5 @@
-"""JSON files a reader never sees half of: the one atomic write (tmp file + rename) and its read.
+"""Files a reader never sees half of: the atomic write (tmp file + rename) of every record file
+(run_state, ranks' progress, checkpoint markers and checksums, trackers), and the JSON read.
 
 On a cluster's shared file system another node's reader may still see a torn or missing file
 (sshfs and NFS cache names and attributes; a file replaced by rename can come back half-read): a
@@ -6,8 +7,9 @@ reader that must act on the content uses :func:`read_json_settled`, which retrie
 
     python -c "from megatron_ext.run_spec.json_files import write_json_atomic; help(write_json_atomic)"
 
-Shared by both programs: the node side's run_state files (orchestration/node/run_state.py) and a
-run's own records under its run directory (the W&B identity, megatron_ext/run_spec/wandb_run.py).
+Shared by both programs: the node side's run_state files (orchestration/node/run_state.py), a
+run's own records under its run directory (the W&B identity, megatron_ext/run_spec/wandb_run.py),
+and the checkpoints' markers and records (megatron_ext/training/checkpoint.py, run_spec/checksums.py).
 """
 
 from __future__ import annotations

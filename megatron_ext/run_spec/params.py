@@ -244,7 +244,7 @@ COLLECTIVE_TIMEOUT_S = {"cpu": 300, "cuda": 600}
 """How long a collective waits for a peer before the job fails (gloo on CPU, NCCL on GPUs): a lost
 peer ends the run in minutes, not in torch's default half hour; long enough for rank 0 to build
 a data set's index while the others wait. The launcher's supervisor stops a run whose node fails
-much sooner (see orchestration/supervisor.py)."""
+much sooner (see orchestration/node/supervisor.py)."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ apart from :func:`write_progress` / :func:`read_progress` (that directory).
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Mapping
 
 from megatron_ext.run_spec.convert import structure
 from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.json_files import write_text_atomic
 
 PHASES = ("prepare", "setup", "step", "eval", "checkpoint", "done", "preempted")
 """What a rank is doing: preparing data (no limit: a large corpus takes as long as it takes), setting
@@ -184,10 +184,7 @@ def progress_path(directory: Path, rank: int) -> Path:
 
 
 def write_progress(directory: Path, p: RankProgress) -> None:
-    path = progress_path(directory, p.rank)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(asdict(p)))
-    os.replace(tmp, path)
+    write_text_atomic(progress_path(directory, p.rank), json.dumps(asdict(p)))
 
 
 def read_progress(directory: Path) -> dict[int, RankProgress]:

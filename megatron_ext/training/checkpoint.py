@@ -52,6 +52,7 @@ import torch.distributed as dist
 from megatron_ext.run_spec.checkpoints import LATEST, CheckpointMeta, iteration_dir_name, read_meta
 from megatron_ext.run_spec.checksums import CHECKSUMS_DIR, DAMAGED_SUFFIX, list_checkpoints, record_files, verify, written_by
 from megatron_ext.run_spec.errors import FINAL, UserError
+from megatron_ext.run_spec.json_files import write_text_atomic
 
 
 def rng_state() -> dict:
@@ -79,9 +80,7 @@ def _complete(checkpoints_dir: Path) -> list[tuple[int, Path]]:
 
 def _point_latest(checkpoints_dir: Path, iteration: int) -> None:
     """The ``latest`` marker names ``iteration``: written to a temporary file, then renamed (atomic)."""
-    tmp = checkpoints_dir / f".{LATEST}.tmp"
-    tmp.write_text(iteration_dir_name(iteration))
-    os.replace(tmp, checkpoints_dir / LATEST)
+    write_text_atomic(checkpoints_dir / LATEST, iteration_dir_name(iteration))
 
 
 def _any_rank(flag: bool) -> bool:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -44,6 +43,7 @@ import torch
 from megatron_ext.run_spec.checksums import write_integrity_manifest
 from megatron_ext.run_spec.checkpoints import MEGATRON_LM_LATEST, iteration_dir_name
 from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.json_files import write_text_atomic
 from megatron_ext.run_spec.megatron_lm_checkpoints import LEGACY_FILE, MegatronLMCheckpoint
 from megatron_ext.training.hf_weights import local_name, to_model_names
 
@@ -244,9 +244,7 @@ def write_megatron_lm_checkpoint(module: torch.nn.Module, save_dir: Path, iterat
                                 **serializable_content_metadata(dist_checkpointing.save, metadata))
     if first:  # Megatron-LM's --verify-integrity manifest (0.17.1+ loads check it), then the tracker last
         write_integrity_manifest(target)  # (Megatron-LM writes the tracker after the save, checkpointing.py L703-723)
-        tmp = save_dir / f".{MEGATRON_LM_LATEST}.tmp"
-        tmp.write_text(str(iteration))
-        os.replace(tmp, save_dir / MEGATRON_LM_LATEST)
+        write_text_atomic(save_dir / MEGATRON_LM_LATEST, str(iteration))
     if dist.is_initialized():
         dist.barrier()
     return target

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_ext.run_spec.json_files import write_text_atomic
 from megatron_ext.run_spec.resilience import DUMP_REQUEST, RECENT_STEPS, RankProgress, write_progress
 
 FLIGHT_RECORDER_POLL_S = 0.5
@@ -98,9 +99,7 @@ class ProgressReporter:
                 text = json.dumps(record)
             except Exception as exc:  # the recorder off, or a torch without it
                 text = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
-            tmp = out.with_name(f".{out.name}.tmp")
-            tmp.write_bytes(text if isinstance(text, bytes) else text.encode())
-            os.replace(tmp, out)
+            write_text_atomic(out, text.decode() if isinstance(text, bytes) else text)
 
     def step_done(self, seconds: float) -> None:
         self.steps_done += 1

@@ -176,7 +176,7 @@ def write_png(path: Path, name: str, rows: Sequence[RunSummary]) -> bool:
             ax_mem.annotate(r.status if r.status != RunState.FINISHED else "not measured", (i, 0), ha="center", va="bottom", fontsize=9)
         if r.planned_peak_bytes:
             ax_mem.hlines(r.planned_peak_bytes / MB, i - width / 2, i + width / 2, colors="red", linestyles="--",
-                          linewidth=2, label=None if "plan" in labelled else "plan (orchestration/planner.py)")
+                          linewidth=2, label=None if "plan" in labelled else "plan (orchestration/analysis/memory_plan.py)")
             labelled.add("plan")
     ax_mem.set(title="Peak memory per rank (CPU: model states; GPU: CUDA allocation)", ylabel="MB (1e6 bytes) per rank")
     top = max([v / MB for r in rows for v in r.peak_memory_per_rank] + [(r.planned_peak_bytes or 0) / MB for r in rows] + [0])

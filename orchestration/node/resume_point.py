@@ -24,6 +24,7 @@ from pathlib import Path
 
 from megatron_ext.run_spec.checkpoints import MEGATRON_LM_LATEST, latest_iteration
 from megatron_ext.run_spec.checksums import DAMAGED_SUFFIX, INTEGRITY_FILE, CheckpointHealth, health, list_checkpoints
+from megatron_ext.run_spec.json_files import write_text_atomic
 from megatron_ext.run_spec.megatron_lm_checkpoints import find_megatron_lm_checkpoint
 
 
@@ -76,6 +77,4 @@ def take(point: ResumePoint, damaged: tuple[CheckpointHealth, ...], checkpoints_
     for h in damaged:
         os.replace(h.path, h.path.with_name(h.path.name + DAMAGED_SUFFIX))
     if damaged and point.iteration is not None:
-        tmp = checkpoints_dir / f".{MEGATRON_LM_LATEST}.tmp"
-        tmp.write_text(str(point.iteration))
-        os.replace(tmp, checkpoints_dir / MEGATRON_LM_LATEST)
+        write_text_atomic(checkpoints_dir / MEGATRON_LM_LATEST, str(point.iteration))

@@ -68,10 +68,10 @@ HANG_REPORT_WAIT_S = 30.0
 HUNG_STOP_GRACE_S = 10.0
 """A hung attempt's stop: its ranks are sent SIGCONT, then torchrun SIGTERM; this long before SIGKILL."""
 PREEMPTED_LINE = "exiting program after receiving"
+"""Megatron-LM's line after a signal-triggered save (its exit code is 0, as for a finished run)."""
 ENDED_PHASES = ("done", "preempted")
 """Phases after a rank's last step: a save request is not forwarded to it (it may be tearing down
 its handlers: SIGUSR1 would kill it)."""
-"""Megatron-LM's line after a signal-triggered save (its exit code is 0, as for a finished run)."""
 
 
 class Supervisor:
@@ -317,7 +317,7 @@ class Supervisor:
         total = self.plan.first_attempt + self.policy.max_restarts + self.rejoins
         self.say(f"attempt {self.attempt} of {total}: {ATTEMPT_STARTED}"
                  + (f" (the ranks resume from the checkpoint at iteration {checkpoint})" if checkpoint is not None else ""))
-        if point is not None and self.leader:
+        if point is not None:  # node 0's choice, as every node got it
             self.say(point.describe())
         proc = self._start_torchrun(checkpoint, point)
         watchdog = Watchdog(self.policy, self.rank, len(self.members), self.nproc, self.progress_dir, self.plan.engine,
