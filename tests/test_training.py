@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -9,6 +10,7 @@ import types
 
 import pytest
 
+from megatron_ext.pretrain import QUIET_WARNINGS
 from megatron_ext.training.model import count_parameters
 from megatron_ext.run_spec.params import load_model
 
@@ -52,6 +54,34 @@ def test_two_processes_train_smoke_and_loss_falls(stage_runs):
     assert "iteration       12/      12 | consumed samples:          192" in proc.stdout
     assert "throughput per GPU (TFLOP/s/GPU)" in proc.stdout and "progress: 12/12" in proc.stdout
     assert records[-1]["tokens_per_s"] > 0 and records[-1]["tflops_per_gpu"] > 0
+    # rank 0 alone says each warning, once; the listed ones not at all (megatron_ext/pretrain.py)
+    shown = [line for line in (proc.stdout + proc.stderr).splitlines() if re.search(r"\w+Warning: ", line)]
+    assert len(shown) == len(set(shown)) and not [w for w in shown if any(re.search(m, w) for _, m, _ in QUIET_WARNINGS)], shown
+
+
+def test_warnings_once_on_rank_0_less_the_listed_ones():
+    """megatron-core's deprecations reach rank 0's log once (they say what its next release
+    changes); the listed ones, which ask nothing of a user, and every other rank's, do not."""
+    import uuid
+    import warnings
+
+    from megatron_ext.pretrain import configure_warnings
+
+    def emit(module: str, message: str, category=DeprecationWarning) -> None:  # from two places in the module
+        for line in (7, 8):
+            warnings.warn_explicit(message, category, f"{module.replace('.', '/')}.py", line, module=module)
+
+    deprecation = f"Warning: tp_group is None, using default tp group ({uuid.uuid4().hex})"  # not seen before here
+    with warnings.catch_warnings(record=True) as seen:
+        configure_warnings("0")
+        emit("megatron.core.tensor_parallel.layers", deprecation)
+        emit("megatron.core.optimizer", "Transformer Engine and Apex are not installed. Falling back", UserWarning)
+        emit("torch.jit._script", "`torch.jit.script_method` is deprecated.")
+    assert [str(w.message) for w in seen] == [deprecation]
+    with warnings.catch_warnings(record=True) as seen:
+        configure_warnings("1")
+        emit("megatron.core.tensor_parallel.layers", deprecation + " again")
+    assert seen == []
 
 
 @pytest.mark.slow

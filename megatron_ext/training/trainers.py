@@ -286,6 +286,18 @@ def _adamw(t: TrainingParams, **extra):
     return dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay, **extra)
 
 
+def _no_buffer_sync() -> dict:
+    """torch DDP without a buffer broadcast at each forward: ``forward_sync_buffers=False`` where
+    torch has it (2.13 deprecates ``broadcast_buffers``; it still syncs once at construction, and
+    the buffers, rotary frequencies, are the same on every rank anyway), else ``broadcast_buffers``."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    known = inspect.signature(DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in known else {"broadcast_buffers": False}
+
+
 def no_weight_decay(name: str, param: torch.Tensor) -> bool:
     """Megatron's rule (megatron-core ``get_standard_config_overrides``): no weight decay on biases
     and one-dimensional parameters (norm weights)."""
@@ -313,7 +325,7 @@ def wrap_cpu(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams) -> Cp
         sharded = _unique_storage_bytes(module.parameters(), set())
         optimizer = torch.optim.AdamW(param_groups(module), **_adamw(t, foreach=False))
         return CpuTrainer(module, module, optimizer, stage, t.clip_grad, sharded)
-    model = DistributedDataParallel(module, gradient_as_bucket_view=True, broadcast_buffers=False)
+    model = DistributedDataParallel(module, gradient_as_bucket_view=True, **_no_buffer_sync())
     if stage == ZeroStage.OPTIMIZER:
         from torch.distributed.optim import ZeroRedundancyOptimizer  # ~0.4 s of a rank's start: stage 1's only
 
