@@ -257,3 +257,22 @@ def test_each_module_runs_on_one_worker():
         workers.setdefault(module, set()).add(worker)
     assert set(workers) == {"tests/test_zero_table.py", "tests/test_launch_plan.py"}, proc.stdout[-2000:]
     assert all(len(w) == 1 for w in workers.values()), workers
+
+
+def test_psutil_is_required_for_megatron_core_s_checkpoint_writer():
+    """pyproject.toml requires psutil although this project imports none of it: megatron-core's
+    torch_dist writer measures each writer process's memory with it at every save
+    (dist_checkpointing/strategies/filesystem_async.py ``_process_memory``, called by
+    ``write_preloaded_data``; 0.16.1 and 0.19.2 alike) and megatron-core does not declare it.
+    Read from the installed source, not imported."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("megatron.core")
+    if spec is None:
+        pytest.skip("megatron-core is not installed")
+    source = (Path(spec.origin).parent / "dist_checkpointing" / "strategies" / "filesystem_async.py").read_text()
+    import re
+
+    writer = re.search(r"\n    def write_preloaded_data\((.*?)\n    (?:@|def )", source, re.S)
+    assert "psutil.Process(" in source and writer and "_process_memory()" in writer.group(1)
+    assert '"psutil' in (REPO / "pyproject.toml").read_text()

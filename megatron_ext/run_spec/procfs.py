@@ -5,6 +5,12 @@
 How the launcher, the node side and the tests recognise a process they recorded (pid plus start
 time: a pid reused by another process has another start time) and the processes carrying a run's
 tags, never by name. Reads ``/proc``; nothing else.
+
+Not psutil (a requirement, for megatron-core's checkpoint writer): a recorded start time must
+compare equal days later, from another process. /proc's is an integer of clock ticks since boot;
+psutil's ``create_time()`` is seconds since the epoch, that tick count plus the boot time it reads
+from /proc/stat, which the kernel derives from the wall clock and which moves when NTP steps it.
+The parent and the environment are two short reads of the same files; one way to read a process.
 """
 
 from __future__ import annotations
