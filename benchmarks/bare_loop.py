@@ -14,10 +14,10 @@ import os
 import time
 import warnings
 
-warnings.filterwarnings("ignore")
+warnings.filterwarnings("ignore")  # before torch: its import warns
 
-import torch
-import torch.distributed as dist
+import torch  # noqa: E402 (after the filter)
+import torch.distributed as dist  # noqa: E402
 
 
 def main() -> None:

@@ -785,7 +785,7 @@ MEGATRON_LM_RANK_ERROR = """\
 Stack (most recent call first):
   <no Python frame>
 E1201 20:00:00.000000 100 site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1)
-torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\x20
 =======================================================
 pretrain_gpt.py FAILED
 -------------------------------------------------------

@@ -12,7 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO, clean_env
+import pytest
+
+from conftest import REPO, clean_env, require
 
 PACKAGES = ("orchestration", "megatron_ext")
 ENVIRONMENT_EDGES = {
@@ -276,3 +278,13 @@ def test_psutil_is_required_for_megatron_core_s_checkpoint_writer():
     writer = re.search(r"\n    def write_preloaded_data\((.*?)\n    (?:@|def )", source, re.S)
     assert "psutil.Process(" in source and writer and "_process_memory()" in writer.group(1)
     assert '"psutil' in (REPO / "pyproject.toml").read_text()
+
+
+def test_the_linter_finds_nothing():
+    """ruff, with the rules and line length pyproject.toml gives ([tool.ruff]), over the whole tree."""
+    import importlib.util
+
+    require(None if importlib.util.find_spec("ruff") else "ruff (pip install -e .[test])", "the linter")
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", "."],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

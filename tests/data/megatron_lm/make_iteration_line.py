@@ -2,7 +2,13 @@
 
 Run the real log_string-building statements of core_v0.16.1 training_log (lines 2033-2083)
 with sample values; everything else (timers, writers, distributed) is replaced by plain values."""
-import datetime as _dt, sys, textwrap, types, torch
+import datetime as _dt
+import sys
+import textwrap
+import types
+
+import torch
+
 CHECKOUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp/mlm/core_v0.16.1"
 src = open(CHECKOUT + "/megatron/training/training.py").read().splitlines()
 block = src[2032:2083]   # 1-based lines 2033..2083
