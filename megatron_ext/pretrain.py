@@ -157,8 +157,8 @@ QUIET_WARNINGS: tuple[tuple[str, str, str], ...] = (
      "megatron-core's import of its own modules, at every import since 0.13"),
     (r"megatron\.core\.transformer\.transformer_config", "full scope is deprecated",
      "megatron-core's own default of cuda_graph_scope / cuda_graph_modules, left as it is"),
-    (r"torch\.jit\._script", "`torch.jit.script_method` is deprecated",
-     "megatron-core's fused kernels, scripted at its import"),
+    (r"torch\.jit\._script", r"`torch\.jit\.\w+` is deprecated",
+     "megatron-core's fused kernels, scripted with torch.jit (at its import, and on GPUs at the first step)"),
 )
 """(module, message, why) of the warnings a run shows at every start that ask nothing of a user of
 this program (regular expressions at the start of the module's name and of the message, as

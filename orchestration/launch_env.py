@@ -50,7 +50,7 @@ SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 _HOST_RE = re.compile(r"^[A-Za-z0-9._:@\[\]-]+$")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LaunchEnv:
     """What a start, stop or status command needs to know about the cluster."""
 

@@ -71,10 +71,10 @@ def test_the_first_failure_and_the_first_hang_win(stores):
 
 def test_ends_decisions_ready_and_roster_cross(stores):
     node0, node1 = (Board(s, rank, node_lost_s=20) for rank, s in enumerate(stores))
-    end = AttemptEnd(1, 2, RunState.FAILED, "torchrun exit code 1", at=3.0)
+    end = AttemptEnd(node_rank=1, attempt=2, state=RunState.FAILED, reason="torchrun exit code 1", at=3.0)
     node1.write_end(end)
     assert node0.read_end(2, 1) == end and node0.read_end(2, 0) is None
-    decision = Decision(2, True, RunState.RESTARTING, "restart", backoff_s=1.0, members=(0, 1), lost=())
+    decision = Decision(attempt=2, restart=True, state=RunState.RESTARTING, reason="restart", backoff_s=1.0, members=(0, 1), lost=())
     node0.write_decision(decision)
     assert node1.read_decision(2) == decision
     node1.mark_ready(3)

@@ -380,9 +380,9 @@ def test_every_node_s_preflight_refuses_fp8_it_cannot_run(tmp_path, monkeypatch)
     from orchestration.node.wire import CheckRequest, NodeCheckRequest, check_call, decode_request, target
 
     def check(**fields) -> NodeCheckRequest:
-        return NodeCheckRequest(target("r", 0, "localhost", tmp_path), CheckRequest("localhost", 2, 1, **fields))
+        return NodeCheckRequest(target("r", 0, "localhost", tmp_path), CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1, **fields))
 
-    call = check_call("r", 0, "localhost", tmp_path, CheckRequest("localhost", 2, 1, fp8="hybrid"), master_port=None)
+    call = check_call("r", 0, "localhost", tmp_path, CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1, fp8="hybrid"), master_port=None)
     assert decode_request(call.command, call.request) == check(fp8="hybrid")  # the request, as the node reads it
     cpu = preflight.inspect_node(check(fp8="hybrid"), tmp_path / "rs", 0, REPO)
     assert any(p.startswith("training.fp8=hybrid needs a GPU with FP8 tensor cores") for p in cpu.problems), cpu.problems
@@ -429,7 +429,7 @@ def test_a_transformer_engine_megatron_core_cannot_use_is_not_used_and_the_prefl
     assert preflight.transformer_engine_problem("2.10.0", clean_env()) is not None  # none at all: not usable either
     software = preflight.installed_software(REPO)
     monkeypatch.setattr(preflight, "installed_software", lambda _: {**software, "transformer-engine": "2.10.0"})
-    request = NodeCheckRequest(target("r", 0, "localhost", tmp_path), CheckRequest("localhost", 2, 1))
+    request = NodeCheckRequest(target("r", 0, "localhost", tmp_path), CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1))
     report = preflight.inspect_node(request, tmp_path / "rs", 0, REPO, env)
     assert [p for p in report.problems if "transformer-engine" in p] == [problem], report.problems
 

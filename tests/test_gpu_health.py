@@ -344,7 +344,7 @@ def test_a_gpu_nodes_preflight_lists_each_finding_as_its_problem(tmp_path, monke
     from orchestration.node import preflight
     from orchestration.node.wire import CheckRequest, NodeCheckRequest, target
 
-    request = NodeCheckRequest(target("r", 0, "localhost", tmp_path), CheckRequest("localhost", 2, 1))
+    request = NodeCheckRequest(target("r", 0, "localhost", tmp_path), CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1))
     bare = preflight.inspect_node(request, tmp_path / "rs", 2, tmp_path)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

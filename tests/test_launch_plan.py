@@ -114,7 +114,7 @@ def test_node_plans_fix_node_rank_and_forward_environment(tmp_path):
 
 def test_the_plan_holds_the_supervisor_s_variables_with_the_rule_for_later_attempts(tmp_path):
     launch, inputs = _inputs({}, tmp_path)
-    node = plan_start(launch, inputs, [NodeReport(0, "localhost", local_dir="/dev/shm", free_port=6000)]).nodes[0]
+    node = plan_start(launch, inputs, [NodeReport(node_rank=0, host="localhost", local_dir="/dev/shm", free_port=6000)]).nodes[0]
     assert node.env["LAUNCHER_ATTEMPT"] == "1" and node.per_attempt == {"LAUNCHER_ATTEMPT": node.per_attempt["LAUNCHER_ATTEMPT"]}
     assert node.env["LAUNCHER_PROGRESS_DIR"] == f"/dev/shm/megatron_ext_{inputs.run_id}_node0"
     assert node.env["TORCH_FR_BUFFER_SIZE"] == "2000"  # the flight recorder the hang dumps read
@@ -129,8 +129,8 @@ def test_the_plan_settles_on_the_preflight_answers(tmp_path):
     launch, inputs = _inputs({"HOSTS": "n0,n1"}, tmp_path)
     unsettled = plan_start(launch, inputs)
     assert not unsettled.settled and unsettled.master_port == 6000 and "not asked" in unsettled.notes[-1]
-    answers = [NodeReport(0, "n0", free_port=6003, interface="eth1", local_dir="/run/shm"),
-               NodeReport(1, "n1", interface="ib0", local_dir="/tmp")]
+    answers = [NodeReport(node_rank=0, host="n0", free_port=6003, interface="eth1", local_dir="/run/shm"),
+               NodeReport(node_rank=1, host="n1", interface="ib0", local_dir="/tmp")]
     plan = plan_start(launch, inputs, answers)
     assert plan.settled and plan.master_port == 6003 and plan.run_id == unsettled.run_id
     for node, ifname, local in zip(plan.nodes, ("eth1", "ib0"), ("/run/shm", "/tmp")):
@@ -146,7 +146,7 @@ def test_the_plan_settles_on_the_preflight_answers(tmp_path):
     assert [n.env["NCCL_SOCKET_IFNAME"] for n in plan.nodes] == ["eth1", "ib0"]
     # One node: no interface is settled (loopback), the port still is.
     launch, inputs = _inputs({}, tmp_path)
-    plan = plan_start(launch, inputs, [NodeReport(0, "localhost", free_port=6001, interface="lo")])
+    plan = plan_start(launch, inputs, [NodeReport(node_rank=0, host="localhost", free_port=6001, interface="lo")])
     assert plan.master_port == 6001 and "GLOO_SOCKET_IFNAME" not in plan.nodes[0].env
 
 
@@ -172,9 +172,9 @@ def test_nnodes_min_max_is_checked_for_every_node_count_before_anything_starts(t
 
 def test_cluster_problems_put_every_node_s_problems_and_differing_software_in_one_list():
     base = {"torch": "2.13.0", "megatron-core": "0.16.1", "project": "abc"}
-    reports = [NodeReport(0, "n0", ["MASTER_PORT=6000 is in use"], base),
-               NodeReport(1, "n1", [], {**base, "megatron-core": "0.15.3"}),
-               NodeReport(2, "n2", ["/data/x does not exist"], {**base, "project": None})]
+    reports = [NodeReport(node_rank=0, host="n0", problems=["MASTER_PORT=6000 is in use"], software=base),
+               NodeReport(node_rank=1, host="n1", problems=[], software={**base, "megatron-core": "0.15.3"}),
+               NodeReport(node_rank=2, host="n2", problems=["/data/x does not exist"], software={**base, "project": None})]
     assert cluster_problems(reports) == [
         (0, "n0", "MASTER_PORT=6000 is in use"),
         (1, "n1", "megatron-core 0.15.3 here but 0.16.1 on node 0; every node needs the same megatron-core"),
@@ -267,10 +267,10 @@ def test_the_link_table_times_an_nccl_all_reduce_per_neighbour_pair_or_says_it_s
     from orchestration.runner.links import format_links, link_rows
 
     assert ring_pairs(1) == [] and ring_pairs(2) == [(0, 1)] and ring_pairs(4) == [(0, 1), (0, 3), (1, 2), (2, 3)]
-    gpus = [LinkReport(0, "g0", {"1": 40.0}, "NET/IB", allreduce_s={"1": 0.0125}),
-            LinkReport(1, "g1", {"0": 41.0}, "NET/IB", allreduce_s={"0": 0.0127})]
+    gpus = [LinkReport(node_rank=0, host="g0", rates_gbs={"1": 40.0}, transport="NET/IB", allreduce_s={"1": 0.0125}),
+            LinkReport(node_rank=1, host="g1", rates_gbs={"0": 41.0}, transport="NET/IB", allreduce_s={"0": 0.0127})]
     assert format_links(link_rows(gpus)).splitlines()[-1] == "one 256 MB NCCL all-reduce per neighbour pair: node0-node1 12.7 ms"
-    cpus = [LinkReport(0, "c0", {"1": 0.4}, "TCP (gloo)"), LinkReport(1, "c1", {"0": 0.4}, "TCP (gloo)")]
+    cpus = [LinkReport(node_rank=0, host="c0", rates_gbs={"1": 0.4}, transport="TCP (gloo)"), LinkReport(node_rank=1, host="c1", rates_gbs={"0": 0.4}, transport="TCP (gloo)")]
     assert format_links(link_rows(cpus)).splitlines()[-1].endswith("skipped (gloo: no GPUs)")
 
 

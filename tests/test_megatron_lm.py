@@ -686,13 +686,13 @@ def _plan_lm(tmp_path, stage: int, answers=None, has_checkpoint=False, env=None,
 def test_the_program_renders_for_what_the_preflight_says_the_nodes_have(tmp_path):
     from orchestration.node.wire import NodeReport
 
-    cpu = _plan_lm(tmp_path, 0, [NodeReport(0, "n0", visible_gpus=0, software={"transformer-engine": None})])
+    cpu = _plan_lm(tmp_path, 0, [NodeReport(node_rank=0, host="n0", visible_gpus=0, software={"transformer-engine": None})])
     args = dict(split_flags(list(cpu.program_args)))
     assert args["--distributed-backend"] == ["gloo"] and "--bf16" not in args
     assert any("no GPU: gloo, local layers" in n for n in cpu.notes)
     te = {"transformer-engine": "2.8", "apex": "0.1"}
-    gpus = _plan_lm(tmp_path, 0, [NodeReport(0, "n0", visible_gpus=8, software=te),
-                                  NodeReport(1, "n1", visible_gpus=8, software={**te, "transformer-engine": None})])
+    gpus = _plan_lm(tmp_path, 0, [NodeReport(node_rank=0, host="n0", visible_gpus=8, software=te),
+                                  NodeReport(node_rank=1, host="n1", visible_gpus=8, software={**te, "transformer-engine": None})])
     args = dict(split_flags(list(gpus.program_args)))  # one node without transformer-engine: local layers for all
     assert args["--transformer-impl"] == ["local"] and "--bf16" in args and "--no-rope-fusion" in args
     # --load only where there is a checkpoint; else the supervisor adds it for an attempt that starts with one
@@ -717,7 +717,7 @@ def test_megatron_lm_s_own_limits_are_said_before_the_start(tmp_path):
     fresh = _plan_lm(tmp_path, 1, save_interval=5)
     assert any("cannot be resumed" in n for n in fresh.notes)
     from orchestration.node.wire import NodeReport
-    te = _plan_lm(tmp_path, 1, [NodeReport(0, "n0", visible_gpus=8, software={"transformer-engine": "2.8", "apex": None})],
+    te = _plan_lm(tmp_path, 1, [NodeReport(node_rank=0, host="n0", visible_gpus=8, software={"transformer-engine": "2.8", "apex": None})],
                   has_checkpoint=True, save_interval=5)  # transformer-engine's Adam resumes
     assert "--use-distributed-optimizer" in te.program_args
 
@@ -743,14 +743,14 @@ def test_fp8_and_manual_gc_reach_megatron_lm_where_transformer_engine_is(tmp_pat
     on the nodes is refused before the start."""
     from orchestration.node.wire import NodeReport
 
-    te = [NodeReport(0, "n0", visible_gpus=8, software={"transformer-engine": "2.8", "apex": None})]
+    te = [NodeReport(node_rank=0, host="n0", visible_gpus=8, software={"transformer-engine": "2.8", "apex": None})]
     plan = _plan_lm(tmp_path, 0, te, fp8="hybrid", fp8_amax_history_len=1024, fp8_amax_compute_algo="max",
                     manual_gc=True, manual_gc_interval=100)
     args = " ".join(plan.program_args)
     assert "--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max" in args
     assert "--manual-gc --manual-gc-interval 100" in args
-    for nodes, what in (([NodeReport(0, "n0", visible_gpus=8, software={"transformer-engine": None})], "no transformer-engine"),
-                        ([NodeReport(0, "n0", visible_gpus=0, software={"transformer-engine": None})], "no GPU")):
+    for nodes, what in (([NodeReport(node_rank=0, host="n0", visible_gpus=8, software={"transformer-engine": None})], "no transformer-engine"),
+                        ([NodeReport(node_rank=0, host="n0", visible_gpus=0, software={"transformer-engine": None})], "no GPU")):
         with pytest.raises(UserError, match=f"training.fp8=hybrid needs transformer-engine on GPUs.*the nodes have {what}"):
             _plan_lm(tmp_path, 0, nodes, fp8="hybrid")
 

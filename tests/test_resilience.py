@@ -35,11 +35,11 @@ POLICY = ResilienceParams(max_restarts=3, attempts_without_progress=2)
 # -- pure parts ---------------------------------------------------------------------------------------
 
 def _end(rank, state=RunState.FAILED, requested=False):
-    return AttemptEnd(rank, 1, state, "x", requested)
+    return AttemptEnd(node_rank=rank, attempt=1, state=state, reason="x", requested=requested)
 
 
 def _record(attempt, start, end):
-    return AttemptRecord(attempt, "r-1", 0.0, start, 1.0, RunState.FAILED, "x", end)
+    return AttemptRecord(attempt=attempt, run_id="r-1", started_at=0.0, checkpoint_at_start=start, ended_at=1.0, state=RunState.FAILED, reason="x", checkpoint_at_end=end)
 
 
 def test_decide_restarts_gives_up_and_ends():
@@ -102,9 +102,9 @@ def test_a_node_brought_back_is_taken_at_the_next_restart_and_not_counted():
 def test_an_attempt_on_fewer_nodes_runs_the_plan_on_those():
     from orchestration.node.wire import NodePlan
 
-    plan = NodePlan("r", "r-1", 2, "c", ("python", "-m", "torch.distributed.run", "--nnodes", "3", "--node-rank", "2",
+    plan = NodePlan(run="r", run_id="r-1", node_rank=2, host="c", argv=("python", "-m", "torch.distributed.run", "--nnodes", "3", "--node-rank", "2",
                                         "--nproc-per-node", "2", "-m", "megatron_ext.pretrain"),
-                    {"NNODES": "3", "NODE_RANK": "2", "LAUNCHER_ATTEMPT": "1"}, (), "/", "l", "p",
+                    env={"NNODES": "3", "NODE_RANK": "2", "LAUNCHER_ATTEMPT": "1"}, unset=(), cwd="/", log_path="l", pid_path="p",
                     per_attempt={"LAUNCHER_ATTEMPT": "..."}, resume_args=("--load", "/ckpt"))
     argv = plan.attempt_argv(True, (0, 2))
     assert argv[argv.index("--nnodes") + 1] == "2" and argv[argv.index("--node-rank") + 1] == "1"
@@ -114,8 +114,8 @@ def test_an_attempt_on_fewer_nodes_runs_the_plan_on_those():
 
 
 def _report(rank, state="S", iteration=10, collective=True, last=100.0, read=True):
-    return RankReport(rank, rank // 2, f"node{rank // 2}", 1000 + rank, state, "step", iteration, 31.0, 30.0, last, read,
-                      collective if read else None, f"node{rank // 2}_rank{rank}.txt")
+    return RankReport(rank=rank, node_rank=rank // 2, host=f"node{rank // 2}", pid=1000 + rank, process_state=state, phase="step", iteration=iteration, phase_elapsed_s=31.0, limit_s=30.0, last_report_at=last, stack_read=read,
+                      in_collective=collective if read else None, dump=f"node{rank // 2}_rank{rank}.txt")
 
 
 def test_suspects_in_order_of_evidence():
@@ -159,7 +159,7 @@ def test_phase_limits_and_their_overrides():
     p = ResilienceParams(hang_step_floor_s=30, hang_step_factor=5, hang_warmup_steps=3)
 
     def progress(phase, steps, slowest):
-        return RankProgress(0, 0, "h", 1, 1, 5, phase, 0.0, steps, slowest)
+        return RankProgress(rank=0, local_rank=0, host="h", pid=1, attempt=1, iteration=5, phase=phase, phase_started_at=0.0, steps_done=steps, slowest_recent_step_s=slowest)
 
     assert phase_limit_s(progress("step", 10, 2.0), p) == 30  # floor
     assert phase_limit_s(progress("step", 10, 8.0), p) == 40  # 5 x the slowest recent step

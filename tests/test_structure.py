@@ -288,3 +288,21 @@ def test_the_linter_finds_nothing():
     proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", "."],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def test_a_dataclass_of_more_than_five_fields_is_built_by_keyword():
+    """``NodeStatus(rank, host, False, RunState.LOST, why, None, None, ...)`` reads as nothing: a
+    dataclass of more than five fields is ``kw_only`` (its calls name every field)."""
+    positional = []
+    for name, path in _sources().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for deco in node.decorator_list:
+                    call = deco if isinstance(deco, ast.Call) else None
+                    if getattr(call.func if call else deco, "id", None) != "dataclass":
+                        continue
+                    fields = [s for s in node.body if isinstance(s, ast.AnnAssign) and "ClassVar" not in ast.unparse(s.annotation)]
+                    kw_only = call is not None and any(k.arg == "kw_only" and ast.literal_eval(k.value) for k in call.keywords)
+                    if len(fields) > 5 and not kw_only:
+                        positional.append(f"{name}.{node.name} ({len(fields)} fields)")
+    assert not positional, f"add kw_only=True: {positional}"

@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 DOCUMENT_SUFFIX = "_text_document"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PreparedData:
     """What the dataset builder needs: indexed-dataset prefixes, weights and the tokenizer."""
 
@@ -162,7 +162,7 @@ def default_progress_interval_s() -> float:
     return 2.0 if sys.stderr.isatty() else 30.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PrepareProgress:
     """Documents, MB read, tokens, their rates and (input size known) the ETA, every
     ``interval_s`` (2 s on a terminal, 30 s in a log), as Megatron-LM's preprocess_data.py reports
@@ -287,16 +287,16 @@ def _prepare_into(data: DataParams, out_dir: Path, workers: int) -> PreparedData
     else:
         chunks = chunks_from_documents(embedded_documents()) if data.source == "embedded" else chunks_from_files(data.paths)
     total = input_bytes(data.paths) if data.source == "files" else None
-    prefix = write_indexed_dataset(chunks, tok, out_dir / name, workers, PrepareProgress(total))
+    prefix = write_indexed_dataset(chunks, tok, out_dir / name, workers, PrepareProgress(total_bytes=total))
     tokenizer = load_tokenizer(tok)
-    return PreparedData((str(prefix),), (1.0,), tok.type, tok.model_path, tokenizer.vocab_size, tokenizer.eod)
+    return PreparedData(prefixes=(str(prefix),), weights=(1.0,), tokenizer_type=tok.type, tokenizer_path=tok.model_path, vocab_size=tokenizer.vocab_size, eod=tokenizer.eod)
 
 
 def _ready_made(data: DataParams) -> PreparedData | None:
     """Data that needs no preparation (mock, or indexed prefixes), else None."""
     if data.source == "mock":
         tokenizer = load_tokenizer(data.tokenizer)
-        return PreparedData((), (), "null", None, tokenizer.vocab_size, tokenizer.eod)
+        return PreparedData(prefixes=(), weights=(), tokenizer_type="null", tokenizer_path=None, vocab_size=tokenizer.vocab_size, eod=tokenizer.eod)
     if data.source == "files":
         missing = [p for p in data.paths if not (_is_indexed_prefix(p) or Path(p).is_file())]
         if missing:
@@ -308,8 +308,8 @@ def _ready_made(data: DataParams) -> PreparedData | None:
             tokenizer = load_tokenizer(data.tokenizer)
             weights = data.weights or tuple(1.0 for _ in data.paths)
             return PreparedData(
-                tuple(data.paths), weights, data.tokenizer.type, data.tokenizer.model_path,
-                tokenizer.vocab_size, tokenizer.eod,
+                prefixes=tuple(data.paths), weights=weights, tokenizer_type=data.tokenizer.type, tokenizer_path=data.tokenizer.model_path,
+                vocab_size=tokenizer.vocab_size, eod=tokenizer.eod,
             )
         if data.weights and len(data.paths) > 1:
             raise UserError("blend weights need prepared .bin/.idx prefixes; prepare each file first")
@@ -331,7 +331,7 @@ def planned_prepared(data: DataParams, cache_root: Path) -> PreparedData:
         return _read_manifest(out_dir / "prepared.json")
     name, tok = _corpus_name(data), data.tokenizer
     model = tok.model_path or (str(out_dir / f"{name}.model") if tok.type == "sentencepiece" else None)
-    return PreparedData((str(out_dir / f"{name}{DOCUMENT_SUFFIX}"),), (1.0,), tok.type, model, tok.vocab_size, -1)
+    return PreparedData(prefixes=(str(out_dir / f"{name}{DOCUMENT_SUFFIX}"),), weights=(1.0,), tokenizer_type=tok.type, tokenizer_path=model, vocab_size=tok.vocab_size, eod=-1)
 
 
 def _write_manifest(prepared: PreparedData, directory: Path) -> None:
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             chunks = chunks_from_documents(documents)
         else:
             chunks = chunks_from_files(args.input) if args.input else chunks_from_documents(embedded_documents())
-        progress = PrepareProgress(input_bytes(args.input), interval_s=args.progress_interval_s)
+        progress = PrepareProgress(total_bytes=input_bytes(args.input), interval_s=args.progress_interval_s)
         prefix = write_indexed_dataset(chunks, tok, Path(args.output_prefix), args.workers, progress)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

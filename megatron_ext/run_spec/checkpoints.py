@@ -25,7 +25,7 @@ def iteration_dir_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CheckpointMeta:
     """``meta.json`` of a checkpoint: what resuming needs to know before loading it."""
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from megatron_ext.run_spec.convert import structure
 
 
-@dataclass
+@dataclass(kw_only=True)
 class IterationRecord:
     """One logged iteration: a JSON line of ``metrics.jsonl``, or one parsed iteration line."""
 

@@ -32,7 +32,7 @@ Engine = Literal["megatron-core", "megatron-lm"]
 ENGINES: tuple[str, ...] = typing.get_args(Engine)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelPreset:
     """A decoder-only transformer, in megatron-core's terms."""
 
@@ -130,7 +130,7 @@ class DataParams:
     """The tokenizer."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainingParams:
     """The optimisation schedule. Batch sizes count sequences.
 

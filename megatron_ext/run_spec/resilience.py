@@ -42,7 +42,7 @@ DUMP_REQUEST = "dump_request"
 writes its flight recorder to ``rank<R>.fr.json`` beside its progress file."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ResilienceParams:
     """Hangs, restarts and their limits (``training.resilience`` in a data set)."""
 
@@ -157,7 +157,7 @@ def check_resilience(p: ResilienceParams, where: str) -> None:
 
 # -- what each rank reports ---------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RankProgress:
     """``<progress dir>/rank<R>.json``, rewritten at every phase change (atomically)."""
 

@@ -20,7 +20,7 @@ from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import RunParams, build_dataclass, params_as_dict, params_from_dict
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunRuntime:
     """What was decided at start, beyond the parameter sets."""
 

@@ -31,7 +31,7 @@ WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")
 INSTALL_WANDB = "pip install wandb (or pip install -e .[wandb])"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WandbSettings:
     """What the run's W&B logging needs, read once from ``WANDB_*``."""
 

@@ -23,7 +23,7 @@ class ZeroStage(enum.IntEnum):
     PARAMETERS = 3
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StageStrategy:
     stage: ZeroStage
     sharded: str
@@ -42,45 +42,45 @@ _FSDP_COMMON = ("--use-megatron-fsdp", "--use-distributed-optimizer")
 
 STAGES: dict[ZeroStage, StageStrategy] = {
     ZeroStage.NONE: StageStrategy(
-        ZeroStage.NONE,
-        "nothing (all-reduce data parallelism)",
-        "megatron-core DDP",
-        "torch DDP",
-        {"use_distributed_optimizer": False},
-        (),
+        stage=ZeroStage.NONE,
+        sharded="nothing (all-reduce data parallelism)",
+        cuda="megatron-core DDP",
+        cpu="torch DDP",
+        megatron_core_ddp={"use_distributed_optimizer": False},
+        megatron_lm_flags=(),
     ),
     ZeroStage.OPTIMIZER: StageStrategy(
-        ZeroStage.OPTIMIZER,
-        "optimizer state + fp32 main params",
-        "megatron-core DDP + distributed optimizer",
-        "torch DDP + ZeroRedundancyOptimizer",
-        {"use_distributed_optimizer": True},
-        ("--use-distributed-optimizer",),
+        stage=ZeroStage.OPTIMIZER,
+        sharded="optimizer state + fp32 main params",
+        cuda="megatron-core DDP + distributed optimizer",
+        cpu="torch DDP + ZeroRedundancyOptimizer",
+        megatron_core_ddp={"use_distributed_optimizer": True},
+        megatron_lm_flags=("--use-distributed-optimizer",),
     ),
     ZeroStage.GRADIENTS: StageStrategy(
-        ZeroStage.GRADIENTS,
-        "optimizer state + gradients",
-        "Megatron-FSDP optim_grads + distributed optimizer",
-        "FSDP2 fully_shard(reshard_after_forward=False)",
-        {
+        stage=ZeroStage.GRADIENTS,
+        sharded="optimizer state + gradients",
+        cuda="Megatron-FSDP optim_grads + distributed optimizer",
+        cpu="FSDP2 fully_shard(reshard_after_forward=False)",
+        megatron_core_ddp={
             "use_distributed_optimizer": True,
             "use_megatron_fsdp": True,
             "data_parallel_sharding_strategy": "optim_grads",
         },
-        _FSDP_COMMON
+        megatron_lm_flags=_FSDP_COMMON
         + ("--data-parallel-sharding-strategy", "optim_grads", "--ckpt-format", "fsdp_dtensor"),
     ),
     ZeroStage.PARAMETERS: StageStrategy(
-        ZeroStage.PARAMETERS,
-        "optimizer state + gradients + parameters",
-        "Megatron-FSDP optim_grads_params + distributed optimizer",
-        "FSDP2 fully_shard(reshard_after_forward=True)",
-        {
+        stage=ZeroStage.PARAMETERS,
+        sharded="optimizer state + gradients + parameters",
+        cuda="Megatron-FSDP optim_grads_params + distributed optimizer",
+        cpu="FSDP2 fully_shard(reshard_after_forward=True)",
+        megatron_core_ddp={
             "use_distributed_optimizer": True,
             "use_megatron_fsdp": True,
             "data_parallel_sharding_strategy": "optim_grads_params",
         },
-        _FSDP_COMMON
+        megatron_lm_flags=_FSDP_COMMON
         + (
             "--data-parallel-sharding-strategy",
             "optim_grads_params",

@@ -49,7 +49,7 @@ from megatron_ext.training.progress import ProgressReporter, SaveRequest
 from megatron_ext.training.trainers import NonFiniteGradients
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RankEnv:
     """What torchrun tells a rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK: its
     node's place), and the node supervisor's progress directory and attempt (None / 1 under plain
@@ -123,7 +123,7 @@ def write_tensorboard(writer, record: IterationRecord) -> None:
     writer.flush()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Interval:
     """What the loop accumulates between two log lines (Megatron-LM resets its counters likewise)."""
 

@@ -32,7 +32,7 @@ PARTIAL = "partial"
 """A comparison row whose records stop short of the planned iterations."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunOutcome:
     """What a sweep knows about a run beyond its files."""
 
@@ -47,7 +47,7 @@ class RunOutcome:
     nproc_per_node: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunSummary:
     run: str
     zero_stage: int

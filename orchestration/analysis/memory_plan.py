@@ -111,7 +111,7 @@ OPTIMIZER_BYTES_PER_PARAMETER = 26
 """What Adam's step streams per parameter it updates (see the module docstring)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MfuEstimate:
     """One stage's step on paper (seconds per optimizer step) and the MFU it gives."""
 
@@ -244,7 +244,7 @@ def dp_traffic_bytes(stage: int, psi: int, d: int, grad_bytes: int, param_bytes:
     return dp_traffic(stage, psi, d, grad_bytes, param_bytes, micro_batches, outside_layers, precision).total
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StagePlan:
     stage: int
     params_bytes: int
@@ -268,7 +268,7 @@ class StagePlan:
     """Its time at the bus bandwidth."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MemoryPlan:
     model: str
     data_set: str | None
@@ -478,7 +478,7 @@ def plan_for_run(params: RunParams, nnodes: int, nproc_per_node: int, precision:
 
 # -- the command's request ------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MemoryRequest:
     """``plan-memory MODEL [DATA]``'s options (None = the default named in the CLI's help)."""
 

@@ -31,7 +31,7 @@ SSH_UNREACHABLE = 255
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NodeResult(Generic[T]):
     node_rank: int
     host: str
@@ -85,7 +85,7 @@ def _result(rank: int, host: str, argv: list[str], returncode: int, stdout: str,
     error = raw.get("error") if raw and set(raw) == {"error"} else None
     value = decode_payload(decode, raw) if raw is not None and error is None and decode is not None else None
     output = "\n".join((stderr + stdout).strip().splitlines()[-15:])
-    return NodeResult(rank, host, argv, returncode, value, error, output)
+    return NodeResult(node_rank=rank, host=host, argv=argv, returncode=returncode, value=value, error=error, output=output)
 
 
 def _answer_within(call: NodeCall, environ: dict[str, str], timeout_s: float) -> tuple[int, str] | None:
@@ -116,7 +116,7 @@ def _run_one(launch: LaunchEnv, rank: int, host: str, call: NodeCall, decode: ty
     if transport.in_process:  # the same request, under the same timeout
         answered = _answer_within(call, {**launch.environ, **launch.forwarded}, timeout_s)
         if answered is None:
-            return NodeResult(rank, host, argv, 124, None, None, f"no answer within {timeout_s:.0f}s")
+            return NodeResult(node_rank=rank, host=host, argv=argv, returncode=124, value=None, error=None, output=f"no answer within {timeout_s:.0f}s")
         returncode, line = answered
         log.debug("%s %s in this process: exit %d in %.2f s", node_label(rank, host), call.command, returncode,
                   time.monotonic() - started)
@@ -130,9 +130,9 @@ def _run_one(launch: LaunchEnv, rank: int, host: str, call: NodeCall, decode: ty
             capture_output=True, text=True, timeout=timeout_s,
         )
     except subprocess.TimeoutExpired:
-        return NodeResult(rank, host, full, 124, None, None, f"no answer within {timeout_s:.0f}s")
+        return NodeResult(node_rank=rank, host=host, argv=full, returncode=124, value=None, error=None, output=f"no answer within {timeout_s:.0f}s")
     except FileNotFoundError as exc:
-        return NodeResult(rank, host, full, 127, None, None, f"{exc.filename}: command not found")
+        return NodeResult(node_rank=rank, host=host, argv=full, returncode=127, value=None, error=None, output=f"{exc.filename}: command not found")
     log.debug("%s %s: exit %d in %.2f s: %s", node_label(rank, host), call.command, proc.returncode,
               time.monotonic() - started, shlex.join(full)[:300])
     return _result(rank, host, full, proc.returncode, proc.stdout, proc.stderr, decode)

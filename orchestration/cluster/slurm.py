@@ -73,7 +73,7 @@ DEFAULT_SIGNAL_AHEAD_S = 300
 earlier still: Slurm checks its timers about once a minute)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BatchRequest:
     nodes: int
     nproc_per_node: int

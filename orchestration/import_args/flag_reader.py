@@ -62,7 +62,7 @@ FIXED_SWITCHES = {"--use-mcore-models": "this project builds megatron-core model
 """Flags without a value that say what this project always does."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NotImported:
     flag: str
     values: tuple[str, ...]
@@ -77,7 +77,7 @@ class NotImported:
         return f"{' '.join([self.flag, *self.values])} ({self.where}): {self.reason}"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FlagReader:
     flags: dict[str, GivenFlag]
     used: set[str] = field(default_factory=set)
@@ -148,7 +148,7 @@ class FlagReader:
             return
         given = self._take(flag, counterpart=False)
         if given is not None:
-            self.skipped.append(NotImported(flag, tuple(w.text for w in given.values), reason, given.where, kind, section))
+            self.skipped.append(NotImported(flag=flag, values=tuple(w.text for w in given.values), reason=reason, where=given.where, kind=kind, section=section))
 
 
 def list_the_rest(r: FlagReader) -> None:

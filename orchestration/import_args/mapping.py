@@ -51,7 +51,7 @@ DEFAULT_SPLIT = "969,30,1"
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ImportedArgs:
     model: dict[str, Any]
     """ModelPreset fields (without name)."""
@@ -184,9 +184,9 @@ def _training(r: FlagReader) -> dict[str, Any]:
     elif style is not None:
         r.skip("--lr-decay-style", "no counterpart: this project decays with cosine", section="training")
     else:
-        r.skipped.append(NotImported("--lr-decay-style", ("linear",), "Megatron-LM's default, which has no counterpart: "
+        r.skipped.append(NotImported(flag="--lr-decay-style", values=("linear",), reason="Megatron-LM's default, which has no counterpart: "
                                      "this project decays with cosine (add --lr-decay-style cosine to mean that)",
-                                     "not in the files", NOT_IMPORTED, "training"))
+                                     where="not in the files", kind=NOT_IMPORTED, section="training"))
     for key in ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
         t[key] = _or_default(r, "training", key, float)
     t["grad_reduce_in_bf16"] = r.switch("--grad-reduce-in-bf16")
@@ -272,8 +272,8 @@ def _data(r: FlagReader) -> dict[str, Any]:
         r.untake("--tokenizer-type")
         r.skip("--tokenizer-type", f"{kind} has no counterpart; {fix}", section="data")
         if "--tokenizer-type" not in r.flags:
-            r.skipped.append(NotImported("--tokenizer-type", (kind,), f"{kind} has no counterpart; {fix}",
-                                         "not in the files, implied by --vocab-file and --merge-file", NOT_IMPORTED, "data"))
+            r.skipped.append(NotImported(flag="--tokenizer-type", values=(kind,), reason=f"{kind} has no counterpart; {fix}",
+                                         where="not in the files, implied by --vocab-file and --merge-file", kind=NOT_IMPORTED, section="data"))
         for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
             r.skip(flag, f"{kind}'s files (see --tokenizer-type)", section="data")
         tokenizer = {"type": "huggingface", "model_path": "TODO-tokenizer.json"}
@@ -324,8 +324,8 @@ def map_flags(flags: Mapping[str, GivenFlag], release: str, sources: Sequence[st
               launcher: Sequence[NotImported] = ()) -> ImportedArgs:
     """Map the merged flags onto the params; everything else is listed (``launcher``: torchrun's
     own options, listed already)."""
-    r = FlagReader(dict(flags))
+    r = FlagReader(flags=dict(flags))
     model, training, data = _model(r), _training(r), _data(r)
     list_the_rest(r)
-    return ImportedArgs(model, data, training, tuple(r.skipped) + tuple(launcher), tuple(r.imported), dict(r.comments),
-                        tuple(sources), release, tuple(notes), tuple(r.conversions))
+    return ImportedArgs(model=model, data=data, training=training, not_imported=tuple(r.skipped) + tuple(launcher), imported=tuple(r.imported), comments=dict(r.comments),
+                        sources=tuple(sources), release=release, notes=tuple(notes), converted=tuple(r.conversions))

@@ -34,7 +34,7 @@ from orchestration.megatron_lm.flags import FlagSpec, FlagTable, format_flag_tab
 _NO_VALUE_ACTIONS = {"store_true", "store_false", "store_const", "count", "help", "version"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Checkout:
     root: Path
     version: tuple[int, int, int]
@@ -422,8 +422,8 @@ def read_checkout(root: str | Path) -> Checkout:
     skipped: list[str] = []
     flags = read_flags(root, skipped)
     version = read_version(root)
-    return Checkout(root, version, FlagTable(f"{'.'.join(map(str, version))} ({root})", flags), tuple(skipped),
-                    read_requires_python(root), reads_gpt_model_deprecated(root))
+    return Checkout(root=root, version=version, table=FlagTable(f"{'.'.join(map(str, version))} ({root})", flags), skipped=tuple(skipped),
+                    requires_python=read_requires_python(root), gpt_model_deprecated=reads_gpt_model_deprecated(root))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ CHECK_ARGUMENTS = "check-arguments"
 BUILD_HELPERS = "build-dataset-helpers"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProgramPlan:
     engine: str
     argv: tuple[str, ...]
@@ -157,10 +157,10 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
     t = params.training
     if t.engine == "megatron-core":
         elastic = ("--global-batch-size", str(t.global_batch_size)) if t.resilience.min_nodes else ()
-        return ProgramPlan("megatron-core", (
+        return ProgramPlan(engine="megatron-core", argv=(
             "-m", "megatron_ext.pretrain", "--model", model, "--data", data, "--run-name", paths.run,
             "--zero-stage", str(t.zero_stage), "--train-iters", str(t.train_iters), *elastic,
-        ), stage_environment(t.zero_stage))
+        ), env=stage_environment(t.zero_stage))
     check_megatron_lm_params(params)
     if checkout is None or prepared is None:
         raise UserError("ENGINE=megatron-lm needs MEGATRON_LM_DIR, the Megatron-LM checkout holding pretrain_gpt.py")
@@ -185,8 +185,8 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
                            "pretrain_gpt.py still trains it, and that is what this launcher runs: docs/megatron-lm.md")
     helpers = (BUILD_HELPERS, f"build Megatron-LM's dataset helpers for the ranks' Python ({launch.python}) with the "
                               "checkout's Makefile, here on node 0 where its rank 0 would (dataset_helpers.py)")
-    return ProgramPlan("megatron-lm", (str(checkout.root / "pretrain_gpt.py"), *render.args), {**render.env, **wandb_env},
-                       (kernel_note, signal_note, *retired, *limits), save_signal=render.save_signal, checks=(check,),
+    return ProgramPlan(engine="megatron-lm", argv=(str(checkout.root / "pretrain_gpt.py"), *render.args), env={**render.env, **wandb_env},
+                       notes=(kernel_note, signal_note, *retired, *limits), save_signal=render.save_signal, checks=(check,),
                        prepare=(helpers,),
                        program_args=tuple(render.args), resume_args=tuple(load_flags(paths)) if not has_checkpoint else (),
                        checkpoint_choice=CheckpointChoice(integrity_args=tuple(integrity_flags(t.zero_stage, checkout.flags)),

@@ -37,7 +37,7 @@ OLDER_CHECKOUT = "core_v0.16.1"
 """A release that has every old flag of the table (the tests check it), for the refusals' fix."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RetiredFlag:
     flag: str
     """The old option string (it takes no value: the tests check it in core_v0.16.1's table)."""
@@ -69,21 +69,21 @@ class RetiredFlag:
 
 
 RETIRED_FLAGS: tuple[RetiredFlag, ...] = (
-    RetiredFlag("--tokenizer-hf-use-fast", DROP, "--tokenizer-hf-no-use-fast",
-                "fast tokenizers are its default; the opt-out is --tokenizer-hf-no-use-fast"),
-    RetiredFlag("--tokenizer-hf-include-special-tokens", DROP, "--tokenizer-hf-no-include-special-tokens",
-                "including special tokens is its default; the opt-out is --tokenizer-hf-no-include-special-tokens"),
-    RetiredFlag("--muon-use-nesterov", TRANSLATE, "--muon-nesterov", "its name for the same switch is --muon-nesterov"),
-    RetiredFlag("--no-scatter-gather-tensors-in-pipeline", DROP, None,
-                "no such option: the flag had no effect in core_v0.16.1 either, where nothing read "
+    RetiredFlag(flag="--tokenizer-hf-use-fast", action=DROP, replacement="--tokenizer-hf-no-use-fast",
+                instead="fast tokenizers are its default; the opt-out is --tokenizer-hf-no-use-fast"),
+    RetiredFlag(flag="--tokenizer-hf-include-special-tokens", action=DROP, replacement="--tokenizer-hf-no-include-special-tokens",
+                instead="including special tokens is its default; the opt-out is --tokenizer-hf-no-include-special-tokens"),
+    RetiredFlag(flag="--muon-use-nesterov", action=TRANSLATE, replacement="--muon-nesterov", instead="its name for the same switch is --muon-nesterov"),
+    RetiredFlag(flag="--no-scatter-gather-tensors-in-pipeline", action=DROP, replacement=None,
+                instead="no such option: the flag had no effect in core_v0.16.1 either, where nothing read "
                 "scatter_gather_tensors_in_pipeline", removed_in=(0, 18)),
-    RetiredFlag("--legacy-tokenizer", REFUSE, None,
-                "the legacy tokenizers are gone: megatron.core.tokenizers builds every --tokenizer-type",
-                "remove it to have megatron.core.tokenizers build the same --tokenizer-type (the same ids for "
+    RetiredFlag(flag="--legacy-tokenizer", action=REFUSE, replacement=None,
+                instead="the legacy tokenizers are gone: megatron.core.tokenizers builds every --tokenizer-type",
+                fix="remove it to have megatron.core.tokenizers build the same --tokenizer-type (the same ids for "
                 "tokenizers that add no BOS: docs/own-assets.md)", removed_in=(0, 17)),
-    RetiredFlag("--use-legacy-models", REFUSE, None,
-                "the legacy models are gone: it builds Megatron-Core models only",
-                "remove it to train Megatron-Core's GPT model (another implementation: a legacy model's checkpoint "
+    RetiredFlag(flag="--use-legacy-models", action=REFUSE, replacement=None,
+                instead="the legacy models are gone: it builds Megatron-Core models only",
+                fix="remove it to train Megatron-Core's GPT model (another implementation: a legacy model's checkpoint "
                 "does not load into it)", removed_in=(0, 18)),
 )
 """Every retired flag, once: the extra arguments and the importer both read it."""

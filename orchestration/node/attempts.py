@@ -23,7 +23,7 @@ from orchestration.node.run_state import AttemptRecord, RunState
 from orchestration.node.watchdog import Hang
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AttemptEnd:
     """How one attempt ended on one node."""
 
@@ -38,7 +38,7 @@ class AttemptEnd:
     at: float = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Decision:
     """Node 0's decision after attempt ``attempt``."""
 
@@ -97,37 +97,37 @@ def decide(attempt: int, ends: dict[int, AttemptEnd | None], ledger: Sequence[At
         gone = (f"{names} gone (its machine or its supervisor: no end of attempt {attempt} and no heartbeat within "
                 f"{policy.join_s:.0f} s)")
         if 0 in missing:
-            return Decision(attempt, False, RunState.FAILED,
-                            f"{gone}; node 0 is the rendezvous host and the leader, so the run ends: start it again without "
+            return Decision(attempt=attempt, restart=False, state=RunState.FAILED,
+                            reason=f"{gone}; node 0 is the rendezvous host and the leader, so the run ends: start it again without "
                             f"that machine (another HOSTS, the latest checkpoint resumes) ({cause_reason})", lost=tuple(missing))
         if not policy.min_nodes or len(members) < policy.min_nodes:
             rule = (f"{len(members)} node(s) left, fewer than the {policy.min_nodes} it may go on with (NNODES=MIN:MAX)"
                     if policy.min_nodes else "NNODES=MIN:MAX would let it go on with the nodes left")
-            return Decision(attempt, False, RunState.FAILED, f"{gone}: the run ends: {rule} ({cause_reason})",
+            return Decision(attempt=attempt, restart=False, state=RunState.FAILED, reason=f"{gone}: the run ends: {rule} ({cause_reason})",
                             lost=tuple(missing))
         cause_reason = f"{gone}: going on with {len(members)} of {len(ends)} nodes ({cause_reason})"
     if any(end.requested for end in ends.values() if end is not None):
-        return Decision(attempt, False, RunState.STOPPED, "stopped on request")
+        return Decision(attempt=attempt, restart=False, state=RunState.STOPPED, reason="stopped on request")
     if FINAL in cause_reason:  # a full disk, no checkpoint that verifies: no restart mends it
-        return Decision(attempt, False, cause, cause_reason, lost=tuple(missing))
+        return Decision(attempt=attempt, restart=False, state=cause, reason=cause_reason, lost=tuple(missing))
     streak = 0
     for record in reversed(ledger):
         if record.made_progress:
             break
         streak += 1
     if streak >= policy.attempts_without_progress:
-        return Decision(attempt, False, RunState.GAVE_UP,
-                        f"{streak} attempts in a row made no progress (no new checkpoint); the last ended: {cause_reason}")
+        return Decision(attempt=attempt, restart=False, state=RunState.GAVE_UP,
+                        reason=f"{streak} attempts in a row made no progress (no new checkpoint); the last ended: {cause_reason}")
     if restarts_so_far >= policy.max_restarts:
         limit = f"after {restarts_so_far} restart(s) (MAX_RESTARTS={policy.max_restarts})" if policy.max_restarts else \
             "(MAX_RESTARTS=0: no restarts)"
-        return Decision(attempt, False, cause, f"{cause_reason} {limit}".strip(), lost=tuple(missing))
+        return Decision(attempt=attempt, restart=False, state=cause, reason=f"{cause_reason} {limit}".strip(), lost=tuple(missing))
     joined = tuple(sorted(set(joiners) - set(members)))
     back = f"; {node_names(joined, hosts)} back" if joined else ""
-    return Decision(attempt, True, RunState.RESTARTING,
-                    f"restarting as attempt {attempt + 1} in {policy.restart_backoff_s:g} s{back}: {cause_reason}",
-                    policy.restart_backoff_s, tuple(sorted({*members, *joined})), tuple(missing), joined,
-                    restarts_so_far + 1, rejoins_so_far)
+    return Decision(attempt=attempt, restart=True, state=RunState.RESTARTING,
+                    reason=f"restarting as attempt {attempt + 1} in {policy.restart_backoff_s:g} s{back}: {cause_reason}",
+                    backoff_s=policy.restart_backoff_s, members=tuple(sorted({*members, *joined})), lost=tuple(missing), joined=joined,
+                    restarts=restarts_so_far + 1, rejoins=rejoins_so_far)
 
 
 def decide_rejoin(attempt: int, ends: dict[int, AttemptEnd | None], joiners: Sequence[int], restarts_so_far: int,
@@ -140,10 +140,10 @@ def decide_rejoin(attempt: int, ends: dict[int, AttemptEnd | None], joiners: Seq
     if not ends or any(end is None or end.state not in (RunState.PREEMPTED, RunState.FINISHED) for end in ends.values()):
         return None
     if any(end.state == RunState.FINISHED for end in ends.values()):
-        return Decision(attempt, False, RunState.FINISHED, "torchrun exited with code 0 (the last iteration came before "
+        return Decision(attempt=attempt, restart=False, state=RunState.FINISHED, reason="torchrun exited with code 0 (the last iteration came before "
                                                            f"{node_names(joiners, hosts)} could come back)")
     members = tuple(sorted({*ends, *joiners}))
-    return Decision(attempt, True, RunState.RESTARTING,
-                    f"{node_names(joiners, hosts)} back: restarting as attempt {attempt + 1} on {len(members)} nodes from "
-                    f"the checkpoint of iteration {checkpoint}", 0.0, members, (), tuple(joiners), restarts_so_far,
-                    rejoins_so_far + 1)
+    return Decision(attempt=attempt, restart=True, state=RunState.RESTARTING,
+                    reason=f"{node_names(joiners, hosts)} back: restarting as attempt {attempt + 1} on {len(members)} nodes from "
+                    f"the checkpoint of iteration {checkpoint}", backoff_s=0.0, members=members, lost=(), joined=tuple(joiners), restarts=restarts_so_far,
+                    rejoins=rejoins_so_far + 1)

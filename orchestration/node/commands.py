@@ -151,7 +151,7 @@ def node_start(plan: NodePlan, node: NodeEnv, python: str, secrets: Mapping[str,
         why = wait.ended.reason if wait.ended else f"its supervisor exited with code {supervisor.poll()}"
         raise NodeError(f"the run ended at start ({why}); last log lines:\n{tail(log_path, 15)}")
     record = wait.record
-    return NodeStarted(plan.node_rank, plan.host, record.pid, record.pgid, supervisor.pid, str(log_path), plan.run_id)
+    return NodeStarted(node_rank=plan.node_rank, host=plan.host, pid=record.pid, pgid=record.pgid, supervisor_pid=supervisor.pid, log=str(log_path), run_id=plan.run_id)
 
 
 def node_supervise(plan_file: str, node: NodeEnv) -> int:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StuckCollective:
     """The first collective that not every member of its process group entered."""
 
@@ -132,5 +132,5 @@ def stuck_collective(records: dict[int, dict], silent: tuple[int, ...] = ()) -> 
     missing = tuple(sorted(hit.missing_ranks))
     group = next((f"{name} ({g.get('desc', '')})" for rec in full.values()
                   for name, g in rec.get("pg_config", {}).items() if name == str(hit.group_id)), str(hit.pg_desc))
-    return StuckCollective(hit.collective_name, hit.collective_seq_id, group,
-                           tuple(sorted(set(hit.expected_ranks) - set(missing))), missing, silent)
+    return StuckCollective(name=hit.collective_name, seq=hit.collective_seq_id, group=group,
+                           entered=tuple(sorted(set(hit.expected_ranks) - set(missing))), missing=missing, without_record=silent)

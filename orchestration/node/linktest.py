@@ -152,17 +152,17 @@ def run_linktest(request: LinktestRequest, environ: Mapping[str, str], python: s
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=LINKTEST_TIMEOUT_S,
                               stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
-        return LinkReport(node_rank, host, seconds=time.monotonic() - t0,
+        return LinkReport(node_rank=node_rank, host=host, seconds=time.monotonic() - t0,
                           error=f"no link measurement within {LINKTEST_TIMEOUT_S:.0f} s (a peer unreachable on port {port}?)")
     line = next((l for l in reversed(proc.stdout.splitlines()) if l.startswith("{")), None)
     if proc.returncode != 0 or line is None:
         tail = " ".join((proc.stderr or proc.stdout).strip().splitlines()[-2:])[-300:]
-        return LinkReport(node_rank, host, seconds=time.monotonic() - t0, error=f"the link test failed: {tail}")
+        return LinkReport(node_rank=node_rank, host=host, seconds=time.monotonic() - t0, error=f"the link test failed: {tail}")
     answer = json.loads(line)
     transports = sorted(set(_TRANSPORT.findall(proc.stderr)))
     transport = ", ".join(transports) if transports else ("TCP (gloo)" if backend == "gloo" else "")
-    return LinkReport(node_rank, host, {str(k): v for k, v in answer["rates"].items()}, transport,
-                      time.monotonic() - t0, allreduce_s={str(k): v for k, v in answer["allreduce_s"].items()})
+    return LinkReport(node_rank=node_rank, host=host, rates_gbs={str(k): v for k, v in answer["rates"].items()}, transport=transport,
+                      seconds=time.monotonic() - t0, allreduce_s={str(k): v for k, v in answer["allreduce_s"].items()})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -271,7 +271,7 @@ def inspect_node(request: NodeCheckRequest, run_state_dir: Path, visible_gpus: i
     """Every check of ``request`` on this node (its ``master_port`` None = MASTER_PORT not set:
     node 0 picks one; its tokenizer must load here); ``environ``: the ranks' environment."""
     node_rank, host, check, master_port = request.target.node_rank, request.target.host, request.check, request.master_port
-    report = NodeReport(node_rank, host, software=installed_software(project_dir), local_dir=str(node_local_dir()),
+    report = NodeReport(node_rank=node_rank, host=host, software=installed_software(project_dir), local_dir=str(node_local_dir()),
                         visible_gpus=visible_gpus)
     problems = report.problems
     if check.python is not None:  # the ranks' program (a Megatron-LM checkout) would fail at its first import

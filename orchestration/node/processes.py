@@ -98,8 +98,8 @@ def preview_stop(run: str, node_rank: int, host: str, pid_path: Path, grace_s: f
                  artifact_root: str | None = None) -> StopPreview:
     record = read_pid_file(pid_path)
     alive = record is not None and (record_is_alive(record) or supervisor_is_alive(record))
-    return StopPreview(node_rank, host, record.pid if record else None, alive, record.pgid if alive else None,
-                       sorted(tagged_processes(run, node_rank, artifact_root)), grace_s)
+    return StopPreview(node_rank=node_rank, host=host, recorded_pid=record.pid if record else None, recorded_alive=alive, group=record.pgid if alive else None,
+                       tagged=sorted(tagged_processes(run, node_rank, artifact_root)), grace_s=grace_s)
 
 
 def stop_node(run: str, node_rank: int, host: str, pid_path: Path, grace_s: float = DEFAULT_STOP_GRACE_S,
@@ -129,7 +129,7 @@ def stop_node(run: str, node_rank: int, host: str, pid_path: Path, grace_s: floa
     left = _wait_until_gone(run, node_rank, 2.0 if killed else 0.0, artifact_root)
     if not left and signal_group:
         pid_path.unlink(missing_ok=True)
-    return StopResult(node_rank, host, alive, group, swept, killed, left)
+    return StopResult(node_rank=node_rank, host=host, was_running=alive, signalled_group=group, swept=swept, killed=killed, left=left)
 
 
 def port_is_free(port: int) -> bool:

@@ -88,7 +88,7 @@ def tail(path: Path, lines: int, max_bytes: int = 65536) -> str:
 
 # -- a node's end ---------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NodeExit:
     """``run_state/<run>_node<N>.exit.json``, written by the node's supervisor."""
 
@@ -209,7 +209,7 @@ def reset_run_files(paths: RunPaths, keep_ledger: bool) -> None:
 
 # -- the pid file -------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PidRecord:
     """``<run>_node<N>.pid``: everything stop needs to recognise the run's processes on the node."""
 
@@ -282,7 +282,7 @@ def wait_until_started(paths: RunPaths, node_rank: int, pid_path: Path, run_id: 
 
 # -- the ledger -----------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AttemptRecord:
     """One attempt in the ledger."""
 
@@ -328,7 +328,7 @@ def begin_attempt(paths: RunPaths, attempt: int, run_id: str, checkpoint: int | 
     """Node 0: attempt ``attempt`` starts now on ``nodes`` (``joined``: those of them back from a
     loss), with ``checkpoint`` the latest complete one."""
     records = [r for r in read_ledger(paths) if r.attempt != attempt]
-    write_ledger(paths, [*records, AttemptRecord(attempt, run_id, time.time(), checkpoint, nodes=tuple(nodes),
+    write_ledger(paths, [*records, AttemptRecord(attempt=attempt, run_id=run_id, started_at=time.time(), checkpoint_at_start=checkpoint, nodes=tuple(nodes),
                                                  joined=tuple(joined))])
 
 

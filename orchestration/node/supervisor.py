@@ -254,8 +254,8 @@ class Supervisor:
         if code == 0:
             self._sweep()  # what a rank started may outlive it by a moment (a resource tracker cleaning up)
             if saving and self._preempted():
-                return AttemptEnd(self.rank, self.attempt, RunState.PREEMPTED, "saved a checkpoint on request and ended")
-            return AttemptEnd(self.rank, self.attempt, RunState.FINISHED, "torchrun exited with code 0")
+                return AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.PREEMPTED, reason="saved a checkpoint on request and ended")
+            return AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.FINISHED, reason="torchrun exited with code 0")
         stopping = self.stopping
         try:
             if not stopping:  # the claim first: the other nodes stop now, not after the sweep below
@@ -265,8 +265,8 @@ class Supervisor:
         finally:
             self._sweep()
         if stopping:
-            return AttemptEnd(self.rank, self.attempt, RunState.STOPPED, "stopped on request", requested=True)
-        return AttemptEnd(self.rank, self.attempt, RunState.FAILED, text.splitlines()[0])
+            return AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.STOPPED, reason="stopped on request", requested=True)
+        return AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.FAILED, reason=text.splitlines()[0])
 
     def _hang(self, watchdog: Watchdog, reported: bool) -> bool:
         """The hang protocol, one poll: claim a hang found here; dump this node's ranks once a hang
@@ -341,7 +341,7 @@ class Supervisor:
                         hung = " hung: " in failure
                         why = f"{'the run hung' if hung else 'another node failed'}: {failure}"
                         self._stop_torchrun(proc, why, hung)
-                        return AttemptEnd(self.rank, self.attempt, RunState.HUNG if hung else RunState.STOPPED, why)
+                        return AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.HUNG if hung else RunState.STOPPED, reason=why)
                     lost = self._lost_peer()
                     if lost is not None:
                         self._claim_failure(f"node {lost}{self._host(lost)} lost: its supervisor's beat has not changed "
@@ -374,7 +374,7 @@ class Supervisor:
                 state = RunState.STOPPED if self.stopping else RunState.FAILED
                 why = ("stopped on request" if self.stopping else f"node 0 (the leader) made no decision after attempt "
                        f"{self.attempt} within {2 * join_s + HANG_REPORT_WAIT_S:.0f} s: the run ends here")
-                return Decision(self.attempt, False, state, why)
+                return Decision(attempt=self.attempt, restart=False, state=state, reason=why)
             return decision
         # Every node's end, or its beat stopped (lost: it will write none), within join_s.
         def settled() -> bool:
@@ -397,7 +397,7 @@ class Supervisor:
         self._close_ledger(end)
         ledger = read_ledger(self.paths)
         if self.stopping:
-            ends[self.rank] = AttemptEnd(self.rank, self.attempt, RunState.STOPPED, "stopped on request", requested=True)
+            ends[self.rank] = AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.STOPPED, reason="stopped on request", requested=True)
         back = self.board.join_requests(self.absent) if self.policy.min_nodes else ()
         decision = attempts.decide(self.attempt, ends, ledger, self.policy, self.restarts, cause, failure, self.plan.hosts,
                                    joiners=back, rejoins_so_far=self.rejoins)
@@ -455,7 +455,7 @@ class Supervisor:
 
     def finish(self, state: RunState, reason: str, code: int | None = None) -> int:
         exit_code, sig = describe_returncode(code) if code is not None else (None, None)
-        write_exit(self.paths, NodeExit(self.rank, state, exit_code, sig, reason, time.time(), self.plan.run_id))
+        write_exit(self.paths, NodeExit(node_rank=self.rank, state=state, exit_code=exit_code, signal=sig, reason=reason, ended_at=time.time(), run_id=self.plan.run_id))
         self.say(f"{state}: {reason}")
         shutil.rmtree(self.progress_dir, ignore_errors=True)
         if self.board is not None:

@@ -67,7 +67,7 @@ class CheckpointChoice:
     """training.init_checkpoint: what an attempt without a checkpoint of the run's own loads."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NodePlan:
     """One node's part of a start: everything the node side needs, nothing it works out again."""
 
@@ -222,7 +222,7 @@ class CheckpointSpace:
     """Checkpoints kept on disk (training.keep_checkpoints): with the one being written, keep + 1 must fit."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CheckRequest:
     """What ``node-check`` checks on every node of a start (the same for each)."""
 
@@ -259,7 +259,7 @@ class NodeCheckRequest:
     """None: node 0 picks the first free port (MASTER_PORT unset); others: node 0 must answer there."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LinktestRequest:
     """``node-linktest``: this node's exchanges with its ring neighbours (all nodes at once)."""
 
@@ -356,8 +356,8 @@ def linktest_call(run: str, node_rank: int, host: str, artifact_root: Path, nnod
                   backend: str, interface: str | None = None, seconds: float | None = None) -> NodeCall:
     """``node-linktest``: this node's exchanges with its ring neighbours (all nodes at once), over
     ``interface`` when given, for ``seconds`` (LINK_TEST_S; the node's default when None)."""
-    return _call("node-linktest", LinktestRequest(target(run, node_rank, host, artifact_root), nnodes, master_addr, port,
-                                                  backend, interface, seconds))
+    return _call("node-linktest", LinktestRequest(target=target(run, node_rank, host, artifact_root), nnodes=nnodes, master_addr=master_addr, port=port,
+                                                  backend=backend, interface=interface, seconds=seconds))
 
 
 def coordination_port(master_port: int) -> int:
@@ -391,7 +391,7 @@ def decode_request(command: str, text: str):
 
 # -- the answers ------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NodeStarted:
     """``node-start``'s answer: the node's torchrun runs."""
 
@@ -404,7 +404,7 @@ class NodeStarted:
     run_id: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NodeStatus:
     """``node-status``'s answer."""
 
@@ -432,7 +432,7 @@ class NodeStatus:
     """The latest attempt's slow-rank warning in the node's log, while it stands (rank 0's node)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StopResult:
     """What a stop did on one node (``node-stop``'s answer)."""
 
@@ -454,7 +454,7 @@ class StopResult:
         return not self.left
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StopPreview:
     """What a stop would signal on one node (``node-stop --dry-run``'s answer); signals nothing."""
 
@@ -471,7 +471,7 @@ class StopPreview:
     grace_s: float = DEFAULT_STOP_GRACE_S
 
 
-@dataclass
+@dataclass(kw_only=True)
 class NodeReport:
     """``node-check``'s answer: every problem this node has, and the facts a plan settles on."""
 
@@ -493,7 +493,7 @@ class NodeReport:
     """Checks that could not run here, and why (no problem, but no all-clear either)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LinkReport:
     """``node-linktest``'s answer: this node's exchanges with its ring neighbours."""
 

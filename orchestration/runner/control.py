@@ -51,7 +51,7 @@ def batch_job_of(launch: LaunchEnv, run: str, only_this_node: bool) -> str | Non
 
 # -- stop -----------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StopOutcome:
     run: str
     dry_run: bool
@@ -87,13 +87,13 @@ def stop_run(launch: LaunchEnv, run: str, only_this_node: bool = False, grace_s:
     """Stop ``run`` everywhere it lives (or say what would be signalled, with ``dry_run``)."""
     job = batch_job_of(launch, run, only_this_node)
     if job:  # a batch job: Slurm ends every step of it (SIGTERM, then SIGKILL after KillWait)
-        return StopOutcome(run, dry_run, job=job, job_state=None if dry_run else slurm.cancel(job))
+        return StopOutcome(run=run, dry_run=dry_run, job=job, job_state=None if dry_run else slurm.cancel(job))
     sweep = read_sweep_record(launch.artifact_root, run)
     if sweep is not None and not sweep.ended:
         if not dry_run:
             request_sweep_stop(launch.artifact_root, run, f"stop {run}")
         stage = stop_run(launch, sweep.current_run, only_this_node, grace_s, dry_run) if sweep.current_run else None
-        return StopOutcome(run, dry_run, sweep=sweep, stage=stage)
+        return StopOutcome(run=run, dry_run=dry_run, sweep=sweep, stage=stage)
     results = stop_nodes(launch, run, run_nodes(launch, run, only_this_node), grace_s, dry_run)
     cancelled = []
     if launch.use_srun and not dry_run:  # a node srun could not reach: cancel its step instead
@@ -102,12 +102,12 @@ def stop_run(launch: LaunchEnv, run: str, only_this_node: bool = False, grace_s:
             record = read_pid_file(paths.node_pid_file(r.node_rank))
             if not r.ok and record and record.slurm_step and slurm.cancel_step(record.slurm_step):
                 cancelled.append((r.node_rank, r.host, record.slurm_step))
-    return StopOutcome(run, dry_run, nodes=tuple(results), cancelled_steps=tuple(cancelled))
+    return StopOutcome(run=run, dry_run=dry_run, nodes=tuple(results), cancelled_steps=tuple(cancelled))
 
 
 # -- status ---------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StatusReport:
     run: str
     nodes: tuple[NodeResult[NodeStatus], ...]
@@ -134,7 +134,7 @@ def _status_here(launch: LaunchEnv, run: str, rank: int, host: str, seq_length: 
     call = status_call(run, rank, host, launch.artifact_root, seq_length, by_heartbeat=True)
     code, line = answer_here(call, launch.environ)
     value = decode_payload(NodeStatus, json.loads(line)) if code == 0 else None
-    return NodeResult(rank, host, [], code, value, None if value else line, "")
+    return NodeResult(node_rank=rank, host=host, argv=[], returncode=code, value=value, error=None if value else line, output="")
 
 
 def node_statuses(launch: LaunchEnv, run: str, nodes: Sequence[tuple[int, str]], seq_length: int | None,
@@ -162,12 +162,12 @@ def collect_status(launch: LaunchEnv, run: str, only_this_node: bool = False) ->
         state = slurm.job_state(job)
         hosts = resolved.runtime.hosts if resolved and state != "PENDING" else ()
         nodes = node_statuses(launch, run, list(enumerate(hosts)), seq, by_heartbeat=True)
-        return StatusReport(run, tuple(nodes), job, state, ledger, max_attempts)
+        return StatusReport(run=run, nodes=tuple(nodes), job=job, job_state=state, attempts=ledger, max_attempts=max_attempts)
     nodes = run_nodes(launch, run, only_this_node)
     lost = lost_nodes(paths, this_start)  # not asked: their machines are gone
     asked = {r.node_rank: r for r in node_statuses(launch, run, [(k, h) for k, h in nodes if k not in lost], seq)}
     results = tuple(asked.get(k) or _lost_node(k, h, lost[k]) for k, h in nodes)
-    return StatusReport(run, results, attempts=ledger, max_attempts=max_attempts)
+    return StatusReport(run=run, nodes=results, attempts=ledger, max_attempts=max_attempts)
 
 
 def this_start_ledger(paths: RunPaths) -> list[AttemptRecord]:
@@ -191,8 +191,8 @@ def lost_nodes(paths: RunPaths, this_start: Sequence[AttemptRecord] | None = Non
 def _lost_node(rank: int, host: str, record: AttemptRecord) -> NodeResult[NodeStatus]:
     """A node the ledger says was lost, as its status (no connection is tried)."""
     why = f"lost in attempt {record.attempt}: {record.reason or 'its machine or supervisor was gone'}"
-    status = NodeStatus(rank, host, False, RunState.LOST, why, None, None, None, None, None, why[:160], "")
-    return NodeResult(rank, host, [], 0, status, None, "")
+    status = NodeStatus(node_rank=rank, host=host, alive=False, state=RunState.LOST, exit=why, run_failure=None, pid=None, last_iteration=None, train_iters=None, tokens_per_s=None, last_line=why[:160], log="")
+    return NodeResult(node_rank=rank, host=host, argv=[], returncode=0, value=status, error=None, output="")
 
 
 # -- the end --------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ FIXES = ("check NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME (the interface every nod
          "(the InfiniBand adapters), NCCL_NET (IB, not Socket), and the node's cable and port speed")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LinkRow:
     node_rank: int
     host: str
@@ -46,9 +46,9 @@ def link_rows(reports: Sequence[LinkReport], interfaces: Mapping[int, str | None
     best = {r.node_rank: max(r.rates_gbs.values()) for r in reports if r.rates_gbs and not r.error}
     median = statistics.median(best.values()) if best else None
     compare = len(best) >= 3 and median
-    return [LinkRow(r.node_rank, r.host, (interfaces or {}).get(r.node_rank), best.get(r.node_rank), dict(r.rates_gbs),
-                    r.transport, bool(compare and best.get(r.node_rank, median) < SLOW_LINK_FRACTION * median), r.error,
-                    dict(r.allreduce_s) or None)
+    return [LinkRow(node_rank=r.node_rank, host=r.host, interface=(interfaces or {}).get(r.node_rank), best_gbs=best.get(r.node_rank), links=dict(r.rates_gbs),
+                    transport=r.transport, slow=bool(compare and best.get(r.node_rank, median) < SLOW_LINK_FRACTION * median), error=r.error,
+                    allreduce_s=dict(r.allreduce_s) or None)
             for r in sorted(reports, key=lambda r: r.node_rank)]
 
 

@@ -98,9 +98,9 @@ def check_request(launch: LaunchEnv, inputs: StartInputs, shared_token: Path | N
     required = [*params.data.paths, *([tok.model_path] if tok.model_path else []),
                 *([params.model.hf_checkpoint] if params.model.hf_checkpoint else [])]  # MODEL = a Hugging Face directory
     size = parameters_to_save(params)
-    return CheckRequest(launch.master_addr, launch.nproc_per_node, launch.nnodes,
-                        str(shared_token) if shared_token is not None else None, tuple(required),
-                        (tok.type, tok.model_path) if tok.model_path else None, required_modules(launch),
+    return CheckRequest(master_addr=launch.master_addr, nproc_per_node=launch.nproc_per_node, nnodes=launch.nnodes,
+                        shared_token=str(shared_token) if shared_token is not None else None, required_paths=tuple(required),
+                        tokenizer=(tok.type, tok.model_path) if tok.model_path else None, required_modules=required_modules(launch),
                         needs_cuda=params.training.engine == "megatron-lm",
                         checkpoints=CheckpointSpace(str(checkpoint_target(launch, inputs.run)), size,
                                                     params.training.keep_checkpoints) if size else None,
@@ -161,5 +161,5 @@ def measure_links(launch: LaunchEnv, inputs: StartInputs, reports: Sequence[Node
     results = call_nodes(launch, inputs.nodes, lambda rank, host: linktest_call(
         inputs.run, rank, host, launch.artifact_root, launch.nnodes, launch.master_addr, port, backend,
         interfaces.get(rank), launch.link_test_s), LinkReport, timeout_s=LINKTEST_TIMEOUT_S + 30)
-    answers = [r.value if r.ok else LinkReport(r.node_rank, r.host, error=r.error or r.describe_failure()) for r in results]
+    answers = [r.value if r.ok else LinkReport(node_rank=r.node_rank, host=r.host, error=r.error or r.describe_failure()) for r in results]
     return link_rows(answers, interfaces)

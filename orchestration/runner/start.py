@@ -185,12 +185,12 @@ def start_srun_step(launch: LaunchEnv, plan: StartPlan, paths: RunPaths) -> list
                                   timeout_s=max(0.0, deadline - time.monotonic()))
         if wait.started:
             r = wait.record
-            started = NodeStarted(rank, node_plan.host, r.pid, r.pgid, r.supervisor_pid or 0, node_plan.log_path, plan.run_id)
-            results.append(NodeResult(rank, node_plan.host, argv, 0, started, None, ""))
+            started = NodeStarted(node_rank=rank, host=node_plan.host, pid=r.pid, pgid=r.pgid, supervisor_pid=r.supervisor_pid or 0, log=node_plan.log_path, run_id=plan.run_id)
+            results.append(NodeResult(node_rank=rank, host=node_plan.host, argv=argv, returncode=0, value=started, error=None, output=""))
         else:
             ended = wait.ended or read_exit(paths, rank, plan.run_id)
             why = ended.reason if ended else f"srun exited with {client.returncode}" if client.poll() is not None else "no answer"
-            results.append(NodeResult(rank, node_plan.host, argv, 1, None, f"{why}; see {srun_log} and {node_plan.log_path}", ""))
+            results.append(NodeResult(node_rank=rank, host=node_plan.host, argv=argv, returncode=1, value=None, error=f"{why}; see {srun_log} and {node_plan.log_path}", output=""))
     return results
 
 

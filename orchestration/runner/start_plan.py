@@ -64,7 +64,7 @@ class Step:
     """A check (reads, changes nothing): a dry run runs it too. Else an action, which it only lists."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StartInputs:
     """What a start read before planning (:func:`read_start_inputs`)."""
 
@@ -92,7 +92,7 @@ class StartInputs:
     """CHECKPOINT_ROOT: the run's checkpoint folder is to be linked there (the start does it)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StartPlan:
     run: str
     run_id: str
@@ -158,9 +158,9 @@ def read_start_inputs(launch: LaunchEnv, model: str, data: str, run: str, nodes:
 
         prepared = planned_prepared(params.data, paths.data_cache_dir)
         ready = is_prepared(params.data, paths.data_cache_dir)
-    return StartInputs(model, data, run, tuple(nodes), params, geometry, f"{run}-{uuid.uuid4().hex[:10]}", resume_from,
-                       note, first_attempt(paths, continue_ledger=launch.slurm_restart_count > 0), prepared, ready,
-                       checkout, check_checkpoint_link(launch, run))
+    return StartInputs(model=model, data=data, run=run, nodes=tuple(nodes), params=params, geometry=geometry, run_id=f"{run}-{uuid.uuid4().hex[:10]}", resume_from=resume_from,
+                       resume_note=note, first_attempt=first_attempt(paths, continue_ledger=launch.slurm_restart_count > 0), prepared=prepared, data_ready=ready,
+                       checkout=checkout, link_checkpoints=check_checkpoint_link(launch, run))
 
 
 def checkpoint_target(launch: LaunchEnv, run: str) -> Path:
@@ -350,6 +350,6 @@ def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeRep
     if answers is None:
         notes.append("the nodes were not asked (no preflight): MASTER_PORT, the socket interfaces and the node-local "
                      "directories are what a start would settle, not what it will use")
-    return StartPlan(inputs.run, inputs.run_id, ResolvedRun(params, runtime), inputs.geometry, tuple(node_plans),
-                     inputs.resume_from, program, launch.python, launch.cwd, tuple(notes), inputs.first_attempt,
-                     plan_steps(inputs, program, len(inputs.nodes)), answers is not None, launch.master_port)
+    return StartPlan(run=inputs.run, run_id=inputs.run_id, resolved=ResolvedRun(params, runtime), geometry=inputs.geometry, nodes=tuple(node_plans),
+                     resume_from=inputs.resume_from, program=program, python=launch.python, cwd=launch.cwd, notes=tuple(notes), first_attempt=inputs.first_attempt,
+                     steps=plan_steps(inputs, program, len(inputs.nodes)), settled=answers is not None, master_port=launch.master_port)

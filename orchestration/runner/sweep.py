@@ -64,7 +64,7 @@ class SweepStopped(Exception):
     """Ctrl-C, SIGTERM or SIGHUP reached the sweep, or ``stop PREFIX`` asked it to stop."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StageResult:
     stage: int
     run: str
@@ -151,7 +151,7 @@ class Sweep:
         self.nodes = list(enumerate(launch.hosts))
         self.engine = launch.overrides.engine
         pid = os.getpid()
-        self.record = SweepRecord(prefix, pid, process_start_time(pid) or 0, socket.gethostname(), tuple(stages))
+        self.record = SweepRecord(prefix=prefix, pid=pid, start_time=process_start_time(pid) or 0, hostname=socket.gethostname(), stages=tuple(stages))
 
     # the record ---------------------------------------------------------------------------
 
@@ -201,7 +201,7 @@ class Sweep:
         return best[1]
 
     def outcome(self, state: RunState, stage: int, reason: str | None = None) -> RunOutcome:
-        return RunOutcome(state, reason, zero_stage=stage, engine=self.engine,
+        return RunOutcome(status=state, reason=reason, zero_stage=stage, engine=self.engine,
                           nnodes=self.launch.nnodes, nproc_per_node=self.launch.nproc_per_node)
 
     def stop_everywhere(self, run: str) -> None:
@@ -230,12 +230,12 @@ class Sweep:
                 result = start_run(stage_launch, planned)
             except UserError as exc:
                 self._check_stop_request(stage, run, "while it started")
-                return StageResult(stage, run, self.outcome(RunState.FAILED, stage, f"did not start: error: {exc}"),
-                                   time.monotonic() - started)
+                return StageResult(stage=stage, run=run, outcome=self.outcome(RunState.FAILED, stage, f"did not start: error: {exc}"),
+                                   elapsed_s=time.monotonic() - started)
             self._check_stop_request(stage, run, "while it started")
             if not result.started:
-                return StageResult(stage, run, self.outcome(RunState.FAILED, stage, f"did not start: {result.failure()[:400]}"),
-                                   time.monotonic() - started)
+                return StageResult(stage=stage, run=run, outcome=self.outcome(RunState.FAILED, stage, f"did not start: {result.failure()[:400]}"),
+                                   elapsed_s=time.monotonic() - started)
             statuses = self.wait(stage, run, t.seq_length, t.train_iters, started)
         except (KeyboardInterrupt, SweepStopped) as exc:
             self.stop_everywhere(run)
@@ -248,15 +248,15 @@ class Sweep:
         states = [s.state if s else None for s in statuses.values()]
         failed = any(state is not None and state.failed for state in states)
         if last >= t.train_iters and not failed:
-            return StageResult(stage, run, self.outcome(RunState.FINISHED, stage), elapsed, last, t.train_iters, final_loss)
+            return StageResult(stage=stage, run=run, outcome=self.outcome(RunState.FINISHED, stage), elapsed_s=elapsed, last_iteration=last, train_iters=t.train_iters, final_loss=final_loss)
         if not failed and RunState.STOPPED in states and None not in states:
             self.stop_everywhere(run)  # someone stopped this stage's run itself
-            return StageResult(stage, run, self.outcome(RunState.STOPPED, stage, f"stopped on request at iteration {last}/"
+            return StageResult(stage=stage, run=run, outcome=self.outcome(RunState.STOPPED, stage, f"stopped on request at iteration {last}/"
                                                         f"{t.train_iters} (stop {run}); the sweep goes on"),
-                               elapsed, last, t.train_iters, final_loss)
+                               elapsed_s=elapsed, last_iteration=last, train_iters=t.train_iters, final_loss=final_loss)
         reason = self.reason(statuses)
         self.stop_everywhere(run)
-        return StageResult(stage, run, self.outcome(RunState.FAILED, stage, reason), elapsed, last, t.train_iters, final_loss)
+        return StageResult(stage=stage, run=run, outcome=self.outcome(RunState.FAILED, stage, reason), elapsed_s=elapsed, last_iteration=last, train_iters=t.train_iters, final_loss=final_loss)
 
     # the whole sweep -------------------------------------------------------------------------
 
@@ -271,8 +271,8 @@ class Sweep:
                     result = self.run_stage(stage)
                 except (SweepStopped, KeyboardInterrupt) as exc:
                     stopped = str(exc) or "Ctrl-C"
-                    results.append(StageResult(stage, stage_run_name(self.prefix, stage),
-                                               self.outcome(RunState.STOPPED, stage, stopped), 0.0))
+                    results.append(StageResult(stage=stage, run=stage_run_name(self.prefix, stage),
+                                               outcome=self.outcome(RunState.STOPPED, stage, stopped), elapsed_s=0.0))
                     return results, stopped
                 results.append(result)
                 self.report(describe_stage(self.launch, result), True)

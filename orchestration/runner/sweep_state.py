@@ -16,7 +16,7 @@ from megatron_ext.run_spec.json_files import read_json, write_json_atomic
 from megatron_ext.run_spec.run_paths import RunPaths
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SweepRecord:
     """``run_state/<prefix>.sweep.json``: written by a sweep when it starts, before each stage and
     when it ends. ``stop PREFIX`` writes ``<prefix>.sweep.stop`` (a file of its own, so the two
