@@ -34,7 +34,7 @@ def main() -> None:
     from megatron_ext.run_spec.flops import padded_vocab_size
     from megatron_ext.run_spec.params import load_run_params, with_batch_geometry
     from megatron_ext.run_spec.run_paths import artifact_root
-    from megatron_ext.training.cpu_compat import install_cpu_compat
+    from megatron_ext.training.megatron_on_cpu import install_megatron_on_cpu
     from megatron_ext.training.datasets import build_datasets, global_batch_slice
     import dataclasses
 
@@ -46,7 +46,7 @@ def main() -> None:
     prepared = ensure_prepared(params.data, root / "data_cache")
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(1, 1)
-    install_cpu_compat(t.seed)
+    install_megatron_on_cpu(t.seed)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     torch.manual_seed(t.seed)
     vocab = padded_vocab_size(model_vocab_size(m, prepared.vocab_size), m.make_vocab_size_divisible_by)

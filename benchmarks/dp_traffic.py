@@ -63,12 +63,12 @@ def cpu_trainer(stage: int):
 
     from megatron_ext.run_spec.params import TrainingParams, load_model
     from megatron_ext.run_spec.zero import ZeroStage
-    from megatron_ext.training.cpu_compat import install_cpu_compat
+    from megatron_ext.training.megatron_on_cpu import install_megatron_on_cpu
     from megatron_ext.training.model import build_gpt_model
     from megatron_ext.training.trainers import wrap_cpu
 
     torch.manual_seed(1234)
-    install_cpu_compat(1234)
+    install_megatron_on_cpu(1234)
     module = build_gpt_model(load_model("gpt_smoke"), w.VOCAB, w.SEQ, params_dtype=torch.float32)
     t = TrainingParams(lr=3e-3, clip_grad=1.0, weight_decay=0.01)
     trainer = wrap_cpu(module, ZeroStage(stage), t)
@@ -123,10 +123,10 @@ def worker(args) -> None:
     with cuda_on_cpu() if args.engine == "cuda" else contextlib.nullcontext():
         from megatron.core import package_info, parallel_state
 
-        from megatron_ext.training.cpu_compat import install_cpu_compat
+        from megatron_ext.training.megatron_on_cpu import install_megatron_on_cpu
 
         parallel_state.initialize_model_parallel(1, 1)
-        install_cpu_compat(1234)
+        install_megatron_on_cpu(1234)
         result["megatron_core"] = package_info.__version__
         for reduction in args.reductions if args.engine == "cuda" else ["fp32"]:
             for stage in args.stages:

@@ -10,7 +10,7 @@ LAUNCHER_ATTEMPT; WANDB_PROJECT, WANDB_ENTITY, WANDB_NAME, WANDB_DIR, WANDB_MODE
 last rank logs to W&B), checks parameters, batch geometry, megatron-core and the data paths before
 any process group exists, and hands over to :class:`megatron_ext.training.loop.Pretrain`. With
 CUDA: NCCL, one GPU per LOCAL_RANK, bf16, transformer-engine layers when they import. Without:
-gloo, fp32, megatron-core's local layers (see training/cpu_compat.py). A user error is one message
+gloo, fp32, megatron-core's local layers (see training/megatron_on_cpu.py). A user error is one message
 from rank 0 and exit code 2.
 """
 
@@ -78,10 +78,10 @@ def check_device_connections(stage: int, env: Mapping[str, str]) -> None:
 
 def check_megatron_fsdp(stage: int, env: Mapping[str, str]) -> None:
     """Stages 2-3 on GPUs run Megatron-FSDP: refuse before the model is built if this
-    megatron-core's cannot run on this torch (training/compat.py)."""
+    megatron-core's cannot run on this torch (training/megatron_core_apis.py)."""
     if stage < 2 or not visible_gpu_count(env):
         return
-    from megatron_ext.training.compat import megatron_fsdp_incompatibility
+    from megatron_ext.training.megatron_core_apis import megatron_fsdp_incompatibility
 
     reason = megatron_fsdp_incompatibility()
     if reason:
@@ -128,7 +128,7 @@ def resolve(args, env: Mapping[str, str], checked: CheckedInputs | None = None):
     :func:`check_inputs` (unless ``checked`` is its answer), then megatron-core's release and
     Megatron-FSDP's prerequisites."""
     from megatron_ext.training.loop import RankEnv, RunInputs
-    from megatron_ext.training.versions import ALLOW_UNTESTED_ENV, check_megatron_core
+    from megatron_ext.training.megatron_core_releases import ALLOW_UNTESTED_ENV, check_megatron_core
 
     checked = checked or check_inputs(args, env)
     ranks = RankEnv(**checked.ranks)

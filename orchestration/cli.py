@@ -40,18 +40,18 @@ from orchestration.analysis.checkpoint_health import (check_run_checkpoints, for
 from orchestration.analysis.compare import DEFAULT_WARMUP_ITERATIONS, compare_runs
 from orchestration.analysis.memory_plan import (DEFAULT_BUS_BANDWIDTH_GBS, DEFAULT_DEVICE, DEFAULT_HEADROOM, DEVICES,
                                                 MemoryRequest, plan_memory_request)
-from orchestration.analysis.report import comparison_name, describe_files, write_comparison
+from orchestration.analysis.comparison_files import comparison_name, describe_files, write_comparison
 from orchestration.analysis.tables import format_comparison, format_memory_plan
 from orchestration.runner.links import format_links
 from orchestration.cluster import slurm
 from orchestration.import_args.importer import import_arg_files
 from orchestration.import_args.outputs import check_outputs, write_outputs
-from orchestration.import_args.report import imported_yaml, render_report
+from orchestration.import_args.yaml_files import imported_yaml, render_report
 from orchestration.launch_env import LaunchEnv, launch_env_from_process
 from orchestration.node.wire import DEFAULT_STOP_GRACE_S, StopPreview, encode_payload, node_label, stop_command
 from orchestration.runner import control, rejoin
 from orchestration.runner.export import export_argv, run_export
-from orchestration.runner.nodes import start_nodes, this_node
+from orchestration.runner.nodes import nodes_to_start, this_node
 from orchestration.runner.preflight import Problem
 from orchestration.runner.start import (PlannedStart, follow_until_ended, log_size, plan_settled_start, run_checks,
                                         start_run)
@@ -153,7 +153,7 @@ def _start(launch: LaunchEnv, planned):
 
 
 def cmd_start(args, launch: LaunchEnv) -> int:
-    nodes = start_nodes(launch, args.this_node)
+    nodes = nodes_to_start(launch, args.this_node)
     planned = plan_settled_start(launch, args.model, args.data, args.run, nodes)
     for text in planned.plan.notes:
         note(text)
@@ -225,7 +225,7 @@ def cmd_train(args, launch: LaunchEnv) -> int:
 
 def cmd_preflight(args, launch: LaunchEnv) -> int:
     """The start's checks on every node, on their own: nothing is started."""
-    nodes = start_nodes(launch, args.this_node)
+    nodes = nodes_to_start(launch, args.this_node)
     planned = plan_settled_start(launch, args.model, args.data, args.run, nodes)
     if planned.preflight.links:
         print(format_links(planned.preflight.links))

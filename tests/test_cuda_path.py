@@ -252,11 +252,11 @@ def test_sdpa_attention_equals_megatron_dot_product_attention(groups, dropout, t
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_ext.training.cpu_compat import install_cpu_compat
+    from megatron_ext.training.megatron_on_cpu import install_megatron_on_cpu
     from megatron_ext.training.sdpa_attention import SdpaAttention
 
     ensure_model_parallel()
-    install_cpu_compat(1234)
+    install_megatron_on_cpu(1234)
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=groups,
                                attention_dropout=dropout, use_cpu_initialization=True, masked_softmax_fusion=False)
     torch.manual_seed(0)
@@ -294,11 +294,11 @@ def test_megatron_fsdp_refuses_one_device_connection_at_the_edge():
 
 def test_megatron_fsdp_that_cannot_run_on_this_torch_is_refused_at_the_edge():
     """megatron-core 0.14's Megatron-FSDP reads DeviceMesh bookkeeping that newer torch dropped
-    (training/compat.py); stages 2-3 on GPUs then stop before the model is built, saying why.
+    (training/megatron_core_apis.py); stages 2-3 on GPUs then stop before the model is built, saying why.
     With the tested release here (0.16.1 in CI) nothing is refused; 0.14.0 was checked by hand."""
     from megatron_ext.pretrain import check_megatron_fsdp
     from megatron_ext.run_spec.errors import UserError
-    from megatron_ext.training.compat import megatron_fsdp_incompatibility
+    from megatron_ext.training.megatron_core_apis import megatron_fsdp_incompatibility
 
     gpu = {"CUDA_VISIBLE_DEVICES": "0"}
     reason = megatron_fsdp_incompatibility()
@@ -319,7 +319,7 @@ def test_bias_activation_fusion_only_where_it_computes_the_models_activation(mod
     --bias-gelu-fusion default trains that other function)."""
     import torch._dynamo
 
-    from megatron_ext.training.cpu_compat import install_cpu_compat
+    from megatron_ext.training.megatron_on_cpu import install_megatron_on_cpu
     from megatron_ext.training.model import transformer_config
 
     preset = (dataclasses.replace(load_model("gpt_smoke"), gelu_tanh=True) if model == "gpt_smoke_tanh"
@@ -331,7 +331,7 @@ def test_bias_activation_fusion_only_where_it_computes_the_models_activation(mod
     positions = torch.arange(16).expand(2, 16)
 
     def logits(fusion: bool) -> torch.Tensor:
-        install_cpu_compat(1234)
+        install_megatron_on_cpu(1234)
         torch.manual_seed(0)
         gpt = build_gpt_model(preset, 256, 16, kernels=dataclasses.replace(CPU_KERNELS, bias_activation_fusion=fusion),
                               **({"bias_activation_fusion": True} if fusion else {}))

@@ -46,7 +46,7 @@ WORKER = REPO / "tests" / "cuda_on_cpu" / "worker.py"
 def fsdp_stages_or_skip(stages: str) -> str:
     """``stages`` without 2 and 3 where Megatron-FSDP cannot run on this torch (megatron-core 0.14:
     the program refuses it); a skip when nothing is left."""
-    from megatron_ext.training.compat import megatron_fsdp_incompatibility
+    from megatron_ext.training.megatron_core_apis import megatron_fsdp_incompatibility
 
     if reason := megatron_fsdp_incompatibility():
         stages = ",".join(s for s in stages.split(",") if int(s) < 2)

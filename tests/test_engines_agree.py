@@ -161,12 +161,12 @@ def test_final_weights_agree_and_megatron_lm_s_checkpoint_exports_to_transformer
     from megatron_ext.export_hf import read_model_weights
     from megatron_ext.run_spec.megatron_lm_checkpoints import find_megatron_lm_checkpoint
     from megatron_ext.run_spec.params import load_model
-    from megatron_ext.training.cpu_compat import install_cpu_compat
+    from megatron_ext.training.megatron_on_cpu import install_megatron_on_cpu
     from megatron_ext.training.megatron_lm_weights import load_megatron_lm_weights, read_megatron_lm_weights
     from megatron_ext.training.model import build_gpt_model, ensure_model_parallel
 
     ensure_model_parallel()
-    install_cpu_compat(1234)
+    install_megatron_on_cpu(1234)
     preset = load_model("gpt_smoke")
     model = build_gpt_model(preset, 2048, 128)
     theirs_checkpoint = find_megatron_lm_checkpoint(artifact_root / "runs" / "engines_lm_s0" / "checkpoints")

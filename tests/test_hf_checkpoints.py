@@ -91,11 +91,11 @@ def tiny_hf_model(kind: str, directory: Path, seed: int = 0):
 
 @pytest.fixture(scope="module")
 def cpu_megatron():
-    from megatron_ext.training.cpu_compat import install_cpu_compat
+    from megatron_ext.training.megatron_on_cpu import install_megatron_on_cpu
     from megatron_ext.training.model import ensure_model_parallel
 
     ensure_model_parallel()
-    install_cpu_compat(1234)
+    install_megatron_on_cpu(1234)
 
 
 @pytest.mark.parametrize("kind", sorted(TINY))

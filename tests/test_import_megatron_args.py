@@ -25,7 +25,7 @@ from megatron_ext.run_spec.zero import megatron_lm_flags_for_stage
 from orchestration import cli
 from orchestration.import_args import given_flags
 from orchestration.import_args import importer as mli
-from orchestration.import_args import report as mly
+from orchestration.import_args import yaml_files as mly
 from orchestration.import_args.flag_reader import FIXED, LAUNCHER, NOT_IMPORTED
 from orchestration.import_args.importer import load_flag_table
 from orchestration.import_args.shell import read_files

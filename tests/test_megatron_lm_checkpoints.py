@@ -42,11 +42,11 @@ MEGATRON_LM_GPT_SMOKE_KEYS = {  # global key -> shape, as Megatron-LM wrote them
 
 @pytest.fixture(scope="module")
 def cpu_megatron():
-    from megatron_ext.training.cpu_compat import install_cpu_compat
+    from megatron_ext.training.megatron_on_cpu import install_megatron_on_cpu
     from megatron_ext.training.model import ensure_model_parallel
 
     ensure_model_parallel()
-    install_cpu_compat(1234)
+    install_megatron_on_cpu(1234)
 
 
 def build(preset: str, vocab: int = 2048, dtype=torch.float32, seed: int = 0):

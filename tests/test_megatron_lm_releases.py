@@ -206,7 +206,7 @@ def test_an_argument_file_for_0_16_imports_against_a_0_19_checkout(read, tmp_pat
     """import-megatron-args with the core_v0.19.0 checkout: the old flags are translated or dropped,
     each a note naming file and line; a refused one is one error naming file and line."""
     from orchestration.import_args.importer import import_files, load_flag_table
-    from orchestration.import_args.report import render_report
+    from orchestration.import_args.yaml_files import render_report
 
     table = read["core_v0.19.0"].table.without_optional()  # what load_flag_table(MEGATRON_LM_DIR) gives
     files = [(str(p), p.read_text()) for p in sorted((DATA / "args" / "params" / "qwen3_1p7b").glob("*.sh"))]

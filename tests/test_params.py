@@ -100,7 +100,7 @@ def test_learning_rate_warmup_then_cosine():
 
 
 def test_megatron_core_version_gate():
-    from megatron_ext.training.versions import check_megatron_core
+    from megatron_ext.training.megatron_core_releases import check_megatron_core
 
     for tested in ("0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2", "0.16.0rc1"):
         assert check_megatron_core(tested) == (tested, None)

@@ -210,7 +210,7 @@ def test_plan_memory_script_for_32_gpus():
 
 
 def test_launcher_side_never_imports_torch():
-    code = ("import sys, orchestration.cli, orchestration.analysis.memory_plan, orchestration.analysis.report, "
+    code = ("import sys, orchestration.cli, orchestration.analysis.memory_plan, orchestration.analysis.comparison_files, "
             "orchestration.runner.sweep; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'matplotlib'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout

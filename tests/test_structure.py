@@ -26,11 +26,11 @@ LAZY_IMPORTS = {
     ("orchestration/megatron_lm/validate.py", "megatron"): "the child imports the checkout's megatron",
     ("orchestration/megatron_lm/validate.py", "megatron.training"): "the same, after sys.path holds the checkout",
     ("orchestration/megatron_lm/validate.py", "torch"): "whatever torch the checkout's environment has",
-    ("orchestration/analysis/report.py", "matplotlib"): "optional, and slow to import",
+    ("orchestration/analysis/comparison_files.py", "matplotlib"): "optional, and slow to import",
     ("orchestration/node/flight_recorder.py", "torch.distributed.flight_recorder.components.builder"):
         "torch's analyser, imported by the supervisor only at a hang (torch takes seconds to import)",
     ("orchestration/node/flight_recorder.py", "torch.distributed.flight_recorder.components.config_manager"): "the same",
-    ("orchestration/analysis/report.py", "matplotlib.pyplot"): "the same",
+    ("orchestration/analysis/comparison_files.py", "matplotlib.pyplot"): "the same",
     ("orchestration/node/preflight.py", "megatron_ext.data.tokenizers"): "node-check alone checks a tokenizer",
     ("orchestration/node/preflight.py", "megatron_ext.run_spec.params"): "the same",
     ("orchestration/__main__.py", "orchestration.node.commands"): "node commands load nothing of the launcher",

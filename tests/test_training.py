@@ -98,7 +98,7 @@ def test_rank_0_writes_tensorboard_events(stage_runs, artifact_root):
 
 @pytest.mark.slow
 def test_qwen3_shaped_smoke_trains_identically_under_stage_0_and_3(artifact_root):
-    """RoPE (kept on the CPU on every megatron-core release, see training/compat.py), RMSNorm,
+    """RoPE (kept on the CPU on every megatron-core release, see training/megatron_core_apis.py), RMSNorm,
     QK-layernorm, SwiGLU and grouped-query attention through the SDPA core attention."""
     losses = {}
     for stage in (0, 3):

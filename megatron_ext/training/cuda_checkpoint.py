@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_ext.training.compat import (
+from megatron_ext.training.megatron_core_apis import (
     distributed_optimizer_sharding_type, serializable_content_metadata, with_fsdp_shards_in_place,
 )
 

@@ -39,7 +39,7 @@ from megatron_ext.run_spec.checkpoints import ddp_bucket_elements
 from megatron_ext.run_spec.params import TrainingParams
 from megatron_ext.run_spec.zero import ZeroStage, strategy_for
 from megatron_ext.training import cuda_checkpoint
-from megatron_ext.training.compat import with_fsdp_shards_in_place
+from megatron_ext.training.megatron_core_apis import with_fsdp_shards_in_place
 from megatron_ext.training.trainers import NonFiniteGradients, Trainer, name_non_finite_ranks
 
 

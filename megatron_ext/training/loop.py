@@ -180,9 +180,9 @@ class Pretrain:
 
             tensor_parallel.model_parallel_cuda_manual_seed(self.t.seed)
         else:
-            from megatron_ext.training.cpu_compat import install_cpu_compat
+            from megatron_ext.training.megatron_on_cpu import install_megatron_on_cpu
 
-            install_cpu_compat(self.t.seed)
+            install_megatron_on_cpu(self.t.seed)
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.ranks.local_world_size))
         torch.manual_seed(self.t.seed)
 

@@ -225,7 +225,7 @@ def write_megatron_lm_checkpoint(module: torch.nn.Module, save_dir: Path, iterat
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from megatron_ext.training.compat import serializable_content_metadata
+    from megatron_ext.training.megatron_core_apis import serializable_content_metadata
 
     target = save_dir / iteration_dir_name(iteration)
     first = not dist.is_initialized() or dist.get_rank() == 0

@@ -18,7 +18,7 @@ from megatron_ext.run_spec.fp8 import version_tuple
 from megatron_ext.run_spec.flops import padded_vocab_size
 from megatron_ext.run_spec.model_size import ParameterCount
 from megatron_ext.run_spec.params import ModelPreset
-from megatron_ext.training.versions import parse_version
+from megatron_ext.training.megatron_core_releases import parse_version
 
 
 def model_vocab_size(preset: ModelPreset, tokenizer_vocab: int | None) -> int:

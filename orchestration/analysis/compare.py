@@ -8,7 +8,7 @@ nodes, processes, the model for the memory plan). Speed is the median over the i
 the warm-up ones; ratios and loss differences are against the first run named that has records,
 measured in the same table; "plan" columns come from :mod:`orchestration.analysis.memory_plan` (fp32 AdamW
 for CPU runs, Megatron's bf16 figures for GPU runs). Pure apart from reading those files; the
-files a comparison writes (PNG, JSON, CSV) are :mod:`orchestration.analysis.report`'s.
+files a comparison writes (PNG, JSON, CSV) are :mod:`orchestration.analysis.comparison_files`'s.
 """
 
 from __future__ import annotations

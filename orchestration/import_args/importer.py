@@ -9,7 +9,7 @@ overrides an earlier file's (:mod:`orchestration.import_args.given_flags`). Flag
 the checkout retired are translated, dropped or refused first, one line each in the report
 (:func:`retire_old_flags`). Each flag then either
 maps onto a field of the params or is listed (:mod:`orchestration.import_args.mapping`);
-:mod:`orchestration.import_args.report` writes the result.
+:mod:`orchestration.import_args.yaml_files` writes the result.
 
 Pure apart from :func:`read_arg_files` and :func:`load_flag_table`, which read files.
 """
@@ -89,7 +89,7 @@ def import_files(files: Sequence[tuple[str, str]], table: FlagTable, variables: 
 
 def import_arg_files(paths: Sequence[str], variables: Sequence[str] = (), megatron_lm_dir: str | None = None) -> ImportedArgs:
     """Read the files and the flag table (the checkout's, or the shipped one), and import
-    (:mod:`orchestration.import_args.report` writes the result)."""
+    (:mod:`orchestration.import_args.yaml_files` writes the result)."""
     return import_files(read_arg_files(paths), load_flag_table(megatron_lm_dir), parse_variables(variables))
 
 

@@ -34,7 +34,7 @@ from megatron_ext.run_spec.fp8 import fp8_problem
 from megatron_ext.run_spec.model_size import CHECKPOINT_BYTES_PER_PARAMETER, checkpoint_bytes
 from megatron_ext.run_spec.python_version import python_problem
 from megatron_ext.run_spec.wandb_run import wandb_missing_message
-from megatron_ext.training.versions import check_megatron_core
+from megatron_ext.training.megatron_core_releases import check_megatron_core
 from orchestration.node.gpu_health import read_gpu_health
 from orchestration.node.processes import port_is_free
 from orchestration.node.wire import NodeCheckRequest, NodeReport, coordination_port

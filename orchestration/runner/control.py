@@ -33,7 +33,7 @@ from orchestration.node.run_state import (AttemptRecord, RunState, read_heartbea
 from orchestration.node.local import answer_here
 from orchestration.node.wire import (DEFAULT_STOP_GRACE_S, NodeStatus, StopPreview, StopResult, decode_payload, status_call,
                                      stop_call)
-from orchestration.runner.nodes import Nodes, run_nodes
+from orchestration.runner.nodes import Nodes, nodes_of_run
 from orchestration.runner.sweep_state import SweepRecord, read_sweep_record, request_sweep_stop
 
 STATUS_TIMEOUT_S = 60.0
@@ -94,7 +94,7 @@ def stop_run(launch: LaunchEnv, run: str, only_this_node: bool = False, grace_s:
             request_sweep_stop(launch.artifact_root, run, f"stop {run}")
         stage = stop_run(launch, sweep.current_run, only_this_node, grace_s, dry_run) if sweep.current_run else None
         return StopOutcome(run=run, dry_run=dry_run, sweep=sweep, stage=stage)
-    results = stop_nodes(launch, run, run_nodes(launch, run, only_this_node), grace_s, dry_run)
+    results = stop_nodes(launch, run, nodes_of_run(launch, run, only_this_node), grace_s, dry_run)
     cancelled = []
     if launch.use_srun and not dry_run:  # a node srun could not reach: cancel its step instead
         paths = RunPaths(launch.artifact_root, run)
@@ -163,7 +163,7 @@ def collect_status(launch: LaunchEnv, run: str, only_this_node: bool = False) ->
         hosts = resolved.runtime.hosts if resolved and state != "PENDING" else ()
         nodes = node_statuses(launch, run, list(enumerate(hosts)), seq, by_heartbeat=True)
         return StatusReport(run=run, nodes=tuple(nodes), job=job, job_state=state, attempts=ledger, max_attempts=max_attempts)
-    nodes = run_nodes(launch, run, only_this_node)
+    nodes = nodes_of_run(launch, run, only_this_node)
     lost = lost_nodes(paths, this_start)  # not asked: their machines are gone
     asked = {r.node_rank: r for r in node_statuses(launch, run, [(k, h) for k, h in nodes if k not in lost], seq)}
     results = tuple(asked.get(k) or _lost_node(k, h, lost[k]) for k, h in nodes)
@@ -300,4 +300,4 @@ def save_and_wait(launch: LaunchEnv, run: str, only_this_node: bool, timeout_s: 
     """``stop --save``: ask every node to save at the next step and end; wait for their ends."""
     paths = RunPaths(launch.artifact_root, run)
     request_save(paths, "stop --save", current_run_id(paths))
-    return wait_until_ended(launch, run, run_nodes(launch, run, only_this_node), timeout_s=timeout_s)
+    return wait_until_ended(launch, run, nodes_of_run(launch, run, only_this_node), timeout_s=timeout_s)

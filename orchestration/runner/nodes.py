@@ -20,15 +20,15 @@ def this_node(launch: LaunchEnv) -> Nodes:
     return [(launch.node_rank, "localhost")]
 
 
-def start_nodes(launch: LaunchEnv, only_this_node: bool) -> Nodes:
+def nodes_to_start(launch: LaunchEnv, only_this_node: bool) -> Nodes:
     """The nodes a start reaches: this one (``--this-node``), or every host."""
     return this_node(launch) if only_this_node else list(enumerate(launch.hosts))
 
 
-def run_nodes(launch: LaunchEnv, run: str, only_this_node: bool) -> Nodes:
+def nodes_of_run(launch: LaunchEnv, run: str, only_this_node: bool) -> Nodes:
     """The nodes a run lives on: HOSTS/HOSTFILE when given, else the hosts its start recorded."""
     if not only_this_node and not launch.hosts_explicit:
         resolved = read_resolved(RunPaths(launch.artifact_root, run).params_path)
         if resolved is not None:
             return list(enumerate(resolved.runtime.hosts))
-    return start_nodes(launch, only_this_node)
+    return nodes_to_start(launch, only_this_node)

@@ -38,7 +38,7 @@ from megatron_ext.run_spec.params import load_run_params, with_batch_geometry
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
 from megatron_ext.run_spec.procfs import pid_is_alive, process_start_time
 from orchestration.analysis.compare import DEFAULT_WARMUP_ITERATIONS, RunOutcome, RunSummary, compare_runs, run_records
-from orchestration.analysis.report import ComparisonFiles, write_comparison
+from orchestration.analysis.comparison_files import ComparisonFiles, write_comparison
 from orchestration.launch_env import LaunchEnv
 from orchestration.node.run_state import RunState
 from orchestration.node.wire import NodeStatus, stop_command

@@ -78,12 +78,12 @@ def build_swiglu(stage: int):
     """worker.build's CUDA trainer on the CPU, for the SwiGLU preset."""
     from megatron_ext.run_spec.params import TrainingParams, load_model
     from megatron_ext.run_spec.zero import ZeroStage
-    from megatron_ext.training.cpu_compat import install_cpu_compat
+    from megatron_ext.training.megatron_on_cpu import install_megatron_on_cpu
     from megatron_ext.training.cuda_trainer import wrap_cuda
     from megatron_ext.training.model import CPU_KERNELS, build_gpt_model
 
     torch.manual_seed(1234)
-    install_cpu_compat(1234)
+    install_megatron_on_cpu(1234)
     kernels = dataclasses.replace(CPU_KERNELS, device="cuda")
     module = build_gpt_model(load_model(PRESET), worker.VOCAB, worker.SEQ, params_dtype=torch.bfloat16, kernels=kernels)
     t = TrainingParams(lr=3e-3, clip_grad=1.0, weight_decay=0.01)
@@ -277,10 +277,10 @@ def main() -> None:
     with cuda_on_cpu():
         from megatron.core import parallel_state
 
-        from megatron_ext.training.cpu_compat import install_cpu_compat
+        from megatron_ext.training.megatron_on_cpu import install_megatron_on_cpu
 
         parallel_state.initialize_model_parallel(1, 1)
-        install_cpu_compat(1234)
+        install_megatron_on_cpu(1234)
         for stage in args.stage:
             result = both_ways(stage, args.out, not args.only_ours, args.reshard_from)
             if dist.get_rank() == 0:

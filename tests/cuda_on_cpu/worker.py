@@ -74,9 +74,9 @@ def build(stage: int, units: str = "default", tied: bool = True, **training):
 
     torch.manual_seed(1234)  # the same initialisation for every model a process builds:
     if DEVICE.type == "cpu":  # the model-parallel RNG tracker too (the shim's, or megatron-core's own)
-        from megatron_ext.training.cpu_compat import install_cpu_compat
+        from megatron_ext.training.megatron_on_cpu import install_megatron_on_cpu
 
-        install_cpu_compat(1234)
+        install_megatron_on_cpu(1234)
     else:
         from megatron.core import tensor_parallel
 
@@ -412,11 +412,11 @@ def main() -> None:
     with cuda_on_cpu() if args.device == "cpu" else contextlib.nullcontext():
         from megatron.core import parallel_state
 
-        from megatron_ext.training.cpu_compat import install_cpu_compat
+        from megatron_ext.training.megatron_on_cpu import install_megatron_on_cpu
 
         parallel_state.initialize_model_parallel(1, 1)
         if args.device == "cpu":  # on a GPU megatron-core's own memory buffer and CUDA RNG tracker (build() seeds it)
-            install_cpu_compat(1234)
+            install_megatron_on_cpu(1234)
         # --optimizer is resume's: the other modes run first, with torch's Adam (a FusedAdam
         # stand-in, once in use, stays for the launch).
         for mode in sorted(args.modes, key=lambda m: m == "resume"):

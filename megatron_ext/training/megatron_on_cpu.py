@@ -1,6 +1,6 @@
 """The CPU path's three replacements for CUDA-only spots in megatron-core's GPT model.
 
-Used only when training on CPU (``install_cpu_compat()`` is called by the program once, after
+Used only when training on CPU (``install_megatron_on_cpu()`` is called by the program once, after
 megatron's parallel state exists). megatron-core's ``GPTModel`` with the local layer spec,
 TP=1 and PP=1 otherwise runs on CPU unchanged:
 
@@ -8,7 +8,7 @@ TP=1 and PP=1 otherwise runs on CPU unchanged:
    state around dropout. :class:`CpuRNGStatesTracker` keeps the same named states on the CPU
    generator and is installed as the global tracker.
 2. RoPE moves ``inv_freq`` to ``torch.cuda.current_device()`` on its first call (in ``forward``
-   up to 0.15, in ``get_emb`` from 0.16: :mod:`megatron_ext.training.compat`); it is kept where the
+   up to 0.15, in ``get_emb`` from 0.16: :mod:`megatron_ext.training.megatron_core_apis`); it is kept where the
    module lives instead.
 3. The global memory buffer that ``DotProductAttention`` (local spec) uses for its attention
    scores allocates on ``torch.cuda.current_device()``; :class:`CpuMemoryBuffer` allocates on CPU.
@@ -29,7 +29,7 @@ from megatron.core.models.common.embeddings import rotary_pos_embedding
 from megatron.core.tensor_parallel import random as mp_random
 from megatron.core.utils import GlobalMemoryBuffer
 
-from megatron_ext.training.compat import keep_rotary_on_module_device
+from megatron_ext.training.megatron_core_apis import keep_rotary_on_module_device
 
 
 class CpuRNGStatesTracker(mp_random.CudaRNGStatesTracker):
@@ -67,7 +67,7 @@ class CpuMemoryBuffer(GlobalMemoryBuffer):
         return buf[:required].view(*tensor_shape)
 
 
-def install_cpu_compat(seed: int) -> None:
+def install_megatron_on_cpu(seed: int) -> None:
     """Install the three replacements; call after ``initialize_model_parallel``."""
     tracker = CpuRNGStatesTracker()
     tracker.add(mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718)

@@ -1,13 +1,13 @@
 """megatron-core version gate: run on the releases this project is tested with.
 
-    python -c "from megatron_ext.training.versions import check_megatron_core; print(check_megatron_core())"
+    python -c "from megatron_ext.training.megatron_core_releases import check_megatron_core; print(check_megatron_core())"
 
 The tested releases are listed in :data:`TESTED_MEGATRON_CORE` (see the README's support matrix);
 anything between the oldest and newest tested minor release is admitted. A newer, untested
 release is refused naming the tested range, unless ``MEGATRON_EXT_ALLOW_UNTESTED=1`` asks to try
 it: then the program starts with a one-line warning. Older releases lack APIs the program uses
 (Megatron-FSDP as ``use_megatron_fsdp``, ``get_gpt_layer_local_spec(normalization=...)``) and are
-always refused. Where an API moved between the tested releases, :mod:`megatron_ext.training.compat`
+always refused. Where an API moved between the tested releases, :mod:`megatron_ext.training.megatron_core_apis`
 says so; nothing else checks versions.
 """
 
