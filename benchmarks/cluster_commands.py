@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 from conftest import clean_env, free_port, last_iteration, tagged_pids, wait_for, write_data_set  # noqa: E402
-from megatron_ext.run_spec.procfs import process_environ  # noqa: E402
+from megatron_ext.host.procfs import process_environ  # noqa: E402
 
 STATUS_RUNS = 3
 COMMAND_TIMEOUT_S = 300

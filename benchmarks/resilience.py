@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO))
 
 from conftest import clean_env, free_port, last_iteration, tagged_pids, write_data_set  # noqa: E402
 from megatron_ext.run_spec.iteration_log import parse_log, read_metrics  # noqa: E402
-from megatron_ext.run_spec.procfs import process_environ  # noqa: E402
+from megatron_ext.host.procfs import process_environ  # noqa: E402
 
 
 def script(name: str, *args: str, env: dict) -> subprocess.CompletedProcess:

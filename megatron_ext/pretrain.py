@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Mapping
 
 from megatron_ext.import_hooks import eager_jit_fuser, skip_unused_wandb
-from megatron_ext.run_spec.devices import visible_gpu_count
+from megatron_ext.host.devices import visible_gpu_count
 from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
 from megatron_ext.run_spec.params import BatchGeometry, RunParams, load_run_params, read_overrides, with_batch_geometry
 from megatron_ext.run_spec.resilience import ATTEMPT_ENV, PROGRESS_DIR_ENV

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-from megatron_ext.run_spec.devices import visible_gpu_count
+from megatron_ext.host.devices import visible_gpu_count
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import RunOverrides, read_overrides
 from megatron_ext.run_spec.run_paths import artifact_root

@@ -176,7 +176,7 @@ def run_script(name: str, *args: str, env: dict[str, str], timeout: int = 180) -
 
 def tagged_pids(run: str) -> list[int]:
     """Every live process (any node: the test nodes share the process table) tagged with ``run``."""
-    from megatron_ext.run_spec.procfs import process_environ, process_start_time
+    from megatron_ext.host.procfs import process_environ, process_start_time
 
     out = []
     for entry in Path("/proc").iterdir():

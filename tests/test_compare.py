@@ -22,7 +22,7 @@ from megatron_ext.run_spec.resolved import ResolvedRun, RunRuntime, write_resolv
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.analysis.compare import DEFAULT_WARMUP_ITERATIONS
 from orchestration.analysis.memory_plan import DEVICES, plan_memory
-from megatron_ext.run_spec.procfs import process_environ
+from megatron_ext.host.procfs import process_environ
 from megatron_ext.run_spec.zero import parse_stages
 from orchestration.node.failure import failure_reason
 

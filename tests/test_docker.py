@@ -13,7 +13,7 @@ import pytest
 
 from docker_engine import DockerEngine, missing_prerequisites
 from megatron_ext.run_spec.checkpoints import latest_iteration
-from megatron_ext.run_spec.procfs import process_environ
+from megatron_ext.host.procfs import process_environ
 from conftest import require, REPO, clean_env, free_port, last_iteration, run_script, tagged_pids, wait_for
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]

@@ -77,7 +77,7 @@ ENVIRONMENT_READERS = (
     "megatron_ext/run_spec/resilience.py",   # read_resilience_overrides: MAX_RESTARTS, HANG_*
     "megatron_ext/run_spec/wandb_run.py",    # read_wandb_settings: WANDB_*
     "megatron_ext/run_spec/run_paths.py",    # artifact_root: ARTIFACT_ROOT
-    "megatron_ext/run_spec/devices.py",      # visible_gpu_count: CUDA_VISIBLE_DEVICES (the NPROC_PER_NODE default)
+    "megatron_ext/host/devices.py",      # visible_gpu_count: CUDA_VISIBLE_DEVICES (the NPROC_PER_NODE default)
 )
 """The modules whose ``env``-taking functions are the launcher's reads (launch_env.py calls the others)."""
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.run_spec.checkpoints import latest_iteration
-from megatron_ext.run_spec.procfs import process_environ
+from megatron_ext.host.procfs import process_environ
 
 from netns_cluster import NamespaceCluster, missing_prerequisites
 from conftest import (REPO, TEST_DATA, clean_env, last_iteration, slowed, megatron_lm_env, newest_megatron_lm, plan_header,

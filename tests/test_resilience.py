@@ -22,7 +22,7 @@ from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.run_spec.errors import FINAL, UserError
 from megatron_ext.run_spec.resilience import RankProgress, ResilienceParams, phase_limit_s, read_resilience_overrides
 from orchestration.node.attempts import AttemptEnd, AttemptRecord, decide, decide_rejoin
-from megatron_ext.run_spec.procfs import process_environ
+from megatron_ext.host.procfs import process_environ
 from orchestration.node.run_state import RunState
 from orchestration.node.watchdog import RankReport, find_suspects, in_collective
 

@@ -19,7 +19,7 @@ from orchestration.cluster.transports import transport_for
 from orchestration.launch_env import is_secret, read_launch_env
 from orchestration.node.commands import receive_secrets
 from orchestration.node.wire import NodePlan, start_call
-from megatron_ext.run_spec.procfs import parent_pid, process_environ
+from megatron_ext.host.procfs import parent_pid, process_environ
 from orchestration.node.watchdog import worker_pids
 from orchestration.runner.start_plan import plan_start, read_start_inputs
 from orchestration.runner.submit import plan_submit

@@ -130,7 +130,7 @@ def test_the_time_limit_signal_saves_requeues_and_finishes_with_the_same_losses(
     trains, and a run that ends first has nothing to requeue (the 10-minute limit keeps Slurm's own
     out of the way). Also: a secret set where the job is submitted reaches the ranks (of both
     rounds) through sbatch's export of the environment, never through the batch script or a log."""
-    from megatron_ext.run_spec.procfs import process_environ
+    from megatron_ext.host.procfs import process_environ
 
     data, reference = unattended
     key = secrets.token_hex(20)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from megatron_ext.run_spec.json_files import write_text_atomic
+from megatron_ext.host.json_files import write_text_atomic
 
 CHECKSUMS_DIR = "checksums"
 DAMAGED_SUFFIX = ".damaged"

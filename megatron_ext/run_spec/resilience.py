@@ -22,7 +22,7 @@ from typing import Mapping
 
 from megatron_ext.run_spec.convert import structure
 from megatron_ext.run_spec.errors import UserError
-from megatron_ext.run_spec.json_files import write_text_atomic
+from megatron_ext.host.json_files import write_text_atomic
 
 PHASES = ("prepare", "setup", "step", "eval", "checkpoint", "done", "preempted")
 """What a rank is doing: preparing data (no limit: a large corpus takes as long as it takes), setting

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Mapping
 
 from megatron_ext.run_spec.errors import UserError
-from megatron_ext.run_spec.json_files import read_json, write_json_atomic
+from megatron_ext.host.json_files import read_json, write_json_atomic
 from megatron_ext.run_spec.run_paths import RunPaths
 
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from megatron_ext.run_spec.checkpoints import LATEST, CheckpointMeta, iteration_dir_name, read_meta
 from megatron_ext.run_spec.checksums import CHECKSUMS_DIR, DAMAGED_SUFFIX, list_checkpoints, record_files, verify, written_by
 from megatron_ext.run_spec.errors import FINAL, UserError
-from megatron_ext.run_spec.json_files import write_text_atomic
+from megatron_ext.host.json_files import write_text_atomic
 
 
 def rng_state() -> dict:

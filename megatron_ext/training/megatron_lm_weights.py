@@ -43,7 +43,7 @@ import torch
 from megatron_ext.run_spec.checksums import write_integrity_manifest
 from megatron_ext.run_spec.checkpoints import MEGATRON_LM_LATEST, iteration_dir_name
 from megatron_ext.run_spec.errors import UserError
-from megatron_ext.run_spec.json_files import write_text_atomic
+from megatron_ext.host.json_files import write_text_atomic
 from megatron_ext.run_spec.megatron_lm_checkpoints import LEGACY_FILE, MegatronLMCheckpoint
 from megatron_ext.training.hf_weights import local_name, to_model_names
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_ext.run_spec.json_files import write_text_atomic
+from megatron_ext.host.json_files import write_text_atomic
 from megatron_ext.run_spec.resilience import DUMP_REQUEST, RECENT_STEPS, RankProgress, write_progress
 
 FLIGHT_RECORDER_POLL_S = 0.5

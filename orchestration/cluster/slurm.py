@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.node.wire import supervise_argv
-from megatron_ext.run_spec.json_files import read_json, write_json_atomic
+from megatron_ext.host.json_files import read_json, write_json_atomic
 
 TERMINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
                    "DEADLINE")

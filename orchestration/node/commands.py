@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from megatron_ext.run_spec.devices import visible_gpu_count
+from megatron_ext.host.devices import visible_gpu_count
 from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
 from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED, parse_log
-from megatron_ext.run_spec.json_files import SETTLE_S, read_json_settled
+from megatron_ext.host.json_files import SETTLE_S, read_json_settled
 from megatron_ext.run_spec.resilience import SLOW_RANK_CLEARED, SLOW_RANK_WARNING
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
 from orchestration.node import processes

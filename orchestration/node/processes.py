@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from megatron_ext.run_spec.procfs import parent_pid, pid_is_alive, process_environ, process_start_time  # noqa: F401
+from megatron_ext.host.procfs import parent_pid, pid_is_alive, process_environ, process_start_time  # noqa: F401
 from orchestration.node.run_state import PidRecord, read_pid_file
 from orchestration.node.wire import (ARTIFACT_ROOT_ENV, DEFAULT_STOP_GRACE_S, NODE_TAG, RUN_ID_TAG, RUN_TAG, StopPreview,
                                      StopResult)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from megatron_ext.run_spec.checkpoints import MEGATRON_LM_LATEST, latest_iteration
 from megatron_ext.run_spec.checksums import DAMAGED_SUFFIX, INTEGRITY_FILE, CheckpointHealth, health, list_checkpoints
-from megatron_ext.run_spec.json_files import write_text_atomic
+from megatron_ext.host.json_files import write_text_atomic
 from megatron_ext.run_spec.megatron_lm_checkpoints import find_megatron_lm_checkpoint
 
 

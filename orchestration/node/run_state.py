@@ -11,7 +11,7 @@
 Records, each with one writer, for ``status`` and people: the nodes agree on nothing through them
 (orchestration/node/board.py: node 0's coordination store). This module owns them: every write
 is atomic (a reader on the same machine never sees half a file:
-megatron_ext/run_spec/json_files.py), every state a status, a sweep, a comparison or a
+megatron_ext/host/json_files.py), every state a status, a sweep, a comparison or a
 supervisor names is a :class:`RunState`. The node side writes them and resets its own (a node its
 exit record and heartbeat when it starts; node 0 the run's failure and attempt files,
 :func:`reset_run_files`); the launcher only reads them (the readers here, and
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from megatron_ext.run_spec.convert import structure, unstructure
-from megatron_ext.run_spec.json_files import read_json, write_json_atomic, write_text_atomic
+from megatron_ext.host.json_files import read_json, write_json_atomic, write_text_atomic
 from megatron_ext.run_spec.run_paths import RunPaths
 
 HEARTBEAT_S = 2.0

@@ -30,7 +30,7 @@ from megatron_ext.run_spec.convert import structure, unstructure
 from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED, parse_log
 from megatron_ext.run_spec.resilience import DUMP_REQUEST, RankProgress, ResilienceParams, phase_limit_s, read_progress
 from orchestration.node.processes import parent_pid, process_environ, process_start_time, tagged_processes
-from megatron_ext.run_spec.json_files import write_json_atomic
+from megatron_ext.host.json_files import write_json_atomic
 from orchestration.node.run_state import tail
 
 DUMP_TIMEOUT_S = 20.0

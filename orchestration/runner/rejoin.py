@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatron_ext.run_spec.errors import UserError
-from megatron_ext.run_spec.json_files import read_json_settled
+from megatron_ext.host.json_files import read_json_settled
 from megatron_ext.run_spec.resolved import read_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.cluster.fanout import NodeResult, call_nodes

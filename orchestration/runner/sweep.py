@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import load_run_params, with_batch_geometry
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
-from megatron_ext.run_spec.procfs import pid_is_alive, process_start_time
+from megatron_ext.host.procfs import pid_is_alive, process_start_time
 from orchestration.analysis.compare import DEFAULT_WARMUP_ITERATIONS, RunOutcome, RunSummary, compare_runs, run_records
 from orchestration.analysis.comparison_files import ComparisonFiles, write_comparison
 from orchestration.launch_env import LaunchEnv

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from megatron_ext.run_spec.json_files import read_json, write_json_atomic
+from megatron_ext.host.json_files import read_json, write_json_atomic
 from megatron_ext.run_spec.run_paths import RunPaths
 
 

@@ -1,6 +1,6 @@
 """A process's identity from ``/proc``: its start time, parent and environment.
 
-    python -c "import os; from megatron_ext.run_spec.procfs import process_start_time; print(process_start_time(os.getpid()))"
+    python -c "import os; from megatron_ext.host.procfs import process_start_time; print(process_start_time(os.getpid()))"
 
 How the launcher, the node side and the tests recognise a process they recorded (pid plus start
 time: a pid reused by another process has another start time) and the processes carrying a run's

@@ -5,7 +5,7 @@ On a cluster's shared file system another node's reader may still see a torn or 
 (sshfs and NFS cache names and attributes; a file replaced by rename can come back half-read): a
 reader that must act on the content uses :func:`read_json_settled`, which retries.
 
-    python -c "from megatron_ext.run_spec.json_files import write_json_atomic; help(write_json_atomic)"
+    python -c "from megatron_ext.host.json_files import write_json_atomic; help(write_json_atomic)"
 
 Shared by both programs: the node side's run_state files (orchestration/node/run_state.py), a
 run's own records under its run directory (the W&B identity, megatron_ext/run_spec/wandb_run.py),

@@ -1,6 +1,6 @@
 """How many GPUs a machine shows, without initialising CUDA: the run's device kind.
 
-    python -c "from megatron_ext.run_spec.devices import visible_gpu_count; import os; print(visible_gpu_count(os.environ))"
+    python -c "from megatron_ext.host.devices import visible_gpu_count; import os; print(visible_gpu_count(os.environ))"
 
 Both programs ask: the launcher for the NPROC_PER_NODE default, a node's preflight for
 NPROC_PER_NODE against its GPUs. Reads ``/dev`` (fast: no CUDA initialisation on the launch path).
