@@ -477,18 +477,6 @@ def test_every_test_module_is_listed_in_the_testing_page():
     assert not unlisted, f"add a line for each to docs/testing.md, 'The test modules': {unlisted}"
 
 
-def test_every_project_path_the_docs_name_exists():
-    """A module, script or test named by its path (``orchestration/runner/sweep.py``,
-    ``tests/gpu/``) exists: a file renamed or moved shows here."""
-    missing = []
-    for page in PAGES:
-        for path in sorted(set(re.findall(r"(?<![\w./$-])((?:orchestration|megatron_ext|tests|benchmarks|training_scripts|\.ci)"
-                                          r"/[\w./-]*[\w/])(?![\w<*{])", page.read_text()))):
-            if not (REPO / path).exists():
-                missing.append(f"{page.name}: {path}")
-    assert not missing, missing
-
-
 PROJECT_PATH = re.compile(r"(?<![\w./$-])((?:orchestration|megatron_ext|tests|benchmarks|training_scripts|docs|\.ci)"
                           r"/[\w./-]*[\w/])(?![\w<*{])")
 PROJECT_MODULE = re.compile(r"(?<![\w./-])((?:orchestration|megatron_ext)(?:\.\w+)+)")
@@ -499,6 +487,18 @@ NAMED_ELSEWHERE = {
     "tests/test_": "a pattern's start",
 }
 """Path-like text in the code that is not a path of this project, each with why."""
+
+
+def test_every_project_path_the_docs_name_exists():
+    """A module, script or test named by its path (``orchestration/runner/sweep.py``,
+    ``tests/gpu/``) exists: a file renamed or moved shows here."""
+    missing = [f"{page.name}: {path}" for page in PAGES for path in sorted(stale_paths(page.read_text()))]
+    assert not missing, missing
+
+
+def stale_paths(text: str) -> set[str]:
+    """The project paths in ``text`` (``orchestration/runner/sweep.py``, ``tests/gpu/``) that do not exist."""
+    return {p for p in PROJECT_PATH.findall(text) if p not in NAMED_ELSEWHERE and not (REPO / p).exists()}
 
 
 def _defines(module: Path, name: str) -> bool:
@@ -515,7 +515,7 @@ def stale_names(text: str) -> set[str]:
     """The project paths and dotted module names in ``text`` that do not exist: a path must; a
     dotted name's longest module prefix must, followed by at most a name it defines and, for a
     class, one of its attributes."""
-    stale = {p for p in PROJECT_PATH.findall(text) if p not in NAMED_ELSEWHERE and not (REPO / p).exists()}
+    stale = stale_paths(text)
     for name in PROJECT_MODULE.findall(text):
         parts = name.split(".")
         k = next((k for k in range(len(parts), 0, -1) if _module_file(parts[:k])), 0)

@@ -25,7 +25,7 @@ import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from megatron_ext.host.json_files import write_text_atomic
 
@@ -37,21 +37,25 @@ INTEGRITY_FILE = "integrity.json"
 """Megatron-core's manifest in a torch_dist folder: ``{"algorithm": "sha256", "files": {name: hex digest}}``."""
 
 
+def _chunks(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK_BYTES):
+            yield chunk
+
+
 def crc32_of(path: Path) -> tuple[int, str]:
     """(bytes, CRC-32 as 8 hex digits) of ``path``, read in chunks."""
     crc, size = 0, 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(CHUNK_BYTES):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
+    for chunk in _chunks(path):
+        crc = zlib.crc32(chunk, crc)
+        size += len(chunk)
     return size, f"{crc:08x}"
 
 
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(CHUNK_BYTES):
-            digest.update(chunk)
+    for chunk in _chunks(path):
+        digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -194,10 +198,26 @@ def list_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def newest_verified(checkpoints: Sequence[tuple[int, Path]]) -> CheckpointHealth | None:
-    """The newest checkpoint that verifies (or has no records), of (iteration, folder) pairs."""
+def newest_verified(checkpoints: Sequence[tuple[int, Path]]) -> tuple[CheckpointHealth | None, tuple[CheckpointHealth, ...]]:
+    """The newest checkpoint that verifies (or has no records), of (iteration, folder) pairs, and
+    the damaged ones newer than it (every one when none verifies): one process reads every byte.
+    (A run's ranks share the reading instead: megatron_ext/training/checkpoint.py.)"""
+    damaged: list[CheckpointHealth] = []
     for iteration, path in sorted(checkpoints, reverse=True):
         h = health(path, iteration)
         if h.state != "damaged":
-            return h
-    return None
+            return h, tuple(damaged)
+        damaged.append(h)
+    return None, tuple(damaged)
+
+
+def moved_aside_note(iteration: int, folder: Path, found: Sequence[str]) -> str:
+    """What a resume says of a damaged checkpoint it passed over (either engine's)."""
+    return (f"the checkpoint of iteration {iteration} is damaged ({'; '.join(found[:3])}{' ...' if len(found) > 3 else ''}"
+            f"): moved aside as {folder.name}{DAMAGED_SUFFIX}")
+
+
+def none_verifies_fix(checkpoints_dir: Path) -> str:
+    """What to do when no checkpoint of a run verifies (either engine's)."""
+    return (f"copy good checkpoints back into {checkpoints_dir}, or start a new RUN "
+            "(bash training_scripts/check_checkpoints.sh RUN lists them)")

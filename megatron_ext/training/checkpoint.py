@@ -50,7 +50,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.run_spec.checkpoints import LATEST, CheckpointMeta, iteration_dir_name, read_meta
-from megatron_ext.run_spec.checksums import CHECKSUMS_DIR, DAMAGED_SUFFIX, list_checkpoints, record_files, verify, written_by
+from megatron_ext.run_spec.checksums import (CHECKSUMS_DIR, DAMAGED_SUFFIX, list_checkpoints, moved_aside_note,
+                                             none_verifies_fix, record_files, verify, written_by)
 from megatron_ext.run_spec.errors import FINAL, UserError
 from megatron_ext.host.json_files import write_text_atomic
 
@@ -211,8 +212,7 @@ def newest_verified(checkpoints_dir: Path, latest: int) -> tuple[int, list[str]]
         if found:
             damaged.append((iteration, path, found))
             continue
-        notes = [f"the checkpoint of iteration {it} is damaged ({'; '.join(found[:3])}"
-                 f"{' ...' if len(found) > 3 else ''}): moved aside as {p.name}{DAMAGED_SUFFIX}" for it, p, found in damaged]
+        notes = [moved_aside_note(it, p, found) for it, p, found in damaged]
         if damaged and rank == 0:
             for _, p, _ in damaged:
                 os.replace(p, p.with_name(p.name + DAMAGED_SUFFIX))
@@ -220,8 +220,7 @@ def newest_verified(checkpoints_dir: Path, latest: int) -> tuple[int, list[str]]
         dist.barrier()
         return iteration, notes
     what = "; ".join(f"iteration {it}: {'; '.join(found[:2])}" for it, _, found in damaged)
-    raise UserError(f"no checkpoint of this run verifies ({FINAL}): {what}; copy good checkpoints back into "
-                    f"{checkpoints_dir}, or start a new RUN (bash training_scripts/check_checkpoints.sh RUN lists them)")
+    raise UserError(f"no checkpoint of this run verifies ({FINAL}): {what}; {none_verifies_fix(checkpoints_dir)}")
 
 
 def load(trainer, checkpoints_dir: Path, iteration: int) -> CheckpointMeta:

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_ext.run_spec.checkpoints import MEGATRON_LM_LATEST, latest_iteration
-from megatron_ext.run_spec.checksums import DAMAGED_SUFFIX, INTEGRITY_FILE, CheckpointHealth, health, list_checkpoints
+from megatron_ext.run_spec.checksums import (DAMAGED_SUFFIX, INTEGRITY_FILE, CheckpointHealth, list_checkpoints,
+                                             moved_aside_note, newest_verified, none_verifies_fix)
 from megatron_ext.host.json_files import write_text_atomic
 from megatron_ext.run_spec.megatron_lm_checkpoints import find_megatron_lm_checkpoint
 
@@ -52,21 +53,16 @@ class ResumePoint:
 def choose(checkpoints_dir: Path, init_checkpoint: str = "") -> tuple[ResumePoint, tuple[CheckpointHealth, ...]]:
     """The attempt's :class:`ResumePoint` and the damaged checkpoints passed over (reads every
     byte of each checkpoint it looks at; moves nothing)."""
-    latest = latest_iteration(checkpoints_dir)
-    candidates = [(it, p) for it, p in list_checkpoints(checkpoints_dir) if latest is not None and it <= latest]
-    damaged: list[CheckpointHealth] = []
-    for iteration, path in reversed(candidates):  # newer folders than the tracker's: a save that did not finish
-        found = health(path, iteration)
-        if found.state != "damaged":
-            notes = tuple(f"the checkpoint of iteration {h.iteration} is damaged ({'; '.join(d.describe() for d in h.damage[:3])}"
-                          f"): moved aside as {h.path.name}{DAMAGED_SUFFIX}" for h in damaged)
-            return ResumePoint(iteration, (path / INTEGRITY_FILE).is_file(), notes), tuple(damaged)
-        damaged.append(found)
+    latest = latest_iteration(checkpoints_dir)  # newer folders than the tracker's: a save that did not finish
+    chosen, damaged = newest_verified([(it, p) for it, p in list_checkpoints(checkpoints_dir)
+                                       if latest is not None and it <= latest])
+    if chosen is not None:
+        notes = tuple(moved_aside_note(h.iteration, h.path, [d.describe() for d in h.damage]) for h in damaged)
+        return ResumePoint(chosen.iteration, (chosen.path / INTEGRITY_FILE).is_file(), notes), damaged
     if damaged:
         what = "; ".join(h.describe() for h in damaged[:3])
-        return ResumePoint(None, False, refused=(
-            f"no checkpoint of this run verifies ({what}): copy good checkpoints back into {checkpoints_dir}, or start "
-            "a new RUN (bash training_scripts/check_checkpoints.sh RUN lists them)")), ()
+        return ResumePoint(None, False, refused=f"no checkpoint of this run verifies ({what}): "
+                                                f"{none_verifies_fix(checkpoints_dir)}"), ()
     init = find_megatron_lm_checkpoint(init_checkpoint).directory if init_checkpoint else None
     return ResumePoint(None, init is None or (init / INTEGRITY_FILE).is_file()), ()
 
