@@ -47,6 +47,9 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from megatron_ext.host.devices import Device  # noqa: E402
+
 SMALL_BYTES = 64
 """Collectives this size or smaller are scalars (loss, norms, checks), not data-parallel traffic."""
 
@@ -86,7 +89,7 @@ def measure(engine: str, stage: int, micro_batches: list[int], grad_reduce_in_bf
     """One stage: a warm-up step, then ``steps`` counted steps per micro-batch count."""
     from cuda_on_cpu.worker import build, counting_collectives, run_steps, train_step
 
-    trainer, t = build(stage, grad_reduce_in_bf16=grad_reduce_in_bf16) if engine == "cuda" else cpu_trainer(stage)
+    trainer, t = build(stage, grad_reduce_in_bf16=grad_reduce_in_bf16) if engine == Device.CUDA else cpu_trainer(stage)
     params = {id(p): p for p in trainer.module.parameters()}  # unique: tied weights count once
     in_layers = {id(p) for p in trainer.module.decoder.layers.parameters()}
     out = {"parameters": sum(p.numel() for p in params.values()),
@@ -120,7 +123,7 @@ def worker(args) -> None:
     eager_jit_fuser()  # as worker.py and the program's CPU ranks
     dist.init_process_group("gloo")
     result: dict = {"world_size": dist.get_world_size()}
-    with cuda_on_cpu() if args.engine == "cuda" else contextlib.nullcontext():
+    with cuda_on_cpu() if args.engine == Device.CUDA else contextlib.nullcontext():
         from megatron.core import package_info, parallel_state
 
         from megatron_ext.training.megatron_on_cpu import install_megatron_on_cpu
@@ -128,7 +131,7 @@ def worker(args) -> None:
         parallel_state.initialize_model_parallel(1, 1)
         install_megatron_on_cpu(1234)
         result["megatron_core"] = package_info.__version__
-        for reduction in args.reductions if args.engine == "cuda" else ["fp32"]:
+        for reduction in args.reductions if args.engine == Device.CUDA else ["fp32"]:
             for stage in args.stages:
                 result[f"{args.engine}_{reduction}_z{stage}"] = measure(args.engine, stage, args.micro_batches,
                                                                         reduction == "bf16", args.steps)
@@ -174,9 +177,9 @@ def table(result: dict, args) -> str:
             sums = [summarize(log, d) for log in logs]
             s = sums[-1]
             same = all(x["ring"] == s["ring"] for x in sums)
-            grad, param = (4, 4) if engine == "cpu" else (2 if reduction == "bf16" else 4, 2)
+            grad, param = (4, 4) if engine == Device.CPU else (2 if reduction == "bf16" else 4, 2)
             planned = dp_traffic_bytes(stage, psi, d, grad, param, micro_batches=int(n), outside_layers=outside,
-                                       precision="fp32" if engine == "cpu" else "bf16")
+                                       precision="fp32" if engine == Device.CPU else "bf16")
             what = "; ".join(f"{k} x{s['calls'][k]}: {v:,}" for k, v in sorted(s["passed"].items()))
             rows.append([engine, reduction, str(stage), n, what, f"{s['ring']:,}" + ("" if same else " (steps differ)"),
                          f"{planned:,}", f"{s['ring'] / planned:.4f}", str(s["small"])])
@@ -203,7 +206,7 @@ def main() -> None:
     p.add_argument("--stages", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2, 3])
     p.add_argument("--reductions", type=lambda s: s.split(","), default=["fp32", "bf16"],
                    help="gradient reduction dtypes: fp32 (default), bf16 (training.grad_reduce_in_bf16)")
-    p.add_argument("--engines", type=lambda s: s.split(","), default=["cuda", "cpu"],
+    p.add_argument("--engines", type=lambda s: [Device(e) for e in s.split(",")], default=list(Device)[::-1],
                    help="cuda: the CUDA trainer under the device shim; cpu: the CPU path (torch DDP, ZeRO, FSDP2)")
     p.add_argument("--steps", type=int, default=2, help="counted steps per micro-batch count (they must agree)")
     p.add_argument("--json", help="also write the raw counts here")

@@ -37,18 +37,19 @@ sys.path.insert(0, str(REPO / "tests"))
 from conftest import write_data_set  # noqa: E402
 sys.path.insert(0, str(REPO))
 
-from megatron_ext.run_spec.iteration_log import parse_log, read_metrics  # noqa: E402
+from megatron_ext.run_spec.engines import MEGATRON_CORE, MEGATRON_LM, Engine  # noqa: E402
+from megatron_ext.run_spec.iteration_log import read_metrics  # noqa: E402
 
 SHIM = REPO / "tests" / "megatron_lm_shim"
 SKIPPED_ITERATIONS = 2
 DROP = ("ZERO_STAGE", "ENGINE", "CONTAINER_NAME", "DRY_RUN", "MEGATRON_LM_DIR", "HOSTS", "HOSTFILE", "NNODES", "MASTER_PORT")
 
 
-def run_engine(engine: str, model: str, data: str, run: str, args, root: Path, checkout: str, python: str) -> list[float]:
+def run_engine(engine: Engine, model: str, data: str, run: str, args, root: Path, checkout: str, python: str) -> list[float]:
     """One run through the launcher; the tokens/s of its iterations after the first two."""
     env = {k: v for k, v in os.environ.items() if k not in DROP}
-    env.update(ARTIFACT_ROOT=str(root), NPROC_PER_NODE=str(args.nproc), ZERO_STAGE=str(args.stage), ENGINE=engine)
-    if engine == "megatron-lm":
+    env.update(ARTIFACT_ROOT=str(root), NPROC_PER_NODE=str(args.nproc), ZERO_STAGE=str(args.stage), ENGINE=engine.name)
+    if engine.runs_checkout:
         env.update(MEGATRON_LM_DIR=checkout)
         if not _has_gpu():
             env.update(MEGATRON_LM_CPU_SHIM="1", PYTHONPATH=os.pathsep.join(filter(None, [str(SHIM), env.get("PYTHONPATH")])))
@@ -56,12 +57,10 @@ def run_engine(engine: str, model: str, data: str, run: str, args, root: Path, c
                           capture_output=True, text=True, timeout=1800)
     log = root / "logs" / f"{run}_node0.log"
     if proc.returncode != 0:
-        raise SystemExit(f"{engine} run {run} failed ({proc.returncode}):\n{proc.stderr[-3000:]}\n"
+        raise SystemExit(f"{engine.label} run {run} failed ({proc.returncode}):\n{proc.stderr[-3000:]}\n"
                          f"{log.read_text(errors='replace')[-3000:] if log.exists() else ''}")
-    if engine == "megatron-lm":
-        records, _ = parse_log(log.read_text(errors="replace"), seq_length=128, engine="megatron-lm")
-    else:
-        records = read_metrics(root / "runs" / run / "metrics.jsonl")
+    records = (engine.parse_log(log.read_text(errors="replace"), seq_length=128)[0] if engine.runs_checkout
+               else read_metrics(root / "runs" / run / "metrics.jsonl"))
     return [r.tokens_per_s for r in records if r.iteration > SKIPPED_ITERATIONS]
 
 
@@ -93,22 +92,21 @@ def main() -> None:
     data = write_data_set(root / "engines.yaml", args.iters)  # the smoke corpus and schedule, a global batch of 16
     rows = []
     for checkout, python in zip(checkouts, pythons):
-        per_run: dict[str, list[float]] = {"megatron-core": [], "megatron-lm": []}
+        per_run: dict[Engine, list[float]] = {MEGATRON_CORE: [], MEGATRON_LM: []}
         for attempt in range(args.repeats):  # alternating, so drift on a shared machine hits both alike
             for engine in per_run:
-                run = f"bench_{engine}_{len(rows)}_{attempt}_{os.getpid()}"
+                run = f"bench_{engine.name}_{len(rows)}_{attempt}_{os.getpid()}"
                 per_run[engine].append(statistics.median(run_engine(engine, args.model, data, run, args, root, checkout, python)))
         rows.append((release_of(checkout), per_run))
     print(f"{args.model} on the embedded corpus, {args.nproc} processes, ZeRO stage {args.stage}, {args.iters} iterations "
           f"(the first {SKIPPED_ITERATIONS} left out), {args.repeats} runs per engine alternating, medians; "
           f"{'GPUs' if _has_gpu() else 'CPU (Megatron-LM through the CUDA-on-CPU shim)'}")
     print(f"{'release':<14} {'engine':<28} {'tokens/s':>10} {'per run':<30}")
-    names = {"megatron-core": "this program (megatron-core)", "megatron-lm": "Megatron-LM pretrain_gpt.py"}
     for release, per_run in rows:
         median = {engine: statistics.median(runs) for engine, runs in per_run.items()}
         for engine, runs in per_run.items():
-            print(f"{release:<14} {names[engine]:<28} {median[engine]:>10,.0f} {', '.join(f'{r:,.0f}' for r in runs):<30}")
-        print(f"{release:<14} {'ratio this program / Megatron-LM':<28} {median['megatron-core'] / median['megatron-lm']:>10.2f}")
+            print(f"{release:<14} {engine.label:<28} {median[engine]:>10,.0f} {', '.join(f'{r:,.0f}' for r in runs):<30}")
+        print(f"{release:<14} {'ratio this program / Megatron-LM':<28} {median[MEGATRON_CORE] / median[MEGATRON_LM]:>10.2f}")
 
 
 def release_of(checkout: str) -> str:

@@ -31,6 +31,7 @@ import torch
 
 from megatron_ext.data.tokenizers import HuggingFaceTokenizer, configured_token, hf_tokenizer_file
 from megatron_ext.import_hooks import runs_no_model_code
+from megatron_ext.run_spec.engines import Engine, engine_named
 from megatron_ext.run_spec.checkpoints import iteration_dir_name, latest_iteration
 from megatron_ext.run_spec.errors import EXIT_USER_ERROR, UserError
 from megatron_ext.run_spec.flops import padded_vocab_size
@@ -131,7 +132,7 @@ class RunModel:
     """The real vocabulary (the tokenizer's, or the preset's)."""
     padded: int
     """Rows of the embedding (the vocabulary padded as Megatron pads it)."""
-    engine: str
+    engine: Engine
     """The engine that ran it (its checkpoints' format)."""
 
 
@@ -146,7 +147,7 @@ def read_run_model(paths: RunPaths) -> RunModel:
     params, m = resolved.params, resolved.params.model
     prepared = planned_prepared(params.data, paths.data_cache_dir)
     vocab = model_vocab_size(m, prepared.vocab_size if prepared.vocab_size > 0 else None)
-    return RunModel(params, vocab, padded_vocab_size(vocab, m.make_vocab_size_divisible_by), resolved.runtime.engine)
+    return RunModel(params, vocab, padded_vocab_size(vocab, m.make_vocab_size_divisible_by), engine_named(resolved.runtime.engine))
 
 
 def model_template(run: RunModel, padded: int | None = None, device: str = "meta"):
@@ -180,7 +181,7 @@ def read_run_weights(paths: RunPaths, run: RunModel, iteration: int | None) -> t
     A Megatron-LM checkpoint may hold more embedding rows than this program would pad to (Megatron-LM
     before the launcher rendered --padded-vocab-size: its tokenizer's special tokens): read as they are;
     the export keeps the real vocabulary."""
-    if run.engine != "megatron-lm":
+    if not run.engine.runs_checkout:
         checkpoint = checkpoint_to_export(paths, iteration)
         return checkpoint.name, read_model_weights(checkpoint, tensors_of(model_template(run)))
     from megatron_ext.training.megatron_lm_weights import read_megatron_lm_weights, stored_vocab_rows
@@ -239,7 +240,7 @@ def export(paths: RunPaths, out: Path, iteration: int | None = None, force: bool
         return written
 
     written = write_atomically(out, force, write)
-    source = f"{name} of run {paths.run}" + (" (Megatron-LM's)" if run.engine == "megatron-lm" else "")
+    source = f"{name} of run {paths.run}" + (f" ({run.engine.tag}'s)" if run.engine.tag else "")
     return [f"exported {source} ({kind}, {dtype}, vocabulary {vocab}"
             + (f", {padded - vocab} padded rows dropped" if padded > vocab else "") + f") to {out}: "
             + ", ".join(written)]

@@ -28,7 +28,7 @@ def export(paths: RunPaths, out: Path, iteration: int | None = None, force: bool
     from megatron_ext.training.megatron_lm_weights import write_megatron_lm_checkpoint
 
     run = read_run_model(paths)
-    if run.engine == "megatron-lm":
+    if run.engine.runs_checkout:
         raise UserError(f"run {paths.run} ran Megatron-LM: {paths.checkpoints_dir} already is a Megatron-LM --save "
                         "folder; give it to --pretrained-checkpoint (or training.init_checkpoint) as it is")
     check_out(out, force)

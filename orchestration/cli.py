@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from megatron_ext.run_spec.engines import engine_named
 from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
 from megatron_ext.run_spec.params import COLLECTIVE_TIMEOUT_S
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name, runs_under
@@ -179,7 +180,7 @@ def cmd_start(args, launch: LaunchEnv) -> int:
         f"run {args.run} started: {len(nodes)} node(s) x {launch.nproc_per_node} processes, world size "
         f"{launch.world_size}, ZERO_STAGE={t.zero_stage}, engine {t.engine}, {plan.geometry.describe()}, "
         f"{resume}, MASTER_PORT {plan.master_port}, collective timeout {COLLECTIVE_TIMEOUT_S[launch.device]} s, "
-        f"{t.resilience.describe()}{' (Megatron-LM: from its iteration lines)' if t.engine == 'megatron-lm' else ''}; "
+        f"{t.resilience.describe()}{engine_named(t.engine).progress_note}; "
         f"status: status_training.sh {args.run}; stop: {stop_command(args.run, not args.this_node)}",
         flush=True,
     )

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-from megatron_ext.host.devices import visible_gpu_count
+from megatron_ext.host.devices import Device, visible_gpu_count
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import RunOverrides, read_overrides
 from megatron_ext.run_spec.run_paths import artifact_root
@@ -136,8 +136,8 @@ class LaunchEnv:
         return self.nnodes * self.nproc_per_node
 
     @property
-    def device(self) -> str:
-        return "cuda" if self.visible_gpus else "cpu"
+    def device(self) -> Device:
+        return Device.of(self.visible_gpus > 0)
 
     def is_local(self, host: str) -> bool:
         return host in LOCAL_HOSTS

@@ -20,7 +20,7 @@ ZeRO stage 0 (1.2e-6 on 0.19; the bound asserted is the issue's 1e-5; 1.3e-7 at 
 stage 1, which now follows from the two sweeps: each engine's stages give the same loss,
 tests/test_compare.py and tests/test_megatron_lm_loop.py, and CI pays for two launches fewer). Megatron-LM's line at
 iteration 2 averages iterations 1 and 2 (its first line does not reset the interval's sums); the
-project's log reader gives iteration 2's own loss back (``parse_log(..., engine="megatron-lm")``,
+project's log reader gives iteration 2's own loss back (``MEGATRON_LM.parse_log(...)``,
 to the 7 digits the line prints). The final weights agree within 1e-6 (relative, per tensor)
 except the attention's key biases, whose gradient is zero in exact arithmetic (a softmax does not
 change when every score of a row moves alike): Adam turns the round-off there into steps of the
@@ -58,9 +58,9 @@ def data_set(path: Path, train_iters: int, init_checkpoint: Path | None = None) 
 
 
 def megatron_lm_losses(artifact_root: Path, run: str) -> dict[int, float]:
-    from megatron_ext.run_spec.iteration_log import parse_log
+    from megatron_ext.run_spec.engines import MEGATRON_LM
 
-    records, _ = parse_log(node_log(artifact_root, run), engine="megatron-lm")  # line 2 as iteration 2's own loss
+    records, _ = MEGATRON_LM.parse_log(node_log(artifact_root, run))  # line 2 as iteration 2's own loss
     return {r.iteration: r.lm_loss for r in records}
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.run_spec.engines import MEGATRON_LM
 from megatron_ext.run_spec.resolved import ResolvedRun, RunRuntime, read_resolved, write_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.megatron_lm.checkout import read_checkout
@@ -767,7 +768,7 @@ def test_megatron_lm_s_second_line_after_a_start_is_made_that_iteration_s_own():
                       line(2, 7.716387, 800.0), line(3, 7.571443, 600.0),
                       "[supervisor node0] attempt 2 of 2: starting torchrun (the ranks resume from the checkpoint at iteration 2)",
                       line(3, 7.571443, 900.0), line(4, (7.571443 + 7.444283) / 2, 750.0)])
-    records, _ = parse_log(text, seq_length=128, engine="megatron-lm")
+    records, _ = MEGATRON_LM.parse_log(text, seq_length=128)
     assert [r.iteration for r in records] == [1, 2, 3, 3, 4]
     assert records[1].lm_loss == pytest.approx(7.717621, abs=2e-6) and records[1].step_time_s == pytest.approx(0.6)
     assert records[2].lm_loss == pytest.approx(7.571443) and records[4].lm_loss == pytest.approx(7.444283, abs=2e-6)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.run_spec.engines import MEGATRON_LM
 from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.run_spec.iteration_log import parse_log
 
@@ -86,7 +87,7 @@ def sweep(lm_env, artifact_root, tmp_path_factory):
 
 
 def _losses(root: Path, run: str) -> dict[int, float]:
-    records, skipped = parse_log((root / "logs" / f"{run}_node0.log").read_text(errors="replace"), engine="megatron-lm")
+    records, skipped = MEGATRON_LM.parse_log((root / "logs" / f"{run}_node0.log").read_text(errors="replace"))
     assert skipped == 0
     return {r.iteration: r.lm_loss for r in records}
 
@@ -171,7 +172,7 @@ def _last_iteration(log: Path, after: str = "") -> int:
     text = log.read_text(errors="replace") if log.exists() else ""
     if after:
         text = text.rpartition(after)[2] if after in text else ""
-    records, _ = parse_log(text, engine="megatron-lm")
+    records, _ = MEGATRON_LM.parse_log(text)
     return records[-1].iteration if records else 0
 
 

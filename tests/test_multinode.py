@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.run_spec.engines import MEGATRON_LM
 from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.host.procfs import process_environ
 
@@ -628,7 +629,6 @@ def test_megatron_lm_trains_across_two_nodes_over_ssh(cluster_env, artifact_root
     PYTHON* variables are), trains to its last iteration, each node naming what node 0 chose to load
     (nothing: --verify-integrity on 0.19); its iteration lines are on the last node's log, and
     status reads them there."""
-    from megatron_ext.run_spec.iteration_log import parse_log
     from test_megatron_lm_loop import data_set
 
     tag, checkout, python = newest_megatron_lm(request)
@@ -645,7 +645,7 @@ def test_megatron_lm_trains_across_two_nodes_over_ssh(cluster_env, artifact_root
     if tag == "core_v0.19.0":  # node 0's choice (nothing to load, verify) reached node 1's torchrun over the board
         node1 = (artifact_root / "logs" / f"{run}_node1.log").read_text(errors="replace")
         assert "Megatron-LM loads no checkpoint of its own (with --verify-integrity)" in node1, node1[-3000:]
-    records, _ = parse_log((artifact_root / "logs" / f"{run}_node1.log").read_text(errors="replace"), engine="megatron-lm")
+    records, _ = MEGATRON_LM.parse_log((artifact_root / "logs" / f"{run}_node1.log").read_text(errors="replace"))
     assert [r.iteration for r in records] == [1, 2, 3, 4], (artifact_root / "logs" / f"{run}_node1.log").read_text()[-3000:]
     status = run_script("status_training.sh", run, env=env).stdout
     rows = [l.split() for l in status.splitlines() if l[:1].isdigit()]

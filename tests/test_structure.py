@@ -306,3 +306,39 @@ def test_a_dataclass_of_more_than_five_fields_is_built_by_keyword():
                     if len(fields) > 5 and not kw_only:
                         positional.append(f"{name}.{node.name} ({len(fields)} fields)")
     assert not positional, f"add kw_only=True: {positional}"
+
+
+ENGINE_MODULES = {"megatron_ext/run_spec/engines.py"}
+"""The one place an engine's name is spelled (the rest asks the engine object)."""
+NAMES_NOT_ENGINES = {
+    ("orchestration/node/preflight.py", "megatron-core"): "the pip distribution whose version a node reports",
+    ("orchestration/setup_env.py", "megatron-core"): "the pip distribution the setup installs",
+    ("megatron_ext/training/hf_weights.py", "megatron-core"): "whose weights a mismatch names (the local spec's)",
+    ("benchmarks/version_matrix.py", "megatron-core"): "the column of the installed distribution's version",
+}
+DEVICE_MODULE = "megatron_ext/host/devices.py"
+
+
+def _project_files() -> dict[str, ast.Module]:
+    return {str(p.relative_to(REPO)): ast.parse(p.read_text())
+            for p in [*_sources().values(), *sorted((REPO / "benchmarks").glob("*.py"))]}
+
+
+def test_no_engine_name_or_device_string_outside_its_own_module():
+    """``"megatron-lm"`` / ``"megatron-core"`` only in megatron_ext/run_spec/engines.py (the rest asks
+    ``engine_named(...)``: its program, save signal, progress source, log parser, reshard rule);
+    ``"cuda" if ... else "cpu"`` and ``== "cpu"`` only as megatron_ext/host/devices.py's ``Device``."""
+    found = []
+    for rel, tree in _project_files().items():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and node.value in ("megatron-core", "megatron-lm")
+                    and rel not in ENGINE_MODULES and (rel, node.value) not in NAMES_NOT_ENGINES):
+                found.append(f"{rel}:{node.lineno} engine name {node.value!r}")
+            if rel == DEVICE_MODULE:
+                continue
+            if isinstance(node, ast.IfExp) and {getattr(n, "value", None) for n in (node.body, node.orelse)} == {"cuda", "cpu"}:
+                found.append(f"{rel}:{node.lineno} device chosen by name")
+            if isinstance(node, ast.Compare) and any(isinstance(o, (ast.Eq, ast.NotEq)) for o in node.ops) and any(
+                    getattr(n, "value", None) in ("cuda", "cpu") for n in (node.left, *node.comparators)):
+                found.append(f"{rel}:{node.lineno} device compared by name")
+    assert not found, found

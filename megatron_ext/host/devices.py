@@ -1,4 +1,4 @@
-"""How many GPUs a machine shows, without initialising CUDA: the run's device kind.
+"""The device kind a run computes on, and how many GPUs a machine shows (without initialising CUDA).
 
     python -c "from megatron_ext.host.devices import visible_gpu_count; import os; print(visible_gpu_count(os.environ))"
 
@@ -8,8 +8,20 @@ NPROC_PER_NODE against its GPUs. Reads ``/dev`` (fast: no CUDA initialisation on
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 from typing import Mapping
+
+
+class Device(StrEnum):
+    """Where a run's ranks compute: the one place its two names are spelled."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+    @classmethod
+    def of(cls, on_cuda: bool) -> Device:
+        return cls.CUDA if on_cuda else cls.CPU
 
 
 def visible_gpu_count(env: Mapping[str, str], dev_dir: Path = Path("/dev")) -> int:

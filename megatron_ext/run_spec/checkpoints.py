@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_ext.host.devices import Device
 from megatron_ext.run_spec.convert import structure
 from megatron_ext.run_spec.errors import UserError
 
@@ -85,10 +86,10 @@ def reshard_problem(device: str, zero_stage: int, saved_world_size: int, world_s
       torch.distributed.checkpoint at any size."""
     if saved_world_size == world_size:
         return None
-    if device == "cpu" and zero_stage == 1:
+    if device == Device.CPU and zero_stage == 1:
         return (f"holds ZeroRedundancyOptimizer partitions of {saved_world_size} ranks, which cannot be resharded to "
                 f"{world_size} ranks")
-    if device == "cuda" and zero_stage == 1:
+    if device == Device.CUDA and zero_stage == 1:
         saved, now = ddp_bucket_elements(saved_world_size), ddp_bucket_elements(world_size)
         if saved != now:
             return (f"holds the distributed optimizer's state in gradient buckets of {saved:,} elements "
@@ -123,6 +124,6 @@ def check_resumable(meta: CheckpointMeta, world_size: int, zero_stage: int, glob
     if problem:
         raise UserError(f"the checkpoint at iteration {meta.iteration} {problem}; resume with {meta.world_size} ranks, "
                         f"or {fresh}")
-    how = "megatron-core's torch_dist format" if device == "cuda" and zero_stage < 2 else "torch.distributed.checkpoint"
+    how = "megatron-core's torch_dist format" if device == Device.CUDA and zero_stage < 2 else "torch.distributed.checkpoint"
     return (f"resharding the checkpoint of {meta.world_size} ranks to {world_size} ({how}); "
             f"the data continues at sample {meta.consumed_samples}")

@@ -193,14 +193,14 @@ def undo_first_interval_mean(first: IterationRecord, second: IterationRecord) ->
 
 
 def parse_log(text: str, seq_length: int | None = None, world_size: int = 0,
-              zero_stage: int = -1, engine: str = "megatron-core") -> tuple[list[IterationRecord], int]:
-    """(records, number of malformed iteration lines skipped). ``engine`` megatron-lm: the second
-    line after each start (:data:`MEGATRON_LM_STARTS`) is that interval's own mean
+              zero_stage: int = -1, starts: tuple[str, ...] = ()) -> tuple[list[IterationRecord], int]:
+    """(records, number of malformed iteration lines skipped). ``starts`` (Megatron-LM's
+    :data:`MEGATRON_LM_STARTS`): the second line after each is that interval's own mean
     (:func:`undo_first_interval_mean`), not Megatron-LM's printed one."""
     records, skipped = [], 0
     since_start: list[IterationRecord] | None = None
     for line in text.splitlines():
-        if engine == "megatron-lm" and any(marker in line for marker in MEGATRON_LM_STARTS):
+        if any(marker in line for marker in starts):
             since_start = []
             continue
         if not looks_like_iteration_line(line):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_ext.host.devices import Device
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.flops import padded_vocab_size
 from megatron_ext.run_spec.params import ModelPreset
@@ -55,12 +56,12 @@ def count_model_parameters(preset: ModelPreset, vocab_size: int | None = None) -
     return ParameterCount(total=total, embedding=embedding, padded_vocab=V)
 
 
-CHECKPOINT_BYTES_PER_PARAMETER = {"cpu": 12, "cuda": 14}
+CHECKPOINT_BYTES_PER_PARAMETER = {Device.CPU: 12, Device.CUDA: 14}
 """What a checkpoint holds per parameter, every rank's shards together: fp32 weights and AdamW's two
 fp32 moments on the CPU (4 + 8); on GPUs bf16 weights, fp32 main weights and the moments (2 + 4 + 8),
 as both engines save them. RNG states, the schedule and the metadata are a rounding error."""
 
 
-def checkpoint_bytes(parameters: int, device: str) -> int:
+def checkpoint_bytes(parameters: int, device: Device) -> int:
     """The size of one checkpoint of a model with ``parameters`` on ``device`` (cpu or cuda)."""
-    return parameters * CHECKPOINT_BYTES_PER_PARAMETER["cuda" if device == "cuda" else "cpu"]
+    return parameters * CHECKPOINT_BYTES_PER_PARAMETER[Device(device)]

@@ -22,14 +22,14 @@ import yaml
 
 from megatron_ext.run_spec.convert import structure_params, unstructure
 from megatron_ext.run_spec.errors import UserError
+from megatron_ext.host.devices import Device
+from megatron_ext.run_spec.engines import ENGINES, MEGATRON_CORE, EngineName
 from megatron_ext.run_spec.hf_config import is_hf_model_dir, preset_from_hf_config, read_hf_config
 from megatron_ext.run_spec.resilience import ResilienceParams, check_resilience, read_resilience_overrides, with_overrides
 from megatron_ext.run_spec.zero import parse_zero_stage
 
 PARAMS_DIR = Path(__file__).resolve().parents[2] / "params"
 
-Engine = Literal["megatron-core", "megatron-lm"]
-ENGINES: tuple[str, ...] = typing.get_args(Engine)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,7 +207,7 @@ class TrainingParams:
     """Checkpoints kept on disk (the newest ones); older ones are removed after each save."""
     zero_stage: int = 0
     """ZeRO stage 0-3 (ZERO_STAGE in the environment overrides it)."""
-    engine: Engine = "megatron-core"
+    engine: EngineName = MEGATRON_CORE.name
     """megatron-core: this project's program; megatron-lm: a checkout's pretrain_gpt.py
     (MEGATRON_LM_DIR). ENGINE in the environment overrides it."""
     resilience: ResilienceParams = field(default_factory=ResilienceParams)
@@ -240,7 +240,7 @@ class RunParams:
     """The data set's name (or YAML path), for messages."""
 
 
-COLLECTIVE_TIMEOUT_S = {"cpu": 300, "cuda": 600}
+COLLECTIVE_TIMEOUT_S = {Device.CPU: 300, Device.CUDA: 600}
 """How long a collective waits for a peer before the job fails (gloo on CPU, NCCL on GPUs): a lost
 peer ends the run in minutes, not in torch's default half hour; long enough for rank 0 to build
 a data set's index while the others wait. The launcher's supervisor stops a run whose node fails
@@ -383,7 +383,7 @@ def read_overrides(env: typing.Mapping[str, str]) -> RunOverrides:
 
 def check_engine(engine: str, source: str) -> str:
     if engine not in ENGINES:
-        raise UserError(f"{source}={engine!r} is not an engine; use one of {', '.join(ENGINES)} (default megatron-core)")
+        raise UserError(f"{source}={engine!r} is not an engine; use one of {', '.join(ENGINES)} (default {MEGATRON_CORE.name})")
     return engine
 
 

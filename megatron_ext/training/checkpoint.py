@@ -49,6 +49,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_ext.host.devices import Device
 from megatron_ext.run_spec.checkpoints import LATEST, CheckpointMeta, iteration_dir_name, read_meta
 from megatron_ext.run_spec.checksums import (CHECKSUMS_DIR, DAMAGED_SUFFIX, list_checkpoints, moved_aside_note,
                                              none_verifies_fix, record_files, verify, written_by)
@@ -87,7 +88,7 @@ def _point_latest(checkpoints_dir: Path, iteration: int) -> None:
 def _any_rank(flag: bool) -> bool:
     """Whether ``flag`` holds on any rank (a collective: every rank calls it)."""
     on_cuda = dist.get_backend() == "nccl"
-    t = torch.tensor([int(flag)], device=torch.device("cuda", torch.cuda.current_device()) if on_cuda else "cpu")
+    t = torch.tensor([int(flag)], device=Device.of(on_cuda).value)  # cuda: the current device
     dist.all_reduce(t)
     return bool(t.item())
 

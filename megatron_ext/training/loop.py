@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_ext.host.devices import Device
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.flops import (bf16_share_under_fp8, describe_mfu_peak, flops_per_token, padded_vocab_size,
                                          peak_tflops_for, tflops_per_gpu)
@@ -164,7 +165,7 @@ class Pretrain:
         """Process group (NCCL or gloo), megatron's TP=1/PP=1 parallel state, RNG, threads."""
         from megatron.core import parallel_state
 
-        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S["cuda" if self.on_cuda else "cpu"])
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S[Device.of(self.on_cuda)])
         if self.on_cuda:
             torch.cuda.set_device(self.ranks.local_rank)
         self.check_fp8()  # before any process group: every rank refuses alike, rank 0 says why
@@ -431,7 +432,7 @@ class Pretrain:
         latest, skipped = checkpoint.newest_verified(where, latest)
         verified_s = time.monotonic() - started
         note = check_resumable(read_meta(where, latest), self.ranks.world_size, t.zero_stage, t.global_batch_size,
-                               "cuda" if self.on_cuda else "cpu", where)
+                               Device.of(self.on_cuda), where)
         started = time.monotonic()
         meta = checkpoint.load(self.trainer, where, latest)
         if self.ranks.rank == 0:
@@ -449,7 +450,7 @@ class Pretrain:
         t = self.t
         meta = CheckpointMeta(iteration=iteration, consumed_samples=iteration * t.global_batch_size,
                               world_size=self.ranks.world_size, zero_stage=t.zero_stage,
-                              global_batch_size=t.global_batch_size, device="cuda" if self.on_cuda else "cpu")
+                              global_batch_size=t.global_batch_size, device=Device.of(self.on_cuda))
         started = time.monotonic()
         target, checksum_s = checkpoint.save(self.trainer, self.paths.checkpoints_dir, meta, t.keep_checkpoints)
         if self.ranks.rank == 0:

@@ -13,6 +13,7 @@ import warnings
 
 import torch
 
+from megatron_ext.host.devices import Device
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.fp8 import version_tuple
 from megatron_ext.run_spec.flops import padded_vocab_size
@@ -56,7 +57,7 @@ class KernelChoices:
     otherwise the unfused path. A GPU without transformer-engine (a plain PyTorch image) gets
     megatron-core's local layers, unfused norms and :class:`SdpaAttention`."""
 
-    device: str
+    device: Device
     """cuda or cpu."""
     transformer_engine: bool
     """Layers from transformer-engine (the TE layer spec)."""
@@ -122,7 +123,7 @@ def choose_kernels(on_cuda: bool, transformer_engine: str | None, zero_stage: in
             return False
 
     return KernelChoices(
-        device="cuda" if on_cuda else "cpu",
+        device=Device.of(on_cuda),
         transformer_engine=te,
         attention="transformer-engine" if te else "sdpa",
         persist_layer_norm=te,
@@ -169,7 +170,7 @@ def transformer_config(preset: ModelPreset, params_dtype: torch.dtype, kernels: 
         attention_dropout=preset.attention_dropout,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
-        use_cpu_initialization=kernels.device == "cpu",
+        use_cpu_initialization=kernels.device == Device.CPU,
         persist_layer_norm=kernels.persist_layer_norm,
         masked_softmax_fusion=kernels.masked_softmax_fusion,
         bias_dropout_fusion=kernels.bias_dropout_fusion,
@@ -279,7 +280,7 @@ def warm_up_fusions(preset: ModelPreset, kernels: KernelChoices, seq_length: int
     def tensor(*shape):
         return torch.rand(*shape, dtype=dtype, device=device, requires_grad=True)
 
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[device] if device.type == Device.CUDA else []):
         if kernels.bias_activation_fusion and fuses_bias_activation(preset):
             if preset.swiglu:
                 from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl

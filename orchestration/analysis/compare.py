@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Mapping
 
 from megatron_ext.run_spec.errors import UserError
-from megatron_ext.run_spec.iteration_log import IterationRecord, parse_log, read_metrics
+from megatron_ext.host.devices import Device
+from megatron_ext.run_spec.engines import MEGATRON_CORE, MEGATRON_LM, engine_named
+from megatron_ext.run_spec.iteration_log import IterationRecord, read_metrics
 from megatron_ext.run_spec.resolved import ResolvedRun, read_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.analysis.memory_plan import plan_for_run
@@ -60,13 +62,13 @@ class RunSummary:
     tflops_per_gpu: float | None
     first_loss: float | None
     last_loss: float | None
-    engine: str = "megatron-core"
+    engine: str = MEGATRON_CORE.name
     model: str | None = None
     data_set: str | None = None
     nnodes: int | None = None
     nproc_per_node: int | None = None
     train_iters: int | None = None
-    device: str = "cpu"
+    device: Device = Device.CPU
     """cpu or cuda (from the records: model-state bytes on CPU, CUDA peaks on GPUs; Megatron-LM: cuda)."""
     warmup_iterations: int = DEFAULT_WARMUP_ITERATIONS
     steady_iterations: tuple[int, ...] = ()
@@ -117,7 +119,7 @@ def run_records(paths: RunPaths) -> list[IterationRecord]:
         seq, world, stage = t.seq_length, resolved.runtime.world_size, t.zero_stage
     best: list[IterationRecord] = []
     for log in sorted(paths.logs_dir.glob(f"{paths.run}_node*.log")):
-        parsed, _ = parse_log(log.read_text(errors="replace"), seq, world, stage, "megatron-lm")
+        parsed, _ = MEGATRON_LM.parse_log(log.read_text(errors="replace"), seq, world, stage)
         best = parsed if len(parsed) > len(best) else best
     return best
 
@@ -137,9 +139,9 @@ def summarize(run: str, records: list[IterationRecord], resolved: ResolvedRun | 
     training = resolved.params.training if resolved else None
     last = records[-1] if records else None
     steady = [r for r in records if r.iteration > warmup] or records[1:] or records
-    engine = runtime.engine if runtime else ((outcome and outcome.engine) or "megatron-core")
+    engine = engine_named(runtime.engine if runtime else outcome and outcome.engine)
     cpu = last is not None and last.model_state_bytes_per_rank is not None
-    device = "cpu" if cpu else "cuda" if (engine == "megatron-lm" or (last and last.cuda_peak_allocated_bytes)) else "cpu"
+    device = Device.of(not cpu and (engine.runs_checkout or bool(last and last.cuda_peak_allocated_bytes)))
     planned_shape = (outcome.nnodes, outcome.nproc_per_node) if outcome and outcome.nnodes else (None, None)
     stage = training.zero_stage if training else (last.zero_stage if last else
                                                   (outcome.zero_stage if outcome and outcome.zero_stage is not None else -1))
@@ -156,11 +158,11 @@ def summarize(run: str, records: list[IterationRecord], resolved: ResolvedRun | 
         per_rank = (peak,) if peak else ()
     planned_states = planned_peak = None
     if resolved and stage in (0, 1, 2, 3):
-        plan = plan_for_run(resolved.params, runtime.nnodes, runtime.nproc_per_node, "fp32" if device == "cpu" else "bf16")
+        plan = plan_for_run(resolved.params, runtime.nnodes, runtime.nproc_per_node, "fp32" if device == Device.CPU else "bf16")
         if plan:
             s = plan.stage(stage)
             planned_states = s.states_bytes
-            planned_peak = s.states_peak_bytes if device == "cpu" else s.total_bytes
+            planned_peak = s.states_peak_bytes if device == Device.CPU else s.total_bytes
     train_iters = training.train_iters if training else (last.train_iters if last else None)
     if outcome and outcome.status != RunState.FINISHED:
         status, reason = outcome.status.value, outcome.reason
@@ -174,7 +176,7 @@ def summarize(run: str, records: list[IterationRecord], resolved: ResolvedRun | 
         step_time_s=_median([r.step_time_s for r in steady]), tokens_per_s=_median([r.tokens_per_s for r in steady]),
         tflops_per_gpu=_median([r.tflops_per_gpu for r in steady]),
         first_loss=records[0].lm_loss if records else None, last_loss=last.lm_loss if last else None,
-        engine=engine, model=resolved.params.model.name if resolved else None,
+        engine=engine.name, model=resolved.params.model.name if resolved else None,
         data_set=resolved.params.data_set if resolved else None, nnodes=nnodes, nproc_per_node=nproc,
         train_iters=train_iters, device=device,
         warmup_iterations=warmup, steady_iterations=tuple(r.iteration for r in steady), mfu=_median(mfus),

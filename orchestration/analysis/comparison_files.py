@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from megatron_ext.host.devices import Device
+from megatron_ext.run_spec.engines import engine_named
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.run_paths import RUN_NAME_RE, check_run_name
 from orchestration.analysis.compare import DEFAULT_WARMUP_ITERATIONS, MB, RunSummary, base_run, loss_difference, ratio
@@ -84,7 +86,7 @@ def write_csv(path: Path, rows: Sequence[RunSummary]) -> None:
 
 def _label(r: RunSummary) -> str:
     shape = f", {r.nnodes}x{r.nproc_per_node}" if r.nnodes else ""
-    engine = ", Megatron-LM" if r.engine == "megatron-lm" else ""
+    engine = f", {engine_named(r.engine).tag}" if engine_named(r.engine).tag else ""
     failed = f" ({r.status})" if r.status in (RunState.FAILED, RunState.STOPPED) else ""
     return f"{r.run} (stage {r.zero_stage}{shape}{engine}){failed}"
 
@@ -164,7 +166,7 @@ def write_png(path: Path, name: str, rows: Sequence[RunSummary]) -> bool:
         n = len(values)
         for j, v in enumerate(values):
             w = width / n
-            label = ("max over ranks (GPU)" if r.device != "cpu" else f"rank {j}") if most_ranks <= 8 else "ranks"
+            label = ("max over ranks (GPU)" if r.device != Device.CPU else f"rank {j}") if most_ranks <= 8 else "ranks"
             ax_mem.bar(i - width / 2 + w * (j + 0.5), v / MB, width=w * 0.9,
                        color=rank_colors(j / max(1, most_ranks - 1) * 0.85), edgecolor="black", linewidth=0.4,
                        label=None if label in labelled else label)

@@ -90,7 +90,7 @@ DEFAULT_DEVICE = "h200"
 
 
 @dataclass(frozen=True)
-class Device:
+class DeviceModel:
     name: str
     memory_bytes: float | None
     """Memory per device as sold (decimal GB); None = not checked (CPU)."""
@@ -102,10 +102,10 @@ class Device:
     """Memory bandwidth as sold (GB/s); None = unknown."""
 
 
-DEVICES: dict[str, Device] = {  # NVIDIA's datasheets (SXM)
-    "h200": Device("H200 141 GB", 141 * GB, 989.0, 1979.0, 4800.0),
-    "h100": Device("H100 80 GB", 80 * GB, 989.0, 1979.0, 3350.0),
-    "cpu": Device("CPU", None, None),
+DEVICES: dict[str, DeviceModel] = {  # NVIDIA's datasheets (SXM)
+    "h200": DeviceModel("H200 141 GB", 141 * GB, 989.0, 1979.0, 4800.0),
+    "h100": DeviceModel("H100 80 GB", 80 * GB, 989.0, 1979.0, 3350.0),
+    "cpu": DeviceModel("CPU", None, None),
 }
 OPTIMIZER_BYTES_PER_PARAMETER = 26
 """What Adam's step streams per parameter it updates (see the module docstring)."""
@@ -365,7 +365,7 @@ def parameters_outside_layers(preset: ModelPreset, vocab_size: int | None) -> in
 
 
 def plan_memory(preset: ModelPreset, *, vocab_size: int | None, nnodes: int, nproc_per_node: int, seq_length: int,
-                micro_batch_size: int, precision: Precision = "bf16", device: Device = DEVICES[DEFAULT_DEVICE],
+                micro_batch_size: int, precision: Precision = "bf16", device: DeviceModel = DEVICES[DEFAULT_DEVICE],
                 device_bytes: float | None = None, headroom: float = DEFAULT_HEADROOM,
                 grad_reduce_in_bf16: bool = False, bus_bandwidth_gbs: float = DEFAULT_BUS_BANDWIDTH_GBS,
                 global_batch_size: int | None = None, gradient_accumulation_steps: int | None = None,
@@ -525,7 +525,7 @@ def plan_memory_request(r: MemoryRequest, nnodes: int, nproc_per_node: int, gpu_
         nnodes, nproc = (r.gpus // nproc, nproc) if r.gpus % nproc == 0 else (1, r.gpus)
     memory_gb = r.gpu_memory_gb if r.gpu_memory_gb is not None else parse_gpu_memory_gb(gpu_memory_gb_text)
     device = DEVICES[r.device or DEFAULT_DEVICE]
-    precision: Precision = "fp32" if r.device == "cpu" else "bf16"
+    precision: Precision = "fp32" if device.memory_bytes is None else "bf16"  # the CPU
     preset = load_model(r.model)
     vocab, seq, micro, gbs, accumulation, bf16_reduce, fp8 = r.vocab_size, r.seq_length, r.micro_batch_size, None, None, False, False
     if r.data:

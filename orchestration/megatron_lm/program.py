@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
+from megatron_ext.run_spec.engines import MEGATRON_CORE, MEGATRON_LM, engine_named
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import RunParams
 from megatron_ext.run_spec.python_version import python_problem
@@ -51,7 +52,7 @@ class ProgramPlan:
     """Environment changes for every rank (None = unset)."""
     notes: tuple[str, ...] = field(default=())
     """What the user should know about the program (printed to stderr)."""
-    save_signal: str = "SIGUSR1"
+    save_signal: str = MEGATRON_CORE.save_signal
     """The signal that makes every rank save at the next step and end (the supervisor sends it to
     each rank on a preemption, a time limit or ``stop --save``)."""
     checks: tuple[tuple[str, str], ...] = ()
@@ -155,10 +156,10 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
     will be) ``prepared``, and renders for what the nodes ``answers`` say they have (without them:
     GPUs with transformer-engine and apex where this machine has GPUs, else the CPU). Pure."""
     t = params.training
-    if t.engine == "megatron-core":
+    if not engine_named(t.engine).runs_checkout:
         elastic = ("--global-batch-size", str(t.global_batch_size)) if t.resilience.min_nodes else ()
-        return ProgramPlan(engine="megatron-core", argv=(
-            "-m", "megatron_ext.pretrain", "--model", model, "--data", data, "--run-name", paths.run,
+        return ProgramPlan(engine=MEGATRON_CORE.name, argv=(
+            *MEGATRON_CORE.program.split(), "--model", model, "--data", data, "--run-name", paths.run,
             "--zero-stage", str(t.zero_stage), "--train-iters", str(t.train_iters), *elastic,
         ), env=stage_environment(t.zero_stage))
     check_megatron_lm_params(params)
@@ -185,7 +186,7 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
                            "pretrain_gpt.py still trains it, and that is what this launcher runs: docs/megatron-lm.md")
     helpers = (BUILD_HELPERS, f"build Megatron-LM's dataset helpers for the ranks' Python ({launch.python}) with the "
                               "checkout's Makefile, here on node 0 where its rank 0 would (dataset_helpers.py)")
-    return ProgramPlan(engine="megatron-lm", argv=(str(checkout.root / "pretrain_gpt.py"), *render.args), env={**render.env, **wandb_env},
+    return ProgramPlan(engine=MEGATRON_LM.name, argv=(str(checkout.root / MEGATRON_LM.program), *render.args), env={**render.env, **wandb_env},
                        notes=(kernel_note, signal_note, *retired, *limits), save_signal=render.save_signal, checks=(check,),
                        prepare=(helpers,),
                        program_args=tuple(render.args), resume_args=tuple(load_flags(paths)) if not has_checkpoint else (),
@@ -198,7 +199,7 @@ def check_arguments(program: ProgramPlan | None, launch: LaunchEnv, checkout: Ch
     """Megatron-LM's own check of ``program``'s arguments (see the module docstring): its notes, or a
     UserError. The tokenizer (``tokenizer_path``, the data set's) is built too, unless the data
     preparation still has to make it (no path, data not ready)."""
-    if program is None or program.engine != "megatron-lm" or checkout is None:
+    if program is None or not engine_named(program.engine).runs_checkout or checkout is None:
         return ()
     rank_env = {k: v for k, v in launch.forwarded.items() if k not in program.env}
     rank_env.update({k: v for k, v in program.env.items() if v is not None})

@@ -14,6 +14,7 @@ import difflib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Collection, Mapping, Sequence
 
+from megatron_ext.run_spec.engines import MEGATRON_LM
 from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import RunParams
@@ -79,7 +80,7 @@ class MegatronLMRender:
     args: list[str]
     env: dict[str, str | None]
     """Environment changes for every rank; None = unset the variable."""
-    save_signal: str = "SIGTERM"
+    save_signal: str = MEGATRON_LM.save_signal
     """What makes Megatron-LM's ranks save and end (its --exit-signal-handler listens for it)."""
 
 

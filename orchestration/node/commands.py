@@ -26,7 +26,8 @@ from typing import Mapping, Sequence
 
 from megatron_ext.host.devices import visible_gpu_count
 from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
-from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED, parse_log
+from megatron_ext.run_spec.engines import MEGATRON_CORE, Engine, engine_named
+from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED
 from megatron_ext.host.json_files import SETTLE_S, read_json_settled
 from megatron_ext.run_spec.resilience import SLOW_RANK_CLEARED, SLOW_RANK_WARNING
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
@@ -177,12 +178,12 @@ def node_supervise(plan_file: str, node: NodeEnv) -> int:
     return Supervisor(plan, node.environ, node.slurm_step).run()
 
 
-def planned_engine(paths: RunPaths, node_rank: int) -> str:
+def planned_engine(paths: RunPaths, node_rank: int) -> Engine:
     """The engine the node's last plan ran (its log's iteration lines are that engine's)."""
     try:
-        return NodePlan.from_json(paths.node_plan_file(node_rank).read_text()).engine
+        return engine_named(NodePlan.from_json(paths.node_plan_file(node_rank).read_text()).engine)
     except (OSError, ValueError, TypeError, KeyError):
-        return "megatron-core"
+        return MEGATRON_CORE
 
 
 def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | None, by_heartbeat: bool = False) -> NodeStatus:
@@ -212,7 +213,7 @@ def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | No
     else:
         state = RunState.STOPPED if paths.node_log(node_rank).exists() else RunState.NOT_STARTED
     text = tail(paths.node_log(node_rank), 200)
-    records, _ = parse_log(text, seq_length, engine=planned_engine(paths, node_rank))
+    records, _ = planned_engine(paths, node_rank).parse_log(text, seq_length)
     score, reason = failure_reason(tail(paths.node_log(node_rank), 400, max_bytes=262144)) \
         if not training and state.ended and state != RunState.FINISHED else (0, None)
     last = records[-1] if records else None

@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Mapping, Sequence
 
+from megatron_ext.host.devices import Device
 from orchestration.node.wire import LINKTEST_TIMEOUT_S, LinkReport, LinktestRequest
 
 DEFAULT_BYTES = {"gloo": 8 * 2**20, "nccl": 256 * 2**20}
@@ -112,7 +113,7 @@ def measure(rank: int, nnodes: int, master_addr: str, port: int, backend: str, n
                 t.start()
             for t in threads:
                 t.join()
-            if device.type == "cuda":
+            if device.type == Device.CUDA:
                 torch.cuda.synchronize()
             return took
 

@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Mapping
 
+from megatron_ext.host.devices import Device
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.fp8 import fp8_problem
 from megatron_ext.run_spec.model_size import CHECKPOINT_BYTES_PER_PARAMETER, checkpoint_bytes
@@ -248,7 +249,7 @@ def nearest_existing(path: Path) -> Path:
     return path
 
 
-def disk_problem(checkpoint_dir: Path, parameters: int, keep: int, device: str) -> str | None:
+def disk_problem(checkpoint_dir: Path, parameters: int, keep: int, device: Device) -> str | None:
     """Why the run's checkpoints will not fit where they go on this node: ``keep`` of them and the one
     being written, each ``checkpoint_bytes`` (the run's own checkpoints there already count), against
     the free space; or None."""
@@ -334,7 +335,7 @@ def inspect_node(request: NodeCheckRequest, run_state_dir: Path, visible_gpus: i
         problems.append(problem)
     if check.checkpoints is not None:
         space = check.checkpoints
-        problem = disk_problem(Path(space.directory), space.parameters, space.keep, "cuda" if visible_gpus else "cpu")
+        problem = disk_problem(Path(space.directory), space.parameters, space.keep, Device.of(visible_gpus > 0))
         if problem:
             problems.append(problem)
     if check.needs_cuda and not visible_gpus:

@@ -44,7 +44,8 @@ from typing import Callable, Mapping
 
 from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.run_spec.errors import UserError
-from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED, parse_log
+from megatron_ext.run_spec.engines import engine_named
+from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED
 from megatron_ext.run_spec.resilience import PROGRESS_DIR_ENV, ResilienceParams, read_progress
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.node import attempts, processes, resume_point
@@ -220,8 +221,9 @@ class Supervisor:
         that has not installed its handler would die of SIGUSR1 (this program: once it reported
         progress; Megatron-LM: once the log shows an iteration line)."""
         pids = worker_pids(self.plan.run, self.rank, self._root)
-        if self.plan.engine == "megatron-lm":
-            ready = set(pids.values()) if parse_log(tail(Path(self.plan.log_path), 400))[0] else set()
+        engine = engine_named(self.plan.engine)
+        if engine.progress_from_log:
+            ready = set(pids.values()) if engine.parse_log(tail(Path(self.plan.log_path), 400))[0] else set()
         else:
             reported = read_progress(self.progress_dir)
             ready = {pid for rank, pid in pids.items() if rank in reported and reported[rank].pid == pid
@@ -320,7 +322,7 @@ class Supervisor:
         if point is not None:  # node 0's choice, as every node got it
             self.say(point.describe())
         proc = self._start_torchrun(checkpoint, point)
-        watchdog = Watchdog(self.policy, self.rank, len(self.members), self.nproc, self.progress_dir, self.plan.engine,
+        watchdog = Watchdog(self.policy, self.rank, len(self.members), self.nproc, self.progress_dir, engine_named(self.plan.engine),
                             Path(self.plan.log_path), time.time(), place=self.members.index(self.rank))
         saving, signalled, reported, last_beat = None, set(), False, 0.0
         self._hang_seen = None

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_ext.run_spec.convert import structure, unstructure
-from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED, parse_log
+from megatron_ext.run_spec.engines import Engine
+from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED
 from megatron_ext.run_spec.resilience import DUMP_REQUEST, RankProgress, ResilienceParams, phase_limit_s, read_progress
 from orchestration.node.processes import parent_pid, process_environ, process_start_time, tagged_processes
 from megatron_ext.host.json_files import write_json_atomic
@@ -65,7 +66,7 @@ def local_ranks(node_rank: int, nproc_per_node: int) -> range:
 
 class Watchdog:
     def __init__(self, params: ResilienceParams, node_rank: int, nnodes: int, nproc_per_node: int, progress_dir: Path,
-                 engine: str, log_path: Path, started_at: float, place: int | None = None):
+                 engine: Engine, log_path: Path, started_at: float, place: int | None = None):
         """``node_rank`` names the node (its rank in the start's plan); ``place`` is its torchrun node
         rank in this attempt (default the same: it differs once a lost node was left out) and ``nnodes``
         the attempt's nodes."""
@@ -80,7 +81,7 @@ class Watchdog:
     def check(self, now: float) -> Hang | None:
         if not self.params.hang_watchdog:
             return None
-        return self._check_log(now) if self.engine == "megatron-lm" else self._check_progress(now)
+        return self._check_log(now) if self.engine.progress_from_log else self._check_progress(now)
 
     def _check_progress(self, now: float) -> Hang | None:
         reports = read_progress(self.progress_dir)
@@ -109,7 +110,7 @@ class Watchdog:
         # This attempt's lines only: the node log holds every earlier start's and attempt's too, and
         # their last iteration line is not this attempt's progress (its setup limit applies until its own).
         text = tail(self.log_path, 400).rpartition(ATTEMPT_STARTED)[2]
-        records, _ = parse_log(text, engine="megatron-lm")
+        records, _ = self.engine.parse_log(text)
         if not records:
             if now - self.started_at > self.params.hang_setup_s:
                 return Hang(node_rank=self.node_rank, rank=None, phase="setup", iteration=0, elapsed_s=now - self.started_at, limit_s=self.params.hang_setup_s,

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence, TypeVar
 
 from megatron_ext.run_spec.convert import structure, unstructure
+from megatron_ext.run_spec.engines import MEGATRON_CORE
 from megatron_ext.run_spec.python_version import PythonRequirement
 from megatron_ext.run_spec.resilience import ATTEMPT_ENV
 from orchestration.node.resume_point import ResumePoint
@@ -87,7 +88,7 @@ class NodePlan:
     cwd: str
     log_path: str
     pid_path: str
-    engine: str = "megatron-core"
+    engine: str = MEGATRON_CORE.name
     """Which program the ranks run: this project's (progress files) or Megatron-LM's (log lines)."""
     resilience: dict = field(default_factory=dict)
     """The run's :class:`~megatron_ext.run_spec.resilience.ResilienceParams`: the watchdog's limits, restarts."""

@@ -12,10 +12,11 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from megatron_ext.run_spec.engines import MEGATRON_LM
 from orchestration.launch_env import LaunchEnv
 
 
-EXPORTERS = {"hf": "megatron_ext.export_hf", "megatron-lm": "megatron_ext.export_megatron_lm"}
+EXPORTERS = {"hf": "megatron_ext.export_hf", MEGATRON_LM.name: "megatron_ext.export_megatron_lm"}
 
 
 def export_argv(launch: LaunchEnv, run: str, out: Path, iteration: int | None, force: bool, to: str = "hf") -> list[str]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from megatron_ext.run_spec.engines import engine_named
 from megatron_ext.run_spec.errors import EXIT_USER_ERROR, UserError
 from megatron_ext.run_spec.model_size import count_model_parameters
 from megatron_ext.run_spec.run_paths import RunPaths
@@ -101,7 +102,7 @@ def check_request(launch: LaunchEnv, inputs: StartInputs, shared_token: Path | N
     return CheckRequest(master_addr=launch.master_addr, nproc_per_node=launch.nproc_per_node, nnodes=launch.nnodes,
                         shared_token=str(shared_token) if shared_token is not None else None, required_paths=tuple(required),
                         tokenizer=(tok.type, tok.model_path) if tok.model_path else None, required_modules=required_modules(launch),
-                        needs_cuda=params.training.engine == "megatron-lm",
+                        needs_cuda=engine_named(params.training.engine).runs_checkout,
                         checkpoints=CheckpointSpace(str(checkpoint_target(launch, inputs.run)), size,
                                                     params.training.keep_checkpoints) if size else None,
                         fp8=params.training.fp8,

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+from megatron_ext.run_spec.engines import engine_named
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.checkpoints import check_resumable, latest_iteration, read_meta
 from megatron_ext.run_spec.params import BatchGeometry, RunParams, load_run_params, with_batch_geometry
@@ -143,13 +144,14 @@ def read_start_inputs(launch: LaunchEnv, model: str, data: str, run: str, nodes:
     paths = RunPaths(launch.artifact_root, run)
     resume_from = latest_iteration(paths.checkpoints_dir)
     note = None
-    if resume_from is not None and params.training.engine == "megatron-core":
+    engine = engine_named(params.training.engine)
+    if resume_from is not None and not engine.runs_checkout:  # Megatron-LM checks its own checkpoints
         t = params.training
         note = check_resumable(read_meta(paths.checkpoints_dir, resume_from), launch.world_size, t.zero_stage,
                                t.global_batch_size, launch.device, paths.checkpoints_dir)
     checkout = prepared = None
     ready = True
-    if params.training.engine == "megatron-lm":
+    if engine.runs_checkout:
         check_megatron_lm_params(params)
         if not launch.megatron_lm_dir:
             raise UserError("ENGINE=megatron-lm needs MEGATRON_LM_DIR, the Megatron-LM checkout holding pretrain_gpt.py")
@@ -209,27 +211,14 @@ def with_min_nodes(params: RunParams, launch: LaunchEnv) -> RunParams:
             f"{t.micro_batch_size} on {', '.join(map(str, uneven))} node(s) x {launch.nproc_per_node} processes, so a run "
             f"that loses nodes could not keep it; choose a global batch that every count from {low} to {launch.nnodes} "
             f"divides (e.g. {t.micro_batch_size * launch.nproc_per_node * math.lcm(*counts)}), or another MIN")
-    why = reshard_refusal(t.zero_stage, launch.device, t.engine)
+    engine = engine_named(t.engine)
+    why = engine.reshard_refusal(t.zero_stage, launch.device)
     if why:
         raise UserError(f"NNODES={low}:{launch.nnodes} at ZERO_STAGE={t.zero_stage}: {why}; a run that may lose a node "
-                        f"needs a checkpoint another data-parallel size can load: use {why_not_stages(launch.device, t.engine)}, "
+                        f"needs a checkpoint another data-parallel size can load: use ZERO_STAGE="
+                        f"{' or '.join(str(s) for s in range(4) if not engine.reshard_refusal(s, launch.device))}, "
                         "or NNODES without MIN")
     return params
-
-
-def reshard_refusal(stage: int, device: str, engine: str) -> str | None:
-    """Why a checkpoint of ``stage`` cannot be loaded at another data-parallel size, or None. Pure."""
-    if engine == "megatron-lm" and stage != 0:
-        return "Megatron-LM's checkpoints are resharded here at stage 0 only (stage 1 cannot resume without apex or " \
-               "transformer-engine, stages 2-3 cannot save: see docs/megatron-lm.md)"
-    if engine != "megatron-lm" and device == "cpu" and stage == 1:
-        return "the CPU path's stage-1 checkpoints hold torch's ZeroRedundancyOptimizer partitions of each rank"
-    return None
-
-
-def why_not_stages(device: str, engine: str) -> str:
-    stages = [s for s in range(4) if reshard_refusal(s, device, engine) is None]
-    return "ZERO_STAGE=" + " or ".join(map(str, stages))
 
 
 # -- planning (pure) -------------------------------------------------------------------------------
