@@ -45,6 +45,7 @@ from orchestration.analysis.comparison_files import comparison_name, describe_fi
 from orchestration.analysis.tables import format_comparison, format_memory_plan
 from orchestration.runner.links import format_links
 from orchestration.cluster import slurm
+from orchestration.cluster.backends import backend_for
 from orchestration.import_args.importer import import_arg_files
 from orchestration.import_args.outputs import check_outputs, write_outputs
 from orchestration.import_args.yaml_files import imported_yaml, render_report
@@ -334,7 +335,7 @@ def cmd_status(args, launch: LaunchEnv) -> int:
     if report.job:
         print(f"slurm job {report.job}: {report.job_state}" if not args.json else
               json_line({"slurm_job": report.job, "state": report.job_state}), flush=True)
-    if (report.job or launch.use_srun) and not args.json:  # read here from the records each node writes, not asked
+    if (report.job or backend_for(launch).records_only) and not args.json:  # read here from the records each node writes, not asked
         print(f"(the nodes as their records under {launch.artifact_root / 'run_state'} show them here; a shared "
               "file system may show another node's record up to a minute late)", flush=True)
     if args.json:

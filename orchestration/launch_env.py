@@ -98,7 +98,7 @@ class LaunchEnv:
     """WANDB_PROJECT and friends: one rank logs to Weights & Biases (None: WANDB_PROJECT unset)."""
     use_srun: bool = False
     """Nodes are reached as srun tasks inside a Slurm allocation (LAUNCHER_TRANSPORT=srun, or an
-    allocation without HOSTS); else over ssh, and this machine directly (orchestration/cluster/transports.py)."""
+    allocation without HOSTS); else over ssh, and this machine directly (orchestration/cluster/backends.py)."""
     slurm_job_id: str | None = None
     """SLURM_JOB_ID: the allocation the srun transport runs in."""
     slurm_batch: dict[str, str] = field(default_factory=dict)

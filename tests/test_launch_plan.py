@@ -1,5 +1,5 @@
 """Pure launcher planning: environment parsing, node plans settled by the preflight's answers (given
-as data), transports (no processes)."""
+as data), backends (no processes)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from megatron_ext.run_spec.run_paths import check_run_name
 from megatron_ext.run_spec.errors import UserError
-from orchestration.cluster.transports import DockerExec, Srun, Ssh, ThisMachine, transport_for
+from orchestration.cluster.backends import DockerExec, Srun, Ssh, ThisMachine, backend_for
 from orchestration.launch_env import read_launch_env, visible_gpu_count
 from orchestration.node.wire import NodePlan, NodeReport
 from orchestration.runner.preflight import cluster_problems
@@ -183,33 +183,38 @@ def test_cluster_problems_put_every_node_s_problems_and_differing_software_in_on
     ]
 
 
-def test_transports_are_typed_per_host():
+def test_one_backend_per_way_of_reaching_the_nodes():
+    assert backend_for(read_launch_env({})) == ThisMachine() and ThisMachine().in_process("localhost")
     launch = read_launch_env({"HOSTS": "localhost,n1", "SSH_OPTS": "-p 2222"})
-    assert transport_for(launch, "localhost") == ThisMachine() and transport_for(launch, "localhost").in_process
-    assert transport_for(launch, "n1") == Ssh("n1", ("-p", "2222")) and not transport_for(launch, "n1").caller_sets_env
-    docker = read_launch_env({"HOSTS": "localhost,n1", "CONTAINER_NAME": "c"})
-    assert transport_for(docker, "n1") == DockerExec("c", Ssh("n1")) and not transport_for(docker, "localhost").in_process
-    srun = read_launch_env({"SLURM_JOB_ID": "42"}, slurm_hosts=("c1", "c2"))
-    assert transport_for(srun, "c2") == Srun("42", "c2") and transport_for(srun, "c2").caller_sets_env
-    assert transport_for(srun, "c2").argv(["true"], {}, "/w")[:3] == ["srun", "--jobid=42", "--overlap"]
+    ssh = backend_for(launch)
+    assert ssh == Ssh(options=("-p", "2222")) and ssh.in_process("localhost") and not ssh.in_process("n1")
+    assert backend_for(launch, ["localhost"]) == ThisMachine()  # the nodes a command reaches decide
+    docker = backend_for(read_launch_env({"HOSTS": "localhost,n1", "CONTAINER_NAME": "c"}))
+    assert docker == DockerExec(container="c") and not docker.in_process("localhost") and not docker.caller_sets_env
+    srun = backend_for(read_launch_env({"SLURM_JOB_ID": "42"}, slurm_hosts=("c1", "c2")))
+    assert srun == Srun(job_id="42") and srun.caller_sets_env and srun.fixed_nodes and srun.records_only
+    assert srun.plan("c2", ["true"], {}, "/w")[:3] == ["srun", "--jobid=42", "--overlap"]
+    assert "--nodelist=c2" in srun.plan("c2", ["true"], {}, "/w")
+    inside = Srun(job_id="42", container="c").plan("c2", ["true"], {"A": "1"}, "/w")
+    assert inside[-8:] == ["docker", "exec", "-w", "/w", "-e", "A=1", "c", "true"]  # CONTAINER_NAME inside srun
 
 
-def test_ssh_transport_quotes_everything():
-    launch = read_launch_env({"HOSTS": "n0,n1", "SSH_OPTS": "-F /tmp/cfg -p 2222"})
-    argv = transport_for(launch, "n1").argv(["python", "-m", "x", "it's"], {"A": "1 2"}, "/work dir")
+def test_ssh_backend_quotes_everything():
+    ssh = backend_for(read_launch_env({"HOSTS": "n0,n1", "SSH_OPTS": "-F /tmp/cfg -p 2222"}))
+    argv = ssh.plan("n1", ["python", "-m", "x", "it's"], {"A": "1 2"}, "/work dir")
     assert argv[:6] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-F"]
     assert argv[-3:-1] == ["n1", "--"]
     assert shlex.split(argv[-1]) == ["cd", "/work dir", "&&", "exec", "env", "A=1 2", "python", "-m", "x", "it's"]
-    assert transport_for(launch, "localhost").argv(["python"], {}, "/") == ["python"]
+    assert ssh.plan("localhost", ["python"], {}, "/") == ["python"]
 
 
-def test_docker_transport_local_and_over_ssh():
-    launch = read_launch_env({"HOSTS": "localhost,n1", "CONTAINER_NAME": "megatron-training"})
-    local = transport_for(launch, "localhost").argv(["python", "-m", "x"], {"A": "1"}, "/w")
+def test_docker_backend_local_and_over_ssh():
+    docker = backend_for(read_launch_env({"HOSTS": "localhost,n1", "CONTAINER_NAME": "megatron-training"}))
+    local = docker.plan("localhost", ["python", "-m", "x"], {"A": "1"}, "/w")
     assert local == ["docker", "exec", "-w", "/w", "-e", "A=1", "megatron-training", "python", "-m", "x"]
-    remote = transport_for(launch, "n1").argv(["python", "-m", "x"], {"A": "1"}, "/w")
+    remote = docker.plan("n1", ["python", "-m", "x"], {"A": "1"}, "/w")
     assert remote[:2] == ["ssh", "-o"] and shlex.split(remote[-1]) == local
-    assert DockerExec("c", ThisMachine()).argv(["true"], {}, "/") == ["docker", "exec", "-w", "/", "c", "true"]
+    assert DockerExec(container="c").plan("localhost", ["true"], {}, "/", stdin=True) == ["docker", "exec", "-i", "-w", "/", "c", "true"]
 
 
 def test_visible_gpus(tmp_path):

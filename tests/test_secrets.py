@@ -15,7 +15,7 @@ import pytest
 
 from conftest import clean_env, free_port, last_iteration, planned_nodes, run_script, tagged_pids, wait_for, write_data_set
 from megatron_ext.run_spec.errors import UserError
-from orchestration.cluster.transports import transport_for
+from orchestration.cluster.backends import backend_for
 from orchestration.launch_env import is_secret, read_launch_env
 from orchestration.node.commands import receive_secrets
 from orchestration.node.wire import NodePlan, start_call
@@ -54,8 +54,8 @@ def test_a_start_names_secrets_and_sends_their_values_on_standard_input_only(tmp
     call = start_call(node, launch.secrets)
     assert json.loads(call.stdin) == {"secrets": values} and not any(v in repr(call) for v in values.values())
     for container in (None, "megatron-training"):
-        remote = transport_for(read_launch_env({**values, "HOSTS": "n0,n1", **({"CONTAINER_NAME": container} if container else {})}),
-                               "n1").argv(call.argv(launch.python), launch.forwarded, "/w", stdin=True)
+        remote = backend_for(read_launch_env({**values, "HOSTS": "n0,n1", **({"CONTAINER_NAME": container} if container else {})})
+                             ).plan("n1", call.argv(launch.python), launch.forwarded, "/w", stdin=True)
         assert remote[0] == "ssh" and not any(v in " ".join(remote) for v in values.values())
         assert ("docker exec -i" in remote[-1]) == bool(container)  # docker passes stdin on only with -i
     assert start_call(node, {}).stdin == '{"secrets": {}}\n'  # the node then says which did not arrive

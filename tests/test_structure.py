@@ -342,3 +342,30 @@ def test_no_engine_name_or_device_string_outside_its_own_module():
                     getattr(n, "value", None) in ("cuda", "cpu") for n in (node.left, *node.comparators)):
                 found.append(f"{rel}:{node.lineno} device compared by name")
     assert not found, found
+
+
+BACKEND_CHOICE = ("use_srun", "container_name", "ssh_opts", "is_local")
+"""What picks a backend: read by orchestration/cluster/backends.py alone (and set by launch_env.py)."""
+
+
+def test_one_class_per_backend_and_steps_that_run_themselves():
+    """This machine, ssh, docker exec and srun are one class each with plan, start, status and stop,
+    and nothing else branches on how nodes are reached; a start's steps are objects that execute
+    themselves (no ``step.name ==`` dispatch)."""
+    from orchestration.cluster import backends
+    from orchestration.runner import start_plan
+
+    classes = [backends.ThisMachine, backends.Ssh, backends.DockerExec, backends.Srun]
+    assert len({c.name for c in classes}) == 4 and all(issubclass(c, backends.Backend) for c in classes)
+    assert all(callable(getattr(c, verb)) for c in classes for verb in ("plan", "start", "status", "stop"))
+    steps = [c for c in vars(start_plan).values() if isinstance(c, type) and issubclass(c, start_plan.Step) and c.name]
+    assert len(steps) == 6 and all(c.run is not start_plan.Step.run for c in steps), steps
+    found = []
+    for rel, tree in _project_files().items():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr in BACKEND_CHOICE and rel.startswith("orchestration/")
+                    and rel not in ("orchestration/cluster/backends.py", "orchestration/launch_env.py")):
+                found.append(f"{rel}:{node.lineno} reads {node.attr}")
+            if isinstance(node, ast.Compare) and ast.unparse(node.left) == "step.name":
+                found.append(f"{rel}:{node.lineno} dispatches on a step's name")
+    assert not found, found

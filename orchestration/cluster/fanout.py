@@ -1,7 +1,7 @@
 """Run one node command on every node in parallel, with a timeout each, and collect typed results.
 
-Side effects: subprocesses (``ssh``, ``docker exec`` or ``srun``), or, for this machine, the node
-command in this very process (:func:`orchestration.node.local.answer_here`: no interpreter to start).
+Side effects: subprocesses (``ssh``, ``docker exec`` or ``srun``: the backend's argv,
+orchestration/cluster/backends.py), or, for this machine, the node command in this very process (:func:`orchestration.node.local.answer_here`: no interpreter to start).
 Each node command answers one JSON line (orchestration/node/wire.py): read back as the answer
 dataclass the caller names, or ``{"error": ...}``. A node that fails yields a :class:`NodeResult`
 with its exit code and the tail of what it printed, and every failure is reported together.
@@ -17,9 +17,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Generic, Sequence, TypeVar
+from typing import Callable, Generic, Mapping, Protocol, Sequence, TypeVar
 
-from orchestration.cluster.transports import transport_for
 from orchestration.launch_env import LaunchEnv
 from orchestration.node.local import answer_here
 from orchestration.node.wire import NodeCall, decode_payload, node_label
@@ -29,6 +28,15 @@ log = logging.getLogger(__name__)
 DEFAULT_NODE_TIMEOUT_S = 120.0
 SSH_UNREACHABLE = 255
 T = TypeVar("T")
+
+
+class Route(Protocol):
+    """How a node command reaches its host: what each backend supplies (cluster/backends.py)."""
+
+    caller_sets_env: bool
+
+    def in_process(self, host: str) -> bool: ...
+    def plan(self, host: str, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdin: bool = False) -> list[str]: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,12 +116,11 @@ def _answer_within(call: NodeCall, environ: dict[str, str], timeout_s: float) ->
     return box.get("answer")
 
 
-def _run_one(launch: LaunchEnv, rank: int, host: str, call: NodeCall, decode: type[T] | None,
+def _run_one(route: Route, launch: LaunchEnv, rank: int, host: str, call: NodeCall, decode: type[T] | None,
              timeout_s: float) -> NodeResult[T]:
-    transport = transport_for(launch, host)
     argv = call.argv(launch.python)
     started = time.monotonic()
-    if transport.in_process:  # the same request, under the same timeout
+    if route.in_process(host):  # the same request, under the same timeout
         answered = _answer_within(call, {**launch.environ, **launch.forwarded}, timeout_s)
         if answered is None:
             return NodeResult(node_rank=rank, host=host, argv=argv, returncode=124, value=None, error=None, output=f"no answer within {timeout_s:.0f}s")
@@ -121,8 +128,8 @@ def _run_one(launch: LaunchEnv, rank: int, host: str, call: NodeCall, decode: ty
         log.debug("%s %s in this process: exit %d in %.2f s", node_label(rank, host), call.command, returncode,
                   time.monotonic() - started)
         return _result(rank, host, argv, returncode, line, "", decode)
-    full = transport.argv(argv, launch.forwarded, launch.cwd, stdin=call.stdin is not None)
-    local = transport.caller_sets_env  # else ssh/docker carry env and cwd
+    full = route.plan(host, argv, launch.forwarded, launch.cwd, stdin=call.stdin is not None)
+    local = route.caller_sets_env  # else ssh/docker carry env and cwd
     try:  # the call's stdin (secrets) goes down the pipe: ssh and docker exec -i pass it on, no argv shows it
         proc = subprocess.run(
             full, cwd=launch.cwd if local else None, env={**launch.environ, **launch.forwarded} if local else None,
@@ -138,11 +145,11 @@ def _run_one(launch: LaunchEnv, rank: int, host: str, call: NodeCall, decode: ty
     return _result(rank, host, full, proc.returncode, proc.stdout, proc.stderr, decode)
 
 
-def call_nodes(launch: LaunchEnv, nodes: Sequence[tuple[int, str]], call_for: Callable[[int, str], NodeCall],
+def call_nodes(route: Route, launch: LaunchEnv, nodes: Sequence[tuple[int, str]], call_for: Callable[[int, str], NodeCall],
                decode: type[T], timeout_s: float = DEFAULT_NODE_TIMEOUT_S) -> list[NodeResult[T]]:
     """The node command ``call_for(rank, host)`` on every node at once, each answer read as
     ``decode``; results in node-rank order."""
     with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
-        futures = [pool.submit(_run_one, launch, rank, host, call_for(rank, host), decode, timeout_s)
+        futures = [pool.submit(_run_one, route, launch, rank, host, call_for(rank, host), decode, timeout_s)
                    for rank, host in nodes]
         return [f.result() for f in futures]

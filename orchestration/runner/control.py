@@ -14,7 +14,6 @@ sweep's stop file.
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from dataclasses import dataclass, field
@@ -25,20 +24,14 @@ from megatron_ext.run_spec.errors import EXIT_GAVE_UP, EXIT_NODE_FAILED, EXIT_OK
 from megatron_ext.run_spec.resolved import read_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.cluster import slurm
-from orchestration.cluster.fanout import NodeResult, call_nodes
-from orchestration.cluster.transports import transport_for
+from orchestration.cluster.backends import backend_for, lost_node, lost_nodes, statuses_from_records
+from orchestration.cluster.fanout import NodeResult
 from orchestration.launch_env import LaunchEnv
-from orchestration.node.run_state import (AttemptRecord, RunState, read_heartbeat, read_ledger, read_pid_file,
-                                          request_save)
-from orchestration.node.local import answer_here
-from orchestration.node.wire import (DEFAULT_STOP_GRACE_S, NodeStatus, StopPreview, StopResult, decode_payload, status_call,
-                                     stop_call)
+from orchestration.node.run_state import AttemptRecord, RunState, read_ledger, request_save
+from orchestration.node.wire import DEFAULT_STOP_GRACE_S, NodeStatus, StopResult
 from orchestration.runner.nodes import Nodes, nodes_of_run
 from orchestration.runner.sweep_state import SweepRecord, read_sweep_record, request_sweep_stop
 
-STATUS_TIMEOUT_S = 60.0
-LOCAL_POLL_S = 1.0
-REMOTE_POLL_S = 5.0
 EXIT_RECORD_WAIT_S = 10.0
 """After torchrun is gone on every node, how long to wait for the supervisors' records of how it ended."""
 
@@ -75,13 +68,6 @@ class StopOutcome:
         return all(r.ok for r in self.nodes) and all(r.value.ok for r in self.nodes if isinstance(r.value, StopResult))
 
 
-def stop_nodes(launch: LaunchEnv, run: str, nodes: Sequence[tuple[int, str]], grace_s: float = DEFAULT_STOP_GRACE_S,
-               dry_run: bool = False) -> list[NodeResult]:
-    """``node-stop`` on ``nodes`` in parallel (a start's roll-back, a run's stop)."""
-    return call_nodes(launch, nodes, lambda rank, host: stop_call(run, rank, host, launch.artifact_root, grace_s, dry_run),
-                      StopPreview if dry_run else StopResult, timeout_s=grace_s + 60)
-
-
 def stop_run(launch: LaunchEnv, run: str, only_this_node: bool = False, grace_s: float = DEFAULT_STOP_GRACE_S,
              dry_run: bool = False) -> StopOutcome:
     """Stop ``run`` everywhere it lives (or say what would be signalled, with ``dry_run``)."""
@@ -94,14 +80,8 @@ def stop_run(launch: LaunchEnv, run: str, only_this_node: bool = False, grace_s:
             request_sweep_stop(launch.artifact_root, run, f"stop {run}")
         stage = stop_run(launch, sweep.current_run, only_this_node, grace_s, dry_run) if sweep.current_run else None
         return StopOutcome(run=run, dry_run=dry_run, sweep=sweep, stage=stage)
-    results = stop_nodes(launch, run, nodes_of_run(launch, run, only_this_node), grace_s, dry_run)
-    cancelled = []
-    if launch.use_srun and not dry_run:  # a node srun could not reach: cancel its step instead
-        paths = RunPaths(launch.artifact_root, run)
-        for r in results:
-            record = read_pid_file(paths.node_pid_file(r.node_rank))
-            if not r.ok and record and record.slurm_step and slurm.cancel_step(record.slurm_step):
-                cancelled.append((r.node_rank, r.host, record.slurm_step))
+    nodes = nodes_of_run(launch, run, only_this_node)
+    results, cancelled = backend_for(launch, [h for _, h in nodes]).stop(launch, run, nodes, grace_s, dry_run)
     return StopOutcome(run=run, dry_run=dry_run, nodes=tuple(results), cancelled_steps=tuple(cancelled))
 
 
@@ -128,25 +108,9 @@ class StatusReport:
         return next((r.value.run_failure for r in self.nodes if r.ok and r.value.run_failure), None)
 
 
-def _status_here(launch: LaunchEnv, run: str, rank: int, host: str, seq_length: int | None) -> NodeResult[NodeStatus]:
-    """A node's status read in this process from the shared run_state files (alive = its
-    supervisor's heartbeat is recent): for nodes this process cannot ask directly."""
-    call = status_call(run, rank, host, launch.artifact_root, seq_length, by_heartbeat=True)
-    code, line = answer_here(call, launch.environ)
-    value = decode_payload(NodeStatus, json.loads(line)) if code == 0 else None
-    return NodeResult(node_rank=rank, host=host, argv=[], returncode=code, value=value, error=None if value else line, output="")
-
-
-def node_statuses(launch: LaunchEnv, run: str, nodes: Sequence[tuple[int, str]], seq_length: int | None,
-                  by_heartbeat: bool = False) -> list[NodeResult[NodeStatus]]:
-    """Every node's status: asked of each node (in this process for this machine), or, inside a
-    Slurm allocation or with ``by_heartbeat``, read from the shared files here (no srun task per poll)."""
-    if by_heartbeat or launch.use_srun:  # the records alone: a node the ledger lost wrote none to say it ended
-        lost = lost_nodes(RunPaths(launch.artifact_root, run))
-        return [_lost_node(rank, host, lost[rank]) if rank in lost else _status_here(launch, run, rank, host, seq_length)
-                for rank, host in nodes]
-    return call_nodes(launch, nodes, lambda rank, host: status_call(run, rank, host, launch.artifact_root, seq_length),
-                      NodeStatus, STATUS_TIMEOUT_S)
+def node_statuses(launch: LaunchEnv, run: str, nodes: Sequence[tuple[int, str]], seq_length: int | None) -> list[NodeResult[NodeStatus]]:
+    """Every node's status, as the backend reaches it (cluster/backends.py)."""
+    return backend_for(launch, [h for _, h in nodes]).status(launch, run, nodes, seq_length)
 
 
 def collect_status(launch: LaunchEnv, run: str, only_this_node: bool = False) -> StatusReport:
@@ -161,38 +125,13 @@ def collect_status(launch: LaunchEnv, run: str, only_this_node: bool = False) ->
     if job:  # a batch job, seen from outside it: its state, and each node from the shared run_state files
         state = slurm.job_state(job)
         hosts = resolved.runtime.hosts if resolved and state != "PENDING" else ()
-        nodes = node_statuses(launch, run, list(enumerate(hosts)), seq, by_heartbeat=True)
+        nodes = statuses_from_records(launch, run, list(enumerate(hosts)), seq)
         return StatusReport(run=run, nodes=tuple(nodes), job=job, job_state=state, attempts=ledger, max_attempts=max_attempts)
     nodes = nodes_of_run(launch, run, only_this_node)
     lost = lost_nodes(paths, this_start)  # not asked: their machines are gone
     asked = {r.node_rank: r for r in node_statuses(launch, run, [(k, h) for k, h in nodes if k not in lost], seq)}
-    results = tuple(asked.get(k) or _lost_node(k, h, lost[k]) for k, h in nodes)
+    results = tuple(asked.get(k) or lost_node(k, h, lost[k]) for k, h in nodes)
     return StatusReport(run=run, nodes=results, attempts=ledger, max_attempts=max_attempts)
-
-
-def this_start_ledger(paths: RunPaths) -> list[AttemptRecord]:
-    """The ledger's attempts of the run's latest start (its resolved parameters' run id)."""
-    resolved = read_resolved(paths.params_path)
-    return [r for r in read_ledger(paths) if resolved and r.run_id == resolved.runtime.run_id]
-
-
-def lost_nodes(paths: RunPaths, this_start: Sequence[AttemptRecord] | None = None) -> dict[int, AttemptRecord]:
-    """The nodes the run lost and has not taken back (none of its later attempts ran on them),
-    each with the attempt that lost it; a node brought back and ``joining`` (its heartbeat record
-    says so) is not among them."""
-    out: dict[int, AttemptRecord] = {}
-    for record in this_start_ledger(paths) if this_start is None else this_start:
-        out = {n: r for n, r in out.items() if n not in record.nodes}
-        out.update({n: record for n in record.lost})
-    joining = {n for n in out if (beat := read_heartbeat(paths, n)) and beat.state == RunState.JOINING}
-    return {n: r for n, r in out.items() if n not in joining}
-
-
-def _lost_node(rank: int, host: str, record: AttemptRecord) -> NodeResult[NodeStatus]:
-    """A node the ledger says was lost, as its status (no connection is tried)."""
-    why = f"lost in attempt {record.attempt}: {record.reason or 'its machine or supervisor was gone'}"
-    status = NodeStatus(node_rank=rank, host=host, alive=False, state=RunState.LOST, exit=why, run_failure=None, pid=None, last_iteration=None, train_iters=None, tokens_per_s=None, last_line=why[:160], log="")
-    return NodeResult(node_rank=rank, host=host, argv=[], returncode=0, value=status, error=None, output="")
 
 
 # -- the end --------------------------------------------------------------------------------------
@@ -216,13 +155,6 @@ class RunEnd:
         return ", ".join(f"node{rank} {s.state if s else 'unreachable'}" for rank, s in sorted(self.statuses.items()))
 
 
-def poll_interval_s(launch: LaunchEnv, nodes: Nodes) -> float:
-    """How often a wait asks for statuses: every second where that costs no connection (this
-    machine, or the shared files inside an allocation), else every REMOTE_POLL_S."""
-    here = launch.use_srun or all(transport_for(launch, host).in_process for _, host in nodes)
-    return LOCAL_POLL_S if here else REMOTE_POLL_S
-
-
 def wait_until_ended(launch: LaunchEnv, run: str, nodes: Nodes, seq_length: int | None = None, poll_s: float | None = None,
                      timeout_s: float | None = None, on_poll: Callable[[Statuses, float], None] | None = None,
                      unreachable_s: float | None = None) -> RunEnd | None:
@@ -232,7 +164,7 @@ def wait_until_ended(launch: LaunchEnv, run: str, nodes: Nodes, seq_length: int 
     stop waiting). Each node's supervisor stops its node when another fails or goes silent; a node
     that answers no status for ``unreachable_s`` gets the run stopped from here."""
     t0 = time.monotonic()
-    poll_s = poll_interval_s(launch, nodes) if poll_s is None else poll_s
+    poll_s = backend_for(launch, [h for _, h in nodes]).poll_s(nodes) if poll_s is None else poll_s
     gone_since = unknown_since = None
     while True:
         results = node_statuses(launch, run, nodes, seq_length)

@@ -7,7 +7,7 @@
 torchrun's elastic agent takes a node that comes back at its next rendezvous; here node 0's
 supervisor does (orchestration/node/supervisor.py): the node's own plan from the start (the
 plan file its first start left under the artifact root) goes back to its host with
-``rejoin`` set, through the transport every node command takes (ssh, ``docker exec``); its
+``rejoin`` set, through the backend every node command takes (ssh, ``docker exec``); its
 supervisor asks node 0 for a place over the run's coordination store, every node saves a
 checkpoint at the next step, and the next attempt runs on the nodes of the run again with the
 same global batch. :func:`plan_rejoin` checks and plans (the dry run stops there, every refusal
@@ -24,7 +24,8 @@ from megatron_ext.run_spec.errors import UserError
 from megatron_ext.host.json_files import read_json_settled
 from megatron_ext.run_spec.resolved import read_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
-from orchestration.cluster.fanout import NodeResult, call_nodes
+from orchestration.cluster.backends import backend_for
+from orchestration.cluster.fanout import NodeResult
 from orchestration.launch_env import LaunchEnv
 from orchestration.node.run_state import RunState, read_ledger
 from orchestration.node.wire import NodeCall, NodePlan, NodeStarted, decode_payload, start_call
@@ -48,7 +49,7 @@ class RejoinPlan:
 def plan_rejoin(launch: LaunchEnv, run: str, node_rank: int, host: str | None = None) -> RejoinPlan:
     """Check that ``node_rank`` can come back to ``run`` and plan its start (``host``: a
     replacement machine; default the host the start recorded). Every refusal is one UserError."""
-    if launch.use_srun:
+    if backend_for(launch, [host] if host else ()).fixed_nodes:
         raise UserError("rejoin reaches a node over ssh or docker exec; inside a Slurm allocation a job step's nodes "
                         "are fixed: stop the run with --save and submit it again on the repaired allocation (the latest "
                         "checkpoint resumes)")
@@ -93,4 +94,4 @@ def plan_rejoin(launch: LaunchEnv, run: str, node_rank: int, host: str | None = 
 def rejoin_node(launch: LaunchEnv, planned: RejoinPlan) -> NodeResult[NodeStarted]:
     """Send the node its plan: its supervisor runs, ``joining``, once the answer comes back."""
     plan = planned.plan
-    return call_nodes(launch, [(plan.node_rank, plan.host)], lambda rank, host: planned.call, NodeStarted)[0]
+    return backend_for(launch, [plan.host]).call(launch, [(plan.node_rank, plan.host)], lambda rank, host: planned.call, NodeStarted)[0]

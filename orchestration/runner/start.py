@@ -1,7 +1,7 @@
 """A start, in its steps: read the inputs, ask every node (the preflight), plan with the answers,
-then execute exactly that plan's steps (prepare the data, check Megatron-LM's arguments, write the
-parameters file, start every node: ssh / docker exec, or one srun step inside a Slurm allocation),
-rolling back on a partial start.
+then execute exactly that plan's steps (each a Step object of runner/start_plan.py: prepare the
+data, check Megatron-LM's arguments, write the parameters file, start every node through the
+backend, cluster/backends.py), rolling back on a partial start.
 
     HOSTS=node0,node1 python -m orchestration start gpt_smoke smoke demo
     DRY_RUN=1 HOSTS=node0,node1 python -m orchestration start gpt_smoke smoke demo   # the same plan, printed
@@ -21,23 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence, TextIO
 
-from megatron_ext.run_spec.resolved import write_resolved
-from megatron_ext.run_spec.run_paths import RunPaths
-from megatron_ext.run_spec.wandb_run import WandbState, read_wandb_state, write_wandb_state
-from orchestration.cluster import slurm
-from orchestration.cluster.fanout import NodeResult, call_nodes
+from orchestration.cluster.backends import backend_for
+from orchestration.cluster.fanout import NodeResult
 from orchestration.launch_env import LaunchEnv
-from orchestration.megatron_lm.dataset_helpers import ensure_built
-from orchestration.megatron_lm.program import BUILD_HELPERS, CHECK_ARGUMENTS, check_arguments
-from orchestration.node.run_state import read_exit, wait_until_started, write_plan_file
-from orchestration.node.wire import NodeStarted, StopResult, start_call
-from orchestration.runner.control import RunEnd, stop_nodes, wait_until_ended
+from orchestration.node.wire import NodeStarted, StopResult
+from orchestration.runner.control import RunEnd, wait_until_ended
 from orchestration.runner.preflight import Preflight, Problem, leave_out, run_preflight
-from orchestration.runner.start_plan import StartInputs, StartPlan, checkpoint_target, plan_start, read_start_inputs
+from orchestration.runner.start_plan import StartInputs, StartPlan, Started, plan_start, read_start_inputs
 
 log = logging.getLogger(__name__)
-
-SRUN_START_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -65,7 +57,7 @@ def plan_settled_start(launch: LaunchEnv, model: str, data: str, run: str, nodes
     preflight = run_preflight(launch, inputs)
     log.debug("preflight of %d node(s): %.2f s, %d problem(s)", len(nodes), time.monotonic() - t0, len(preflight.problems))
     left_out: tuple[Problem, ...] = ()
-    if not launch.use_srun:
+    if not backend_for(launch, [host for _, host in nodes]).fixed_nodes:
         preflight, left_out = leave_out(preflight, launch.min_nodes, launch.nnodes)
     plan = plan_start(launch, inputs, preflight.answers, left_out=sorted({rank for rank, _, _ in left_out}))
     return PlannedStart(inputs, preflight, plan, left_out)
@@ -73,15 +65,8 @@ def plan_settled_start(launch: LaunchEnv, model: str, data: str, run: str, nodes
 
 def run_checks(launch: LaunchEnv, planned: PlannedStart) -> tuple[str, ...]:
     """The plan's check steps (a dry run runs them too): their notes; a refusal is a UserError."""
-    notes: list[str] = []
-    for step in planned.plan.steps:
-        if step.check and step.name == CHECK_ARGUMENTS:
-            notes += _check_arguments(launch, planned.plan, planned.inputs, planned.inputs.data_ready)
-    return tuple(notes)
-
-
-def _check_arguments(launch: LaunchEnv, plan: StartPlan, inputs: StartInputs, data_ready: bool) -> tuple[str, ...]:
-    return check_arguments(plan.program, launch, inputs.checkout, inputs.params.data.tokenizer.model_path, data_ready)
+    start = Started(launch, planned.plan, planned.inputs, planned.inputs.data_ready)
+    return tuple(note for step in planned.plan.steps if step.check for note in step.run(start))
 
 
 @dataclass(frozen=True)
@@ -117,81 +102,17 @@ def start_run(launch: LaunchEnv, planned: PlannedStart) -> StartResult:
     plan = planned.plan
     if planned.refused:
         return StartResult(plan, planned.preflight)
-    paths = RunPaths(launch.artifact_root, plan.run)
+    start = Started(launch, plan, planned.inputs, planned.inputs.data_ready)
     notes: tuple[str, ...] = ()
-    results: list[NodeResult[NodeStarted]] = []
-    data_ready = planned.inputs.data_ready
     for step in plan.steps:
         t0 = time.monotonic()
-        if step.name == "prepare-data":
-            from megatron_ext.data.prepare import ensure_prepared
-
-            ensure_prepared(planned.inputs.params.data, paths.data_cache_dir)
-            data_ready = True
-        elif step.name == CHECK_ARGUMENTS:
-            notes += _check_arguments(launch, plan, planned.inputs, data_ready)
-        elif step.name == BUILD_HELPERS:
-            notes += (ensure_built(planned.inputs.checkout.root, launch.python),)
-        elif step.name == "link-checkpoints":
-            target = checkpoint_target(launch, plan.run)
-            target.mkdir(parents=True, exist_ok=True)
-            paths.run_dir.mkdir(parents=True, exist_ok=True)
-            if paths.checkpoints_dir.is_dir() and not paths.checkpoints_dir.is_symlink():
-                paths.checkpoints_dir.rmdir()  # empty (checked when the plan was made)
-            paths.checkpoints_dir.symlink_to(target, target_is_directory=True)
-        elif step.name == "write-params":
-            write_resolved(paths.params_path, plan.resolved)
-            wandb_id = plan.program.env.get("WANDB_RUN_ID") if plan.program else None  # Megatron-LM with WANDB_PROJECT
-            if wandb_id and read_wandb_state(paths) is None:
-                write_wandb_state(paths, WandbState(wandb_id))
-        elif step.name == "start-nodes":
-            results = start_srun_step(launch, plan, paths) if launch.use_srun else start_nodes(launch, plan, paths)
+        notes += step.run(start)
         log.debug("step %s: %.2f s", step.name, time.monotonic() - t0)
     rolled_back: list[NodeResult[StopResult]] = []
-    if not all(r.ok for r in results):
-        started = [(r.node_rank, r.host) for r in results if r.ok]
-        if started:
-            rolled_back = stop_nodes(launch, plan.run, started)
-    return StartResult(plan, planned.preflight, notes, tuple(results), tuple(rolled_back))
-
-
-def start_nodes(launch: LaunchEnv, plan: StartPlan, paths: RunPaths) -> list[NodeResult[NodeStarted]]:
-    """``node-start`` with each node's plan, every node of the first attempt at once (this
-    machine's in this process); a node left out gets only its plan file (what ``rejoin`` sends it)."""
-    by_rank = {p.node_rank: p for p in plan.nodes}
-    first = set(plan.nodes[0].first_members) if plan.nodes and plan.nodes[0].first_members else set(by_rank)
-    for node_plan in plan.nodes:
-        if node_plan.node_rank not in first:
-            write_plan_file(paths, node_plan.node_rank, node_plan.to_json())
-    return call_nodes(launch, [(p.node_rank, p.host) for p in plan.nodes if p.node_rank in first],
-                      lambda rank, host: start_call(by_rank[rank], launch.secrets), NodeStarted)
-
-
-def start_srun_step(launch: LaunchEnv, plan: StartPlan, paths: RunPaths) -> list[NodeResult[NodeStarted]]:
-    """Inside a Slurm allocation: one srun step, a task per node, each the node's supervisor for
-    the plan the launcher left in the node's plan file; the srun client runs detached here. A result
-    per node once its torchrun runs (or the step ended)."""
-    for node_plan in plan.nodes:
-        write_plan_file(paths, node_plan.node_rank, node_plan.to_json())
-    argv = slurm.srun_step_argv(launch.slurm_job_id, launch.nnodes, launch.python, launch.cwd,
-                                slurm.plan_file_pattern(paths))
-    srun_log = paths.logs_dir / f"{plan.run}_srun.log"
-    client = slurm.start_step(argv, launch.environ, launch.cwd, srun_log)
-    deadline = time.monotonic() + SRUN_START_TIMEOUT_S
-    results = []
-    for node_plan in plan.nodes:
-        rank = node_plan.node_rank
-        wait = wait_until_started(paths, rank, node_plan.pid_file, plan.run_id, lambda: client.poll() is None,
-                                  timeout_s=max(0.0, deadline - time.monotonic()))
-        if wait.started:
-            r = wait.record
-            started = NodeStarted(node_rank=rank, host=node_plan.host, pid=r.pid, pgid=r.pgid, supervisor_pid=r.supervisor_pid or 0, log=node_plan.log_path, run_id=plan.run_id)
-            results.append(NodeResult(node_rank=rank, host=node_plan.host, argv=argv, returncode=0, value=started, error=None, output=""))
-        else:
-            ended = wait.ended or read_exit(paths, rank, plan.run_id)
-            why = ended.reason if ended else f"srun exited with {client.returncode}" if client.poll() is not None else "no answer"
-            results.append(NodeResult(node_rank=rank, host=node_plan.host, argv=argv, returncode=1, value=None, error=f"{why}; see {srun_log} and {node_plan.log_path}", output=""))
-    return results
+    started = [(r.node_rank, r.host) for r in start.nodes if r.ok]
+    if started and len(started) < len(start.nodes):
+        rolled_back, _ = backend_for(launch, [h for _, h in started]).stop(launch, plan.run, started)
+    return StartResult(plan, planned.preflight, notes, tuple(start.nodes), tuple(rolled_back))
 
 
 # -- train: one node in the foreground ---------------------------------------------------------------
@@ -222,7 +143,7 @@ def follow_until_ended(launch: LaunchEnv, plan: StartPlan, out: TextIO, log_offs
             state["stopped"] = True
             out.write(f"\n{state['signal']}: stopping run {plan.run} ...\n")
             out.flush()
-            stop_nodes(launch, plan.run, nodes)
+            backend_for(launch, [node.host]).stop(launch, plan.run, nodes)
 
     def on_signal(signum, frame) -> None:
         state["signal"] = state["signal"] or signal.Signals(signum).name

@@ -15,10 +15,11 @@ Three parts (torchx: ``schedule(dryrun_info)`` runs the request it printed):
   node the host, the torchrun argv, every variable every process of the run gets from the
   launcher and the supervisor (attempt 1's, with the rule for later attempts), the variables
   removed, the working directory, the log and pid-file paths, the names of the secret variables
-  (never their values); and the named :class:`Step` s that have side effects (data preparation,
-  Megatron-LM's argument check, the parameters file, the nodes' start), which the start executes
-  in order (orchestration/runner/start.py). Without answers (the nodes could not be asked) the plan
-  is marked unsettled.
+  (never their values); and the :class:`Step` s with side effects (data preparation, Megatron-LM's
+  argument check and helpers, the checkpoint link, the parameters file, the nodes' start), each an
+  object that executes itself and whose description names every side effect it has; the start runs
+  them in order (orchestration/runner/start.py). Without answers (the nodes could not be asked) the
+  plan is marked unsettled.
 """
 
 from __future__ import annotations
@@ -29,20 +30,25 @@ import math
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar, Mapping, Sequence
 
 from megatron_ext.run_spec.engines import engine_named
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.checkpoints import check_resumable, latest_iteration, read_meta
 from megatron_ext.run_spec.params import BatchGeometry, RunParams, load_run_params, with_batch_geometry
 from megatron_ext.run_spec.resilience import ATTEMPT_ENV, FLIGHT_RECORDER_ENTRIES, FLIGHT_RECORDER_ENV, PROGRESS_DIR_ENV
-from megatron_ext.run_spec.resolved import ResolvedRun, RunRuntime
+from megatron_ext.run_spec.resolved import ResolvedRun, RunRuntime, write_resolved
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
+from megatron_ext.run_spec.wandb_run import WandbState, read_wandb_state, write_wandb_state
+from orchestration.cluster.backends import backend_for
+from orchestration.cluster.fanout import NodeResult
 from orchestration.launch_env import SOCKET_IFNAME_VARIABLES, LaunchEnv
 from orchestration.megatron_lm.checkout import Checkout, read_checkout
-from orchestration.megatron_lm.program import ProgramPlan, check_megatron_lm_params, plan_program
+from orchestration.megatron_lm.dataset_helpers import ensure_built
+from orchestration.megatron_lm.program import (BUILD_HELPERS, CHECK_ARGUMENTS, ProgramPlan, check_arguments,
+                                               check_megatron_lm_params, plan_program)
 from orchestration.node.run_state import first_attempt
-from orchestration.node.wire import MEMBERSHIP_RULE, NODE_TAG, RUN_ID_TAG, RUN_TAG, NodePlan, NodeReport
+from orchestration.node.wire import MEMBERSHIP_RULE, NODE_TAG, RUN_ID_TAG, RUN_TAG, NodePlan, NodeReport, NodeStarted
 
 if TYPE_CHECKING:
     from megatron_ext.data.prepare import PreparedData
@@ -52,17 +58,6 @@ DEFAULT_LOCAL_DIR = "/dev/shm"
 PER_ATTEMPT = {ATTEMPT_ENV: "the attempt: the plan's first_attempt, then one more at each restart"}
 PER_ATTEMPT_ELASTIC = {"NNODES": MEMBERSHIP_RULE, "NODE_RANK": "this node's place among the nodes of the attempt",
                        "--nnodes": "as NNODES", "--node-rank": "as NODE_RANK"}
-
-
-@dataclass(frozen=True)
-class Step:
-    """One thing a start does beyond planning, in order."""
-
-    name: str
-    """prepare-data, check-arguments, write-params, start-nodes."""
-    description: str
-    check: bool = False
-    """A check (reads, changes nothing): a dry run runs it too. Else an action, which it only lists."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,7 +117,8 @@ class StartPlan:
     def header(self) -> dict:
         """What the dry run prints before the nodes' plans."""
         return {"run": self.run, "run_id": self.run_id, "settled": self.settled, "master_port": self.master_port,
-                "resume_from": self.resume_from, "steps": [dataclasses.asdict(s) for s in self.steps]}
+                "resume_from": self.resume_from,
+                "steps": [{"name": s.name, "description": s.description, "check": s.check} for s in self.steps]}
 
     def to_json_lines(self) -> list[str]:
         """The plan as the dry run prints it: the header, then one line per node."""
@@ -284,18 +280,114 @@ def settle(launch: LaunchEnv, answers: Sequence[NodeReport] | None) -> tuple[Lau
     return launch, node_env, local_dirs, notes
 
 
-def plan_steps(inputs: StartInputs, program: ProgramPlan, nnodes: int) -> tuple[Step, ...]:
-    steps = []
+# -- the steps ---------------------------------------------------------------------------------------
+
+@dataclass
+class Started:
+    """What a start's steps share while they run (orchestration/runner/start.py makes one)."""
+
+    launch: LaunchEnv
+    plan: StartPlan
+    inputs: StartInputs
+    data_ready: bool
+    nodes: list[NodeResult[NodeStarted]] = field(default_factory=list)
+    """Every node's start (the start-nodes step's)."""
+
+    @property
+    def paths(self) -> RunPaths:
+        return RunPaths(self.launch.artifact_root, self.plan.run)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One thing a start does beyond planning, in order; :meth:`run` does it and returns its notes."""
+
+    description: str
+    """What it does, every side effect named."""
+    name: ClassVar[str] = ""
+    check: ClassVar[bool] = False
+    """A check (reads, changes nothing): a dry run runs it too. Else an action, which it only lists."""
+
+    def run(self, start: Started) -> tuple[str, ...]:
+        raise NotImplementedError
+
+
+class PrepareData(Step):
+    name = "prepare-data"
+
+    def run(self, start: Started) -> tuple[str, ...]:
+        from megatron_ext.data.prepare import ensure_prepared
+
+        ensure_prepared(start.inputs.params.data, start.paths.data_cache_dir)
+        start.data_ready = True
+        return ()
+
+
+class CheckArguments(Step):
+    name, check = CHECK_ARGUMENTS, True
+
+    def run(self, start: Started) -> tuple[str, ...]:
+        return check_arguments(start.plan.program, start.launch, start.inputs.checkout,
+                               start.inputs.params.data.tokenizer.model_path, start.data_ready)
+
+
+class BuildHelpers(Step):
+    name = BUILD_HELPERS
+
+    def run(self, start: Started) -> tuple[str, ...]:
+        return (ensure_built(start.inputs.checkout.root, start.launch.python),)
+
+
+class LinkCheckpoints(Step):
+    name = "link-checkpoints"
+
+    def run(self, start: Started) -> tuple[str, ...]:
+        paths, target = start.paths, checkpoint_target(start.launch, start.plan.run)
+        target.mkdir(parents=True, exist_ok=True)
+        paths.run_dir.mkdir(parents=True, exist_ok=True)
+        if paths.checkpoints_dir.is_dir() and not paths.checkpoints_dir.is_symlink():
+            paths.checkpoints_dir.rmdir()  # empty (checked when the plan was made)
+        paths.checkpoints_dir.symlink_to(target, target_is_directory=True)
+        return ()
+
+
+class WriteParams(Step):
+    name = "write-params"
+
+    def run(self, start: Started) -> tuple[str, ...]:
+        write_resolved(start.paths.params_path, start.plan.resolved)
+        wandb_id = start.plan.program.env.get("WANDB_RUN_ID") if start.plan.program else None
+        if wandb_id and read_wandb_state(start.paths) is None:
+            write_wandb_state(start.paths, WandbState(wandb_id))
+        return ()
+
+
+class StartNodes(Step):
+    name = "start-nodes"
+
+    def run(self, start: Started) -> tuple[str, ...]:
+        plans = start.plan.nodes
+        start.nodes = backend_for(start.launch, [p.host for p in plans]).start(start.launch, plans, start.paths)
+        return ()
+
+
+PROGRAM_STEPS = {CheckArguments.name: CheckArguments, BuildHelpers.name: BuildHelpers}
+"""The steps a program plan names (orchestration/megatron_lm/program.py: ENGINE=megatron-lm)."""
+
+
+def plan_steps(launch: LaunchEnv, inputs: StartInputs, program: ProgramPlan) -> tuple[Step, ...]:
+    steps: list[Step] = []
     if inputs.prepared is not None and not inputs.data_ready:
-        steps.append(Step("prepare-data", f"tokenize {inputs.params.data.source} into {inputs.prepared.prefixes[0]} "
-                                          "(Megatron-LM reads prepared prefixes)"))
-    steps += [Step(name, text, check=True) for name, text in program.checks]
-    steps += [Step(name, text) for name, text in program.prepare]
+        steps.append(PrepareData(f"tokenize {inputs.params.data.source} into {inputs.prepared.prefixes[0]} "
+                                 "(Megatron-LM reads prepared prefixes)"))
+    steps += [PROGRAM_STEPS[name](text) for name, text in (*program.checks, *program.prepare)]
     if inputs.link_checkpoints:
-        steps.append(Step("link-checkpoints", "link the run's checkpoint folder under the artifact root to CHECKPOINT_ROOT"))
-    steps.append(Step("write-params", "write the resolved parameters beside the logs"))
-    steps.append(Step("start-nodes", f"start {nnodes} node(s) in parallel: each node's supervisor starts its torchrun "
-                                     "(node 0 first clears the run's failure and attempt files)"))
+        steps.append(LinkCheckpoints("link the run's checkpoint folder under the artifact root to CHECKPOINT_ROOT"))
+    wandb = " and the run's W&B id record (one W&B run across restarts)" if program.env.get("WANDB_RUN_ID") else ""
+    steps.append(WriteParams(f"write the resolved parameters beside the logs{wandb}"))
+    backend = backend_for(launch, [host for _, host in inputs.nodes])
+    steps.append(StartNodes(f"start {len(inputs.nodes)} node(s) in parallel ({backend.name}): each node's supervisor "
+                            "starts its torchrun (node 0 first clears the run's failure and attempt files)"))
     return tuple(steps)
 
 
@@ -341,4 +433,4 @@ def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeRep
                      "directories are what a start would settle, not what it will use")
     return StartPlan(run=inputs.run, run_id=inputs.run_id, resolved=ResolvedRun(params, runtime), geometry=inputs.geometry, nodes=tuple(node_plans),
                      resume_from=inputs.resume_from, program=program, python=launch.python, cwd=launch.cwd, notes=tuple(notes), first_attempt=inputs.first_attempt,
-                     steps=plan_steps(inputs, program, len(inputs.nodes)), settled=answers is not None, master_port=launch.master_port)
+                     steps=plan_steps(launch, inputs, program), settled=answers is not None, master_port=launch.master_port)
