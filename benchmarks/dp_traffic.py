@@ -4,7 +4,7 @@
     python benchmarks/dp_traffic.py --nproc 4 --micro-batches 1,2,8 --reductions fp32 --engines cuda
     .venv-py312/bin/python benchmarks/dp_traffic.py --engines cuda     # another megatron-core release
 
-(about 1.5 minutes on 2 cores; the figures of 2026-12-04 are in docs/zero.md, "The memory planner").
+(about 1.5 minutes on 2 cores; the last figures, dated, are in benchmarks/results.md).
 
 Runs the CUDA trainer's real megatron-core objects (DDP, the distributed optimizer, Megatron-FSDP
 ``optim_grads`` / ``optim_grads_params``, built by tests/cuda_on_cpu/worker.py's ``build`` and

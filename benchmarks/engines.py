@@ -9,7 +9,8 @@ ENGINE=megatron-lm), alternating, on the same prepared data set (the smoke corpu
 of processes and the same ZeRO stage. Per run, the median of the iterations' tokens/s without the
 first two (warm-up: the first holds the lazy initialisations, the second the optimizer state's);
 per engine, the median over runs. Megatron-LM's iterations come from its node log through the
-project's reader (its line of iteration 2 averages iterations 1 and 2; the reader takes that apart). Prints one table with the ratio this program / Megatron-LM,
+project's reader (its line of iteration 2 averages iterations 1 and 2; the reader takes that apart).
+Prints one table with the ratio this program / Megatron-LM,
 measured side by side in this one invocation. Several checkouts (``--megatron-lm-dir`` again, each
 with its ``--python``: the launcher's and the ranks' Python, for both engines, so that this program
 runs on the megatron-core of that Python) give a pair of rows and a ratio per release.

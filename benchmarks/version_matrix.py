@@ -6,7 +6,7 @@ For each given (Python, megatron-core directory) pair -- a directory made with `
 --no-deps --target DIR megatron-core==X`` (empty: the interpreter's own) -- runs gpt_smoke on
 the embedded corpus with 2 CPU processes under ZERO_STAGE 0-3 and prints the lm loss at the last
 iteration per stage, whether all stages agree, and the megatron-core version the ranks reported.
-The support matrix in the README comes from this script.
+The support matrix in docs/install.md comes from this script (figures: benchmarks/results.md).
 """
 
 from __future__ import annotations
@@ -48,9 +48,11 @@ def main() -> None:
     p.add_argument("--models", default="gpt_smoke,qwen3_smoke", help="comma list of model presets (with the smoke data set)")
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="matrix_"))
-    print(f"{'python':<12} {'megatron-core':<14} {'model':<12} {'stage 0':>10} {'stage 1':>10} {'stage 2':>10} {'stage 3':>10}  same loss")
+    print(f"{'python':<12} {'megatron-core':<14} {'model':<12} {'stage 0':>10} "
+          f"{'stage 1':>10} {'stage 2':>10} {'stage 3':>10}  same loss")
     for python, mc in zip(args.python, args.megatron_core, strict=True):
-        py = subprocess.run([python, "-c", "import sys; print('%d.%d.%d' % sys.version_info[:3])"], capture_output=True, text=True).stdout.strip()
+        py = subprocess.run([python, "-c", "import sys; print('%d.%d.%d' % sys.version_info[:3])"],
+                            capture_output=True, text=True).stdout.strip()
         code = "import megatron.core.package_info as p; print(p.__version__)"
         env = {**os.environ, "PYTHONPATH": mc}
         version = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env).stdout.strip() or "?"

@@ -34,6 +34,7 @@ from typing import Sequence
 from megatron_ext.run_spec.engines import engine_named
 from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
 from megatron_ext.run_spec.params import COLLECTIVE_TIMEOUT_S
+from megatron_ext.run_spec.resolved import read_resolved
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name, runs_under
 from megatron_ext.run_spec.zero import parse_stages
 from orchestration.analysis.checkpoint_health import (check_run_checkpoints, format_checkpoint_line,
@@ -484,8 +485,10 @@ def cmd_plan_memory(args, launch: LaunchEnv) -> int:
 
 def cmd_check_checkpoints(args, launch: LaunchEnv) -> int:
     """``check-checkpoints RUN [--sizes]``: every checkpoint of the run, verified or damaged."""
-    report = check_run_checkpoints(require_run(launch, args.run), args.sizes)
-    print(format_checkpoint_report(report), flush=True)
+    paths = require_run(launch, args.run)
+    report, resolved = check_run_checkpoints(paths, args.sizes), read_resolved(paths.params_path)
+    covered = f"\n(checksums: {engine_named(resolved and resolved.runtime.engine).checksums})" if report.checkpoints else ""
+    print(format_checkpoint_report(report) + covered, flush=True)
     return EXIT_OK if report.loadable or not report.checkpoints else EXIT_NODE_FAILED
 
 
@@ -628,8 +631,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = {"start": cmd_start, "stop": cmd_stop, "rejoin": cmd_rejoin, "status": cmd_status, "train": cmd_train, "preflight": cmd_preflight,
-            "submit": cmd_submit, "compare": cmd_compare, "sweep": cmd_sweep, "plan-memory": cmd_plan_memory,
+COMMANDS = {"start": cmd_start, "stop": cmd_stop, "rejoin": cmd_rejoin, "status": cmd_status, "train": cmd_train,
+            "preflight": cmd_preflight, "submit": cmd_submit, "compare": cmd_compare, "sweep": cmd_sweep, "plan-memory": cmd_plan_memory,
             "import-megatron-args": cmd_import_megatron_args, "export-hf": cmd_export, "export-megatron-lm": cmd_export,
             "check-checkpoints": cmd_check_checkpoints}
 

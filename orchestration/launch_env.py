@@ -139,9 +139,6 @@ class LaunchEnv:
     def device(self) -> Device:
         return Device.of(self.visible_gpus > 0)
 
-    def is_local(self, host: str) -> bool:
-        return host in LOCAL_HOSTS
-
 
 def parse_hosts(text: str, source: str) -> tuple[str, ...]:
     """Hosts from a comma list or a hostfile's text (one per line, ``#`` comments, ``slots=`` ignored)."""

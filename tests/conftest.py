@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -66,18 +67,20 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def free_port() -> int:
-    """A free port whose next one is free too: a multi-node run's coordination store takes
-    MASTER_PORT + 1 (orchestration/node/board.py)."""
+    """A free port whose next one is free too (a multi-node run's coordination store takes
+    MASTER_PORT + 1: orchestration/node/board.py), below the kernel's ephemeral range (32768 and up
+    by default), so that no connection another process opens takes it before the run binds it (a
+    sweep holds one for minutes), and in a band of its own for each xdist worker."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0) % 4
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
+        port = random.randrange(16000 + 4000 * worker, 19998 + 4000 * worker)
+        try:
+            for p in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
 
 
 def clean_env(**extra: str) -> dict[str, str]:

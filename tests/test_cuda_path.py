@@ -380,9 +380,11 @@ def test_every_node_s_preflight_refuses_fp8_it_cannot_run(tmp_path, monkeypatch)
     from orchestration.node.wire import CheckRequest, NodeCheckRequest, check_call, decode_request, target
 
     def check(**fields) -> NodeCheckRequest:
-        return NodeCheckRequest(target("r", 0, "localhost", tmp_path), CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1, **fields))
+        return NodeCheckRequest(target("r", 0, "localhost", tmp_path),
+                                CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1, **fields))
 
-    call = check_call("r", 0, "localhost", tmp_path, CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1, fp8="hybrid"), master_port=None)
+    call = check_call("r", 0, "localhost", tmp_path, CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1, fp8="hybrid"),
+                      master_port=None)
     assert decode_request(call.command, call.request) == check(fp8="hybrid")  # the request, as the node reads it
     cpu = preflight.inspect_node(check(fp8="hybrid"), tmp_path / "rs", 0, REPO)
     assert any(p.startswith("training.fp8=hybrid needs a GPU with FP8 tensor cores") for p in cpu.problems), cpu.problems

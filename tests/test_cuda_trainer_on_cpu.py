@@ -61,7 +61,8 @@ def run_worker(mode: str, stages: str, out, *extra: str, nproc: int = 2, timeout
     out.mkdir(parents=True, exist_ok=True)
     return run_session([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
                         "127.0.0.1", "--master-port", str(free_port()), str(WORKER), *mode.split(), "--stage",
-                        fsdp_stages_or_skip(str(stages)), "--out", str(out), *extra], clean_env(OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1"), timeout)
+                        fsdp_stages_or_skip(str(stages)), "--out", str(out), *extra],
+                       clean_env(OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1"), timeout)
 
 
 def steps(losses: dict) -> dict[int, float]:

@@ -68,7 +68,8 @@ def train(artifact_root: Path, data: str, run: str, stage: int = 0, checkout: Pa
           python: Path | None = None):
     """``python -m orchestration train gpt_smoke DATA RUN`` on 2 processes: this program, or with
     ``checkout`` Megatron-LM's pretrain_gpt.py (ENGINE=megatron-lm, the CPU shim); ``python``: the
-    launcher's and so the ranks' (as LAUNCHER_PYTHON makes the scripts). Returns the process and this program's metrics records (Megatron-LM's
+    launcher's and so the ranks' (as LAUNCHER_PYTHON makes the scripts). Returns the process and this program's
+    metrics records (Megatron-LM's
     losses are in its node log)."""
     extra = dict(ARTIFACT_ROOT=str(artifact_root), NPROC_PER_NODE="2", ZERO_STAGE=str(stage),
                  MASTER_PORT=str(free_port()))  # its own: the other worker's runs share this machine

@@ -13,7 +13,8 @@ RECORD = json.loads((TEST_DATA / "flight_recorder" / "gloo_rank0_of_2_rank1_stop
 
 def test_a_stopped_rank_without_a_record_is_named_from_its_peers_record():
     found = stuck_collective({0: RECORD}, (1,))
-    assert found == StuckCollective(name="gloo:all_reduce", seq=45, group="0 (default_pg)", entered=(0,), missing=(1,), without_record=(1,)), found
+    assert found == StuckCollective(name="gloo:all_reduce", seq=45, group="0 (default_pg)", entered=(0,), missing=(1,),
+                                    without_record=(1,)), found
     assert found.describe() == (
         "collective gloo:all_reduce #45 of process group 0 (default_pg): entered by rank(s) 0, not by rank(s) 1 (no "
         "record from rank(s) 1: it completed every earlier one, its peers' records say)")

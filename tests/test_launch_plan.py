@@ -275,7 +275,8 @@ def test_the_link_table_times_an_nccl_all_reduce_per_neighbour_pair_or_says_it_s
     gpus = [LinkReport(node_rank=0, host="g0", rates_gbs={"1": 40.0}, transport="NET/IB", allreduce_s={"1": 0.0125}),
             LinkReport(node_rank=1, host="g1", rates_gbs={"0": 41.0}, transport="NET/IB", allreduce_s={"0": 0.0127})]
     assert format_links(link_rows(gpus)).splitlines()[-1] == "one 256 MB NCCL all-reduce per neighbour pair: node0-node1 12.7 ms"
-    cpus = [LinkReport(node_rank=0, host="c0", rates_gbs={"1": 0.4}, transport="TCP (gloo)"), LinkReport(node_rank=1, host="c1", rates_gbs={"0": 0.4}, transport="TCP (gloo)")]
+    cpus = [LinkReport(node_rank=0, host="c0", rates_gbs={"1": 0.4}, transport="TCP (gloo)"),
+            LinkReport(node_rank=1, host="c1", rates_gbs={"0": 0.4}, transport="TCP (gloo)")]
     assert format_links(link_rows(cpus)).splitlines()[-1].endswith("skipped (gloo: no GPUs)")
 
 

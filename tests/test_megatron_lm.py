@@ -29,7 +29,8 @@ STAGE_FLAGS = {  # facts.md, exactly
     0: [],
     1: ["--use-distributed-optimizer"],
     2: "--use-megatron-fsdp --use-distributed-optimizer --data-parallel-sharding-strategy optim_grads --ckpt-format fsdp_dtensor".split(),
-    3: "--use-megatron-fsdp --use-distributed-optimizer --data-parallel-sharding-strategy optim_grads_params --ckpt-format fsdp_dtensor".split(),
+    3: ("--use-megatron-fsdp --use-distributed-optimizer --data-parallel-sharding-strategy optim_grads_params "
+        "--ckpt-format fsdp_dtensor").split(),
 }
 DATA_FOR = {"gpt_smoke": "smoke", "qwen3_smoke": "smoke", "gpt2": "gpt2_smoke", "qwen3_1p7b": "qwen3_1p7b_smoke",
             "llama3p1_8b": "mock"}
@@ -204,7 +205,8 @@ def test_fake_checkout_refuses_a_missing_flag_and_a_bad_choice(tmp_path):
     r = render("qwen3_1p7b", "qwen3_1p7b_smoke", 0, checkout.version[:2])
     with pytest.raises(UserError, match=r"Megatron-LM 0.16.1 does not define --qk-layernorm"):
         check_flags(r.args, checkout.flags, checkout.version_text)
-    old = read_checkout(write_checkout(tmp_path / "b", (0, 14, 0), [f if f != "--use-megatron-fsdp" else "--use-custom-fsdp" for f in all_rendered_flags()]))
+    old = read_checkout(write_checkout(tmp_path / "b", (0, 14, 0),
+                                       [f if f != "--use-megatron-fsdp" else "--use-custom-fsdp" for f in all_rendered_flags()]))
     r = render("qwen3_1p7b", "qwen3_1p7b_smoke", 3, (0, 14))
     with pytest.raises(UserError, match=r"does not define --use-megatron-fsdp; the checkout has --use-custom-fsdp"):
         check_flags(r.args, old.flags, old.version_text)
@@ -214,7 +216,8 @@ def test_fake_checkout_refuses_a_missing_flag_and_a_bad_choice(tmp_path):
 
 def test_generated_flags_from_config_dataclasses(tmp_path):
     """0.16 generates part of the CLI from dataclasses (ArgumentGroupFactory): --ckpt-format is one."""
-    extra = "from megatron.training.training_config import CheckpointConfig\nArgumentGroupFactory(CheckpointConfig, exclude=['hidden']).build_group(None)\n"
+    extra = ("from megatron.training.training_config import CheckpointConfig\n"
+             "ArgumentGroupFactory(CheckpointConfig, exclude=['hidden']).build_group(None)\n")
     root = write_checkout(tmp_path, (0, 16, 1), ["--save"], extra)
     (root / "megatron" / "training" / "training_config.py").write_text(
         "from dataclasses import dataclass, field\nfrom typing import Literal\n"
@@ -323,7 +326,8 @@ def test_megatron_lm_builds_the_run_s_tokenizer_before_launch(tmp_path):
     checkout = write_checkout(tmp_path / "Megatron-LM", (0, 16, 1), all_rendered_flags() + ["--legacy-tokenizer"],
                               STANDIN_PARSER + STANDIN_TOKENIZER_ARGS)
     build = "from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer\n"
-    (checkout / "megatron" / "training" / "global_vars.py").write_text(build + "def _build_tokenizer(args):\n    return build_tokenizer(args)\n")
+    (checkout / "megatron" / "training" / "global_vars.py").write_text(
+        build + "def _build_tokenizer(args):\n    return build_tokenizer(args)\n")
     (checkout / "pretrain_gpt.py").write_text(build)
     from conftest import megatron_lm_env
 
@@ -366,7 +370,8 @@ def test_launcher_dry_run_renders_pretrain_gpt(tmp_path):
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in nodes[0]["env"]  # Megatron-FSDP: unset, not 1
     assert not (tmp_path / "art" / "data_cache").exists()  # a dry run prepares nothing
 
-    env["MEGATRON_LM_DIR"] = str(write_checkout(tmp_path / "old", (0, 16, 1), [f for f in all_rendered_flags() if f != "--use-megatron-fsdp"]))
+    env["MEGATRON_LM_DIR"] = str(write_checkout(tmp_path / "old", (0, 16, 1),
+                                                [f for f in all_rendered_flags() if f != "--use-megatron-fsdp"]))
     proc = subprocess.run([sys.executable, "-m", "orchestration", "start", "qwen3_1p7b", "qwen3_1p7b_smoke", "r"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Megatron-LM 0.16.1 does not define --use-megatron-fsdp" in proc.stderr
@@ -378,11 +383,18 @@ def test_launcher_dry_run_renders_pretrain_gpt(tmp_path):
 
 LOG = """\
  > building train, validation, and test datasets ...
- [2026-11-29 10:00:01.000000] iteration        1/      10 | consumed samples:           32 | elapsed time per iteration (ms): 2050.3 | throughput per GPU (TFLOP/s/GPU): 310.2 | learning rate: 6.000000E-05 | global batch size:    32 | lm loss: 1.195312E+01 | loss scale: 1.0 | grad norm: 12.345 | number of skipped iterations:   0 | number of nan iterations:   0 |
- [2026-11-29 10:00:02.000000] iteration        2/      10 | consumed samples:           64 | elapsed time per iteration (ms): 1000.0 | throughput per GPU (TFLOP/s/GPU): 455.1 | learning rate: 1.200000E-04 | global batch size:    32 | lm loss: 1.102344E+01 | loss scale: 1.0 | grad norm: 8.500 | number of skipped iterations:   0 | number of nan iterations:   0 |
- [2026-11-29 10:00:03.000000] iteration        3/      10 | consumed samples:           96 | elapsed time per iteration (ms): garbled | learning rate: 1.8E-04 | global batch size:    32 | lm loss: 1.0E+01 |
+ [2026-11-29 10:00:01.000000] iteration        1/      10 | consumed samples:           32 | elapsed time per iteration (ms): 2050.3 | \
+throughput per GPU (TFLOP/s/GPU): 310.2 | learning rate: 6.000000E-05 | global batch size:    32 | lm loss: 1.195312E+01 | \
+loss scale: 1.0 | grad norm: 12.345 | number of skipped iterations:   0 | number of nan iterations:   0 |
+ [2026-11-29 10:00:02.000000] iteration        2/      10 | consumed samples:           64 | elapsed time per iteration (ms): 1000.0 | \
+throughput per GPU (TFLOP/s/GPU): 455.1 | learning rate: 1.200000E-04 | global batch size:    32 | lm loss: 1.102344E+01 | \
+loss scale: 1.0 | grad norm: 8.500 | number of skipped iterations:   0 | number of nan iterations:   0 |
+ [2026-11-29 10:00:03.000000] iteration        3/      10 | consumed samples:           96 | elapsed time per iteration (ms): garbled | \
+learning rate: 1.8E-04 | global batch size:    32 | lm loss: 1.0E+01 |
  [2026-11-29 10:00:04.000000] iteration        4/      10 | consumed samples:
- [2026-11-29 10:00:05.000000] iteration        5/      10 | consumed samples:          160 | elapsed time per iteration (ms): 1010.0 | learning rate: 3.000000E-04 | global batch size:    32 | lm loss: 9.500000E+00 | loss scale: 1.0 | grad norm: 4.000 | number of skipped iterations:   0 | number of nan iterations:   0 |
+ [2026-11-29 10:00:05.000000] iteration        5/      10 | consumed samples:          160 | elapsed time per iteration (ms): 1010.0 | \
+learning rate: 3.000000E-04 | global batch size:    32 | lm loss: 9.500000E+00 | loss scale: 1.0 | grad norm: 4.000 | \
+number of skipped iterations:   0 | number of nan iterations:   0 |
 """
 
 
@@ -711,7 +723,8 @@ def test_megatron_lm_s_own_limits_are_said_before_the_start(tmp_path):
     assert "--save" not in _plan_lm(tmp_path, 2).program_args  # no checkpoints (save_interval 0): nothing to hang
     allowed = _plan_lm(tmp_path, 3, env={"MEGATRON_LM_EXTRA_ARGS": "--no-save-optim"}, save_interval=5)
     assert allowed.program_args[-1] == "--no-save-optim" and any("no optimizer state" in n for n in allowed.notes)
-    with pytest.raises(UserError, match=r"would resume the run's checkpoint at ZERO_STAGE=1.*distrib_optimizer.py .assert len.steps. == 1.: line 642"):
+    with pytest.raises(UserError, match=r"would resume the run's checkpoint at ZERO_STAGE=1.*"
+                                        r"distrib_optimizer.py .assert len.steps. == 1.: line 642"):
         _plan_lm(tmp_path, 1, has_checkpoint=True, save_interval=5)
     with pytest.raises(UserError, match=r"MAX_RESTARTS=2 restarts from the latest checkpoint"):
         _plan_lm(tmp_path, 1, env={"MAX_RESTARTS": "2"}, save_interval=5)
@@ -750,7 +763,8 @@ def test_fp8_and_manual_gc_reach_megatron_lm_where_transformer_engine_is(tmp_pat
     args = " ".join(plan.program_args)
     assert "--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max" in args
     assert "--manual-gc --manual-gc-interval 100" in args
-    for nodes, what in (([NodeReport(node_rank=0, host="n0", visible_gpus=8, software={"transformer-engine": None})], "no transformer-engine"),
+    for nodes, what in (([NodeReport(node_rank=0, host="n0", visible_gpus=8, software={"transformer-engine": None})],
+                         "no transformer-engine"),
                         ([NodeReport(node_rank=0, host="n0", visible_gpus=0, software={"transformer-engine": None})], "no GPU")):
         with pytest.raises(UserError, match=f"training.fp8=hybrid needs transformer-engine on GPUs.*the nodes have {what}"):
             _plan_lm(tmp_path, 0, nodes, fp8="hybrid")

@@ -20,12 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import write_data_set
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.megatron_lm_checkpoints import (
     check_loadable_by_megatron_lm, find_megatron_lm_checkpoint, pretrained_checkpoint_dir,
 )
 from megatron_ext.run_spec.params import RunOverrides, load_model, load_run_params, with_batch_geometry
 from megatron_ext.run_spec.run_paths import RunPaths
+from orchestration.launch_env import read_launch_env
+from orchestration.runner.start_plan import read_start_inputs
 
 MEGATRON_LM_GPT_SMOKE_KEYS = {  # global key -> shape, as Megatron-LM wrote them (vocabulary 2048 rows here)
     "embedding.word_embeddings.weight": (2048, 128), "embedding.position_embeddings.weight": (256, 128),
@@ -83,6 +86,11 @@ def test_a_save_folder_or_one_of_its_iteration_folders(tmp_path):
     check_loadable_by_megatron_lm(latest)
     with pytest.raises(UserError, match=r"ENGINE=megatron-lm starts from the iteration .*names iter_0000010; give that folder"):
         check_loadable_by_megatron_lm(older)
+    data = write_data_set(tmp_path / "init.yaml", 4)  # a start is refused so, before anything starts
+    Path(data).write_text(Path(data).read_text() + f"  init_checkpoint: {save / 'iter_0000005'}\n")
+    launch = read_launch_env({"ARTIFACT_ROOT": str(tmp_path / "art"), "ENGINE": "megatron-lm"})
+    with pytest.raises(UserError, match=r"names iter_0000010; give that folder"):
+        read_start_inputs(launch, "gpt_smoke", data, "r", [(0, "localhost")])
     assert pretrained_checkpoint_dir(str(save / "iter_0000005")) == str(save)
     assert pretrained_checkpoint_dir(str(save)) == str(save)
     assert pretrained_checkpoint_dir(str(save / "release")) == str(save)

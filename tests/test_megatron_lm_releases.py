@@ -267,7 +267,8 @@ def test_every_node_s_preflight_refuses_a_python_the_checkout_does_not_support(r
     broken = python_problem(dataclasses.replace(ranged, specifier="python3.12"), (3, 11, 7), "p")
     assert broken == ("Megatron-LM 9.9.9 states Python 'python3.12' (requires-python in its pyproject.toml), which is no "
                       "PEP 440 version specifier; fix it there (e.g. >=3.12)")
-    without = preflight.inspect_node(NodeCheckRequest(target("r", 0, "localhost", tmp_path), CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1)),
+    without = preflight.inspect_node(NodeCheckRequest(target("r", 0, "localhost", tmp_path),
+                                                      CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1)),
                                      tmp_path / "rs", 0, REPO)
     assert not [p for p in without.problems if "needs Python" in p]
 

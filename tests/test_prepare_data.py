@@ -214,7 +214,8 @@ def test_blend_of_two_prepared_datasets_with_weights_and_split(tmp_path):
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("".join(f"alpha document {i} speaks of optimizers and shards\n" for i in range(300)))
     b.write_text("".join(f"beta document {i} speaks of gradients and buckets\n" for i in range(300)))
-    first = ensure_prepared(DataParams(source="files", paths=(str(a),), tokenizer=TokenizerParams(vocab_size=320)), tmp_path / "cache", workers=1)
+    first = ensure_prepared(DataParams(source="files", paths=(str(a),), tokenizer=TokenizerParams(vocab_size=320)), tmp_path / "cache",
+                            workers=1)
     shared = TokenizerParams("sentencepiece", first.tokenizer_path, 320)
     docs_b = [line for line in b.read_text().splitlines()]
     prefix_b = write_indexed_dataset(chunks_from_documents(docs_b), shared, tmp_path / "b", workers=1)

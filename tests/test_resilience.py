@@ -39,7 +39,8 @@ def _end(rank, state=RunState.FAILED, requested=False):
 
 
 def _record(attempt, start, end):
-    return AttemptRecord(attempt=attempt, run_id="r-1", started_at=0.0, checkpoint_at_start=start, ended_at=1.0, state=RunState.FAILED, reason="x", checkpoint_at_end=end)
+    return AttemptRecord(attempt=attempt, run_id="r-1", started_at=0.0, checkpoint_at_start=start, ended_at=1.0, state=RunState.FAILED,
+                         reason="x", checkpoint_at_end=end)
 
 
 def test_decide_restarts_gives_up_and_ends():
@@ -102,8 +103,8 @@ def test_a_node_brought_back_is_taken_at_the_next_restart_and_not_counted():
 def test_an_attempt_on_fewer_nodes_runs_the_plan_on_those():
     from orchestration.node.wire import NodePlan
 
-    plan = NodePlan(run="r", run_id="r-1", node_rank=2, host="c", argv=("python", "-m", "torch.distributed.run", "--nnodes", "3", "--node-rank", "2",
-                                        "--nproc-per-node", "2", "-m", "megatron_ext.pretrain"),
+    plan = NodePlan(run="r", run_id="r-1", node_rank=2, host="c", argv=("python", "-m", "torch.distributed.run", "--nnodes", "3",
+                                        "--node-rank", "2", "--nproc-per-node", "2", "-m", "megatron_ext.pretrain"),
                     env={"NNODES": "3", "NODE_RANK": "2", "LAUNCHER_ATTEMPT": "1"}, unset=(), cwd="/", log_path="l", pid_path="p",
                     per_attempt={"LAUNCHER_ATTEMPT": "..."}, resume_args=("--load", "/ckpt"))
     argv = plan.attempt_argv(True, (0, 2))
@@ -114,7 +115,8 @@ def test_an_attempt_on_fewer_nodes_runs_the_plan_on_those():
 
 
 def _report(rank, state="S", iteration=10, collective=True, last=100.0, read=True):
-    return RankReport(rank=rank, node_rank=rank // 2, host=f"node{rank // 2}", pid=1000 + rank, process_state=state, phase="step", iteration=iteration, phase_elapsed_s=31.0, limit_s=30.0, last_report_at=last, stack_read=read,
+    return RankReport(rank=rank, node_rank=rank // 2, host=f"node{rank // 2}", pid=1000 + rank, process_state=state, phase="step",
+                      iteration=iteration, phase_elapsed_s=31.0, limit_s=30.0, last_report_at=last, stack_read=read,
                       in_collective=collective if read else None, dump=f"node{rank // 2}_rank{rank}.txt")
 
 
@@ -159,7 +161,8 @@ def test_phase_limits_and_their_overrides():
     p = ResilienceParams(hang_step_floor_s=30, hang_step_factor=5, hang_warmup_steps=3)
 
     def progress(phase, steps, slowest):
-        return RankProgress(rank=0, local_rank=0, host="h", pid=1, attempt=1, iteration=5, phase=phase, phase_started_at=0.0, steps_done=steps, slowest_recent_step_s=slowest)
+        return RankProgress(rank=0, local_rank=0, host="h", pid=1, attempt=1, iteration=5, phase=phase, phase_started_at=0.0,
+                            steps_done=steps, slowest_recent_step_s=slowest)
 
     assert phase_limit_s(progress("step", 10, 2.0), p) == 30  # floor
     assert phase_limit_s(progress("step", 10, 8.0), p) == 40  # 5 x the slowest recent step
@@ -266,7 +269,8 @@ def status_of(run: str, env: dict) -> dict:
 @pytest.mark.slow
 def test_a_slow_rank_is_named_steady_or_in_bursts_and_the_waiting_one_or_a_cpu_hog_never(env, artifact_root, tmp_path):
     """gpt_smoke on 2 CPU processes, the default rule (1.25x the other's busy time over 20 s, for 5
-    s in a row). A CPU hog beside the run for 25 s (beside this suite's other worker): nobody named. Rank 1 stopped 10 ms of every 30 ms (uniformly ~1.5x slower): named
+    s in a row). A CPU hog beside the run for 25 s (beside this suite's other worker): nobody named.
+    Rank 1 stopped 10 ms of every 30 ms (uniformly ~1.5x slower): named
     within 60 s, in the log, status and the metrics; freed, it catches up. Rank 1 stopped 0.4 s of
     every 0.8 s (in bursts, landing in its forward, backward or optimizer step alike): named within
     60 s. Rank 0, which waits for it, never."""

@@ -344,7 +344,7 @@ def test_no_engine_name_or_device_string_outside_its_own_module():
     assert not found, found
 
 
-BACKEND_CHOICE = ("use_srun", "container_name", "ssh_opts", "is_local")
+BACKEND_CHOICE = ("use_srun", "container_name", "ssh_opts")
 """What picks a backend: read by orchestration/cluster/backends.py alone (and set by launch_env.py)."""
 
 

@@ -61,7 +61,8 @@ def test_the_launcher_forwards_wandb_and_every_node_checks_it_imports(tmp_path, 
     assert required_modules(launch) == ("wandb",)
     assert required_modules(read_launch_env({"WANDB_PROJECT": "p", "WANDB_MODE": "disabled"})) == ()
     assert required_modules(read_launch_env({})) == ()
-    request = CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1, shared_token=str(tmp_path / "t"), required_modules=required_modules(launch))
+    request = CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1, shared_token=str(tmp_path / "t"),
+                           required_modules=required_modules(launch))
     call = check_call("r", 0, "localhost", tmp_path, request, master_port=None)
     assert decode_request(call.command, call.request).check.required_modules == ("wandb",)
 
@@ -70,7 +71,8 @@ def test_the_launcher_forwards_wandb_and_every_node_checks_it_imports(tmp_path, 
     real = preflight.importlib.util.find_spec
     monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     report = preflight.inspect_node(NodeCheckRequest(target("r", 0, "localhost", tmp_path),
-                                                     CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1, required_modules=("wandb",))),
+                                                     CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1,
+                                                                  required_modules=("wandb",))),
                                     tmp_path / "run_state", 0, REPO)
     [problem] = [p for p in report.problems if "wandb" in p]
     assert problem.startswith("WANDB_PROJECT is set but wandb is not installed on this node (")

@@ -6,7 +6,8 @@
 
 Inputs: JSONL files with a ``text`` field (Megatron-LM ``preprocess_data.py``'s convention) or
 plain text files (one document per file); no input = the embedded corpus (standard-library
-docstrings). Output: ``<prefix>_text_document.bin/.idx`` in megatron-core's format, byte for byte what Megatron-LM's ``tools/preprocess_data.py
+docstrings). Output: ``<prefix>_text_document.bin/.idx`` in megatron-core's format, byte for byte what
+Megatron-LM's ``tools/preprocess_data.py
 --append-eod`` writes with the same tokenizer: one sequence per document, its tokens followed by
 the end-of-document token; a document with no tokens adds no sequence (only a document boundary);
 ``uint16`` below 65,500 tokens of vocabulary, else ``int32``. With ``--vocab-size`` and no model, a sentencepiece model is trained on
@@ -192,7 +193,8 @@ class PrepareProgress:
                 f"{rate / 1e6:,.2f} MB/s, {self.tokens / elapsed:,.0f} tokens/s)")
         if self.total_bytes and not final and rate > 0:
             left = max(self.total_bytes - self.read_bytes, 0)
-            line += f", {100 * min(self.read_bytes / self.total_bytes, 1):.0f}% of {self.total_bytes / 1e6:,.1f} MB, ETA {left / rate:,.0f} s"
+            line += (f", {100 * min(self.read_bytes / self.total_bytes, 1):.0f}% of {self.total_bytes / 1e6:,.1f} MB, "
+                     f"ETA {left / rate:,.0f} s")
         print(line, file=sys.stderr, flush=True)
 
 
@@ -289,14 +291,16 @@ def _prepare_into(data: DataParams, out_dir: Path, workers: int) -> PreparedData
     total = input_bytes(data.paths) if data.source == "files" else None
     prefix = write_indexed_dataset(chunks, tok, out_dir / name, workers, PrepareProgress(total_bytes=total))
     tokenizer = load_tokenizer(tok)
-    return PreparedData(prefixes=(str(prefix),), weights=(1.0,), tokenizer_type=tok.type, tokenizer_path=tok.model_path, vocab_size=tokenizer.vocab_size, eod=tokenizer.eod)
+    return PreparedData(prefixes=(str(prefix),), weights=(1.0,), tokenizer_type=tok.type, tokenizer_path=tok.model_path,
+                        vocab_size=tokenizer.vocab_size, eod=tokenizer.eod)
 
 
 def _ready_made(data: DataParams) -> PreparedData | None:
     """Data that needs no preparation (mock, or indexed prefixes), else None."""
     if data.source == "mock":
         tokenizer = load_tokenizer(data.tokenizer)
-        return PreparedData(prefixes=(), weights=(), tokenizer_type="null", tokenizer_path=None, vocab_size=tokenizer.vocab_size, eod=tokenizer.eod)
+        return PreparedData(prefixes=(), weights=(), tokenizer_type="null", tokenizer_path=None,
+                            vocab_size=tokenizer.vocab_size, eod=tokenizer.eod)
     if data.source == "files":
         missing = [p for p in data.paths if not (_is_indexed_prefix(p) or Path(p).is_file())]
         if missing:
@@ -331,7 +335,8 @@ def planned_prepared(data: DataParams, cache_root: Path) -> PreparedData:
         return _read_manifest(out_dir / "prepared.json")
     name, tok = _corpus_name(data), data.tokenizer
     model = tok.model_path or (str(out_dir / f"{name}.model") if tok.type == "sentencepiece" else None)
-    return PreparedData(prefixes=(str(out_dir / f"{name}{DOCUMENT_SUFFIX}"),), weights=(1.0,), tokenizer_type=tok.type, tokenizer_path=model, vocab_size=tok.vocab_size, eod=-1)
+    return PreparedData(prefixes=(str(out_dir / f"{name}{DOCUMENT_SUFFIX}"),), weights=(1.0,), tokenizer_type=tok.type,
+                        tokenizer_path=model, vocab_size=tok.vocab_size, eod=-1)
 
 
 def _write_manifest(prepared: PreparedData, directory: Path) -> None:

@@ -1,7 +1,8 @@
 """How many parameters a preset has: megatron-core's GPTModel counted from its shapes, exactly,
 without building it (no torch).
 
-    python -c "from megatron_ext.run_spec.model_size import count_model_parameters; from megatron_ext.run_spec.params import load_model; print(count_model_parameters(load_model('qwen3_1p7b')))"
+    python -c "from megatron_ext.run_spec.model_size import count_model_parameters; \\
+        from megatron_ext.run_spec.params import load_model; print(count_model_parameters(load_model('qwen3_1p7b')))"
 
 The memory planner, the checkpoint-size estimate and the tests read it; the training program's
 :func:`megatron_ext.training.model.count_parameters` counts the built model and returns the same

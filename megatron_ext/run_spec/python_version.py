@@ -1,6 +1,7 @@
 """Whether a Python runs a program that states which Pythons it supports: one rule for every node's preflight and the launcher.
 
-    python -c "from megatron_ext.run_spec.python_version import PythonRequirement as R, python_problem as p; print(p(R('Megatron-LM 0.19.1', '>=3.12', 'its pyproject.toml'), (3, 11, 7), '/usr/bin/python3'))"
+    python -c "from megatron_ext.run_spec.python_version import PythonRequirement as R, python_problem as p; \\
+        print(p(R('Megatron-LM 0.19.1', '>=3.12', 'its pyproject.toml'), (3, 11, 7), '/usr/bin/python3'))"
 
 A Megatron-LM checkout states it in its ``pyproject.toml`` (``requires-python``: ``>=3.12`` from
 core_v0.19, whose code imports ``typing.override``, new in 3.12); the launcher reads it there

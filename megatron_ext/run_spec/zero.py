@@ -1,6 +1,6 @@
 """ZERO_STAGE -> data-parallel strategy: the one table every engine and device reads.
 
-    python -c "from megatron_ext.run_spec.zero import describe_stages; print(describe_stages())"
+    python -c "from megatron_ext.run_spec.zero import STAGES; print(*STAGES.values(), sep=chr(10))"
 
 ZeRO stages (Rajbhandari et al.) name *what* is sharded over data-parallel ranks; this module
 says *how*, per device kind and engine. The obvious mapping is wrong for stage 2: Megatron-LM's
@@ -122,15 +122,6 @@ def megatron_lm_flags_for_stage(stage: int, version: tuple[int, int] = (0, 16)) 
         if version < (0, 14):
             flags[flags.index("--use-megatron-fsdp")] = "--use-custom-fsdp"
     return flags
-
-
-def describe_stages() -> str:
-    """A table of the mapping, for the README and ``--help``."""
-    rows = ["stage | sharded | CUDA (megatron-core) | CPU (torch, gloo) | Megatron-LM flags"]
-    for s in STAGES.values():
-        flags = " ".join(s.megatron_lm_flags) or "(none)"
-        rows.append(f"{int(s.stage)} | {s.sharded} | {s.cuda} | {s.cpu} | {flags}")
-    return "\n".join(rows)
 
 
 def stage_environment(stage: int) -> dict[str, str | None]:

@@ -4,7 +4,8 @@ megatron/core/optimizer/optimizer.py; the line numbers below are that tag's).
 
 - Stage 0: megatron-core DDP + its mixed-precision optimizer (bf16 params, fp32 main params and
   grads; on megatron-core 0.19+ Megatron-FSDP's gradient dtypes set too, :data:`FSDP_GRAD_DTYPE_FIELDS`,
-  as Megatron-LM core_v0.19.0's training.py ~L1999-2001 passes them). Stage 1: + ``use_distributed_optimizer``. Stages 2-3: Megatron-FSDP ``optim_grads`` /
+  as Megatron-LM core_v0.19.0's training.py ~L1999-2001 passes them). Stage 1: + ``use_distributed_optimizer``.
+  Stages 2-3: Megatron-FSDP ``optim_grads`` /
   ``optim_grads_params`` + the distributed optimizer. Float16Module wraps the model before the
   data-parallel wrapper (training.py ~L1261); the DDP config is Megatron-LM's (~L1291-1322: fp32
   reduction, ``check_for_nan_in_grad`` on, ``bucket_size = max(4e7, 1e6 x dp)``); Megatron-FSDP

@@ -1,6 +1,7 @@
 """Model presets -> megatron-core ``GPTModel``; exact parameter counts on the meta device.
 
-    python -c "from megatron_ext.training.model import count_parameters; from megatron_ext.run_spec.params import load_model; print(count_parameters(load_model('qwen3_1p7b')))"
+    python -c "from megatron_ext.training.model import count_parameters; \\
+        from megatron_ext.run_spec.params import load_model; print(count_parameters(load_model('qwen3_1p7b')))"
 
 Needs megatron's parallel state for TP=1/PP=1: :func:`ensure_model_parallel` creates it on the
 world group (or, with no process group yet, a one-process gloo group on an in-memory store).

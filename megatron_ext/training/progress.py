@@ -5,7 +5,8 @@
 :class:`ProgressReporter` rewrites ``<dir>/rank<R>.json`` (:class:`~megatron_ext.run_spec.resilience.RankProgress`)
 at every phase change: no collective, one small atomic write in a node-local directory (tmpfs)
 per step; SIGUSR2 makes faulthandler write every thread's stack beside it, and a request file
-makes a thread write the rank's flight recorder (torch's record of its collectives) there. :class:`SaveRequest` is Megatron-LM's DistributedSignalHandler in this program: SIGUSR1
+makes a thread write the rank's flight recorder (torch's record of its collectives) there.
+:class:`SaveRequest` is Megatron-LM's DistributedSignalHandler in this program: SIGUSR1
 (sent by the supervisor to each rank when a preemption or a time limit comes, or a ``stop --save``)
 sets a flag, and at every step boundary the ranks agree on it with one all-reduce of one integer on
 a gloo group (host memory: no CUDA synchronisation), so all of them save the same iteration and

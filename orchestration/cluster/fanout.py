@@ -1,7 +1,8 @@
 """Run one node command on every node in parallel, with a timeout each, and collect typed results.
 
 Side effects: subprocesses (``ssh``, ``docker exec`` or ``srun``: the backend's argv,
-orchestration/cluster/backends.py), or, for this machine, the node command in this very process (:func:`orchestration.node.local.answer_here`: no interpreter to start).
+orchestration/cluster/backends.py), or, for this machine, the node command in this very process
+(:func:`orchestration.node.local.answer_here`: no interpreter to start).
 Each node command answers one JSON line (orchestration/node/wire.py): read back as the answer
 dataclass the caller names, or ``{"error": ...}``. A node that fails yields a :class:`NodeResult`
 with its exit code and the tail of what it printed, and every failure is reported together.
@@ -123,7 +124,8 @@ def _run_one(route: Route, launch: LaunchEnv, rank: int, host: str, call: NodeCa
     if route.in_process(host):  # the same request, under the same timeout
         answered = _answer_within(call, {**launch.environ, **launch.forwarded}, timeout_s)
         if answered is None:
-            return NodeResult(node_rank=rank, host=host, argv=argv, returncode=124, value=None, error=None, output=f"no answer within {timeout_s:.0f}s")
+            return NodeResult(node_rank=rank, host=host, argv=argv, returncode=124, value=None, error=None,
+                              output=f"no answer within {timeout_s:.0f}s")
         returncode, line = answered
         log.debug("%s %s in this process: exit %d in %.2f s", node_label(rank, host), call.command, returncode,
                   time.monotonic() - started)
@@ -137,9 +139,11 @@ def _run_one(route: Route, launch: LaunchEnv, rank: int, host: str, call: NodeCa
             capture_output=True, text=True, timeout=timeout_s,
         )
     except subprocess.TimeoutExpired:
-        return NodeResult(node_rank=rank, host=host, argv=full, returncode=124, value=None, error=None, output=f"no answer within {timeout_s:.0f}s")
+        return NodeResult(node_rank=rank, host=host, argv=full, returncode=124, value=None, error=None,
+                          output=f"no answer within {timeout_s:.0f}s")
     except FileNotFoundError as exc:
-        return NodeResult(node_rank=rank, host=host, argv=full, returncode=127, value=None, error=None, output=f"{exc.filename}: command not found")
+        return NodeResult(node_rank=rank, host=host, argv=full, returncode=127, value=None, error=None,
+                          output=f"{exc.filename}: command not found")
     log.debug("%s %s: exit %d in %.2f s: %s", node_label(rank, host), call.command, proc.returncode,
               time.monotonic() - started, shlex.join(full)[:300])
     return _result(rank, host, full, proc.returncode, proc.stdout, proc.stderr, decode)

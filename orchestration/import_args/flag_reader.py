@@ -148,7 +148,8 @@ class FlagReader:
             return
         given = self._take(flag, counterpart=False)
         if given is not None:
-            self.skipped.append(NotImported(flag=flag, values=tuple(w.text for w in given.values), reason=reason, where=given.where, kind=kind, section=section))
+            self.skipped.append(NotImported(flag=flag, values=tuple(w.text for w in given.values), reason=reason, where=given.where,
+                                            kind=kind, section=section))
 
 
 def list_the_rest(r: FlagReader) -> None:

@@ -66,7 +66,8 @@ def import_flags(files: Sequence[FileArgs], table: FlagTable) -> ImportedArgs:
             launcher.append(GivenFlag(head.text, tuple(ShellWord(v, head.where) for v in values), head.where))
     if unknown:
         raise unknown_flags_error(unknown, table)
-    skipped = [NotImported(flag=g.flag, values=tuple(w.text for w in g.values), reason=TORCHRUN_REASON, where=g.where, kind=LAUNCHER) for g in launcher]
+    skipped = [NotImported(flag=g.flag, values=tuple(w.text for w in g.values), reason=TORCHRUN_REASON, where=g.where, kind=LAUNCHER)
+               for g in launcher]
     return map_flags(merge_flags(per_file, table), table.release, [f"{f.path} ({f.origin})" for f in files],
                      [n for f in files for n in f.notes] + retired, skipped)
 

@@ -273,7 +273,8 @@ def _data(r: FlagReader) -> dict[str, Any]:
         r.skip("--tokenizer-type", f"{kind} has no counterpart; {fix}", section="data")
         if "--tokenizer-type" not in r.flags:
             r.skipped.append(NotImported(flag="--tokenizer-type", values=(kind,), reason=f"{kind} has no counterpart; {fix}",
-                                         where="not in the files, implied by --vocab-file and --merge-file", kind=NOT_IMPORTED, section="data"))
+                                         where="not in the files, implied by --vocab-file and --merge-file", kind=NOT_IMPORTED,
+                                         section="data"))
         for flag in ("--vocab-file", "--merge-file", "--tokenizer-model"):
             r.skip(flag, f"{kind}'s files (see --tokenizer-type)", section="data")
         tokenizer = {"type": "huggingface", "model_path": "TODO-tokenizer.json"}
@@ -327,5 +328,6 @@ def map_flags(flags: Mapping[str, GivenFlag], release: str, sources: Sequence[st
     r = FlagReader(flags=dict(flags))
     model, training, data = _model(r), _training(r), _data(r)
     list_the_rest(r)
-    return ImportedArgs(model=model, data=data, training=training, not_imported=tuple(r.skipped) + tuple(launcher), imported=tuple(r.imported), comments=dict(r.comments),
+    return ImportedArgs(model=model, data=data, training=training, not_imported=tuple(r.skipped) + tuple(launcher),
+                        imported=tuple(r.imported), comments=dict(r.comments),
                         sources=tuple(sources), release=release, notes=tuple(notes), converted=tuple(r.conversions))

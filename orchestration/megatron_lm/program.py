@@ -186,9 +186,9 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
                            "pretrain_gpt.py still trains it, and that is what this launcher runs: docs/megatron-lm.md")
     helpers = (BUILD_HELPERS, f"build Megatron-LM's dataset helpers for the ranks' Python ({launch.python}) with the "
                               "checkout's Makefile, here on node 0 where its rank 0 would (dataset_helpers.py)")
-    return ProgramPlan(engine=MEGATRON_LM.name, argv=(str(checkout.root / MEGATRON_LM.program), *render.args), env={**render.env, **wandb_env},
-                       notes=(kernel_note, signal_note, *retired, *limits), save_signal=render.save_signal, checks=(check,),
-                       prepare=(helpers,),
+    return ProgramPlan(engine=MEGATRON_LM.name, argv=(str(checkout.root / MEGATRON_LM.program), *render.args),
+                       env={**render.env, **wandb_env}, notes=(kernel_note, signal_note, *retired, *limits), save_signal=render.save_signal,
+                       checks=(check,), prepare=(helpers,),
                        program_args=tuple(render.args), resume_args=tuple(load_flags(paths)) if not has_checkpoint else (),
                        checkpoint_choice=CheckpointChoice(integrity_args=tuple(integrity_flags(t.zero_stage, checkout.flags)),
                                                           init_checkpoint=t.init_checkpoint or ""))

@@ -73,7 +73,8 @@ RETIRED_FLAGS: tuple[RetiredFlag, ...] = (
                 instead="fast tokenizers are its default; the opt-out is --tokenizer-hf-no-use-fast"),
     RetiredFlag(flag="--tokenizer-hf-include-special-tokens", action=DROP, replacement="--tokenizer-hf-no-include-special-tokens",
                 instead="including special tokens is its default; the opt-out is --tokenizer-hf-no-include-special-tokens"),
-    RetiredFlag(flag="--muon-use-nesterov", action=TRANSLATE, replacement="--muon-nesterov", instead="its name for the same switch is --muon-nesterov"),
+    RetiredFlag(flag="--muon-use-nesterov", action=TRANSLATE, replacement="--muon-nesterov",
+                instead="its name for the same switch is --muon-nesterov"),
     RetiredFlag(flag="--no-scatter-gather-tensors-in-pipeline", action=DROP, replacement=None,
                 instead="no such option: the flag had no effect in core_v0.16.1 either, where nothing read "
                 "scatter_gather_tensors_in_pipeline", removed_in=(0, 18)),

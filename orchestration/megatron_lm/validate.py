@@ -5,7 +5,8 @@
 :func:`validate_with_megatron` runs this module in a subprocess with the launcher's interpreter
 (node 0's: wherever ``pretrain_gpt.py`` will run, it imports), the checkout first on
 ``sys.path``, ``WORLD_SIZE`` = nodes x processes, ``RANK=0`` and the environment the ranks will
-get. The child prints one JSON line: accepted, refused (Megatron's own message), tokenizer (the run's tokenizer does not build as the ranks would build it), or unavailable
+get. The child prints one JSON line: accepted, refused (Megatron's own message), tokenizer (the run's
+tokenizer does not build as the ranks would build it), or unavailable
 (the checkout does not import here, e.g. a login node without torch) — then the launcher falls
 back to the source reader (:mod:`orchestration.megatron_lm.checkout`) and says so.
 

@@ -140,10 +140,11 @@ def decide_rejoin(attempt: int, ends: dict[int, AttemptEnd | None], joiners: Seq
     if not ends or any(end is None or end.state not in (RunState.PREEMPTED, RunState.FINISHED) for end in ends.values()):
         return None
     if any(end.state == RunState.FINISHED for end in ends.values()):
-        return Decision(attempt=attempt, restart=False, state=RunState.FINISHED, reason="torchrun exited with code 0 (the last iteration came before "
-                                                           f"{node_names(joiners, hosts)} could come back)")
+        return Decision(attempt=attempt, restart=False, state=RunState.FINISHED,
+                        reason="torchrun exited with code 0 (the last iteration came before "
+                               f"{node_names(joiners, hosts)} could come back)")
     members = tuple(sorted({*ends, *joiners}))
     return Decision(attempt=attempt, restart=True, state=RunState.RESTARTING,
                     reason=f"{node_names(joiners, hosts)} back: restarting as attempt {attempt + 1} on {len(members)} nodes from "
-                    f"the checkpoint of iteration {checkpoint}", backoff_s=0.0, members=members, lost=(), joined=tuple(joiners), restarts=restarts_so_far,
-                    rejoins=rejoins_so_far + 1)
+                    f"the checkpoint of iteration {checkpoint}", backoff_s=0.0, members=members, lost=(), joined=tuple(joiners),
+                    restarts=restarts_so_far, rejoins=rejoins_so_far + 1)

@@ -1,6 +1,7 @@
 """What runs on one node: check, start, supervise, stop and report a run there; the node side's edge.
 
-    python -m orchestration node-status --request '{"target": {"run": "demo", "node_rank": 0, "host": "localhost", "artifact_root": "/shared/runs"}}'
+    python -m orchestration node-status --request '{"target": {"run": "demo", "node_rank": 0, "host": "localhost",
+        "artifact_root": "/shared/runs"}}'
 
 Called locally, over ssh, through ``docker exec`` or as an srun task by the launcher, with
 everything it needs in its one typed request (orchestration/node/wire.py: the run and node, or a
@@ -152,7 +153,8 @@ def node_start(plan: NodePlan, node: NodeEnv, python: str, secrets: Mapping[str,
         why = wait.ended.reason if wait.ended else f"its supervisor exited with code {supervisor.poll()}"
         raise NodeError(f"the run ended at start ({why}); last log lines:\n{tail(log_path, 15)}")
     record = wait.record
-    return NodeStarted(node_rank=plan.node_rank, host=plan.host, pid=record.pid, pgid=record.pgid, supervisor_pid=supervisor.pid, log=str(log_path), run_id=plan.run_id)
+    return NodeStarted(node_rank=plan.node_rank, host=plan.host, pid=record.pid, pgid=record.pgid, supervisor_pid=supervisor.pid,
+                       log=str(log_path), run_id=plan.run_id)
 
 
 def node_supervise(plan_file: str, node: NodeEnv) -> int:

@@ -5,7 +5,8 @@
 :func:`inspect_node` (run by ``node-check`` on every node in parallel): the run is not live there;
 the software (Python, torch, megatron-core, transformer-engine, the project's revision), the Python
 a Megatron-LM checkout needs (its requires-python, sent by the launcher), whether
-the program accepts that megatron-core and whether megatron-core can use that transformer-engine; the data paths and tokenizer the run reads; the optional
+the program accepts that megatron-core and whether megatron-core can use that transformer-engine;
+the data paths and tokenizer the run reads; the optional
 modules it imports (wandb with WANDB_PROJECT set); the artifact root writable and the same one node
 0 sees (a token the launcher wrote); MASTER_ADDR resolves and node 0 answers on MASTER_PORT (a
 refused connection proves the path; a timeout means a firewall drops the traffic, e.g. Docker's

@@ -98,7 +98,8 @@ def preview_stop(run: str, node_rank: int, host: str, pid_path: Path, grace_s: f
                  artifact_root: str | None = None) -> StopPreview:
     record = read_pid_file(pid_path)
     alive = record is not None and (record_is_alive(record) or supervisor_is_alive(record))
-    return StopPreview(node_rank=node_rank, host=host, recorded_pid=record.pid if record else None, recorded_alive=alive, group=record.pgid if alive else None,
+    return StopPreview(node_rank=node_rank, host=host, recorded_pid=record.pid if record else None,
+                       recorded_alive=alive, group=record.pgid if alive else None,
                        tagged=sorted(tagged_processes(run, node_rank, artifact_root)), grace_s=grace_s)
 
 

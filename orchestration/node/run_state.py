@@ -328,8 +328,8 @@ def begin_attempt(paths: RunPaths, attempt: int, run_id: str, checkpoint: int | 
     """Node 0: attempt ``attempt`` starts now on ``nodes`` (``joined``: those of them back from a
     loss), with ``checkpoint`` the latest complete one."""
     records = [r for r in read_ledger(paths) if r.attempt != attempt]
-    write_ledger(paths, [*records, AttemptRecord(attempt=attempt, run_id=run_id, started_at=time.time(), checkpoint_at_start=checkpoint, nodes=tuple(nodes),
-                                                 joined=tuple(joined))])
+    write_ledger(paths, [*records, AttemptRecord(attempt=attempt, run_id=run_id, started_at=time.time(), checkpoint_at_start=checkpoint,
+                                                 nodes=tuple(nodes), joined=tuple(joined))])
 
 
 def end_attempt(paths: RunPaths, attempt: int, state: RunState, reason: str, checkpoint: int | None,

@@ -256,7 +256,8 @@ class Supervisor:
         if code == 0:
             self._sweep()  # what a rank started may outlive it by a moment (a resource tracker cleaning up)
             if saving and self._preempted():
-                return AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.PREEMPTED, reason="saved a checkpoint on request and ended")
+                return AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.PREEMPTED,
+                                  reason="saved a checkpoint on request and ended")
             return AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.FINISHED, reason="torchrun exited with code 0")
         stopping = self.stopping
         try:
@@ -267,7 +268,8 @@ class Supervisor:
         finally:
             self._sweep()
         if stopping:
-            return AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.STOPPED, reason="stopped on request", requested=True)
+            return AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.STOPPED, reason="stopped on request",
+                              requested=True)
         return AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.FAILED, reason=text.splitlines()[0])
 
     def _hang(self, watchdog: Watchdog, reported: bool) -> bool:
@@ -343,7 +345,8 @@ class Supervisor:
                         hung = " hung: " in failure
                         why = f"{'the run hung' if hung else 'another node failed'}: {failure}"
                         self._stop_torchrun(proc, why, hung)
-                        return AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.HUNG if hung else RunState.STOPPED, reason=why)
+                        return AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.HUNG if hung else RunState.STOPPED,
+                                          reason=why)
                     lost = self._lost_peer()
                     if lost is not None:
                         self._claim_failure(f"node {lost}{self._host(lost)} lost: its supervisor's beat has not changed "
@@ -399,7 +402,8 @@ class Supervisor:
         self._close_ledger(end)
         ledger = read_ledger(self.paths)
         if self.stopping:
-            ends[self.rank] = AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.STOPPED, reason="stopped on request", requested=True)
+            ends[self.rank] = AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.STOPPED, reason="stopped on request",
+                                         requested=True)
         back = self.board.join_requests(self.absent) if self.policy.min_nodes else ()
         decision = attempts.decide(self.attempt, ends, ledger, self.policy, self.restarts, cause, failure, self.plan.hosts,
                                    joiners=back, rejoins_so_far=self.rejoins)
@@ -457,7 +461,8 @@ class Supervisor:
 
     def finish(self, state: RunState, reason: str, code: int | None = None) -> int:
         exit_code, sig = describe_returncode(code) if code is not None else (None, None)
-        write_exit(self.paths, NodeExit(node_rank=self.rank, state=state, exit_code=exit_code, signal=sig, reason=reason, ended_at=time.time(), run_id=self.plan.run_id))
+        write_exit(self.paths, NodeExit(node_rank=self.rank, state=state, exit_code=exit_code, signal=sig, reason=reason,
+                                        ended_at=time.time(), run_id=self.plan.run_id))
         self.say(f"{state}: {reason}")
         shutil.rmtree(self.progress_dir, ignore_errors=True)
         if self.board is not None:

@@ -89,13 +89,13 @@ class Watchdog:
             p = reports.get(rank)
             if p is None:
                 if now - self.started_at > self.params.hang_setup_s:
-                    return Hang(node_rank=self.node_rank, rank=rank, phase="setup", iteration=0, elapsed_s=now - self.started_at, limit_s=self.params.hang_setup_s,
-                                detail=f"rank {rank} never reported since torchrun started")
+                    return Hang(node_rank=self.node_rank, rank=rank, phase="setup", iteration=0, elapsed_s=now - self.started_at,
+                                limit_s=self.params.hang_setup_s, detail=f"rank {rank} never reported since torchrun started")
                 continue
             limit = phase_limit_s(p, self.params)
             if limit is not None and now - p.phase_started_at > limit:
-                return Hang(node_rank=self.node_rank, rank=rank, phase=p.phase, iteration=p.iteration, elapsed_s=now - p.phase_started_at, limit_s=limit,
-                            detail=f"rank {rank} has been in {p.phase} of iteration {p.iteration} for "
+                return Hang(node_rank=self.node_rank, rank=rank, phase=p.phase, iteration=p.iteration, elapsed_s=now - p.phase_started_at,
+                            limit_s=limit, detail=f"rank {rank} has been in {p.phase} of iteration {p.iteration} for "
                             f"{now - p.phase_started_at:.0f} s (limit {limit:.0f} s)")
         return None
 
@@ -113,7 +113,8 @@ class Watchdog:
         records, _ = self.engine.parse_log(text)
         if not records:
             if now - self.started_at > self.params.hang_setup_s:
-                return Hang(node_rank=self.node_rank, rank=None, phase="setup", iteration=0, elapsed_s=now - self.started_at, limit_s=self.params.hang_setup_s,
+                return Hang(node_rank=self.node_rank, rank=None, phase="setup", iteration=0, elapsed_s=now - self.started_at,
+                            limit_s=self.params.hang_setup_s,
                             detail=f"no iteration line {now - self.started_at:.0f} s after torchrun started "
                             f"(limit {self.params.hang_setup_s:.0f} s)")
             return None
@@ -130,7 +131,8 @@ class Watchdog:
         else:
             limit = self.params.hang_setup_s
         if now - self._log_seen_at > limit:
-            return Hang(node_rank=self.node_rank, rank=None, phase="checkpoint" if saving else "step", iteration=last, elapsed_s=now - self._log_seen_at, limit_s=limit,
+            return Hang(node_rank=self.node_rank, rank=None, phase="checkpoint" if saving else "step", iteration=last,
+                        elapsed_s=now - self._log_seen_at, limit_s=limit,
                         detail=f"no iteration line after iteration {last} for {now - self._log_seen_at:.0f} s (limit {limit:.0f} s)")
         return None
 
@@ -316,10 +318,11 @@ def dump_node(run: str, node_rank: int, host: str, nproc_per_node: int, progress
                   (f" (limit {limit:.0f} s)" if limit else "") if p else "progress: never reported",
                   recorded, f"hang: {why}", ""]
         dump.write_text("\n".join(header) + stack + "\n")
-        reports.append(RankReport(rank=rank, node_rank=node_rank, host=host, pid=pid, process_state=state, phase=p.phase if p else None, iteration=p.iteration if p else None,
+        reports.append(RankReport(rank=rank, node_rank=node_rank, host=host, pid=pid, process_state=state, phase=p.phase if p else None,
+                                  iteration=p.iteration if p else None,
                                   phase_elapsed_s=elapsed, limit_s=limit, last_report_at=p.phase_started_at if p else None, stack_read=read,
-                                  in_collective=in_collective(stack) if read else None, dump=str(dump), collective_seq=seq, last_collective=name,
-                                  flight_recorder=str(copy) if copy is not None else None))
+                                  in_collective=in_collective(stack) if read else None, dump=str(dump), collective_seq=seq,
+                                  last_collective=name, flight_recorder=str(copy) if copy is not None else None))
     write_json_atomic(out_dir / f"node{node_rank}.json", unstructure(reports))
     return reports
 

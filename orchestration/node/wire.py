@@ -3,7 +3,8 @@ the launcher sends it, every answer, and their encoding. The launcher imports th
 run-state readers) from ``orchestration/node``, nothing else; the node side reads the same
 definitions.
 
-    python -m orchestration node-status --request '{"target": {"run": "demo", "node_rank": 1, "host": "node1", "artifact_root": "/shared/runs"}}'
+    python -m orchestration node-status --request '{"target": {"run": "demo", "node_rank": 1, "host": "node1",
+        "artifact_root": "/shared/runs"}}'
 
 A :class:`NodePlan` is everything one node runs for a start (``DRY_RUN=1`` prints it, the node's
 supervisor executes it): the torchrun argv, every variable torchrun and the ranks get from the
@@ -357,7 +358,8 @@ def linktest_call(run: str, node_rank: int, host: str, artifact_root: Path, nnod
                   backend: str, interface: str | None = None, seconds: float | None = None) -> NodeCall:
     """``node-linktest``: this node's exchanges with its ring neighbours (all nodes at once), over
     ``interface`` when given, for ``seconds`` (LINK_TEST_S; the node's default when None)."""
-    return _call("node-linktest", LinktestRequest(target=target(run, node_rank, host, artifact_root), nnodes=nnodes, master_addr=master_addr, port=port,
+    return _call("node-linktest", LinktestRequest(target=target(run, node_rank, host, artifact_root), nnodes=nnodes,
+                                                  master_addr=master_addr, port=port,
                                                   backend=backend, interface=interface, seconds=seconds))
 
 

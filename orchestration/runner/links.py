@@ -46,8 +46,9 @@ def link_rows(reports: Sequence[LinkReport], interfaces: Mapping[int, str | None
     best = {r.node_rank: max(r.rates_gbs.values()) for r in reports if r.rates_gbs and not r.error}
     median = statistics.median(best.values()) if best else None
     compare = len(best) >= 3 and median
-    return [LinkRow(node_rank=r.node_rank, host=r.host, interface=(interfaces or {}).get(r.node_rank), best_gbs=best.get(r.node_rank), links=dict(r.rates_gbs),
-                    transport=r.transport, slow=bool(compare and best.get(r.node_rank, median) < SLOW_LINK_FRACTION * median), error=r.error,
+    return [LinkRow(node_rank=r.node_rank, host=r.host, interface=(interfaces or {}).get(r.node_rank), best_gbs=best.get(r.node_rank),
+                    links=dict(r.rates_gbs), transport=r.transport,
+                    slow=bool(compare and best.get(r.node_rank, median) < SLOW_LINK_FRACTION * median), error=r.error,
                     allreduce_s=dict(r.allreduce_s) or None)
             for r in sorted(reports, key=lambda r: r.node_rank)]
 

@@ -1,5 +1,6 @@
 """Preflight, the launcher side: every node's checks at once, one list of every problem, the links
-between the nodes (several nodes: orchestration/runner/links.py), and the answers a plan settles on (the port node 0 picked, each node's interface to MASTER_ADDR and
+between the nodes (several nodes: orchestration/runner/links.py), and the answers a plan settles on
+(the port node 0 picked, each node's interface to MASTER_ADDR and
 node-local directory: :func:`orchestration.runner.start_plan.plan_start` takes them).
 
     python -m orchestration preflight gpt_smoke smoke demo       # the checks start runs, on their own

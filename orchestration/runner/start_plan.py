@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, ClassVar, Mapping, Sequence
 
 from megatron_ext.run_spec.engines import engine_named
 from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.megatron_lm_checkpoints import check_loadable_by_megatron_lm, find_megatron_lm_checkpoint
 from megatron_ext.run_spec.checkpoints import check_resumable, latest_iteration, read_meta
 from megatron_ext.run_spec.params import BatchGeometry, RunParams, load_run_params, with_batch_geometry
 from megatron_ext.run_spec.resilience import ATTEMPT_ENV, FLIGHT_RECORDER_ENTRIES, FLIGHT_RECORDER_ENV, PROGRESS_DIR_ENV
@@ -110,14 +111,11 @@ class StartPlan:
     directories are what a start would settle)."""
     master_port: int = 0
 
-    @property
-    def continues_attempts(self) -> bool:
-        return self.first_attempt > 1
-
     def header(self) -> dict:
         """What the dry run prints before the nodes' plans."""
+        engine = engine_named(self.resolved.runtime.engine)
         return {"run": self.run, "run_id": self.run_id, "settled": self.settled, "master_port": self.master_port,
-                "resume_from": self.resume_from,
+                "resume_from": self.resume_from, "engine": engine.label, "known_limits": engine.known_limits,
                 "steps": [{"name": s.name, "description": s.description, "check": s.check} for s in self.steps]}
 
     def to_json_lines(self) -> list[str]:
@@ -149,6 +147,9 @@ def read_start_inputs(launch: LaunchEnv, model: str, data: str, run: str, nodes:
     ready = True
     if engine.runs_checkout:
         check_megatron_lm_params(params)
+        init = params.training.init_checkpoint  # Megatron-LM loads the iteration the tracker names, no other
+        if init and Path(init).expanduser().exists():  # else the ranks say it is missing
+            check_loadable_by_megatron_lm(find_megatron_lm_checkpoint(init))
         if not launch.megatron_lm_dir:
             raise UserError("ENGINE=megatron-lm needs MEGATRON_LM_DIR, the Megatron-LM checkout holding pretrain_gpt.py")
         checkout = read_checkout(launch.megatron_lm_dir)
@@ -156,9 +157,10 @@ def read_start_inputs(launch: LaunchEnv, model: str, data: str, run: str, nodes:
 
         prepared = planned_prepared(params.data, paths.data_cache_dir)
         ready = is_prepared(params.data, paths.data_cache_dir)
-    return StartInputs(model=model, data=data, run=run, nodes=tuple(nodes), params=params, geometry=geometry, run_id=f"{run}-{uuid.uuid4().hex[:10]}", resume_from=resume_from,
-                       resume_note=note, first_attempt=first_attempt(paths, continue_ledger=launch.slurm_restart_count > 0), prepared=prepared, data_ready=ready,
-                       checkout=checkout, link_checkpoints=check_checkpoint_link(launch, run))
+    return StartInputs(model=model, data=data, run=run, nodes=tuple(nodes), params=params, geometry=geometry,
+                       run_id=f"{run}-{uuid.uuid4().hex[:10]}", resume_from=resume_from, resume_note=note,
+                       first_attempt=first_attempt(paths, continue_ledger=launch.slurm_restart_count > 0), prepared=prepared,
+                       data_ready=ready, checkout=checkout, link_checkpoints=check_checkpoint_link(launch, run))
 
 
 def checkpoint_target(launch: LaunchEnv, run: str) -> Path:
@@ -431,6 +433,7 @@ def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeRep
     if answers is None:
         notes.append("the nodes were not asked (no preflight): MASTER_PORT, the socket interfaces and the node-local "
                      "directories are what a start would settle, not what it will use")
-    return StartPlan(run=inputs.run, run_id=inputs.run_id, resolved=ResolvedRun(params, runtime), geometry=inputs.geometry, nodes=tuple(node_plans),
-                     resume_from=inputs.resume_from, program=program, python=launch.python, cwd=launch.cwd, notes=tuple(notes), first_attempt=inputs.first_attempt,
+    return StartPlan(run=inputs.run, run_id=inputs.run_id, resolved=ResolvedRun(params, runtime), geometry=inputs.geometry,
+                     nodes=tuple(node_plans), resume_from=inputs.resume_from, program=program, python=launch.python, cwd=launch.cwd,
+                     notes=tuple(notes), first_attempt=inputs.first_attempt,
                      steps=plan_steps(launch, inputs, program), settled=answers is not None, master_port=launch.master_port)

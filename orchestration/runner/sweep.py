@@ -151,7 +151,8 @@ class Sweep:
         self.nodes = list(enumerate(launch.hosts))
         self.engine = launch.overrides.engine
         pid = os.getpid()
-        self.record = SweepRecord(prefix=prefix, pid=pid, start_time=process_start_time(pid) or 0, hostname=socket.gethostname(), stages=tuple(stages))
+        self.record = SweepRecord(prefix=prefix, pid=pid, start_time=process_start_time(pid) or 0, hostname=socket.gethostname(),
+                                  stages=tuple(stages))
 
     # the record ---------------------------------------------------------------------------
 
@@ -234,7 +235,8 @@ class Sweep:
                                    elapsed_s=time.monotonic() - started)
             self._check_stop_request(stage, run, "while it started")
             if not result.started:
-                return StageResult(stage=stage, run=run, outcome=self.outcome(RunState.FAILED, stage, f"did not start: {result.failure()[:400]}"),
+                return StageResult(stage=stage, run=run,
+                                   outcome=self.outcome(RunState.FAILED, stage, f"did not start: {result.failure()[:400]}"),
                                    elapsed_s=time.monotonic() - started)
             statuses = self.wait(stage, run, t.seq_length, t.train_iters, started)
         except (KeyboardInterrupt, SweepStopped) as exc:
@@ -248,15 +250,17 @@ class Sweep:
         states = [s.state if s else None for s in statuses.values()]
         failed = any(state is not None and state.failed for state in states)
         if last >= t.train_iters and not failed:
-            return StageResult(stage=stage, run=run, outcome=self.outcome(RunState.FINISHED, stage), elapsed_s=elapsed, last_iteration=last, train_iters=t.train_iters, final_loss=final_loss)
+            return StageResult(stage=stage, run=run, outcome=self.outcome(RunState.FINISHED, stage),
+                               elapsed_s=elapsed, last_iteration=last, train_iters=t.train_iters, final_loss=final_loss)
         if not failed and RunState.STOPPED in states and None not in states:
             self.stop_everywhere(run)  # someone stopped this stage's run itself
-            return StageResult(stage=stage, run=run, outcome=self.outcome(RunState.STOPPED, stage, f"stopped on request at iteration {last}/"
-                                                        f"{t.train_iters} (stop {run}); the sweep goes on"),
+            return StageResult(stage=stage, run=run, outcome=self.outcome(RunState.STOPPED, stage, f"stopped on request at iteration "
+                                                        f"{last}/{t.train_iters} (stop {run}); the sweep goes on"),
                                elapsed_s=elapsed, last_iteration=last, train_iters=t.train_iters, final_loss=final_loss)
         reason = self.reason(statuses)
         self.stop_everywhere(run)
-        return StageResult(stage=stage, run=run, outcome=self.outcome(RunState.FAILED, stage, reason), elapsed_s=elapsed, last_iteration=last, train_iters=t.train_iters, final_loss=final_loss)
+        return StageResult(stage=stage, run=run, outcome=self.outcome(RunState.FAILED, stage, reason),
+                           elapsed_s=elapsed, last_iteration=last, train_iters=t.train_iters, final_loss=final_loss)
 
     # the whole sweep -------------------------------------------------------------------------
 

@@ -266,9 +266,10 @@ def precision_row(out: Path, limit_s: float = 90) -> str:
             reduced = got["collectives"].get("reduce_scatter") or got["collectives"].get("all_reduce", [])
             ok = got["main_grads"] == [dtype] and dtype in reduced and got["policy"] in (
                 None, {"main_grads_dtype": dtype, "grad_comm_dtype": dtype})
-            verdicts.append(f"z{stage} {asked}: {'PASS' if ok else 'FAIL'} (main gradients {'/'.join(got['main_grads'])}, "
-                            f"reduced in {'/'.join(reduced) or 'nothing'}"
-                            f"{', policy ' + got['policy']['main_grads_dtype'] + '/' + got['policy']['grad_comm_dtype'] if got['policy'] else ''})")
+            verdicts.append(
+                f"z{stage} {asked}: {'PASS' if ok else 'FAIL'} (main gradients {'/'.join(got['main_grads'])}, "
+                f"reduced in {'/'.join(reduced) or 'nothing'}"
+                f"{', policy ' + got['policy']['main_grads_dtype'] + '/' + got['policy']['grad_comm_dtype'] if got['policy'] else ''})")
     return "precision (threshold: what was asked, fp32 unless bf16 reduction): " + "; ".join(verdicts)
 
 

@@ -6,7 +6,8 @@ Skipped without CUDA (CI has none). Each stage runs this project's program (mega
 under torchrun, one process) on Megatron's mock data for ITERS iterations of one micro batch of
 MICRO_BATCH sequences, and its row gives TFLOP/s/GPU and MFU (medians after the first two
 iterations; MFU against the dense BF16 peak, FP8 runs too), peak CUDA memory, the last loss, and
-the first iteration's time with the fused-kernel warm-up that precedes it (out of the medians). At data-parallel size 1 nothing is sharded: stage 1's distributed optimizer holds the whole
+the first iteration's time with the fused-kernel warm-up that precedes it (out of the medians).
+At data-parallel size 1 nothing is sharded: stage 1's distributed optimizer holds the whole
 state, stages 2-3 run Megatron-FSDP's ``no_shard`` (cuda_trainer.wrap_cuda says why), so the
 rows' memory is about the same and the sharded memory comes from the planner (plan_memory.sh);
 their speed is each mode's single-GPU cost, with no data-parallel traffic overlapped or paid.
