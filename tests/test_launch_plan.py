@@ -188,7 +188,7 @@ def test_one_backend_per_way_of_reaching_the_nodes():
     launch = read_launch_env({"HOSTS": "localhost,n1", "SSH_OPTS": "-p 2222"})
     ssh = backend_for(launch)
     assert ssh == Ssh(options=("-p", "2222")) and ssh.in_process("localhost") and not ssh.in_process("n1")
-    assert backend_for(launch, ["localhost"]) == ThisMachine()  # the nodes a command reaches decide
+    assert backend_for(launch, [(0, "localhost")]) == ThisMachine()  # the nodes a command reaches decide
     docker = backend_for(read_launch_env({"HOSTS": "localhost,n1", "CONTAINER_NAME": "c"}))
     assert docker == DockerExec(container="c") and not docker.in_process("localhost") and not docker.caller_sets_env
     srun = backend_for(read_launch_env({"SLURM_JOB_ID": "42"}, slurm_hosts=("c1", "c2")))

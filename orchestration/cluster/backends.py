@@ -1,5 +1,5 @@
 """How the launcher reaches a run's nodes: one class per backend, each with torchx's verbs (a
-``Scheduler``'s ``dryrun`` / ``schedule`` / ``describe`` / ``cancel``): :meth:`~ThisMachine.plan`
+``Scheduler``'s ``dryrun`` / ``schedule`` / ``describe`` / ``cancel``): :meth:`~Backend.plan`
 (one node command's argv, pure), ``start``, ``status`` and ``stop``.
 
     HOSTS=node0,node1 SSH_OPTS="-F cluster.cfg" python -m orchestration status demo
@@ -61,11 +61,12 @@ def docker_exec_argv(container: str, argv: Sequence[str], env: Mapping[str, str]
 
 
 @dataclass(frozen=True)
-class ThisMachine:
-    """Every node is this machine: each node command is a call in the launcher's own process."""
+class Backend:
+    """What every backend does, and by default alike: each node command run on its node, every node
+    at once (cluster/fanout.py); a backend says how a command reaches a host (:meth:`plan`)."""
 
-    name: ClassVar[str] = "this machine"
-    caller_sets_env: ClassVar[bool] = True
+    name: ClassVar[str]
+    caller_sets_env: ClassVar[bool] = False
     """The caller applies ``env`` and ``cwd`` to the process it starts (else the argv carries them)."""
     fixed_nodes: ClassVar[bool] = False
     """The start runs on every node of an allocation at once: no node is left out or brought back."""
@@ -74,11 +75,11 @@ class ThisMachine:
 
     def in_process(self, host: str) -> bool:
         """The node command for ``host`` runs in the launcher's own process."""
-        return True
+        return False
 
     def plan(self, host: str, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdin: bool = False) -> list[str]:
         """What runs for a node command on ``host`` (its argv; with ``stdin``, the command reads it). Pure."""
-        return list(argv)
+        raise NotImplementedError
 
     def call(self, launch: LaunchEnv, nodes: Nodes, call_for, decode, timeout_s: float = DEFAULT_NODE_TIMEOUT_S) -> list:
         return call_nodes(self, launch, nodes, call_for, decode, timeout_s)
@@ -112,14 +113,27 @@ class ThisMachine:
 
 
 @dataclass(frozen=True)
-class Ssh(ThisMachine):
+class ThisMachine(Backend):
+    """Every node is this machine: each node command is a call in the launcher's own process."""
+
+    name: ClassVar[str] = "this machine"
+    caller_sets_env: ClassVar[bool] = True
+
+    def in_process(self, host: str) -> bool:
+        return True
+
+    def plan(self, host: str, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdin: bool = False) -> list[str]:
+        return list(argv)
+
+
+@dataclass(frozen=True)
+class Ssh(Backend):
     """``ssh HOST -- 'cd CWD && exec env K=V ... ARGV'`` with BatchMode and a connect timeout; a node
     that is this machine is answered in this process."""
 
     options: tuple[str, ...] = ()
     """SSH_OPTS: ``-F cfg``, ``-p 2222``, ..."""
     name: ClassVar[str] = "ssh"
-    caller_sets_env: ClassVar[bool] = False
 
     def in_process(self, host: str) -> bool:
         return host in LOCAL_HOSTS
@@ -129,7 +143,7 @@ class Ssh(ThisMachine):
 
 
 @dataclass(frozen=True)
-class DockerExec(ThisMachine):
+class DockerExec(Backend):
     """``docker exec`` into ``container`` (``-i`` when the command reads its standard input), run here
     for this machine's nodes and over ssh for the others."""
 
@@ -137,10 +151,6 @@ class DockerExec(ThisMachine):
     options: tuple[str, ...] = ()
     """SSH_OPTS, for the nodes reached over ssh."""
     name: ClassVar[str] = "docker exec"
-    caller_sets_env: ClassVar[bool] = False
-
-    def in_process(self, host: str) -> bool:
-        return False
 
     def plan(self, host: str, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdin: bool = False) -> list[str]:
         inner = docker_exec_argv(self.container, argv, env, cwd, stdin)
@@ -148,7 +158,7 @@ class DockerExec(ThisMachine):
 
 
 @dataclass(frozen=True)
-class Srun(ThisMachine):
+class Srun(Backend):
     """Inside a Slurm allocation: a node command is one srun task on its node beside the steps
     running there (srun exports the caller's environment), in CONTAINER_NAME when set; the start is
     one srun step; a status is read from the nodes' records (no srun task per poll)."""
@@ -156,11 +166,9 @@ class Srun(ThisMachine):
     job_id: str = ""
     container: str | None = None
     name: ClassVar[str] = "srun"
+    caller_sets_env: ClassVar[bool] = True
     fixed_nodes: ClassVar[bool] = True
     records_only: ClassVar[bool] = True
-
-    def in_process(self, host: str) -> bool:
-        return False
 
     def plan(self, host: str, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdin: bool = False) -> list[str]:
         inner = docker_exec_argv(self.container, argv, env, cwd, stdin) if self.container else list(argv)
@@ -201,9 +209,9 @@ class Srun(ThisMachine):
              dry_run: bool = False) -> tuple[list[NodeResult], tuple[tuple[int, str, str], ...]]:
         """``node-stop`` as srun tasks; a node srun could not reach gets its step cancelled instead."""
         results, _ = super().stop(launch, run, nodes, grace_s, dry_run)
-        cancelled = []
+        paths, cancelled = RunPaths(launch.artifact_root, run), []
         for r in results if not dry_run else ():
-            record = read_pid_file(RunPaths(launch.artifact_root, run).node_pid_file(r.node_rank))
+            record = read_pid_file(paths.node_pid_file(r.node_rank))
             if not r.ok and record and record.slurm_step and slurm.cancel_step(record.slurm_step):
                 cancelled.append((r.node_rank, r.host, record.slurm_step))
         return results, tuple(cancelled)
@@ -212,19 +220,16 @@ class Srun(ThisMachine):
         return LOCAL_POLL_S
 
 
-Backend = ThisMachine
-"""The protocol (:class:`ThisMachine`'s verbs), which each backend supplies."""
-
-
-def backend_for(launch: LaunchEnv, hosts: Sequence[str] = ()) -> Backend:
-    """How this machine reaches the nodes on ``hosts`` (default HOSTS): srun inside an allocation
-    (LAUNCHER_TRANSPORT), else docker exec with CONTAINER_NAME, else this machine when every host
-    is, else ssh."""
+def backend_for(launch: LaunchEnv, nodes: Nodes = ()) -> Backend:
+    """How this machine reaches ``nodes`` ((rank, host) pairs; default HOSTS): srun inside an
+    allocation (LAUNCHER_TRANSPORT), else docker exec with CONTAINER_NAME, else this machine when
+    every host is, else ssh."""
+    hosts = [host for _, host in nodes] or launch.hosts
     if launch.use_srun:
         return Srun(job_id=launch.slurm_job_id or "", container=launch.container_name)
     if launch.container_name:
         return DockerExec(container=launch.container_name, options=launch.ssh_opts)
-    if all(host in LOCAL_HOSTS for host in hosts or launch.hosts):
+    if all(host in LOCAL_HOSTS for host in hosts):
         return ThisMachine()
     return Ssh(options=launch.ssh_opts)
 

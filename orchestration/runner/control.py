@@ -81,7 +81,7 @@ def stop_run(launch: LaunchEnv, run: str, only_this_node: bool = False, grace_s:
         stage = stop_run(launch, sweep.current_run, only_this_node, grace_s, dry_run) if sweep.current_run else None
         return StopOutcome(run=run, dry_run=dry_run, sweep=sweep, stage=stage)
     nodes = nodes_of_run(launch, run, only_this_node)
-    results, cancelled = backend_for(launch, [h for _, h in nodes]).stop(launch, run, nodes, grace_s, dry_run)
+    results, cancelled = backend_for(launch, nodes).stop(launch, run, nodes, grace_s, dry_run)
     return StopOutcome(run=run, dry_run=dry_run, nodes=tuple(results), cancelled_steps=tuple(cancelled))
 
 
@@ -110,7 +110,7 @@ class StatusReport:
 
 def node_statuses(launch: LaunchEnv, run: str, nodes: Sequence[tuple[int, str]], seq_length: int | None) -> list[NodeResult[NodeStatus]]:
     """Every node's status, as the backend reaches it (cluster/backends.py)."""
-    return backend_for(launch, [h for _, h in nodes]).status(launch, run, nodes, seq_length)
+    return backend_for(launch, nodes).status(launch, run, nodes, seq_length)
 
 
 def collect_status(launch: LaunchEnv, run: str, only_this_node: bool = False) -> StatusReport:
@@ -164,7 +164,7 @@ def wait_until_ended(launch: LaunchEnv, run: str, nodes: Nodes, seq_length: int 
     stop waiting). Each node's supervisor stops its node when another fails or goes silent; a node
     that answers no status for ``unreachable_s`` gets the run stopped from here."""
     t0 = time.monotonic()
-    poll_s = backend_for(launch, [h for _, h in nodes]).poll_s(nodes) if poll_s is None else poll_s
+    poll_s = backend_for(launch, nodes).poll_s(nodes) if poll_s is None else poll_s
     gone_since = unknown_since = None
     while True:
         results = node_statuses(launch, run, nodes, seq_length)

@@ -131,7 +131,7 @@ def run_preflight(launch: LaunchEnv, inputs: StartInputs) -> Preflight:
     token.write_text(inputs.run_id)
     request = check_request(launch, inputs, token)
     try:
-        results = backend_for(launch, [h for _, h in inputs.nodes]).call(launch, inputs.nodes, lambda rank, host: check_call(
+        results = backend_for(launch, inputs.nodes).call(launch, inputs.nodes, lambda rank, host: check_call(
             inputs.run, rank, host, root, request,
             master_port=launch.master_port if launch.master_port_explicit or rank != 0 else None), NodeReport)
     finally:
@@ -160,7 +160,7 @@ def measure_links(launch: LaunchEnv, inputs: StartInputs, reports: Sequence[Node
     port = launch.master_port if launch.master_port_explicit or not node0.free_port else node0.free_port
     backend = "nccl" if all(r.visible_gpus for r in reports) else "gloo"
     interfaces = {r.node_rank: r.interface for r in reports}
-    results = backend_for(launch, [h for _, h in inputs.nodes]).call(launch, inputs.nodes, lambda rank, host: linktest_call(
+    results = backend_for(launch, inputs.nodes).call(launch, inputs.nodes, lambda rank, host: linktest_call(
         inputs.run, rank, host, launch.artifact_root, launch.nnodes, launch.master_addr, port, backend,
         interfaces.get(rank), launch.link_test_s), LinkReport, timeout_s=LINKTEST_TIMEOUT_S + 30)
     answers = [r.value if r.ok else LinkReport(node_rank=r.node_rank, host=r.host, error=r.error or r.describe_failure()) for r in results]

@@ -49,7 +49,7 @@ class RejoinPlan:
 def plan_rejoin(launch: LaunchEnv, run: str, node_rank: int, host: str | None = None) -> RejoinPlan:
     """Check that ``node_rank`` can come back to ``run`` and plan its start (``host``: a
     replacement machine; default the host the start recorded). Every refusal is one UserError."""
-    if backend_for(launch, [host] if host else ()).fixed_nodes:
+    if backend_for(launch, [(node_rank, host)] if host else ()).fixed_nodes:
         raise UserError("rejoin reaches a node over ssh or docker exec; inside a Slurm allocation a job step's nodes "
                         "are fixed: stop the run with --save and submit it again on the repaired allocation (the latest "
                         "checkpoint resumes)")
@@ -94,4 +94,5 @@ def plan_rejoin(launch: LaunchEnv, run: str, node_rank: int, host: str | None = 
 def rejoin_node(launch: LaunchEnv, planned: RejoinPlan) -> NodeResult[NodeStarted]:
     """Send the node its plan: its supervisor runs, ``joining``, once the answer comes back."""
     plan = planned.plan
-    return backend_for(launch, [plan.host]).call(launch, [(plan.node_rank, plan.host)], lambda rank, host: planned.call, NodeStarted)[0]
+    node = [(plan.node_rank, plan.host)]
+    return backend_for(launch, node).call(launch, node, lambda rank, host: planned.call, NodeStarted)[0]

@@ -57,7 +57,7 @@ def plan_settled_start(launch: LaunchEnv, model: str, data: str, run: str, nodes
     preflight = run_preflight(launch, inputs)
     log.debug("preflight of %d node(s): %.2f s, %d problem(s)", len(nodes), time.monotonic() - t0, len(preflight.problems))
     left_out: tuple[Problem, ...] = ()
-    if not backend_for(launch, [host for _, host in nodes]).fixed_nodes:
+    if not backend_for(launch, nodes).fixed_nodes:
         preflight, left_out = leave_out(preflight, launch.min_nodes, launch.nnodes)
     plan = plan_start(launch, inputs, preflight.answers, left_out=sorted({rank for rank, _, _ in left_out}))
     return PlannedStart(inputs, preflight, plan, left_out)
@@ -111,7 +111,7 @@ def start_run(launch: LaunchEnv, planned: PlannedStart) -> StartResult:
     rolled_back: list[NodeResult[StopResult]] = []
     started = [(r.node_rank, r.host) for r in start.nodes if r.ok]
     if started and len(started) < len(start.nodes):
-        rolled_back, _ = backend_for(launch, [h for _, h in started]).stop(launch, plan.run, started)
+        rolled_back, _ = backend_for(launch, [(p.node_rank, p.host) for p in plan.nodes]).stop(launch, plan.run, started)
     return StartResult(plan, planned.preflight, notes, tuple(start.nodes), tuple(rolled_back))
 
 
@@ -143,7 +143,7 @@ def follow_until_ended(launch: LaunchEnv, plan: StartPlan, out: TextIO, log_offs
             state["stopped"] = True
             out.write(f"\n{state['signal']}: stopping run {plan.run} ...\n")
             out.flush()
-            backend_for(launch, [node.host]).stop(launch, plan.run, nodes)
+            backend_for(launch, nodes).stop(launch, plan.run, nodes)
 
     def on_signal(signum, frame) -> None:
         state["signal"] = state["signal"] or signal.Signals(signum).name

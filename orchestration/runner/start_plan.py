@@ -369,7 +369,7 @@ class StartNodes(Step):
 
     def run(self, start: Started) -> tuple[str, ...]:
         plans = start.plan.nodes
-        start.nodes = backend_for(start.launch, [p.host for p in plans]).start(start.launch, plans, start.paths)
+        start.nodes = backend_for(start.launch, [(p.node_rank, p.host) for p in plans]).start(start.launch, plans, start.paths)
         return ()
 
 
@@ -387,7 +387,7 @@ def plan_steps(launch: LaunchEnv, inputs: StartInputs, program: ProgramPlan) -> 
         steps.append(LinkCheckpoints("link the run's checkpoint folder under the artifact root to CHECKPOINT_ROOT"))
     wandb = " and the run's W&B id record (one W&B run across restarts)" if program.env.get("WANDB_RUN_ID") else ""
     steps.append(WriteParams(f"write the resolved parameters beside the logs{wandb}"))
-    backend = backend_for(launch, [host for _, host in inputs.nodes])
+    backend = backend_for(launch, inputs.nodes)
     steps.append(StartNodes(f"start {len(inputs.nodes)} node(s) in parallel ({backend.name}): each node's supervisor "
                             "starts its torchrun (node 0 first clears the run's failure and attempt files)"))
     return tuple(steps)
