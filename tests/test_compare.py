@@ -5,6 +5,7 @@ current stage; compare_runs.sh writes a PNG, JSON and CSV that agree."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import json
@@ -37,14 +38,21 @@ def sweep_env(root: Path, **extra: str) -> dict[str, str]:
     return clean_env(ARTIFACT_ROOT=str(root), MASTER_PORT=str(free_port()), NPROC_PER_NODE="2", **extra)
 
 
-def start_sweep(root: Path, data: str, prefix: str, stages: str) -> subprocess.Popen:
-    """compare_zero_stages.sh as a user starts it in a terminal: SIGINT at its default, as the
-    foreground job has it, even where pytest itself was started in the background with ``&``
-    (a shell without job control starts those with SIGINT ignored, and Python keeps that)."""
-    return subprocess.Popen(["bash", str(REPO / "training_scripts" / "compare_zero_stages.sh"), "gpt_smoke", data, prefix],
-                            env=sweep_env(root, STAGES=stages), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+@contextlib.contextmanager
+def running_sweep(root: Path, tmp_path: Path, prefix: str, stages: str):
+    """compare_zero_stages.sh gpt_smoke <200 iterations> PREFIX as a user starts it in a terminal: SIGINT
+    at its default, as the foreground job has it, even where pytest itself was started in the background
+    with ``&`` (a shell without job control starts those with SIGINT ignored, and Python keeps that);
+    killed if the test leaves it running."""
+    data = write_data_set(tmp_path / "long.yaml", train_iters=200)
+    sweep = subprocess.Popen(["bash", str(REPO / "training_scripts" / "compare_zero_stages.sh"), "gpt_smoke", data, prefix],
+                             env=sweep_env(root, STAGES=stages), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        yield sweep
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
 
 
 @pytest.fixture(scope="module")
@@ -167,19 +175,14 @@ def test_a_failed_stage_is_reported_the_sweep_goes_on_and_stop_prefix_stops_it(a
     """Stage 0's rank 1 is SIGKILLed (what the out-of-memory killer does): stage 0 fails with that
     reason and stage 1 starts; stop_training.sh PREFIX then stops stage 1 and the sweep; stage 3
     never starts."""
-    data = write_data_set(tmp_path / "long.yaml", train_iters=200)
     prefix = "sweep_fail"
-    sweep = start_sweep(artifact_root, data, prefix, "0,1,3")
-    try:
+    with running_sweep(artifact_root, tmp_path, prefix, "0,1,3") as sweep:
         victim = wait_for(lambda: _worker_of(f"{prefix}_z0"), 120, what="a worker of stage 0")
         os.kill(victim, signal.SIGKILL)  # a process this test's sweep started
         wait_for(lambda: _worker_of(f"{prefix}_z1"), 120, what="stage 1 to start after stage 0 failed")
         stop = run_script("stop_training.sh", prefix, env=clean_env(ARTIFACT_ROOT=str(artifact_root)))
         assert stop.returncode == 0 and "stopped (SIGTERM to process group" in stop.stdout, stop.stdout + stop.stderr
         out, err = sweep.communicate(timeout=120)
-    finally:
-        if sweep.poll() is None:
-            sweep.kill()
     assert sweep.returncode == 130, out + err
     assert f"stage 0 ({prefix}_z0): FAILED after" in out and "Signal 9 (SIGKILL) received by PID" in out, out
     assert f"stage 1 ({prefix}_z1): stopped (stop {prefix} stopped stage 1" in out, out
@@ -197,18 +200,13 @@ def test_a_failed_stage_is_reported_the_sweep_goes_on_and_stop_prefix_stops_it(a
 def test_stop_prefix_reaches_a_sweep_at_any_moment(artifact_root, tmp_path):
     """stop PREFIX as soon as the sweep exists (before, or while, its first stage starts): the
     sweep's record carries the request, so the sweep stops there, every time, with nothing left."""
-    data = write_data_set(tmp_path / "long.yaml", train_iters=200)
     prefix = "sweep_early"
-    sweep = start_sweep(artifact_root, data, prefix, "0,1")
-    try:
+    with running_sweep(artifact_root, tmp_path, prefix, "0,1") as sweep:
         wait_for(lambda: (artifact_root / "run_state" / f"{prefix}.sweep.json").exists(), 120, interval_s=0.05,
                  what="the sweep's record")
         stop = run_script("stop_training.sh", prefix, env=clean_env(ARTIFACT_ROOT=str(artifact_root)))
         assert stop.returncode == 0 and f"sweep {prefix}: asked to stop" in stop.stdout, stop.stdout + stop.stderr
         out, err = sweep.communicate(timeout=180)
-    finally:
-        if sweep.poll() is None:
-            sweep.kill()
     assert sweep.returncode == 130, out + err
     assert f"stage 0 ({prefix}_z0): stopped (stop {prefix} stopped stage 0 ({prefix}_z0) " in out, out
     assert f"stage 1 ({prefix}_z1)" not in out and not RunPaths(artifact_root, f"{prefix}_z1").params_path.exists()
@@ -218,16 +216,11 @@ def test_stop_prefix_reaches_a_sweep_at_any_moment(artifact_root, tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_stops_the_current_stage_everywhere(artifact_root, tmp_path):
-    data = write_data_set(tmp_path / "long.yaml", train_iters=200)
     prefix = "sweep_int"
-    sweep = start_sweep(artifact_root, data, prefix, "2")
-    try:
+    with running_sweep(artifact_root, tmp_path, prefix, "2") as sweep:
         wait_for(lambda: _worker_of(f"{prefix}_z2"), 120, what="a worker of stage 2")
         sweep.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground sweep
         out, err = sweep.communicate(timeout=120)
-    finally:
-        if sweep.poll() is None:
-            sweep.kill()
     assert sweep.returncode == 130, out + err
     assert f"stage 2 ({prefix}_z2): stopped (Ctrl-C; stage 2 ({prefix}_z2) stopped on every node)" in out, out
     assert not tagged_pids(f"{prefix}_z2") and not RunPaths(artifact_root, f"{prefix}_z2").node_pid_file(0).exists()

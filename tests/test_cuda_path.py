@@ -13,19 +13,37 @@ tests/test_cuda_trainer_on_cpu.py, and tests/gpu on a GPU (docs/training-program
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import os
 import subprocess
 import sys
+import time
+import types
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, clean_env
-from megatron_ext.run_spec.flops import peak_tflops_for
-from megatron_ext.run_spec.params import RunOverrides, TrainingParams, list_models, load_model, load_run_params
+from conftest import REPO, clean_env, wait_for
+from megatron_ext.pretrain import check_device_connections, check_megatron_fsdp
+from megatron_ext.run_spec.checkpoints import CheckpointMeta, check_resumable, reshard_problem
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.flops import bf16_share_under_fp8, describe_mfu_peak, padded_vocab_size, peak_tflops_for
+from megatron_ext.run_spec.fp8 import fp8_config_fields, fp8_problem
+from megatron_ext.run_spec.params import (RunOverrides, TrainingParams, build_dataclass, list_models, load_model, load_run_params,
+                                          validate_run_params)
+from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.training.loop import learning_rate
-from megatron_ext.training.model import CPU_KERNELS, build_gpt_model, choose_kernels, ensure_model_parallel
+from megatron_ext.training.manual_gc import ManualGc
+from megatron_ext.training.megatron_core_apis import megatron_fsdp_incompatibility
+from megatron_ext.training.model import (CPU_KERNELS, build_gpt_model, choose_kernels, ensure_model_parallel, fsdp_allows_fusion,
+                                         installed_megatron_core, transformer_config, transformer_engine_available)
+from megatron_ext.training.trainers import NonFiniteGradients, param_groups, wrap_cpu
+from orchestration.launch_env import read_launch_env
+from orchestration.megatron_lm.program import plan_program
+from orchestration.node import preflight
+from orchestration.node.wire import CheckRequest, NodeCheckRequest, check_call, decode_request, target
 
 
 TE = "2.10.0"
@@ -36,38 +54,48 @@ def _no_extensions(name):
     return None
 
 
+def _all_extensions(name):
+    return object()
+
+
+def _cuda_config(preset, kernels, **fields):
+    """megatron-core's TransformerConfig as the CUDA path makes it: bf16, initialised on the CPU."""
+    return transformer_config(preset, torch.bfloat16, kernels, use_cpu_initialization=True, **fields)
+
+
+def _fused_with_apex(te, stage, **options) -> bool:
+    """The gradient-accumulation fusion choose_kernels picks with apex's compiled extensions present."""
+    return choose_kernels(True, te, stage, find_spec=_all_extensions, **options).gradient_accumulation_fusion
+
+
 def test_kernel_choices_follow_what_is_installed():
     bare = choose_kernels(on_cuda=True, transformer_engine=None, zero_stage=0, find_spec=_no_extensions)
     assert (bare.transformer_engine, bare.attention, bare.persist_layer_norm, bare.masked_softmax_fusion) == (False, "sdpa", False, False)
     assert (bare.apply_rope_fusion, bare.gradient_accumulation_fusion) == (False, False)
     assert bare.bias_dropout_fusion and bare.bias_activation_fusion and bare.cross_entropy_loss_fusion  # jit kernels: any GPU
-    apex = choose_kernels(True, None, 0, find_spec=lambda name: object())  # compiled extensions present
+    apex = choose_kernels(True, None, 0, find_spec=_all_extensions)  # compiled extensions present
     assert apex.masked_softmax_fusion and apex.gradient_accumulation_fusion and not apex.persist_layer_norm
     te = choose_kernels(True, TE, 1, find_spec=_no_extensions)
     assert te.attention == "transformer-engine" and te.persist_layer_norm and te.apply_rope_fusion
     # A pip-installed transformer-engine without apex: the GPT output layer (megatron-core's own
     # ColumnParallelLinear) would raise at build with the fusion on, so it is off.
     assert not te.gradient_accumulation_fusion
-    assert choose_kernels(True, TE, 1, find_spec=lambda name: object()).gradient_accumulation_fusion  # NGC: TE + apex
+    assert _fused_with_apex(TE, 1)  # NGC: TE + apex
     assert not choose_kernels(True, TE, 2, find_spec=_no_extensions).gradient_accumulation_fusion  # no extension
     # Megatron-FSDP: megatron-core's layers write the weight gradient with torch.matmul(out=main_grad),
     # which needs bf16 main grads, and a tied embedding loses one of its two gradients
     # (tests/test_cuda_trainer_on_cpu.py: fp32 raises, tied differs, untied bf16 equals the unfused run).
-    apex = lambda name: object()  # noqa: E731
     for stage in (2, 3):
-        assert not choose_kernels(True, TE, stage, find_spec=apex, tied_embeddings=False).gradient_accumulation_fusion
-        assert not choose_kernels(True, TE, stage, find_spec=apex, grad_reduce_in_bf16=True).gradient_accumulation_fusion
-        assert choose_kernels(True, TE, stage, find_spec=apex, grad_reduce_in_bf16=True,
-                              tied_embeddings=False).gradient_accumulation_fusion
+        assert not _fused_with_apex(TE, stage, tied_embeddings=False) and not _fused_with_apex(TE, stage, grad_reduce_in_bf16=True)
+        assert _fused_with_apex(TE, stage, grad_reduce_in_bf16=True, tied_embeddings=False)
     # From megatron-core 0.17 Megatron-FSDP asserts transformer-engine >= 2.10 with the fusion on
     # (mcore_fsdp_adapter.py ~L147-150 at core_v0.19.0; checked in the installed release below): decided
     # by the releases, never left to fail at wrap time; an unknown megatron-core gets the strict rule.
-    fsdp_fused = lambda mcore, te: choose_kernels(True, te, 2, find_spec=apex, grad_reduce_in_bf16=True,  # noqa: E731
-                                                  tied_embeddings=False, megatron_core=mcore).gradient_accumulation_fusion
+    fsdp_fused = lambda mcore, te: _fused_with_apex(te, 2, grad_reduce_in_bf16=True, tied_embeddings=False, megatron_core=mcore)  # noqa: E731
     assert fsdp_fused((0, 16), "2.9.0") and fsdp_fused((0, 16), None)
     assert not fsdp_fused((0, 17), None) and not fsdp_fused((0, 19), "2.9.0") and not fsdp_fused(None, "2.8")
     assert fsdp_fused((0, 17), "2.10.0") and fsdp_fused((0, 19), "2.12.0+cu13") and fsdp_fused(None, "2.10")
-    assert choose_kernels(True, "2.9.0", 1, find_spec=apex, megatron_core=(0, 19)).gradient_accumulation_fusion  # DDP
+    assert _fused_with_apex("2.9.0", 1, megatron_core=(0, 19))  # DDP
     cpu = choose_kernels(False, TE, 0)
     assert cpu == CPU_KERNELS and cpu.attention == "sdpa" and not any(
         getattr(cpu, f.name) for f in dataclasses.fields(cpu) if f.type in (bool, "bool"))
@@ -110,8 +138,6 @@ def test_the_fsdp_fusion_rule_is_the_installed_megatron_core_s():
 
     from megatron.core.distributed.fsdp import mcore_fsdp_adapter
 
-    from megatron_ext.training.model import fsdp_allows_fusion, installed_megatron_core
-
     source = inspect.getsource(mcore_fsdp_adapter)
     asserts = "gradient_accumulation_fusion" in source and 'is_te_min_version("2.10")' in source
     assert asserts == (not fsdp_allows_fusion(installed_megatron_core(), "2.9.0")), installed_megatron_core()
@@ -125,32 +151,30 @@ def test_every_preset_builds_with_the_cuda_configuration(model, stage):
     local spec with SDPA attention), on the meta device: megatron-core's construction-time
     assertions (e.g. persist_layer_norm with torch's LayerNorm) run here. With transformer-engine
     the configuration is validated; its layer spec needs transformer-engine (GPU only)."""
-    from megatron_ext.training.model import transformer_config, transformer_engine_available
-
-    preset = load_model(model)
-    config = transformer_config(preset, torch.bfloat16, choose_kernels(True, None, stage), use_cpu_initialization=True)
+    preset, kernels = load_model(model), choose_kernels(on_cuda=True, transformer_engine=None, zero_stage=stage)
+    config = _cuda_config(preset, kernels)
     assert config.bf16 and not config.persist_layer_norm
     te_kernels = choose_kernels(on_cuda=True, transformer_engine="2.10.0", zero_stage=stage)
     if transformer_engine_available():
-        assert transformer_config(preset, torch.bfloat16, te_kernels, use_cpu_initialization=True).persist_layer_norm
+        assert _cuda_config(preset, te_kernels).persist_layer_norm
     else:  # megatron-core itself refuses transformer-engine's fusions without it: they are chosen only with it
         with pytest.raises(ValueError, match="TE"):
-            transformer_config(preset, torch.bfloat16, te_kernels, use_cpu_initialization=True)
-    kernels = choose_kernels(on_cuda=True, transformer_engine=None, zero_stage=stage)
+            _cuda_config(preset, te_kernels)
     with torch.device("meta"):
         gpt = build_gpt_model(preset, 151_936 if preset.vocab_size else 2048, 128, params_dtype=torch.bfloat16,
                               kernels=kernels, use_cpu_initialization=True, perform_initialization=False)
-    attention = gpt.decoder.layers[0].self_attention.core_attention
-    assert type(attention).__name__ == "SdpaAttention"
+    assert type(gpt.decoder.layers[0].self_attention.core_attention).__name__ == "SdpaAttention"
     assert gpt.config.bf16 and not gpt.config.persist_layer_norm
 
 
-def test_weight_decay_skips_biases_and_norms():
-    from megatron_ext.training.trainers import param_groups
-
+def _smoke_gpt(seq_length: int):
     ensure_model_parallel()
     torch.manual_seed(0)
-    model = build_gpt_model(load_model("gpt_smoke"), 256, 32)
+    return build_gpt_model(load_model("gpt_smoke"), 256, seq_length)
+
+
+def test_weight_decay_skips_biases_and_norms():
+    model = _smoke_gpt(32)
     groups = {g["wd_mult"]: g["params"] for g in param_groups(model)}
     names = {id(p): n for n, p in model.named_parameters()}
     plain = {names[id(p)] for p in groups[0.0]}
@@ -175,8 +199,7 @@ def test_learning_rate_equals_megatron_scheduler_step_for_step(warmup, decay):
     (sample-based steps of one global batch, lr read before the step, logged after it)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    t = TrainingParams(lr=3e-3, min_lr=3e-4, lr_warmup_iters=warmup, lr_decay_iters=decay, train_iters=20,
-                       global_batch_size=16)
+    t = TrainingParams(lr=3e-3, min_lr=3e-4, lr_warmup_iters=warmup, lr_decay_iters=decay, train_iters=20, global_batch_size=16)
     gbs = 16
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
     sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=warmup * gbs,
@@ -192,11 +215,7 @@ def test_learning_rate_equals_megatron_scheduler_step_for_step(warmup, decay):
 def test_grad_norm_without_clipping_and_non_finite_gradients(stage):
     """clip_grad 0 still reports the global norm; a NaN gradient stops the run before the update
     (Megatron-LM's --check-for-nan-in-loss-and-grad), naming the ranks whose loss was not finite."""
-    from megatron_ext.training.trainers import NonFiniteGradients, wrap_cpu
-
-    ensure_model_parallel()
-    torch.manual_seed(0)
-    module = build_gpt_model(load_model("gpt_smoke"), 256, 16)
+    module = _smoke_gpt(16)
     trainer = wrap_cpu(module, stage, TrainingParams(clip_grad=0.0))
     tokens = torch.randint(0, 256, (2, 16))
     positions = torch.arange(16).expand(2, 16)
@@ -229,10 +248,6 @@ def test_mfu_peak_by_exact_device_name(name, peak):
 
 @pytest.mark.parametrize("stage,value", [(0, "1"), (1, "1"), (2, None), (3, None)])
 def test_stage_environment_for_the_megatron_core_engine_too(stage, value, tmp_path):
-    from megatron_ext.run_spec.run_paths import RunPaths
-    from orchestration.megatron_lm.program import plan_program
-    from orchestration.launch_env import read_launch_env
-
     params = load_run_params("gpt_smoke", "smoke", RunOverrides(stage))
     program = plan_program(params, "gpt_smoke", "smoke", RunPaths(tmp_path, "r"), read_launch_env({}))
     assert program.env == {"CUDA_DEVICE_MAX_CONNECTIONS": value}
@@ -245,25 +260,21 @@ def test_sdpa_attention_equals_megatron_dot_product_attention(groups, dropout, t
     """Outputs and gradients within 1e-5 of megatron-core's DotProductAttention (causal, fp32, CPU),
     for multi-head, grouped-query and multi-query attention: with the key/value heads passed to SDPA
     as they are (``enable_gqa``, this torch) and repeated (torch before 2.5)."""
-    from megatron_ext.training.sdpa_attention import SDPA_TAKES_GQA
-
-    assert SDPA_TAKES_GQA  # torch 2.13 here: the grouped heads go to SDPA unrepeated
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_ext.training.megatron_on_cpu import install_megatron_on_cpu
-    from megatron_ext.training.sdpa_attention import SdpaAttention
+    from megatron_ext.training.sdpa_attention import SDPA_TAKES_GQA, SdpaAttention
 
+    assert SDPA_TAKES_GQA  # torch 2.13 here: the grouped heads go to SDPA unrepeated
     ensure_model_parallel()
     install_megatron_on_cpu(1234)
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=groups,
                                attention_dropout=dropout, use_cpu_initialization=True, masked_softmax_fusion=False)
     torch.manual_seed(0)
     s, b, heads, hn = 24, 3, 4, 16
-    q = torch.randn(s, b, heads, hn, requires_grad=True)
-    k = torch.randn(s, b, groups, hn, requires_grad=True)
-    v = torch.randn(s, b, groups, hn, requires_grad=True)
+    q, k, v = (torch.randn(s, b, n, hn, requires_grad=True) for n in (heads, groups, groups))
     causal_mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
     ref = DotProductAttention(config, 1, AttnMaskType.causal, "self")(q, k, v, causal_mask)
     ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
@@ -280,9 +291,6 @@ def test_sdpa_attention_equals_megatron_dot_product_attention(groups, dropout, t
 def test_megatron_fsdp_refuses_one_device_connection_at_the_edge():
     """Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS != 1 for Megatron-FSDP (arguments.py ~L686); a
     plain torchrun of this program at stages 2-3 says so before any process group exists."""
-    from megatron_ext.pretrain import check_device_connections
-    from megatron_ext.run_spec.errors import UserError
-
     gpu = {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     for stage in (2, 3):
         with pytest.raises(UserError, match="CUDA_DEVICE_MAX_CONNECTIONS=1 with ZERO_STAGE=.*unset it"):
@@ -296,10 +304,6 @@ def test_megatron_fsdp_that_cannot_run_on_this_torch_is_refused_at_the_edge():
     """megatron-core 0.14's Megatron-FSDP reads DeviceMesh bookkeeping that newer torch dropped
     (training/megatron_core_apis.py); stages 2-3 on GPUs then stop before the model is built, saying why.
     With the tested release here (0.16.1 in CI) nothing is refused; 0.14.0 was checked by hand."""
-    from megatron_ext.pretrain import check_megatron_fsdp
-    from megatron_ext.run_spec.errors import UserError
-    from megatron_ext.training.megatron_core_apis import megatron_fsdp_incompatibility
-
     gpu = {"CUDA_VISIBLE_DEVICES": "0"}
     reason = megatron_fsdp_incompatibility()
     check_megatron_fsdp(1, gpu)
@@ -320,12 +324,11 @@ def test_bias_activation_fusion_only_where_it_computes_the_models_activation(mod
     import torch._dynamo
 
     from megatron_ext.training.megatron_on_cpu import install_megatron_on_cpu
-    from megatron_ext.training.model import transformer_config
 
     preset = (dataclasses.replace(load_model("gpt_smoke"), gelu_tanh=True) if model == "gpt_smoke_tanh"
               else load_model(model))
     cuda = choose_kernels(on_cuda=True, transformer_engine=None, zero_stage=0, find_spec=_no_extensions)
-    assert transformer_config(preset, torch.bfloat16, cuda, use_cpu_initialization=True).bias_activation_fusion == fused
+    assert _cuda_config(preset, cuda).bias_activation_fusion == fused
     ensure_model_parallel()
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(16).expand(2, 16)
@@ -354,8 +357,6 @@ def test_bias_activation_fusion_only_where_it_computes_the_models_activation(mod
     ("hybrid", None, None, "this run has none"),
 ])
 def test_fp8_is_refused_with_one_message_where_it_cannot_run(setting, te, capability, problem):
-    from megatron_ext.run_spec.fp8 import fp8_config_fields, fp8_problem
-
     said = fp8_problem(setting, te, capability)
     if problem is None:
         assert said is None
@@ -365,36 +366,31 @@ def test_fp8_is_refused_with_one_message_where_it_cannot_run(setting, te, capabi
     assert fields == ({} if setting is None else {
         "fp8": setting, "fp8_recipe": "delayed", "fp8_amax_history_len": 1024, "fp8_amax_compute_algo": "max"})
     if setting:  # megatron-core's TransformerConfig takes them (its fp8 context reads them on the GPU)
-        from megatron_ext.training.model import transformer_config
-
-        config = transformer_config(load_model("qwen3_1p7b"), torch.bfloat16, choose_kernels(True, None, 0, _no_extensions),
-                                    use_cpu_initialization=True, **fields)
+        config = _cuda_config(load_model("qwen3_1p7b"), choose_kernels(True, None, 0, _no_extensions), **fields)
         assert (config.fp8, config.fp8_recipe, config.fp8_amax_history_len) == (setting, "delayed", 1024)
+
+
+def _node_check(tmp_path, **fields):
+    """node-check's request for node 0 of a one-node, two-process run "r" on localhost."""
+    return NodeCheckRequest(target("r", 0, "localhost", tmp_path),
+                            CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1, **fields))
 
 
 def test_every_node_s_preflight_refuses_fp8_it_cannot_run(tmp_path, monkeypatch):
     """The launcher asks every node (node-check --fp8): transformer-engine's version and the GPUs'
     compute capability (nvidia-smi, no CUDA initialisation) against fp8_problem, before anything
     starts; the same rule every rank applies at its edge."""
-    from orchestration.node import preflight
-    from orchestration.node.wire import CheckRequest, NodeCheckRequest, check_call, decode_request, target
-
-    def check(**fields) -> NodeCheckRequest:
-        return NodeCheckRequest(target("r", 0, "localhost", tmp_path),
-                                CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1, **fields))
-
-    call = check_call("r", 0, "localhost", tmp_path, CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1, fp8="hybrid"),
-                      master_port=None)
-    assert decode_request(call.command, call.request) == check(fp8="hybrid")  # the request, as the node reads it
-    cpu = preflight.inspect_node(check(fp8="hybrid"), tmp_path / "rs", 0, REPO)
+    call = check_call("r", 0, "localhost", tmp_path, _node_check(tmp_path, fp8="hybrid").check, master_port=None)
+    assert decode_request(call.command, call.request) == _node_check(tmp_path, fp8="hybrid")  # the request, as the node reads it
+    cpu = preflight.inspect_node(_node_check(tmp_path, fp8="hybrid"), tmp_path / "rs", 0, REPO)
     assert any(p.startswith("training.fp8=hybrid needs a GPU with FP8 tensor cores") for p in cpu.problems), cpu.problems
     monkeypatch.setattr(preflight, "compute_capability", lambda: (8, 0))
-    a100 = preflight.inspect_node(check(fp8="e4m3"), tmp_path / "rs", 8, REPO)
+    a100 = preflight.inspect_node(_node_check(tmp_path, fp8="e4m3"), tmp_path / "rs", 8, REPO)
     assert any("this GPU is 8.0" in p for p in a100.problems), a100.problems
     monkeypatch.setattr(preflight, "compute_capability", lambda: (9, 0))
-    h200 = preflight.inspect_node(check(fp8="hybrid"), tmp_path / "rs", 8, REPO)
+    h200 = preflight.inspect_node(_node_check(tmp_path, fp8="hybrid"), tmp_path / "rs", 8, REPO)
     assert any("transformer-engine is not installed" in p for p in h200.problems), h200.problems  # none here
-    bf16 = preflight.inspect_node(check(), tmp_path / "rs", 8, REPO)
+    bf16 = preflight.inspect_node(_node_check(tmp_path), tmp_path / "rs", 8, REPO)
     assert not any("fp8" in p for p in bf16.problems)
 
 
@@ -415,9 +411,6 @@ def broken_transformer_engine(root):
 def test_a_transformer_engine_megatron_core_cannot_use_is_not_used_and_the_preflight_names_it(tmp_path, monkeypatch):
     """The program asks megatron-core (its HAVE_TE), not the top-level import; every node's preflight
     names such an install in one line, from a child with the ranks' environment."""
-    from orchestration.node import preflight
-    from orchestration.node.wire import CheckRequest, NodeCheckRequest, target
-
     env = clean_env(PYTHONPATH=os.pathsep.join([str(broken_transformer_engine(tmp_path / "site")), str(REPO)]))
     asked = subprocess.run([sys.executable, "-c", "import transformer_engine; from megatron_ext.training.model import "
                             "transformer_engine_available as a, transformer_engine_version as v; print(a(), v())"],
@@ -431,19 +424,14 @@ def test_a_transformer_engine_megatron_core_cannot_use_is_not_used_and_the_prefl
     assert preflight.transformer_engine_problem("2.10.0", clean_env()) is not None  # none at all: not usable either
     software = preflight.installed_software(REPO)
     monkeypatch.setattr(preflight, "installed_software", lambda _: {**software, "transformer-engine": "2.10.0"})
-    request = NodeCheckRequest(target("r", 0, "localhost", tmp_path), CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1))
-    report = preflight.inspect_node(request, tmp_path / "rs", 0, REPO, env)
+    report = preflight.inspect_node(_node_check(tmp_path), tmp_path / "rs", 0, REPO, env)
     assert [p for p in report.problems if "transformer-engine" in p] == [problem], report.problems
 
 
 def test_fp8_settings_load_and_are_checked():
-    from megatron_ext.run_spec.errors import UserError
-
     t = load_run_params("qwen3_1p7b", "smoke").training
     assert (t.fp8, t.fp8_amax_history_len, t.fp8_amax_compute_algo, t.manual_gc, t.manual_gc_interval) == (
         None, 1, "most_recent", False, 0)  # Megatron-LM's defaults
-    from megatron_ext.run_spec.params import build_dataclass, validate_run_params
-
     with pytest.raises(UserError, match=r"training.fp8='e5m2' is not one of \['hybrid', 'e4m3'\]"):
         build_dataclass(TrainingParams, {"fp8": "e5m2"}, "training")
     assert build_dataclass(TrainingParams, {"fp8": "hybrid"}, "training").fp8 == "hybrid"
@@ -458,9 +446,6 @@ def test_mfu_is_against_the_bf16_peak_for_every_run_fp8_too():
     """An FP8 run's MFU divided by the FP8 peak understated it (core attention and logits stay in
     BF16) and could not be compared with a BF16 run's: every run divides by the BF16 peak, and the
     FP8 start line says what share of the FLOPs stays in BF16."""
-    from megatron_ext.run_spec.flops import bf16_share_under_fp8, describe_mfu_peak, padded_vocab_size
-
-    assert peak_tflops_for("NVIDIA H200") == 989.0 and peak_tflops_for("NVIDIA A100-SXM4-80GB") == 312.0
     assert describe_mfu_peak("NVIDIA H100 80GB HBM3") == "MFU against the dense BF16 peak of NVIDIA H100 80GB HBM3: 989 TFLOP/s"
     qwen = load_model("qwen3_1p7b")
     share = bf16_share_under_fp8(qwen, 4096, padded_vocab_size(qwen.vocab_size, qwen.make_vocab_size_divisible_by))
@@ -471,20 +456,6 @@ def test_mfu_is_against_the_bf16_peak_for_every_run_fp8_too():
     assert describe_mfu_peak("NVIDIA GeForce RTX 4090").startswith("no MFU: no dense BF16 peak is known")
 
 
-class _RecordingGc:
-    def __init__(self):
-        self.calls = []
-
-    def disable(self):
-        self.calls.append("disable")
-
-    def enable(self):
-        self.calls.append("enable")
-
-    def collect(self, generation=2):
-        self.calls.append(f"collect{generation}")
-
-
 @pytest.mark.parametrize("enabled,interval,expected", [
     (False, 3, []),
     (True, 0, ["disable", "collect2", "collect2", "collect0", "enable"]),
@@ -493,10 +464,9 @@ class _RecordingGc:
 def test_manual_gc_collects_on_every_rank_at_the_same_steps(enabled, interval, expected):
     """Megatron-LM's --manual-gc: off at the start with one collection, every ``interval`` steps,
     a full collection before an evaluation and a young one after it; the collector back on at the end."""
-    from megatron_ext.training.manual_gc import ManualGc
-
-    recorder = _RecordingGc()
-    gc = ManualGc(enabled, interval, recorder)
+    calls = []  # the gc module's calls, recorded
+    gc = ManualGc(enabled, interval, types.SimpleNamespace(disable=lambda: calls.append("disable"), enable=lambda: calls.append("enable"),
+                                                           collect=lambda generation=2: calls.append(f"collect{generation}")))
     gc.start()
     for step in (1, 2, 3):
         gc.after_step(step)
@@ -504,7 +474,7 @@ def test_manual_gc_collects_on_every_rank_at_the_same_steps(enabled, interval, e
         pass
     gc.after_step(6)
     gc.stop()
-    assert recorder.calls == expected
+    assert calls == expected
 
 
 @pytest.mark.parametrize("device,stage,saved,now,allowed", [
@@ -515,9 +485,6 @@ def test_manual_gc_collects_on_every_rank_at_the_same_steps(enabled, interval, e
 def test_resharding_rule(device, stage, saved, now, allowed):
     """One pure rule for a resume at another data-parallel size (a lost node continues with fewer):
     the distributed optimizer's dp_reshardable layout follows its buckets, max(4e7, 1e6 x dp) elements."""
-    from megatron_ext.run_spec.checkpoints import CheckpointMeta, check_resumable, reshard_problem
-    from megatron_ext.run_spec.errors import UserError
-
     problem = reshard_problem(device, stage, saved, now)
     assert (problem is None) == allowed, problem
     meta = CheckpointMeta(iteration=5, consumed_samples=80, world_size=saved, zero_stage=stage, global_batch_size=16,
@@ -533,9 +500,6 @@ def test_resharding_rule(device, stage, saved, now, allowed):
 # -- the GPU check ---------------------------------------------------------------------------------
 
 def _gpu_module(name: str):
-    import importlib
-    import sys
-
     sys.path.insert(0, str(REPO / "tests" / "gpu"))
     try:
         return importlib.import_module(name)
@@ -548,19 +512,17 @@ def test_prepare_device_check_copies_the_wheels_where_they_travel(tmp_path):
     carry list and the one command (each release in turn, under its own limit) are printed; a second
     run changes nothing; a missing wheel is one message, exit 2. (``--no-download``: the dependency
     wheels come from the registry, which a test does not reach for.)"""
-    import subprocess
-    import sys
-
     repo, wheels = tmp_path / "checkout", tmp_path / "wheels"
     repo.mkdir(), wheels.mkdir()
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     (repo / "README.md").write_text("x\n")
     script = REPO / "tests" / "gpu" / "prepare_device_check.py"
     argv = [sys.executable, str(script), "--repo", str(repo), "--wheel-dir", str(wheels), "--no-download"]
-    (wheels / "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"wheel")
+    wheel = "megatron_core-{}-cp312-cp312-manylinux_2_28_x86_64.whl".format
+    (wheels / wheel("0.16.1")).write_bytes(b"wheel")
     missing = subprocess.run(argv, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
     assert missing.returncode == 2 and "no megatron_core-0.19.2-cp312-*.whl in" in missing.stderr, missing.stderr
-    (wheels / "megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"wheel2")
+    (wheels / wheel("0.19.2")).write_bytes(b"wheel2")
     for _ in range(2):
         done = subprocess.run(argv, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
         assert done.returncode == 0, done.stderr
@@ -569,8 +531,7 @@ def test_prepare_device_check_copies_the_wheels_where_they_travel(tmp_path):
         assert command.startswith("DEVICE_CHECK_LIMIT_S=250 bash tests/gpu/device_check.sh --megatron-core 0.16.1 --only "
                                   "precision-z2-z3,") and "; DEVICE_CHECK_LIMIT_S=310 bash tests/gpu/device_check.sh " \
             "--megatron-core 0.19.2 --only precision-z2-z3,full-z0," in command, command
-    assert (repo / ".whl" / "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl").read_bytes() == b"wheel"
-    assert (repo / ".whl" / "megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl").read_bytes() == b"wheel2"
+    assert [(repo / ".whl" / wheel(release)).read_bytes() for release in ("0.16.1", "0.19.2")] == [b"wheel", b"wheel2"]
     assert (repo / ".git" / "info" / "exclude").read_text().splitlines().count("/.whl/") == 1
     ignored = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--ignored"], capture_output=True, text=True)
     assert "!! .whl/" in ignored.stdout and ".gitignore" not in ignored.stdout
@@ -581,22 +542,24 @@ def test_gpu_check_preflight_names_everything_missing_at_once():
     fine = gpu_check.Facts(python=(3, 12), torch="2.11.0", cuda_devices=1, device_name="NVIDIA H200",
                            megatron_core=None, wheel=".whl/megatron_core-0.16.1-cp312.whl", transformer_engine=None,
                            free_gb=60.0, out_dir="/out")
-    assert gpu_check.preflight_problems(fine) == []
+
+    def problems(**changes) -> list[str]:
+        return gpu_check.preflight_problems(dataclasses.replace(fine, **changes))
+
+    assert problems() == []
     # Another release asked than the one installed: its wheel must be carried; a missing module of
     # the program's is installed from the carried dependencies, else named.
-    other = dataclasses.replace(fine, megatron_core="0.16.1", release="0.19.2", wheel=None)
-    assert "megatron-core 0.19.2 does not import and no megatron_core-0.19.2-cp312-*.whl" in gpu_check.preflight_problems(other)[0]
-    assert gpu_check.preflight_problems(dataclasses.replace(fine, megatron_core="0.19.2+abc", release="0.19.2")) == []
-    assert gpu_check.preflight_problems(dataclasses.replace(fine, missing_modules=("pydantic",), carried_deps=True)) == []
-    assert gpu_check.preflight_problems(dataclasses.replace(fine, missing_modules=("pydantic",)))[0].startswith(
-        "pydantic does not import for python3 here")
-    bare = dataclasses.replace(fine, torch="2.11.0", cuda_devices=0, wheel=None, free_gb=4.0)
-    problems = gpu_check.preflight_problems(bare)
-    assert len(problems) == 3 and "sees no CUDA device" in problems[0]
-    assert "prepare_device_check.py" in problems[1] and "carry" in problems[1] and "4.0 GB free" in problems[2]
-    no_pip = gpu_check.preflight_problems(dataclasses.replace(fine, pip=False, missing_modules=("yaml",)))
+    other = problems(megatron_core="0.16.1", release="0.19.2", wheel=None)
+    assert "megatron-core 0.19.2 does not import and no megatron_core-0.19.2-cp312-*.whl" in other[0]
+    assert problems(megatron_core="0.19.2+abc", release="0.19.2") == []
+    assert problems(missing_modules=("pydantic",), carried_deps=True) == []
+    assert problems(missing_modules=("pydantic",))[0].startswith("pydantic does not import for python3 here")
+    bare = problems(torch="2.11.0", cuda_devices=0, wheel=None, free_gb=4.0)
+    assert len(bare) == 3 and "sees no CUDA device" in bare[0]
+    assert "prepare_device_check.py" in bare[1] and "carry" in bare[1] and "4.0 GB free" in bare[2]
+    no_pip = problems(pip=False, missing_modules=("yaml",))
     assert len(no_pip) == 2 and "pip does not import" in no_pip[0] and no_pip[1].startswith("yaml does not import")
-    assert gpu_check.preflight_problems(dataclasses.replace(fine, pip=False, megatron_core="0.16.1")) == []  # no install
+    assert problems(pip=False, megatron_core="0.16.1") == []  # no install
     with pytest.raises(SystemExit, match=r"error: pip could not install megatron_core-0\.0\.0-cp312-none-any\.whl: "):
         gpu_check.install_wheel("/nonexistent/megatron_core-0.0.0-cp312-none-any.whl")
 
@@ -618,12 +581,8 @@ def test_gpu_check_plan_fits_its_budget_most_valuable_first():
 
 def test_device_check_fails_in_its_first_seconds_saying_what_is_missing():
     """On this machine (no GPU) the one command stops at its preflight, naming the missing device."""
-    import subprocess
-    import time
-
     started = time.monotonic()
-    proc = subprocess.run(["bash", str(REPO / "tests" / "gpu" / "device_check.sh")], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(["bash", str(REPO / "tests" / "gpu" / "device_check.sh")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "device check: missing: " in proc.stderr and "sees no CUDA device" in proc.stderr
     assert "plan: " in proc.stdout and time.monotonic() - started < 60
 
@@ -651,24 +610,20 @@ def test_gpu_check_writes_each_row_as_it_ends_and_kills_a_late_rows_group(tmp_pa
     text = (tmp_path / "gpu_check-0.16.1.txt").read_text()
     assert "quick: done" in text and "late: exit 124; in the file already: True" in text, text
     assert "big: ran" not in text and "1 row(s) not run, their estimates past the 60 s budget: big" in text, text
-    assert _running_in_group(late_group[0]) == []  # nothing of the late row's group runs on
+    _wait_until_group_ended(late_group[0])  # nothing of the late row's group runs on
 
 
-def _running_in_group(pgid: int) -> list[int]:
-    """Processes of process group ``pgid`` that are not zombies (from /proc: state, ppid, pgrp)."""
-    import time
-    from pathlib import Path
-
-    for _ in range(50):
-        running = []
+def _wait_until_group_ended(pgid: int) -> None:
+    """Within 5 s, no process of process group ``pgid`` but zombies (from /proc: state, ppid, pgrp)."""
+    def running() -> list[int]:
+        out = []
         for entry in Path("/proc").iterdir():
             try:
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split() if entry.name.isdigit() else None
             except OSError:
                 continue
             if fields and int(fields[2]) == pgid and fields[0] != "Z":
-                running.append(int(entry.name))
-        if not running:
-            return []
-        time.sleep(0.1)
-    return running
+                out.append(int(entry.name))
+        return out
+
+    wait_for(lambda: not running(), 5, 0.1, f"process group {pgid} to end")

@@ -1,50 +1,42 @@
-"""The README and docs/ kept true to the code.
+"""The README and docs/ kept true to the code (``python3 -m pytest -q tests/test_docs.py``). Pure (the
+Markdown files, the scripts, the sources parsed with ``ast``) but for one parametrized test that runs the
+documented commands under ``DRY_RUN=1`` (about a second each). The rules:
 
-    python3 -m pytest -q tests/test_docs.py
-
-Pure (the Markdown files, the scripts, the sources parsed with ``ast``) apart from one
-parametrized test that runs the documented commands under ``DRY_RUN=1`` (about a second each).
-The rules:
-
-1. Scripts: every ``training_scripts/*.sh`` the README and the pages name exists, every other
-   ``*.sh`` they name exists somewhere in the repository, and the README's scripts table names
-   every script in ``training_scripts/`` except ``_entry.sh`` (which the others source).
-2. Variables named: every UPPER_CASE name in an inline code span that looks like an environment
-   variable (it has an underscore, or is written ``NAME=...`` or ``$NAME``) occurs in the sources
-   (``orchestration/``, ``megatron_ext/``, ``training_scripts/``, ``.ci/``), or is in
-   :data:`THIRD_PARTY_PREFIXES` / :data:`NOT_OUR_VARIABLES`, each with the reason it is not ours.
-3. Variables read: every variable the launcher reads is in ``docs/environment.md``: the string
-   keys of ``env.get("X")``, ``env["X"]``, ``"X" in env``, helpers called with ``env`` and ``"X"``
-   (``_int(env, "X", ...)``, ``_text(env, "X")``), a local reader lambda (``text("X")``), and the
-   names iterated into ``env[name]`` from a literal or a module-level dict — in every function
-   with an ``env`` parameter of :data:`ENVIRONMENT_READERS`.
+1. Scripts: every ``training_scripts/*.sh`` the README and the pages name exists, every other ``*.sh``
+   they name exists somewhere in the repository, and the README's scripts table names every script in
+   ``training_scripts/`` but ``_entry.sh`` (which the others source).
+2. Variables named: every UPPER_CASE name in an inline code span that looks like an environment variable
+   (it has an underscore, or is written ``NAME=...`` or ``$NAME``) occurs in the sources (``orchestration/``,
+   ``megatron_ext/``, ``training_scripts/``, ``.ci/``), or is in :data:`THIRD_PARTY_PREFIXES` /
+   :data:`NOT_OUR_VARIABLES`, each with the reason it is not ours.
+3. Variables read: every variable the launcher reads is in ``docs/environment.md``: the string keys of
+   ``env.get("X")``, ``env["X"]``, ``"X" in env``, helpers called with ``env`` and ``"X"`` (``_int(env,
+   "X", ...)``, ``_text(env, "X")``), a local reader lambda (``text("X")``), and the names iterated into
+   ``env[name]`` from a literal or a module-level dict, in every function with an ``env`` parameter of
+   :data:`ENVIRONMENT_READERS`.
 4. Commands: every command in a code block (fenced or indented) that starts, after ``NAME=value``
    assignments, with ``bash training_scripts/X.sh`` or ``python3 -m orchestration SUB`` and whose
-   subcommand prints a plan under ``DRY_RUN=1`` (:data:`DRY_RUN_SUBCOMMANDS`: start, train, stop,
-   submit, sweep, import-megatron-args, and plan-memory, which is pure) runs with ``DRY_RUN=1`` and
-   this test's own ``ARTIFACT_ROOT`` to exit 0 with no traceback. Skipped, each with its reason
-   (see :func:`skip_reason`):
-   - placeholders: a word with ``...``, ``<``, ``>``, ``[`` or ``]``, or an argument written in
-     capitals (``MODEL``, ``RUN``);
-   - paths that do not exist here: an assignment or argument that starts with ``/`` or ``~``
-     (``MEGATRON_LM_DIR=/opt/Megatron-LM``, ``/models/Qwen3-1.7B``), a ``*_DIR``/``*FILE``
-     assignment, or a positional argument that is a relative path (has a ``/`` or ends in
-     ``.sh``, ``.txt``, ``.json``, ``.jsonl``) — ``ENGINE=megatron-lm`` without a checkout too;
-   - a stop that would ask other machines: its dry run asks every node what it would signal, over
-     ssh (``HOSTS`` naming another host) or ``docker exec`` (``CONTAINER_NAME``); a start's dry run
-     only plans, so multi-node starts run;
-   - a submit that names a partition or an account: those are checked against a running
-     ``slurmctld`` (``salloc ...`` lines are not commands of this kind at all).
-   status, compare, export-hf, preflight and setup_env are not run: they read a live run, a
-   checkpoint, the nodes, or install packages.
+   subcommand prints a plan under ``DRY_RUN=1`` (:data:`DRY_RUN_SUBCOMMANDS`: start, train, stop, submit,
+   sweep, import-megatron-args, and plan-memory, which is pure) runs with ``DRY_RUN=1`` and this test's own
+   ``ARTIFACT_ROOT`` to exit 0 with no traceback. Skipped, each with its reason (:func:`skip_reason`):
+   - placeholders: a word with ``...``, ``<``, ``>``, ``[`` or ``]``, or an argument in capitals (``RUN``);
+   - paths not here: an assignment or argument that starts with ``/`` or ``~`` (``/models/Qwen3-1.7B``), a
+     ``*_DIR``/``*FILE`` assignment, or a positional argument that is a relative path (has a ``/`` or ends
+     in ``.sh``, ``.txt``, ``.json``, ``.jsonl``); ``ENGINE=megatron-lm`` without a checkout too;
+   - a stop that would ask other machines: its dry run asks every node what it would signal, over ssh
+     (``HOSTS`` naming another host) or ``docker exec`` (``CONTAINER_NAME``); a start's dry run only plans,
+     so multi-node starts run;
+   - a submit that names a partition or an account: those are checked against a running ``slurmctld``
+     (``salloc ...`` lines are not commands of this kind at all).
+   status, compare, export-hf, preflight and setup_env are not run: they read a live run, a checkpoint,
+   the nodes, or install packages.
 5. Pages: every ``tests/test_*.py`` is listed in ``docs/testing.md``; every module and package of
-   ``orchestration/`` and ``megatron_ext/`` has its line in ``docs/design.md``; every project path
-   the pages name (``orchestration/runner/sweep.py``) exists; every page is linked from the README,
-   and every link between pages reaches a page and a heading that exist.
+   ``orchestration/`` and ``megatron_ext/`` has its line in ``docs/design.md``; every project path the
+   pages name exists; every page is linked from the README, and every link between pages reaches a page
+   and a heading that exist.
 6. Code: every project path and dotted module name in the code's docstrings, comments and strings
-   (``orchestration/node/board.py``, ``megatron_ext.run_spec.checksums.health``) exists, a dotted
-   name down to what its module defines; path-like text that is not ours is in
-   :data:`NAMED_ELSEWHERE`, with why.
+   (``orchestration/node/board.py``, ``megatron_ext.run_spec.checksums.health``) exists, a dotted name
+   down to what its module defines; path-like text that is not ours is in :data:`NAMED_ELSEWHERE`, with why.
 """
 
 from __future__ import annotations
@@ -385,12 +377,8 @@ def named_variables(text: str) -> set[str]:
 
 def test_every_variable_the_docs_name_exists_in_the_code():
     code = source_words()
-    unknown = []
-    for page in PAGES:
-        for name in sorted(named_variables(page.read_text())):
-            if name in code or name in NOT_OUR_VARIABLES or name.startswith(tuple(THIRD_PARTY_PREFIXES)):
-                continue
-            unknown.append(f"{page.name}: {name}")
+    unknown = [f"{page.name}: {name}" for page in PAGES for name in sorted(named_variables(page.read_text()))
+               if name not in code and name not in NOT_OUR_VARIABLES and not name.startswith(tuple(THIRD_PARTY_PREFIXES))]
     assert not unknown, ("variables the docs name that no source reads or writes (a typo, a variable that "
                          f"went, or a third-party one to allowlist with its reason): {unknown}")
 
@@ -424,13 +412,10 @@ def _params() -> list:
 
 def run_dry(command: Command, artifact_root: Path) -> tuple[int, str]:
     """The command as documented, with DRY_RUN=1 and its own artifact root: (exit code, output)."""
-    env = clean_env(LAUNCHER_PYTHON=sys.executable)
-    env.update(dict(command.env))
-    env.update(DRY_RUN="1", ARTIFACT_ROOT=str(artifact_root))
+    env = {**clean_env(LAUNCHER_PYTHON=sys.executable), **dict(command.env), "DRY_RUN": "1", "ARTIFACT_ROOT": str(artifact_root)}
     argv = (["bash", str(SCRIPTS_DIR / command.script)] if command.script
             else [sys.executable, "-m", "orchestration", command.subcommand]) + list(command.args)
-    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -471,10 +456,14 @@ def test_the_readme_test_command_is_the_one_ci_runs():
 
 # -- 5. tests ---------------------------------------------------------------------------------------
 
-def test_every_test_module_is_listed_in_the_testing_page():
-    text = TESTING_PAGE.read_text()
-    unlisted = sorted(p.name for p in (REPO / "tests").glob("test_*.py") if p.name not in text)
-    assert not unlisted, f"add a line for each to docs/testing.md, 'The test modules': {unlisted}"
+@pytest.mark.parametrize("page,files,spelled,fix", [
+    (TESTING_PAGE, "tests/test_*.py", "{}", "add a line for each to docs/testing.md, 'The test modules'"),
+    (README, "docs/*.md", "(docs/{})", "link these from the README's Documentation table"),
+], ids=["test_modules_in_the_testing_page", "pages_linked_from_the_readme"])
+def test_every_file_is_named_on_its_page(page, files, spelled, fix):
+    text = page.read_text()
+    unnamed = sorted(p.name for p in REPO.glob(files) if spelled.format(p.name) not in text)
+    assert not unnamed, f"{fix}: {unnamed}"
 
 
 PROJECT_PATH = re.compile(r"(?<![\w./$-])((?:orchestration|megatron_ext|tests|benchmarks|training_scripts|docs|\.ci)"
@@ -490,8 +479,7 @@ NAMED_ELSEWHERE = {
 
 
 def test_every_project_path_the_docs_name_exists():
-    """A module, script or test named by its path (``orchestration/runner/sweep.py``,
-    ``tests/gpu/``) exists: a file renamed or moved shows here."""
+    """A file renamed or moved shows here."""
     missing = [f"{page.name}: {path}" for page in PAGES for path in sorted(stale_paths(page.read_text()))]
     assert not missing, missing
 
@@ -552,12 +540,6 @@ def test_the_design_page_names_every_module():
             if package != REPO / top and f"{package.name}/" not in text:
                 unnamed.append(str(package.relative_to(REPO)) + "/")
     assert not unnamed, f"give these a line in docs/design.md's layout: {unnamed}"
-
-
-def test_every_page_is_linked_from_the_readme():
-    text = README.read_text()
-    unlinked = sorted(p.name for p in DOCS_DIR.glob("*.md") if f"(docs/{p.name})" not in text)
-    assert not unlinked, f"link these from the README's Documentation table: {unlinked}"
 
 
 def heading_anchors(text: str) -> set[str]:

@@ -61,11 +61,12 @@ def import_texts(*texts, variables=None):
     return mli.import_files([(f"f{i}.sh", t) for i, t in enumerate(texts)], TABLE, variables)
 
 
-def write_yaml(result, tmp_path: Path, stem: str = "imported") -> tuple[Path, Path]:
-    model, data = tmp_path / f"{stem}_model.yaml", tmp_path / f"{stem}_data.yaml"
+def written_params(result, tmp_path: Path):
+    """The params of the model preset and data set YAML files the import writes for ``result``."""
+    model, data = tmp_path / "imported_model.yaml", tmp_path / "imported_data.yaml"
     model.write_text(mly.render_model_yaml(result))
     data.write_text(mly.render_data_yaml(result))
-    return model, data
+    return load_run_params(str(model), str(data))
 
 
 def norm(values) -> tuple[str, ...]:
@@ -78,8 +79,7 @@ def norm(values) -> tuple[str, ...]:
     return tuple(out)
 
 
-def rendered(model_yaml: Path, data_yaml: Path, tmp_path: Path, bf16: bool):
-    p = load_run_params(str(model_yaml), str(data_yaml))
+def rendered(p, tmp_path: Path, bf16: bool):
     if p.training.global_batch_size is None:
         p, _ = with_batch_geometry(p, 1)
     tok = p.data.tokenizer
@@ -99,18 +99,21 @@ def rendered(model_yaml: Path, data_yaml: Path, tmp_path: Path, bf16: bool):
     return p, out
 
 
-def input_flags(paths, variables=None) -> dict[str, tuple[str, ...]]:
-    """Every flag the files give, as Megatron-LM would parse them (later files override)."""
-    files = read_files(mli.read_arg_files([str(p) for p in paths]), variables)
+def input_flags(paths=(), variables=None, texts=()) -> dict[str, tuple[str, ...]]:
+    """Every flag the files (or ``texts``, as import_texts names them) give, as Megatron-LM would parse them (later files override)."""
+    files = read_files(mli.read_arg_files([str(p) for p in paths]) + [(f"f{i}.sh", t) for i, t in enumerate(texts)], variables)
     per_file = [given_flags.collect_flags(f.args, TABLE)[0] for f in files]
     return {f: tuple(w.text for w in g.values) for f, g in given_flags.merge_flags(per_file, TABLE).items()}
 
 
-def assert_round_trip(result, given: dict[str, tuple[str, ...]], tmp_path: Path):
-    """Rendering the YAML back gives every imported flag as given, and for every flag the files
-    omit, Megatron-LM's default (or what the listed entries explain)."""
-    model, data = write_yaml(result, tmp_path)
-    p, out = rendered(model, data, tmp_path, bf16="--bf16" in given)
+def assert_round_trip(result, tmp_path: Path, paths=(), variables=None, texts=()):
+    """Every flag the files give is imported, converted or listed; rendering the YAML back gives every
+    imported flag as given, and for every flag the files omit, Megatron-LM's default (or what the listed
+    entries explain)."""
+    given = input_flags(paths, variables, texts)
+    accounted = {f for f, _ in result.imported} | {f for f, _ in result.converted} | {n.flag for n in result.not_imported}
+    assert set(given) - accounted == set()
+    p, out = rendered(written_params(result, tmp_path), tmp_path, bf16="--bf16" in given)
     listed = {n.flag for n in result.not_imported}
     converted = {f for f, _ in result.converted}
     for flag, values in result.imported:
@@ -139,12 +142,6 @@ def assert_round_trip(result, given: dict[str, tuple[str, ...]], tmp_path: Path)
     return p
 
 
-def assert_nothing_dropped(result, given):
-    accounted = ({f for f, _ in result.imported} | {f for f, _ in result.converted}
-                 | {n.flag for n in result.not_imported})
-    assert set(given) - accounted == set()
-
-
 # -- the Qwen3-1.7B pair --------------------------------------------------------------------------
 
 
@@ -165,17 +162,11 @@ def test_qwen3_data_and_schedule(tmp_path):
     assert (t["seq_length"], t["micro_batch_size"], t["global_batch_size"], t["train_iters"]) == (4096, 1, 256, 20000)
     assert (t["lr"], t["min_lr"], t["lr_warmup_iters"], t["lr_decay_iters"]) == (3e-4, 3e-5, 2000, 20000)
     assert t["zero_stage"] == 1 and t["grad_reduce_in_bf16"] and t["log_interval"] == 10
-    kinds = {n.flag: n.kind for n in result.not_imported}
-    assert kinds == {
-        "--use-distributed-optimizer": LAUNCHER, "--overlap-grad-reduce": LAUNCHER,
-        "--overlap-param-gather": LAUNCHER, "--bf16": LAUNCHER, "--save": LAUNCHER, "--load": LAUNCHER,
-        "--tensorboard-dir": LAUNCHER, "--data-cache-path": LAUNCHER, "--log-throughput": LAUNCHER,
-        "--num-workers": LAUNCHER, "--transformer-impl": LAUNCHER, "--attention-backend": LAUNCHER,
-        "--use-mcore-models": FIXED, "--rotary-percent": FIXED, "--init-method-std": FIXED,
-    }
-    given = input_flags(QWEN3)
-    assert_nothing_dropped(result, given)
-    assert_round_trip(result, given, tmp_path)
+    launcher = ("--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --bf16 --save --load --tensorboard-dir "
+                "--data-cache-path --log-throughput --num-workers --transformer-impl --attention-backend").split()
+    fixed = ["--use-mcore-models", "--rotary-percent", "--init-method-std"]
+    assert {n.flag: n.kind for n in result.not_imported} == {**dict.fromkeys(launcher, LAUNCHER), **dict.fromkeys(fixed, FIXED)}
+    assert_round_trip(result, tmp_path, QWEN3)
 
 
 def test_later_files_override_earlier_ones_and_share_variables(tmp_path):
@@ -221,9 +212,7 @@ def test_gpt3_example_imports_with_megatron_defaults_and_lists_the_rest(tmp_path
     for flag in ("--save", "--load", "--tensorboard-dir", "--attention-backend", "--nproc_per_node", "--master_port"):
         assert listed[flag].kind == LAUNCHER, flag
     assert listed["--save"].values == ("$CHECKPOINT_PATH",)  # unresolved, and not needed
-    given = input_flags([GPT3], variables)
-    assert_nothing_dropped(result, given)
-    assert_round_trip(result, given, tmp_path)
+    assert_round_trip(result, tmp_path, [GPT3], variables)
     data_yaml = mly.render_data_yaml(result)
     assert str(GPT3) in data_yaml and "--rampup-batch-size 16 16 5859375" in data_yaml
     report = mly.render_report(result)
@@ -279,8 +268,7 @@ def test_bare_flags_mock_data_and_the_decay_default(tmp_path):
     assert result.data == {"source": "mock", "tokenizer": {"type": "null", "vocab_size": 512}}
     decay = next(n for n in result.not_imported if n.flag == "--lr-decay-style")
     assert decay.values == ("linear",) and decay.where == "not in the files" and "cosine" in decay.reason
-    model, data = write_yaml(result, tmp_path)
-    p = load_run_params(str(model), str(data))
+    p = written_params(result, tmp_path)
     assert p.model.hidden_dropout == 0.1 and p.training.adam_beta2 == 0.999 and p.training.min_lr == 0.0
     assert p.training.eval_iters == 100 and p.training.log_interval == 100
 
@@ -327,17 +315,16 @@ def test_arrays_append_quote_and_split_as_bash():
     ("--num-layers twelve", ["--num-layers 'twelve' is not an integer"]),
     ("--rampup-batch-size 1 2", ["--rampup-batch-size takes 3 values"]),
     ("--position-embedding-type none", ["--position-embedding-type none has no counterpart"]),
+    (("--num-layers 2 ", ""), ["the files give no --num-layers"]),  # (old, new): a required flag missing
+    (("NullTokenizer --vocab-size 512", "HuggingFaceTokenizer --tokenizer-model /m"),  # mock data needs the null tokenizer
+     ["add --tokenizer-type NullTokenizer --vocab-size N"]),
 ])
 def test_bad_flags_are_one_clear_error(extra, words):
+    """``extra`` flags after MINIMAL's, or an ``(old, new)`` replacement in them."""
     with pytest.raises(UserError) as err:
-        import_texts(MINIMAL + extra + "\n")
+        import_texts(MINIMAL.replace(*extra) if isinstance(extra, tuple) else MINIMAL + extra + "\n")
     for word in words:
         assert word in str(err.value), str(err.value)
-
-
-def test_a_missing_required_flag_is_named():
-    with pytest.raises(UserError, match="the files give no --num-layers"):
-        import_texts(MINIMAL.replace("--num-layers 2 ", ""))
 
 
 @pytest.mark.parametrize("flags, stage", [
@@ -367,9 +354,7 @@ def test_model_fields_with_their_megatron_lm_flags(tmp_path):
     m = result.model
     assert m["add_qkv_bias"] and not m["add_bias_linear"] and m["rope_scaling"] and m["rope_scaling_factor"] == 32.0
     assert m["rotary_base"] == 500000 and not m["tie_embeddings"] and m["num_query_groups"] == 2 and not m["gelu_tanh"]
-    given = {f: tuple(w.text for w in g.values) for f, g in
-             given_flags.merge_flags([given_flags.collect_flags(read_files([("f0.sh", text)])[0].args, TABLE)[0]], TABLE).items()}
-    assert_round_trip(result, given, tmp_path)
+    assert_round_trip(result, tmp_path, texts=[text])
 
 
 @pytest.mark.parametrize("tokenizer, expected", [
@@ -387,11 +372,6 @@ def test_tokenizers(tokenizer, expected):
     if "--vocab-size" in tokenizer:
         entry = next(n for n in result.not_imported if n.flag == "--vocab-size")
         assert "does not read it" in entry.reason
-
-
-def test_mock_data_needs_the_null_tokenizer():
-    with pytest.raises(UserError, match="add --tokenizer-type NullTokenizer --vocab-size N"):
-        import_texts(MINIMAL.replace("NullTokenizer --vocab-size 512", "HuggingFaceTokenizer --tokenizer-model /m"))
 
 
 def test_the_shipped_flag_table_is_megatron_lm_core_v0_16_1s():

@@ -3,11 +3,14 @@ checked against Megatron-LM's real flag lists (tests/data/megatron_lm) and again
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import itertools
 import json
 import shutil
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -15,15 +18,22 @@ import pytest
 from megatron_ext.run_spec.engines import MEGATRON_LM
 from megatron_ext.run_spec.resolved import ResolvedRun, RunRuntime, read_resolved, write_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
-from orchestration.megatron_lm.checkout import read_checkout
+from megatron_ext.run_spec.wandb_run import WandbState, read_wandb_settings, read_wandb_state, write_wandb_state
+from orchestration.analysis.compare import compare_runs
+from orchestration.launch_env import read_launch_env
+from orchestration.megatron_lm.checkout import annotation_kind, read_checkout
 from orchestration.megatron_lm.flags import split_flags
-from orchestration.megatron_lm.render import NodeKernels, check_flags, render_pretrain_gpt
+from orchestration.megatron_lm.program import KNOWN_LIMITS_UP_TO, known_limits, plan_program
+from orchestration.megatron_lm.render import NodeKernels, check_flags, integrity_flags, render_pretrain_gpt
+from orchestration.node.commands import node_status
+from orchestration.node.failure import failure_summary
+from orchestration.node.wire import NodeReport
 from megatron_ext.run_spec.iteration_log import parse_log
 from megatron_ext.run_spec.errors import UserError
-from megatron_ext.run_spec.params import RunOverrides, list_models, load_run_params, with_batch_geometry
+from megatron_ext.run_spec.params import RunOverrides, list_data_sets, list_models, load_run_params, with_batch_geometry
 from megatron_ext.data.prepare import planned_prepared
 
-from conftest import REPO, TEST_DATA, clean_env, planned_nodes
+from conftest import REPO, TEST_DATA, clean_env, free_port, megatron_lm_env, planned_nodes, run_script, tagged_pids, wait_for
 
 STAGE_FLAGS = {  # facts.md, exactly
     0: [],
@@ -43,28 +53,30 @@ FLAG_LISTS = sorted((TEST_DATA / "megatron_lm").glob("flags_*.tsv"))
 tests/data/megatron_lm/README.md)."""
 
 
-def _versions() -> dict[str, tuple[int, int]]:
-    rows = (l.split("\t") for l in (TEST_DATA / "megatron_lm" / "versions.tsv").read_text().splitlines() if not l.startswith("#"))
-    return {row[0]: tuple(int(x) for x in row[2].split(".")[:2]) for row in rows}
-
-
 def reference_flags(path: Path) -> tuple[tuple[int, int], dict[str, tuple[str, ...]]]:
     """(version, flags) of one list; versions.tsv names each tag's commit and version."""
-    version = _versions()[path.stem.removeprefix("flags_")]
-    flags = {}
-    for line in path.read_text().splitlines():
-        if line.startswith("--"):
-            flag, _, choices = line.partition("\t")
-            flags[flag] = tuple(c for c in choices.split(",") if c)
-    return version, flags
+    rows = (l.split("\t") for l in (TEST_DATA / "megatron_lm" / "versions.tsv").read_text().splitlines() if not l.startswith("#"))
+    version = next(tuple(int(x) for x in row[2].split(".")[:2]) for row in rows if row[0] == path.stem.removeprefix("flags_"))
+    lines = (line.partition("\t") for line in path.read_text().splitlines() if line.startswith("--"))
+    return version, {flag: tuple(c for c in choices.split(",") if c) for flag, _, choices in lines}
 
 
-def render(model: str, data: str, stage: int, version=(0, 16), tmp=Path("/tmp/artifacts"), run="r", world=2,
-           kernels=None, load=True):
+RELEASES = [(p.stem, *reference_flags(p)) for p in FLAG_LISTS]
+per_release = pytest.mark.parametrize("tag, version, flags", RELEASES, ids=[tag.removeprefix("flags_") for tag, _, _ in RELEASES])
+"""A test once per release's flag list, given its (tag, version, flags)."""
+
+
+def lm_params(model="gpt_smoke", data="smoke", stage=0, world=2, **training):
+    """A preset pair's params for ENGINE=megatron-lm at ``stage`` on ``world`` ranks, with ``training`` fields replaced."""
     params = with_batch_geometry(load_run_params(model, data, RunOverrides(stage, "megatron-lm")), world)[0]
+    return dataclasses.replace(params, training=dataclasses.replace(params.training, **training)) if training else params
+
+
+def render(model="gpt_smoke", data="smoke", stage=0, version=(0, 16), tmp=Path("/tmp/artifacts"), run="r", params=None, **kw):
+    """``render_pretrain_gpt`` of ``params`` (else ``lm_params(model, data, stage)``); ``kw``: its own keywords."""
+    params = params or lm_params(model, data, stage)
     paths = RunPaths(tmp, run)
-    return render_pretrain_gpt(params, planned_prepared(params.data, paths.data_cache_dir), paths, version,
-                               load=load, **({"kernels": kernels} if kernels is not None else {}))
+    return render_pretrain_gpt(params, planned_prepared(params.data, paths.data_cache_dir), paths, version, **kw)
 
 
 def test_flag_lists_cover_the_releases():
@@ -72,41 +84,37 @@ def test_flag_lists_cover_the_releases():
     assert {"core_v0.14.0", "core_v0.15.3", "core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0", "main"} <= tags
 
 
-@pytest.mark.parametrize("flag_list", FLAG_LISTS, ids=lambda p: p.stem)
+@per_release
 @pytest.mark.parametrize("model", sorted(DATA_FOR))
 @pytest.mark.parametrize("data", ["preset", "mock"])
 @pytest.mark.parametrize("stage", range(4))
-def test_render_uses_only_real_flags_and_the_stage_table(flag_list, model, data, stage):
-    version, known = reference_flags(flag_list)
+def test_render_uses_only_real_flags_and_the_stage_table(tag, version, flags, model, data, stage):
     r = render(model, DATA_FOR[model] if data == "preset" else "mock", stage, version)
     for flag, values in split_flags(r.args):
-        assert flag in known, f"{flag} is not a Megatron-LM flag ({flag_list.name})"
-        for value in values if known[flag] else ():
-            assert value in known[flag], (flag, value, known[flag])
-    check_flags(r.args, known, flag_list.stem)  # the same check the launcher runs against a checkout
+        assert flag in flags, f"{flag} is not a Megatron-LM flag ({tag})"
+        for value in values if flags[flag] else ():
+            assert value in flags[flag], (flag, value, flags[flag])
+    check_flags(r.args, flags, tag)  # the same check the launcher runs against a checkout
     stage_part = [a for a in r.args if a in {"--use-distributed-optimizer", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
                                              "--ckpt-format", "optim_grads", "optim_grads_params", "fsdp_dtensor"}]
     assert stage_part == STAGE_FLAGS[stage]
     assert r.env == {"CUDA_DEVICE_MAX_CONNECTIONS": None if stage >= 2 else "1"}
 
 
-@pytest.mark.parametrize("flag_list", FLAG_LISTS, ids=lambda p: p.stem)
+@per_release
 @pytest.mark.parametrize("kernels", [NodeKernels(gpus=False, transformer_engine=False, apex=False),
                                      NodeKernels(gpus=True, transformer_engine=False, apex=False),
                                      NodeKernels(gpus=True, transformer_engine=True, apex=False),
                                      NodeKernels(gpus=True, transformer_engine=False, apex=True)],
                          ids=["cpu", "gpu-plain", "gpu-te", "gpu-apex"])
-def test_the_render_follows_what_the_nodes_have(flag_list, kernels):
+def test_the_render_follows_what_the_nodes_have(tag, version, flags, kernels):
     """No GPU: gloo, local layers, every fusion off, fp32; GPUs without transformer-engine: local
     layers and no rope fusion; without apex: no fused kernels of apex's (persistent norm, masked
     softmax, gradient-accumulation fusion). Exact GELU (GPT models) always without the tanh bias-GELU
     fusion. Every flag exists in every release."""
-    version, known = reference_flags(flag_list)
     for model in ("gpt_smoke", "qwen3_smoke"):
-        params = with_batch_geometry(load_run_params(model, "smoke", RunOverrides(0, "megatron-lm")), 2)[0]
-        paths = RunPaths(Path("/tmp/artifacts"), "r")
-        args = render_pretrain_gpt(params, planned_prepared(params.data, paths.data_cache_dir), paths, version, kernels).args
-        check_flags(args, known, flag_list.stem)
+        args = render(model, "smoke", 0, version, kernels=kernels).args
+        check_flags(args, flags, tag)
         pairs = dict(split_flags(args))
         assert ("--bf16" in pairs) == kernels.gpus and (pairs.get("--distributed-backend") == ["gloo"]) == (not kernels.gpus)
         assert pairs["--transformer-impl"] == ["transformer_engine" if kernels.transformer_engine else "local"]
@@ -117,15 +125,11 @@ def test_the_render_follows_what_the_nodes_have(flag_list, kernels):
 
 
 def test_extra_arguments_come_last_and_load_only_with_a_checkpoint(tmp_path):
-    params = with_batch_geometry(load_run_params("gpt_smoke", "smoke", RunOverrides(0, "megatron-lm")), 2)[0]
-    paths = RunPaths(tmp_path, "r")
-    prepared = planned_prepared(params.data, paths.data_cache_dir)
-    fresh = render_pretrain_gpt(params, prepared, paths, (0, 16), extra_args=["--log-interval", "5"], load=False).args
+    fresh = render(tmp=tmp_path, extra_args=["--log-interval", "5"], load=False).args
     assert fresh[-2:] == ["--log-interval", "5"] and "--load" not in fresh
     assert "--save" not in fresh  # smoke: save_interval 0, no checkpoints (Megatron-LM would save at the end)
-    assert dict(split_flags(render_pretrain_gpt(params, prepared, paths, (0, 16)).args))["--load"] == [str(paths.checkpoints_dir)]
-    saving = dataclasses.replace(params, training=dataclasses.replace(params.training, save_interval=5))
-    assert dict(split_flags(render_pretrain_gpt(saving, prepared, paths, (0, 16)).args))["--save-interval"] == ["5"]
+    assert dict(split_flags(render(tmp=tmp_path).args))["--load"] == [str(RunPaths(tmp_path, "r").checkpoints_dir)]
+    assert dict(split_flags(render(tmp=tmp_path, params=lm_params(save_interval=5)).args))["--save-interval"] == ["5"]
 
 
 def test_qwen3_render_holds_the_exact_model_flags():
@@ -158,10 +162,7 @@ def test_qwen3_null_tokenizer_vocabulary_after_megatron_padding():
     assert pairs["--tokenizer-type"] == ["NullTokenizer"] and "--mock-data" in pairs
     vocab = int(pairs["--vocab-size"][0]) + 1  # NullTokenizer adds end-of-document
     multiple = int(pairs["--make-vocab-size-divisible-by"][0]) * 1  # x tensor-parallel size
-    padded = vocab
-    while padded % multiple:
-        padded += 1
-    assert padded == 151_936
+    assert -(-vocab // multiple) * multiple == 151_936  # padded up to the next multiple
 
 
 def write_checkout(root: Path, version: tuple[int, int, int], flags: list[str], extra: str = "") -> Path:
@@ -183,11 +184,9 @@ def write_checkout(root: Path, version: tuple[int, int, int], flags: list[str], 
 
 def all_rendered_flags(version=(0, 16)) -> list[str]:
     """Every flag a render may give (every stage, and the kernel flags of every kind of node)."""
-    flags = set()
-    for stage in range(4):
-        for kernels in (NodeKernels(), NodeKernels(gpus=False), NodeKernels(transformer_engine=False, apex=False)):
-            flags |= {f for f, _ in split_flags(render("qwen3_1p7b", "qwen3_1p7b_smoke", stage, version, kernels=kernels).args)}
-    return sorted(flags)
+    kinds = (NodeKernels(), NodeKernels(gpus=False), NodeKernels(transformer_engine=False, apex=False))
+    return sorted({f for stage, kernels in itertools.product(range(4), kinds)
+                   for f, _ in split_flags(render("qwen3_1p7b", "qwen3_1p7b_smoke", stage, version, kernels=kernels).args)})
 
 
 def test_fake_0_13_checkout_picks_use_custom_fsdp(tmp_path):
@@ -241,6 +240,21 @@ def test_not_a_checkout(tmp_path):
         read_checkout(tmp_path)
 
 
+def launcher(*args: str, env: dict[str, str], timeout: int = 60) -> subprocess.CompletedProcess:
+    """``python -m orchestration ARGS`` in the repository, its output captured."""
+    return subprocess.run([sys.executable, "-m", "orchestration", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def dry_run(tmp_path: Path, checkout: Path | None, run: str = "r", **env: str) -> subprocess.CompletedProcess:
+    """A dry run of ``start qwen3_1p7b qwen3_1p7b_smoke RUN`` with ENGINE=megatron-lm on two nodes of 8 processes at
+    ZERO_STAGE=2, CUDA_DEVICE_MAX_CONNECTIONS=1 forwarded; ``checkout``: MEGATRON_LM_DIR (None: unset); ``env`` on top."""
+    env = {**clean_env(DRY_RUN="1", ENGINE="megatron-lm", HOSTS="n0,n1", NPROC_PER_NODE="8", ZERO_STAGE="2",
+                       ARTIFACT_ROOT=str(tmp_path / "art"), CUDA_DEVICE_MAX_CONNECTIONS="1"),
+           **({"MEGATRON_LM_DIR": str(checkout)} if checkout else {}), **env}
+    return launcher("start", "qwen3_1p7b", "qwen3_1p7b_smoke", run, env=env)
+
+
 STANDIN_PARSER = """
 import os, sys
 def parse_args():
@@ -268,25 +282,20 @@ def test_megatron_lm_validation_before_launch(tmp_path):
     the fetched tags, see README); its refusal is quoted; where it cannot import, the source
     reader decides and the launcher says so."""
     flags = all_rendered_flags()
-    env = clean_env(DRY_RUN="1", ENGINE="megatron-lm", ZERO_STAGE="2", ARTIFACT_ROOT=str(tmp_path / "art"),
-                    CUDA_DEVICE_MAX_CONNECTIONS="1", NPROC_PER_NODE="8")
-    start = [sys.executable, "-m", "orchestration", "start", "qwen3_1p7b", "qwen3_1p7b_smoke", "v"]
-    env["MEGATRON_LM_DIR"] = str(write_checkout(tmp_path / "parser", (0, 16, 1), flags, STANDIN_PARSER))
-    ok = subprocess.run(start, cwd=REPO, env={**env, "HOSTS": "n0,n1"}, capture_output=True, text=True, timeout=60)
+    parser = write_checkout(tmp_path / "parser", (0, 16, 1), flags, STANDIN_PARSER)
+    # With the stage's own environment: Megatron-FSDP gets CUDA_DEVICE_MAX_CONNECTIONS unset although it was forwarded as 1.
+    ok = dry_run(tmp_path, parser, "v")
     assert ok.returncode == 0, ok.stderr
     assert "note: Megatron-LM 0.16.1's own parse_args + validate_args accept the arguments at world size 16" in ok.stderr
-    refused = subprocess.run(start, cwd=REPO, env={**env, "HOSTS": "n0,n1,n2,n3"}, capture_output=True, text=True, timeout=60)
+    refused = dry_run(tmp_path, parser, "v", HOSTS="n0,n1,n2,n3")
     assert refused.returncode == 2 and refused.stdout == ""
     assert ("Megatron-LM 0.16.1 (" in refused.stderr and "refuses the rendered arguments at world size 32: "
             "AssertionError: world size (32) is larger than this stand-in accepts" in refused.stderr), refused.stderr
     assert refused.stderr.count("error:") == 1 and "Traceback" not in refused.stderr
-    # With the stage's own environment: Megatron-FSDP gets CUDA_DEVICE_MAX_CONNECTIONS unset although it was forwarded as 1.
-
     # A checkout that does not import here (e.g. a login node without torch): the source reader decides.
     broken = write_checkout(tmp_path / "broken", (0, 16, 1), [f for f in flags if f != "--qk-layernorm"],
                             "import module_missing_on_this_node\n" + STANDIN_PARSER)
-    fallback = subprocess.run(start, cwd=REPO, env={**env, "HOSTS": "n0,n1", "MEGATRON_LM_DIR": str(broken)},
-                              capture_output=True, text=True, timeout=60)
+    fallback = dry_run(tmp_path, broken, "v")
     assert fallback.returncode == 2
     assert ("note: Megatron-LM's own argument check cannot run here (cannot import megatron.training.arguments from "
             f"{broken} (ModuleNotFoundError: No module named 'module_missing_on_this_node')); checked every flag "
@@ -329,20 +338,17 @@ def test_megatron_lm_builds_the_run_s_tokenizer_before_launch(tmp_path):
     (checkout / "megatron" / "training" / "global_vars.py").write_text(
         build + "def _build_tokenizer(args):\n    return build_tokenizer(args)\n")
     (checkout / "pretrain_gpt.py").write_text(build)
-    from conftest import megatron_lm_env
-
     # The shim answers the preflight's CUDA probe on this GPU-less machine (this checkout's ranks never start).
-    env = megatron_lm_env(checkout, DRY_RUN="1", ARTIFACT_ROOT=str(tmp_path / "art"),
-                    NPROC_PER_NODE="2")
-    start = [sys.executable, "-m", "orchestration", "start", "gpt_smoke", str(data), "tok"]
-    ok = subprocess.run(start, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    env = megatron_lm_env(checkout, DRY_RUN="1", ARTIFACT_ROOT=str(tmp_path / "art"), NPROC_PER_NODE="2")
+    start = ("start", "gpt_smoke", str(data), "tok")
+    ok = launcher(*start, env=env, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "the tokenizer builds as initialize_megatron and pretrain_gpt.py (megatron.core.tokenizers" in ok.stderr
     argv = planned_nodes(ok.stdout)[0]["argv"]
     assert argv[argv.index("--tokenizer-model") + 1] == str(tokenizer)  # the directory AutoTokenizer reads
     config = json.loads((tokenizer / "tokenizer_config.json").read_text())
     (tokenizer / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "T5Tokenizer"}))
-    refused = subprocess.run(start, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    refused = launcher(*start, env=env, timeout=120)
     assert refused.returncode == 2 and refused.stdout == "", refused.stderr
     assert (f"cannot build the run's tokenizer {tokenizer / 'tokenizer.json'} as its ranks would (ValueError: Unable to "
             "instantiate HuggingFace AutoTokenizer") in refused.stderr, refused.stderr
@@ -352,10 +358,7 @@ def test_megatron_lm_builds_the_run_s_tokenizer_before_launch(tmp_path):
 @pytest.mark.slow
 def test_launcher_dry_run_renders_pretrain_gpt(tmp_path):
     checkout = write_checkout(tmp_path / "Megatron-LM", (0, 16, 1), all_rendered_flags())
-    env = clean_env(DRY_RUN="1", ENGINE="megatron-lm", MEGATRON_LM_DIR=str(checkout), HOSTS="n0,n1", NPROC_PER_NODE="8",
-                    ZERO_STAGE="2", ARTIFACT_ROOT=str(tmp_path / "art"), CUDA_DEVICE_MAX_CONNECTIONS="1")
-    proc = subprocess.run([sys.executable, "-m", "orchestration", "start", "qwen3_1p7b", "qwen3_1p7b_smoke", "qwen3_16gpu_z2"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    proc = dry_run(tmp_path, checkout, "qwen3_16gpu_z2")
     assert proc.returncode == 0, proc.stderr
     nodes = planned_nodes(proc.stdout)
     argv = nodes[1]["argv"]
@@ -370,14 +373,10 @@ def test_launcher_dry_run_renders_pretrain_gpt(tmp_path):
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in nodes[0]["env"]  # Megatron-FSDP: unset, not 1
     assert not (tmp_path / "art" / "data_cache").exists()  # a dry run prepares nothing
 
-    env["MEGATRON_LM_DIR"] = str(write_checkout(tmp_path / "old", (0, 16, 1),
-                                                [f for f in all_rendered_flags() if f != "--use-megatron-fsdp"]))
-    proc = subprocess.run([sys.executable, "-m", "orchestration", "start", "qwen3_1p7b", "qwen3_1p7b_smoke", "r"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    old = write_checkout(tmp_path / "old", (0, 16, 1), [f for f in all_rendered_flags() if f != "--use-megatron-fsdp"])
+    proc = dry_run(tmp_path, old)
     assert proc.returncode == 2 and "Megatron-LM 0.16.1 does not define --use-megatron-fsdp" in proc.stderr
-    env.pop("MEGATRON_LM_DIR")
-    proc = subprocess.run([sys.executable, "-m", "orchestration", "start", "qwen3_1p7b", "qwen3_1p7b_smoke", "r"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    proc = dry_run(tmp_path, None)
     assert proc.returncode == 2 and "ENGINE=megatron-lm needs MEGATRON_LM_DIR" in proc.stderr
 
 
@@ -410,14 +409,11 @@ def test_log_parser_reads_iteration_lines_and_counts_malformed():
 
 
 def test_compare_and_status_read_megatron_lm_logs(tmp_path):
-    from orchestration.analysis.compare import compare_runs
-    from orchestration.node.commands import node_status
-
     root = tmp_path
     (root / "logs").mkdir()
     (root / "logs" / "lm_node0.log").write_text("rank 0 says nothing\n")
     (root / "logs" / "lm_node1.log").write_text(LOG)
-    params = with_batch_geometry(load_run_params("qwen3_1p7b", "qwen3_1p7b_smoke", RunOverrides(1, "megatron-lm")), 32)[0]
+    params = lm_params("qwen3_1p7b", "qwen3_1p7b_smoke", 1, world=32)
     runtime = RunRuntime(run="lm", run_id="lm-1", engine="megatron-lm", nnodes=4, nproc_per_node=8, hosts=("a", "b", "c", "d"),
                          gradient_accumulation_steps=1, program_argv=("pretrain_gpt.py",))
     write_resolved(RunPaths(root, "lm").params_path, ResolvedRun(params, runtime))
@@ -453,28 +449,21 @@ for it in range(1, iters + 1):
 def test_launcher_runs_the_checkout_and_reads_its_logs(tmp_path):
     """Start -> node-start -> torchrun -> $MEGATRON_LM_DIR/pretrain_gpt.py with the rendered argv and
     environment, then status and compare from Megatron-LM's log lines (stand-in script, see above)."""
-    from conftest import free_port, run_script, tagged_pids, wait_for
-
     checkout = write_checkout(tmp_path / "Megatron-LM", (0, 16, 1), all_rendered_flags())
     (checkout / "pretrain_gpt.py").write_text(STANDIN_PRETRAIN_GPT)
     data = tmp_path / "lm.yaml"
     data.write_text((REPO / "params" / "data" / "smoke.yaml").read_text().replace("train_iters: 30", "train_iters: 6"))
     root = tmp_path / "art"
-    from conftest import megatron_lm_env
-
     # The shim answers the preflight's CUDA probe (and is inert in the stand-in's ranks, which import no torch).
-    env = megatron_lm_env(checkout, ZERO_STAGE="3", ARTIFACT_ROOT=str(root),
-                    MASTER_PORT=str(free_port()), CUDA_DEVICE_MAX_CONNECTIONS="1")
+    env = megatron_lm_env(checkout, ZERO_STAGE="3", ARTIFACT_ROOT=str(root), MASTER_PORT=str(free_port()), CUDA_DEVICE_MAX_CONNECTIONS="1")
     start = run_script("start_training.sh", "gpt_smoke", str(data), "lm_run", env=env)
     assert start.returncode == 0, start.stdout + start.stderr
     wait_for(lambda: not tagged_pids("lm_run"), 120, what="the stand-in to finish")
     seen = json.loads((checkout / "seen_rank0.json").read_text())
-    params = with_batch_geometry(load_run_params("gpt_smoke", str(data), RunOverrides(3, "megatron-lm")), 2)[0]
-    prepared = planned_prepared(params.data, root / "data_cache")
-    assert Path(prepared.prefixes[0] + ".bin").is_file()  # the start command prepared the corpus
+    params = lm_params("gpt_smoke", str(data), 3)
+    assert Path(planned_prepared(params.data, root / "data_cache").prefixes[0] + ".bin").is_file()  # the start prepared the corpus
     # The node answered: no GPU (the shim's CUDA answers the probe, not the GPU count): the CPU's kernel flags.
-    assert seen["argv"] == render_pretrain_gpt(params, prepared, RunPaths(root, "lm_run"), (0, 16),
-                                               kernels=NodeKernels(False, False, False), load=False).args
+    assert seen["argv"] == render(params=params, tmp=root, run="lm_run", kernels=NodeKernels(False, False, False), load=False).args
     assert seen["CUDA_DEVICE_MAX_CONNECTIONS"] is None and seen["LAUNCHER_RUN"] == "lm_run"
     status = run_script("status_training.sh", "lm_run", "--json", env=env)
     node = json.loads(status.stdout.splitlines()[0])
@@ -503,10 +492,6 @@ def test_launcher_runs_the_checkout_and_reads_its_logs(tmp_path):
     ("signal.Signals", "literal", tuple(s.name for s in __import__("signal").Signals)),
 ])
 def test_annotations_are_read_from_the_syntax_tree(annotation, kind, choices):
-    import ast
-
-    from orchestration.megatron_lm.checkout import annotation_kind
-
     assert annotation_kind(ast.parse(annotation, mode="eval").body) == (kind, choices)
 
 
@@ -555,37 +540,27 @@ def test_literal_flags_boolean_optional_enum_choices_and_optional_packages(tmp_p
 
 @pytest.mark.parametrize("world", [1, 2, 8, 16, 32])
 def test_every_preset_and_data_set_fits_every_shape_for_both_engines(world):
-    """Every model x every shipped data set x every stage is accepted at 1, 2, 8, 16 and 32 ranks by
-    the project's validation (global = micro x data-parallel x accumulation), and its Megatron-LM
-    render uses only flags (and choices) of every release's parser."""
-    from megatron_ext.run_spec.params import list_data_sets
-
-    lists = [reference_flags(p) for p in FLAG_LISTS]
+    """Every model x shipped data set x stage x engine passes the project's validation at ``world`` ranks (global = micro
+    x data-parallel x accumulation), and its Megatron-LM render uses only flags (and choices) of every release's parser."""
     paths = RunPaths(Path("/tmp/artifacts"), "grid")
-    for model in list_models():
-        for data in list_data_sets():
-            for stage in range(4):
-                for engine in ("megatron-core", "megatron-lm"):
-                    params, geometry = with_batch_geometry(load_run_params(model, data, RunOverrides(stage, engine)), world)
-                    t = params.training
-                    assert t.global_batch_size == geometry.micro_batch_size * world * geometry.accumulation_steps
-                    if engine == "megatron-lm":
-                        prepared = planned_prepared(params.data, paths.data_cache_dir)
-                        for version, known in lists:
-                            r = render_pretrain_gpt(params, prepared, paths, version)
-                            check_flags(r.args, known, f"{version}")
-                            assert r.args[r.args.index("--global-batch-size") + 1] == str(t.global_batch_size)
+    for model, data, stage, engine in itertools.product(list_models(), list_data_sets(), range(4), ("megatron-core", "megatron-lm")):
+        params, geometry = with_batch_geometry(load_run_params(model, data, RunOverrides(stage, engine)), world)
+        t = params.training
+        assert t.global_batch_size == geometry.micro_batch_size * world * geometry.accumulation_steps
+        if engine == "megatron-lm":
+            prepared = planned_prepared(params.data, paths.data_cache_dir)
+            for _, version, known in RELEASES:
+                r = render_pretrain_gpt(params, prepared, paths, version)
+                check_flags(r.args, known, f"{version}")
+                assert r.args[r.args.index("--global-batch-size") + 1] == str(t.global_batch_size)
 
 
-@pytest.mark.parametrize("flag_list", FLAG_LISTS, ids=lambda p: p.stem.removeprefix("flags_"))
-def test_the_save_signal_is_what_each_release_has(flag_list):
+@per_release
+def test_the_save_signal_is_what_each_release_has(tag, version, flags):
     """--exit-signal-handler everywhere; --exit-signal SIGUSR1 from core_v0.16 (a choice of that
     release's own parser), else the handler's SIGTERM, which the supervisor then sends the ranks."""
-    version, flags = reference_flags(flag_list)
-    params = with_batch_geometry(load_run_params("gpt_smoke", "smoke", RunOverrides(1, "megatron-lm")), 2)[0]
-    paths = RunPaths(Path("/tmp/artifacts"), "r")
-    rendered = render_pretrain_gpt(params, planned_prepared(params.data, paths.data_cache_dir), paths, version, known=flags)
-    check_flags(rendered.args, flags, flag_list.stem)
+    rendered = render(stage=1, version=version, known=flags)
+    check_flags(rendered.args, flags, tag)
     if version >= (0, 16):
         assert rendered.args[-3:] == ["--exit-signal-handler", "--exit-signal", "SIGUSR1"] and rendered.save_signal == "SIGUSR1"
         assert "SIGUSR1" in flags["--exit-signal"]
@@ -593,15 +568,12 @@ def test_the_save_signal_is_what_each_release_has(flag_list):
         assert rendered.args[-1] == "--exit-signal-handler" and rendered.save_signal == "SIGTERM"
 
 
-@pytest.mark.parametrize("flag_list", FLAG_LISTS, ids=lambda p: p.stem.removeprefix("flags_"))
-def test_the_flight_recorder_dumps_into_the_run_s_hangs_folder_where_the_release_can(flag_list):
+@per_release
+def test_the_flight_recorder_dumps_into_the_run_s_hangs_folder_where_the_release_can(tag, version, flags):
     """--flight-recorder-dump-path (core_v0.17.1 and later: NCCL's watchdog writes each rank's record there
     at a timeout) points into runs/<run>/hangs; releases without the flag get none."""
-    version, flags = reference_flags(flag_list)
-    params = with_batch_geometry(load_run_params("gpt_smoke", "smoke", RunOverrides(1, "megatron-lm")), 2)[0]
-    paths = RunPaths(Path("/tmp/artifacts"), "r")
-    args = render_pretrain_gpt(params, planned_prepared(params.data, paths.data_cache_dir), paths, version, known=flags).args
-    check_flags(args, flags, flag_list.stem)
+    args = render(stage=1, version=version, known=flags).args
+    check_flags(args, flags, tag)
     if "--flight-recorder-dump-path" in flags:
         assert args[args.index("--flight-recorder-dump-path") + 1] == "/tmp/artifacts/runs/r/hangs/nccl_flight_recorder_rank"
     else:
@@ -609,83 +581,61 @@ def test_the_flight_recorder_dumps_into_the_run_s_hangs_folder_where_the_release
     assert ("--flight-recorder-dump-path" in flags) == (version >= (0, 17)), version
 
 
-@pytest.mark.parametrize("flag_list", FLAG_LISTS, ids=lambda p: p.stem.removeprefix("flags_"))
-def test_checkpoint_integrity_where_the_release_has_it_and_the_stage_saves_torch_dist(flag_list):
+@per_release
+def test_checkpoint_integrity_where_the_release_has_it_and_the_stage_saves_torch_dist(tag, version, flags):
     """--verify-integrity (core_v0.17.1 and later; torch_dist only, so stages 0-1) is each attempt's
     to add by node 0's choice (orchestration/node/resume_point.py); a real flag of the release."""
-    from orchestration.megatron_lm.render import integrity_flags
-
-    version, flags = reference_flags(flag_list)
     for stage in range(4):
         rendered = integrity_flags(stage, flags)
-        check_flags(rendered, flags, flag_list.stem)
+        check_flags(rendered, flags, tag)
         assert rendered == (["--verify-integrity"] if version >= (0, 17) and stage < 2 else []), (version, stage)
 
 
-@pytest.mark.parametrize("flag_list", FLAG_LISTS, ids=lambda p: p.stem.removeprefix("flags_"))
-def test_wandb_settings_render_megatron_lm_s_wandb_flags(flag_list, tmp_path):
+WANDB_ENV = {"WANDB_PROJECT": "zero", "WANDB_ENTITY": "team"}
+
+
+@per_release
+def test_wandb_settings_render_megatron_lm_s_wandb_flags(tag, version, flags, tmp_path):
     """WANDB_PROJECT set: --wandb-project, --wandb-exp-name (the run name unless WANDB_NAME), --wandb-save-dir
     (the run directory: wandb writes runs/<run>/wandb/), --wandb-entity where the release defines it
     (older ones take WANDB_ENTITY from the environment, which every rank gets); unset: none of them."""
-    from megatron_ext.run_spec.wandb_run import read_wandb_settings
-    from orchestration.launch_env import read_launch_env
-
-    version, flags = reference_flags(flag_list)
-    params = with_batch_geometry(load_run_params("gpt_smoke", "smoke", RunOverrides(1, "megatron-lm")), 2)[0]
-    paths = RunPaths(tmp_path, "lm_wandb")
-    prepared = planned_prepared(params.data, paths.data_cache_dir)
-    launch = read_launch_env({"WANDB_PROJECT": "zero", "WANDB_ENTITY": "team", "ARTIFACT_ROOT": str(tmp_path)})
-    args = render_pretrain_gpt(params, prepared, paths, version, known=flags, wandb=launch.wandb).args
-    check_flags(args, flags, flag_list.stem)
+    lm_wandb = partial(render, stage=1, version=version, tmp=tmp_path, run="lm_wandb", known=flags)
+    launch = read_launch_env({**WANDB_ENV, "ARTIFACT_ROOT": str(tmp_path)})
+    args = lm_wandb(wandb=launch.wandb).args
+    check_flags(args, flags, tag)
     rendered = dict(split_flags(args))
     assert rendered["--wandb-project"] == ["zero"] and rendered["--wandb-exp-name"] == ["lm_wandb"]
-    assert rendered["--wandb-save-dir"] == [str(paths.run_dir)]
+    assert rendered["--wandb-save-dir"] == [str(RunPaths(tmp_path, "lm_wandb").run_dir)]
     assert rendered.get("--wandb-entity") == (["team"] if "--wandb-entity" in flags else None)
     assert launch.forwarded["WANDB_ENTITY"] == "team"  # and in the ranks' environment either way
     named = read_wandb_settings({"WANDB_PROJECT": "zero", "WANDB_NAME": "z1", "WANDB_DIR": str(tmp_path / "w")})
-    args = dict(split_flags(render_pretrain_gpt(params, prepared, paths, version, known=flags, wandb=named).args))
+    args = dict(split_flags(lm_wandb(wandb=named).args))
     assert args["--wandb-exp-name"] == ["z1"] and args["--wandb-save-dir"] == [str(tmp_path / "w")]
-    assert not any(a.startswith("--wandb") for a in render_pretrain_gpt(params, prepared, paths, version, known=flags).args)
+    assert not any(a.startswith("--wandb") for a in lm_wandb().args)
 
 
 def test_megatron_lm_with_wandb_keeps_one_wandb_run_across_starts(tmp_path):
     """The launcher's WANDB_* reach the render, and Megatron-LM's ranks (whose wandb.init takes no id)
     get WANDB_RUN_ID and WANDB_RESUME=allow: the id the run's first start recorded under its run directory."""
-    from megatron_ext.run_spec.wandb_run import WandbState, read_wandb_state, write_wandb_state
-    from megatron_ext.data.prepare import planned_prepared
-    from orchestration.launch_env import read_launch_env
-    from orchestration.megatron_lm.checkout import read_checkout
-    from orchestration.megatron_lm.program import plan_program
-
-    wandb_flags = ["--wandb-project", "--wandb-exp-name", "--wandb-save-dir", "--wandb-entity"]
-    checkout = write_checkout(tmp_path / "Megatron-LM", (0, 16, 1), all_rendered_flags() + wandb_flags)
-    launch = read_launch_env({"WANDB_PROJECT": "zero", "WANDB_ENTITY": "team", "MEGATRON_LM_DIR": str(checkout),
-                              "ENGINE": "megatron-lm", "ARTIFACT_ROOT": str(tmp_path / "art")})
-    params = with_batch_geometry(load_run_params("gpt_smoke", "smoke", launch.overrides), 2)[0]
-    paths = RunPaths(launch.artifact_root, "lm_wandb")
-    read, prepared = read_checkout(checkout), planned_prepared(params.data, paths.data_cache_dir)
-    first = plan_program(params, "gpt_smoke", "smoke", paths, launch, read, prepared)
+    first = _plan_lm(tmp_path, 0, env=WANDB_ENV)
     rendered = dict(split_flags(first.argv[1:]))
     assert rendered["--wandb-project"] == ["zero"] and rendered["--wandb-entity"] == ["team"]
     assert first.env["WANDB_RESUME"] == "allow" and len(first.env["WANDB_RUN_ID"]) == 16
+    paths = RunPaths(tmp_path / "art", "r")
     assert read_wandb_state(paths) is None  # planning writes nothing; the start records the id
     write_wandb_state(paths, WandbState(first.env["WANDB_RUN_ID"]))
-    assert plan_program(params, "gpt_smoke", "smoke", paths, launch, read, prepared).env["WANDB_RUN_ID"] == first.env["WANDB_RUN_ID"]
-    assert "WANDB_RUN_ID" not in plan_program(params, "gpt_smoke", "smoke", paths, read_launch_env(
-        {"MEGATRON_LM_DIR": str(checkout), "ENGINE": "megatron-lm"}), read, prepared).env
+    assert _plan_lm(tmp_path, 0, env=WANDB_ENV).env["WANDB_RUN_ID"] == first.env["WANDB_RUN_ID"]
+    assert "WANDB_RUN_ID" not in _plan_lm(tmp_path, 0).env
 
 
 # -- what the nodes have, Megatron-LM's own limits, and reading its logs (pure) -------------------------
 
 def _plan_lm(tmp_path, stage: int, answers=None, has_checkpoint=False, env=None, **training):
-    from megatron_ext.data.prepare import planned_prepared
-    from orchestration.launch_env import read_launch_env
-    from orchestration.megatron_lm.checkout import read_checkout
-    from orchestration.megatron_lm.program import plan_program
-
+    """plan_program for gpt_smoke/smoke at ``stage`` against a 0.16.1 checkout (the exit-signal and W&B flags too)."""
     checkout = tmp_path / "Megatron-LM"
     if not checkout.exists():
-        write_checkout(checkout, (0, 16, 1), all_rendered_flags() + ["--exit-signal-handler", "--exit-signal"])
+        write_checkout(checkout, (0, 16, 1), all_rendered_flags() + ["--exit-signal-handler", "--exit-signal", "--wandb-project",
+                                                                     "--wandb-exp-name", "--wandb-save-dir", "--wandb-entity"])
     launch = read_launch_env({"ARTIFACT_ROOT": str(tmp_path / "art"), "MEGATRON_LM_DIR": str(checkout), **(env or {})})
     overrides = dataclasses.replace(launch.overrides, zero_stage=stage, engine="megatron-lm")
     params = with_batch_geometry(load_run_params("gpt_smoke", "smoke", overrides), 2)[0]
@@ -696,16 +646,17 @@ def _plan_lm(tmp_path, stage: int, answers=None, has_checkpoint=False, env=None,
                         planned_prepared(params.data, paths.data_cache_dir), answers, has_checkpoint)
 
 
-def test_the_program_renders_for_what_the_preflight_says_the_nodes_have(tmp_path):
-    from orchestration.node.wire import NodeReport
+def _node(gpus: int, te: str | None = None, apex: str | None = None, rank: int = 0) -> NodeReport:
+    """Node ``rank``'s preflight answer: ``gpus`` GPUs, the transformer-engine and apex versions (None: absent)."""
+    return NodeReport(node_rank=rank, host=f"n{rank}", visible_gpus=gpus, software={"transformer-engine": te, "apex": apex})
 
-    cpu = _plan_lm(tmp_path, 0, [NodeReport(node_rank=0, host="n0", visible_gpus=0, software={"transformer-engine": None})])
+
+def test_the_program_renders_for_what_the_preflight_says_the_nodes_have(tmp_path):
+    cpu = _plan_lm(tmp_path, 0, [_node(0)])
     args = dict(split_flags(list(cpu.program_args)))
     assert args["--distributed-backend"] == ["gloo"] and "--bf16" not in args
     assert any("no GPU: gloo, local layers" in n for n in cpu.notes)
-    te = {"transformer-engine": "2.8", "apex": "0.1"}
-    gpus = _plan_lm(tmp_path, 0, [NodeReport(node_rank=0, host="n0", visible_gpus=8, software=te),
-                                  NodeReport(node_rank=1, host="n1", visible_gpus=8, software={**te, "transformer-engine": None})])
+    gpus = _plan_lm(tmp_path, 0, [_node(8, "2.8", "0.1"), _node(8, None, "0.1", rank=1)])
     args = dict(split_flags(list(gpus.program_args)))  # one node without transformer-engine: local layers for all
     assert args["--transformer-impl"] == ["local"] and "--bf16" in args and "--no-rope-fusion" in args
     # --load only where there is a checkpoint; else the supervisor adds it for an attempt that starts with one
@@ -730,20 +681,14 @@ def test_megatron_lm_s_own_limits_are_said_before_the_start(tmp_path):
         _plan_lm(tmp_path, 1, env={"MAX_RESTARTS": "2"}, save_interval=5)
     fresh = _plan_lm(tmp_path, 1, save_interval=5)
     assert any("cannot be resumed" in n for n in fresh.notes)
-    from orchestration.node.wire import NodeReport
-    te = _plan_lm(tmp_path, 1, [NodeReport(node_rank=0, host="n0", visible_gpus=8, software={"transformer-engine": "2.8", "apex": None})],
-                  has_checkpoint=True, save_interval=5)  # transformer-engine's Adam resumes
+    te = _plan_lm(tmp_path, 1, [_node(8, "2.8")], has_checkpoint=True, save_interval=5)  # transformer-engine's Adam resumes
     assert "--use-distributed-optimizer" in te.program_args
 
 
 def test_megatron_lm_s_own_limits_hold_up_to_the_newest_release_measured():
     """The limits were measured on core_v0.16.1 and again on core_v0.19.0 (issue 40); a release past
     the ones measured is not refused on their account."""
-    from orchestration.megatron_lm.program import KNOWN_LIMITS_UP_TO, known_limits
-    from orchestration.megatron_lm.render import NodeKernels
-
-    params = load_run_params("qwen3_smoke", "smoke", RunOverrides(2, "megatron-lm"))
-    params = dataclasses.replace(params, training=dataclasses.replace(params.training, save_interval=5))
+    params = lm_params("qwen3_smoke", "smoke", 2, save_interval=5)
     cpu = NodeKernels(False, False, False)
     assert KNOWN_LIMITS_UP_TO == (0, 19)
     for version in ((0, 16, 1), (0, 17, 1), (0, 19, 1)):
@@ -755,19 +700,14 @@ def test_megatron_lm_s_own_limits_hold_up_to_the_newest_release_measured():
 def test_fp8_and_manual_gc_reach_megatron_lm_where_transformer_engine_is(tmp_path):
     """training.fp8 and manual_gc render as Megatron-LM's own flags; FP8 without transformer-engine
     on the nodes is refused before the start."""
-    from orchestration.node.wire import NodeReport
-
-    te = [NodeReport(node_rank=0, host="n0", visible_gpus=8, software={"transformer-engine": "2.8", "apex": None})]
-    plan = _plan_lm(tmp_path, 0, te, fp8="hybrid", fp8_amax_history_len=1024, fp8_amax_compute_algo="max",
+    plan = _plan_lm(tmp_path, 0, [_node(8, "2.8")], fp8="hybrid", fp8_amax_history_len=1024, fp8_amax_compute_algo="max",
                     manual_gc=True, manual_gc_interval=100)
     args = " ".join(plan.program_args)
     assert "--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max" in args
     assert "--manual-gc --manual-gc-interval 100" in args
-    for nodes, what in (([NodeReport(node_rank=0, host="n0", visible_gpus=8, software={"transformer-engine": None})],
-                         "no transformer-engine"),
-                        ([NodeReport(node_rank=0, host="n0", visible_gpus=0, software={"transformer-engine": None})], "no GPU")):
+    for gpus, what in ((8, "no transformer-engine"), (0, "no GPU")):
         with pytest.raises(UserError, match=f"training.fp8=hybrid needs transformer-engine on GPUs.*the nodes have {what}"):
-            _plan_lm(tmp_path, 0, nodes, fp8="hybrid")
+            _plan_lm(tmp_path, 0, [_node(gpus)], fp8="hybrid")
 
 
 def test_megatron_lm_s_second_line_after_a_start_is_made_that_iteration_s_own():
@@ -817,8 +757,6 @@ Root Cause (first observed failure):
 
 
 def test_a_megatron_lm_rank_s_error_is_the_failure_s_reason():
-    from orchestration.node.failure import failure_summary
-
     first = failure_summary(0, "n0", 1, MEGATRON_LM_RANK_ERROR).splitlines()[0]
     assert first == ("node 0 (n0) failed: torchrun exit code 1; rank 1: NameError: name 'TESpecProvider' is not "
                      "defined. Did you mean: 'LocalSpecProvider'?")

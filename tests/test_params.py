@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megatron_ext.run_spec.errors import UserError
@@ -9,6 +11,7 @@ from megatron_ext.run_spec.params import (
     RunOverrides, TrainingParams, batch_geometry, list_data_sets, list_models, load_run_params, read_overrides,
 )
 from megatron_ext.training.loop import learning_rate
+from megatron_ext.training.megatron_core_releases import check_megatron_core
 from megatron_ext.run_spec.zero import ZeroStage, parse_zero_stage
 
 
@@ -32,6 +35,7 @@ def test_smoke_shrinks_sequence_to_model_positions(tmp_path):
 
 
 def test_zero_stage_from_environment_overrides_params():
+    assert [parse_zero_stage(str(i)) for i in range(4)] == list(ZeroStage)
     assert load_run_params("gpt_smoke", "smoke", read_overrides({"ZERO_STAGE": "3"})).training.zero_stage == 3
     assert load_run_params("gpt_smoke", "smoke", RunOverrides(engine="megatron-lm")).training.engine == "megatron-lm"
     with pytest.raises(UserError, match="ENGINE='deepspeed' is not an engine"):
@@ -44,41 +48,27 @@ def test_bad_zero_stage_is_one_clear_error(value):
         parse_zero_stage(value)
 
 
-def test_zero_stage_values():
-    assert [parse_zero_stage(str(i)) for i in range(4)] == list(ZeroStage)
-
-
-def test_unknown_yaml_key_names_key_and_known_keys(tmp_path):
+@pytest.mark.parametrize("text,message", [
+    ("data: {source: embedded}\ntraining: {micro_batch_sise: 4}\n", r"unknown key 'micro_batch_sise'.*known keys:.*micro_batch_size"),
+    ("data:\n  source: files\n  paths: [a, b\ntraining: {train_iters: 3}\n", r"{bad}:4:9: not valid YAML \(expected ',' or '\]'"),
+    ("training: {train_iters: ten}\n", r"train_iters='ten' must be int"),
+], ids=["unknown_key", "not_yaml", "wrong_type"])
+def test_a_bad_data_file_is_one_clear_error(tmp_path, text, message):
+    """An unknown key names the known ones; YAML that does not parse names file, line and column; a wrong type is named."""
     bad = tmp_path / "bad.yaml"
-    bad.write_text("data: {source: embedded}\ntraining: {micro_batch_sise: 4}\n")
-    with pytest.raises(UserError, match=r"unknown key 'micro_batch_sise'.*known keys:.*micro_batch_size"):
+    bad.write_text(text)
+    with pytest.raises(UserError, match=message.replace("{bad}", re.escape(str(bad)))):
         load_run_params("gpt_smoke", str(bad))
 
 
-def test_yaml_that_does_not_parse_names_file_line_and_column(tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("data:\n  source: files\n  paths: [a, b\ntraining: {train_iters: 3}\n")
-    with pytest.raises(UserError, match=rf"{bad}:4:9: not valid YAML \(expected ',' or '\]'"):
-        load_run_params("gpt_smoke", str(bad))
-
-
-def test_a_data_file_that_is_not_there_is_named_as_a_file():
-    with pytest.raises(UserError) as err:
-        load_run_params("gpt_smoke", "/nope/data.yaml")
-    assert str(err.value).startswith("data set file /nope/data.yaml does not exist; give an existing .yaml file, or one "
-                                     "of the data sets under ") and "smoke" in str(err.value)
-
-
-def test_unknown_model_lists_choices():
-    with pytest.raises(UserError, match=r"unknown model 'gpt5'.*gpt_smoke"):
-        load_run_params("gpt5", "smoke")
-
-
-def test_wrong_type_is_named(tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("training: {train_iters: ten}\n")
-    with pytest.raises(UserError, match=r"train_iters='ten' must be int"):
-        load_run_params("gpt_smoke", str(bad))
+@pytest.mark.parametrize("model,data,message", [
+    ("gpt_smoke", "/nope/data.yaml", r"^data set file /nope/data\.yaml does not exist; give an existing \.yaml file, or one of the "
+                                     r"data sets under .*smoke"),  # named as a file, with the data sets there are
+    ("gpt5", "smoke", r"unknown model 'gpt5'.*gpt_smoke"),  # with the choices
+], ids=["data_file_not_there", "unknown_model"])
+def test_a_missing_model_or_data_set_is_named(model, data, message):
+    with pytest.raises(UserError, match=re.compile(message, re.S)):
+        load_run_params(model, data)
 
 
 def test_batch_geometry_message_names_all_three():
@@ -100,8 +90,6 @@ def test_learning_rate_warmup_then_cosine():
 
 
 def test_megatron_core_version_gate():
-    from megatron_ext.training.megatron_core_releases import check_megatron_core
-
     for tested in ("0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2", "0.16.0rc1"):
         assert check_megatron_core(tested) == (tested, None)
     for old in ("0.13.1", "0.9.0"):

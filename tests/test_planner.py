@@ -24,6 +24,13 @@ from orchestration.analysis.tables import format_memory_plan
 from conftest import REPO, clean_env, run_script
 
 QWEN3_1P7B = 1_720_574_976
+ON_32_GPUS = dict(vocab_size=None, nnodes=4, nproc_per_node=8, seq_length=4096)  # 4 nodes x 8 GPUs, 4096 tokens
+GBS2048 = dict(micro_batch_size=4, global_batch_size=2048, **ON_32_GPUS)  # qwen3_1p7b_gbs2048's batch on them
+
+
+def moved(elements: int, nbytes: int, d: int = 32) -> int:
+    """The bytes a ring collective over ``d`` GPUs moves per GPU: (d-1)/d of the buffer."""
+    return math.ceil(elements * nbytes * Fraction(d - 1, d))
 
 
 def stage_rows(text: str) -> dict[str, list[str]]:
@@ -33,11 +40,9 @@ def stage_rows(text: str) -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("model", list_models())
 def test_analytic_parameter_count_equals_the_megatron_core_model(model):
-    from megatron_ext.training.model import count_parameters
-
     import torch
 
-    from megatron_ext.training.model import build_gpt_model
+    from megatron_ext.training.model import build_gpt_model, count_parameters
 
     preset = load_model(model)
     vocab = None if preset.vocab_size else 2048  # the smoke presets take the smoke tokenizer's 2,048
@@ -61,24 +66,21 @@ def test_known_parameter_counts():
 
 
 def test_qwen3_1p7b_on_32_gpus_model_states_exactly():
-    plan = plan_memory(load_model("qwen3_1p7b"), vocab_size=None, nnodes=4, nproc_per_node=8, seq_length=4096,
-                       micro_batch_size=1)
+    plan = plan_memory(load_model("qwen3_1p7b"), micro_batch_size=1, **ON_32_GPUS)
     assert plan.parameters == QWEN3_1P7B and plan.num_gpus == 32
     assert plan.stage(0).states_bytes == 18 * QWEN3_1P7B == 30_970_349_568
     assert plan.stage(1).states_bytes == 6 * QWEN3_1P7B + 12 * QWEN3_1P7B // 32 == 10_968_665_472
     assert plan.stage(2).states_bytes == 2 * QWEN3_1P7B + 16 * QWEN3_1P7B // 32  # fp32 gradient shards: 4/d
     assert plan.stage(3).states_bytes == 18 * QWEN3_1P7B // 32
     assert plan.stage(2).grads_bytes == plan.stage(3).grads_bytes == 4 * QWEN3_1P7B // 32
-    bf16 = plan_memory(load_model("qwen3_1p7b"), vocab_size=None, nnodes=4, nproc_per_node=8, seq_length=4096,
-                       micro_batch_size=1, grad_reduce_in_bf16=True)
+    bf16 = plan_memory(load_model("qwen3_1p7b"), micro_batch_size=1, grad_reduce_in_bf16=True, **ON_32_GPUS)
     assert bf16.stage(2).states_bytes == 2 * QWEN3_1P7B + 14 * QWEN3_1P7B // 32  # the ZeRO paper's, bf16 shards
     assert bf16.stage(3).states_bytes == 16 * QWEN3_1P7B // 32
     assert [bf16.stage(s).states_bytes for s in (0, 1)] == [plan.stage(s).states_bytes for s in (0, 1)]
     s0 = plan.stage(0)
     assert (s0.params_bytes, s0.grads_bytes, s0.optimizer_bytes) == (2 * QWEN3_1P7B, 4 * QWEN3_1P7B, 12 * QWEN3_1P7B)
-    text = format_memory_plan(plan)
-    row = stage_rows(text)
-    assert row["0"][4] == "31.0" and row["1"][4] == "11.0", text
+    row = stage_rows(format_memory_plan(plan))
+    assert row["0"][4] == "31.0" and row["1"][4] == "11.0", row
 
 
 @pytest.mark.parametrize("d", [2, 4])
@@ -125,11 +127,7 @@ def test_data_parallel_traffic_per_micro_batch_as_megatron_core_moves_it():
     megatron-core's objects): DDP reduces once, Megatron-FSDP at every micro-batch; stage 3 gathers
     every layer before each forward and backward and the rest (Psi_o) once."""
     psi, d, outside = QWEN3_1P7B, 32, 311_166_976
-    ring = Fraction(d - 1, d)
-
-    def v(elements, nbytes):
-        return math.ceil(elements * nbytes * ring)
-
+    v = lambda elements, nbytes: moved(elements, nbytes, d)  # noqa: E731
     for a in (1, 4, 16):
         for g in (4, 2):
             got = [dp_traffic_bytes(s, psi, d, g, 2, micro_batches=a, outside_layers=outside) for s in range(4)]
@@ -156,31 +154,28 @@ def test_qwen3_1p7b_gbs2048_on_32_gpus_traffic_as_the_command_plans_it():
     plan = plan_memory_request(MemoryRequest(model="qwen3_1p7b", data="qwen3_1p7b_gbs2048"), 4, 8, None)
     assert (plan.num_gpus, plan.gradient_accumulation_steps, plan.global_batch_size) == (32, 16, 2048)
     psi, outside = plan.parameters, plan.parameters_outside_layers
-    ring = Fraction(31, 32)
     assert outside == 311_166_976  # embedding (tied) + final norm
     traffic = [plan.stage(s).traffic_bytes for s in range(4)]
-    assert traffic[2] == 16 * math.ceil(psi * 4 * ring) + math.ceil(psi * 2 * ring)
-    assert traffic[3] == 16 * math.ceil(psi * 4 * ring) + 32 * math.ceil((psi - outside) * 2 * ring) + math.ceil(outside * 2 * ring)
+    assert traffic[2] == 16 * moved(psi, 4) + moved(psi, 2)
+    assert traffic[3] == 16 * moved(psi, 4) + 32 * moved(psi - outside, 2) + moved(outside, 2)
     assert [round(t / GB, 1) for t in traffic] == [13.3, 10.0, 110.0, 194.7]
     assert plan.stage(2).traffic_s == pytest.approx(traffic[2] / (DEFAULT_BUS_BANDWIDTH_GBS * GB))
     rows = stage_rows(format_memory_plan(plan))
     assert [rows[s][-4:-2] for s in "0123"] == [["13.3", "GB"], ["10.0", "GB"], ["110.0", "GB"], ["194.7", "GB"]]
     bf16 = plan_memory_request(MemoryRequest(model="qwen3_1p7b", data="qwen3_1p7b_gbs2048", grad_reduce_in_bf16=True), 4, 8, None)
-    assert bf16.stage(2).traffic_bytes == 16 * math.ceil(psi * 2 * ring) + math.ceil(psi * 2 * ring)
-    env = clean_env(NNODES="4", NPROC_PER_NODE="8")
-    proc = run_script("plan_memory.sh", "qwen3_1p7b", "qwen3_1p7b_gbs2048", env=env)
+    assert bf16.stage(2).traffic_bytes == 16 * moved(psi, 2) + moved(psi, 2)
+    proc = run_script("plan_memory.sh", "qwen3_1p7b", "qwen3_1p7b_gbs2048", env=clean_env(NNODES="4", NPROC_PER_NODE="8"))
     assert proc.returncode == 0, proc.stderr
     assert [stage_rows(proc.stdout)[s][-4] for s in "0123"] == ["13.3", "10.0", "110.0", "194.7"], proc.stdout
     assert "traffic per step of 16 micro-batches per GPU, megatron-core" in proc.stdout
     with pytest.raises(UserError, match=r"global_batch_size=100 is not divisible by micro_batch_size\(4\) x "
                                         r"data-parallel size\(32\) = 128; change one of them \(e.g. global_batch_size=128\)"):
-        plan_memory(load_model("qwen3_1p7b"), vocab_size=None, nnodes=4, nproc_per_node=8, seq_length=4096,
-                    micro_batch_size=4, global_batch_size=100)
+        plan_memory(load_model("qwen3_1p7b"), micro_batch_size=4, global_batch_size=100, **ON_32_GPUS)
 
 
 def test_lowest_stage_that_fits():
     qwen = load_model("qwen3_1p7b")
-    kwargs = dict(vocab_size=None, nnodes=4, nproc_per_node=8, seq_length=4096, micro_batch_size=1)
+    kwargs = dict(micro_batch_size=1, **ON_32_GPUS)
     assert plan_memory(qwen, **kwargs).lowest_fitting_stage == 0  # H200: 43 GB of 126.9 GB usable
     small = plan_memory(qwen, device_bytes=24 * GB, **kwargs)
     assert [s.fits for s in small.stages] == [False, False, True, True] and small.lowest_fitting_stage == 2
@@ -193,8 +188,7 @@ def test_lowest_stage_that_fits():
 
 
 def test_plan_memory_script_for_32_gpus():
-    env = clean_env(NNODES="4", NPROC_PER_NODE="8")
-    proc = run_script("plan_memory.sh", "qwen3_1p7b", "qwen3_1p7b_smoke", "--device", "h100", env=env)
+    proc = run_script("plan_memory.sh", "qwen3_1p7b", "qwen3_1p7b_smoke", "--device", "h100", env=clean_env(NNODES="4", NPROC_PER_NODE="8"))
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "1,720,574,976 parameters" in out and "32 GPUs (4 node(s) x 8)" in out and "H100 80 GB" in out
@@ -222,8 +216,7 @@ def test_mfu_estimate_for_the_users_geometry():
     """qwen3_1p7b_gbs2048's geometry on 4 x 8 H200: compute dominates (~7.8 s a step at the assumed
     40%), so every stage's estimate is near 40%; stage 2's one gather after the update is the
     exposed traffic; stage 3's ~195 GB hide behind 16 forwards and backwards."""
-    kwargs = dict(vocab_size=None, nnodes=4, nproc_per_node=8, seq_length=4096, micro_batch_size=4, global_batch_size=2048)
-    plan = plan_memory(load_model("qwen3_1p7b"), **kwargs)
+    plan = plan_memory(load_model("qwen3_1p7b"), **GBS2048)
     assert plan.peak_tflops == 989.0 and [e.stage for e in plan.mfu_estimates] == [0, 1, 2, 3]
     assert plan.gradient_accumulation_steps == 16 and plan.fp8_peak_tflops is None
     for e in plan.mfu_estimates:
@@ -261,8 +254,7 @@ def test_fp8_mfu_is_against_the_bf16_peak():
     qwen = load_model("qwen3_1p7b")
     share = fp8_flops_share(qwen, 4096, 151_936)
     assert share == pytest.approx(8_455_716_864 / 11_731_992_576) and 0.71 < share < 0.73
-    kwargs = dict(vocab_size=None, nnodes=4, nproc_per_node=8, seq_length=4096, micro_batch_size=4, global_batch_size=2048)
-    bf16, fp8 = plan_memory(qwen, **kwargs), plan_memory(qwen, fp8=True, **kwargs)
+    bf16, fp8 = plan_memory(qwen, **GBS2048), plan_memory(qwen, fp8=True, **GBS2048)
     assert (fp8.peak_tflops, fp8.fp8_peak_tflops, fp8.fp8_flops_share) == (989.0, 1979.0, share)
     assert fp8.compute_s == pytest.approx(bf16.compute_s * ((1 - share) + share * 989.0 / 1979.0))
     for b, f in zip(bf16.mfu_estimates, fp8.mfu_estimates):  # the same FLOPs over the same peak, in less time

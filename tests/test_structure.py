@@ -1,13 +1,15 @@
 """The shape of the code, checked: imports run one way with no circle, the node side imports
 nothing of the launcher side and a node command loads none of it, the launcher imports only the
 contract (node/wire.py), the run-state readers (node/run_state.py) and the in-process answer
-(node/local.py) of the node side, the
-environment is read only at the three edges, and imports inside functions are the few that must be
-there."""
+(node/local.py) of the node side, the environment is read only at the three edges, and imports
+inside functions are the few that must be there."""
 
 from __future__ import annotations
 
 import ast
+import graphlib
+import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,8 +54,7 @@ LAZY_IMPORTS = {
     ("orchestration/node/commands.py", "orchestration.node.linktest"): "node-linktest's alone",
 }
 NODE_CONTRACT = {"orchestration.node.wire", "orchestration.node.run_state", "orchestration.node.local"}
-"""What the launcher may import of the node side: the contract, the run-state readers, and the
-in-process answer for this machine's node commands."""
+"""What the launcher may import of the node side (the module docstring says what each is)."""
 
 
 def _module_name(path: Path) -> str:
@@ -88,34 +89,10 @@ def _graph() -> dict[str, set[str]]:
 
 
 def test_no_import_circle_anywhere():
-    graph = _graph()
-    index, low, stack, on_stack, circles = {}, {}, [], set(), []
-
-    def visit(v):  # Tarjan's strongly connected components
-        index[v] = low[v] = len(index)
-        stack.append(v), on_stack.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                circles.append(sorted(component))
-
-    sys.setrecursionlimit(10_000)
-    for v in graph:
-        if v not in index:
-            visit(v)
-    assert circles == [], circles
+    try:
+        graphlib.TopologicalSorter(_graph()).prepare()  # raises at the first circle it finds
+    except graphlib.CycleError as circle:
+        pytest.fail(f"import circle (each imports the next): {' -> '.join(reversed(circle.args[1]))}")
 
 
 def test_the_node_side_imports_nothing_of_the_launcher():
@@ -138,29 +115,23 @@ def test_the_launcher_imports_only_the_contract_of_the_node_side():
         assert node <= NODE_CONTRACT, (module, node - NODE_CONTRACT)
 
 
+def _loaded(argv: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run ``python -X importtime ARGV``: the process and the modules it loaded."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    return proc, {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+
+
 def test_a_node_command_loads_no_launcher_module(tmp_path):
     """``python -m orchestration node-status`` as a node runs it: no runner, cluster, analysis, cli,
     megatron_lm, import_args or launch_env module, no torch, no matplotlib."""
     from orchestration.node.wire import status_call
 
-    call = status_call("r", 0, "localhost", tmp_path)
-    proc = subprocess.run([sys.executable, "-X", "importtime", *call.argv("-m")[1:]], cwd=REPO, env=clean_env(),
-                          capture_output=True, text=True, timeout=60)
+    proc, loaded = _loaded(status_call("r", 0, "localhost", tmp_path).argv("-m")[1:], clean_env())
     assert proc.returncode == 0 and '"state": "not started"' in proc.stdout, proc.stdout + proc.stderr[-2000:]
-    loaded = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     launcher = sorted(m for m in loaded if m.startswith(("orchestration.runner", "orchestration.cluster", "orchestration.analysis",
                                                          "orchestration.megatron_lm", "orchestration.import_args",
                                                          "orchestration.cli", "orchestration.launch_env", "torch", "matplotlib")))
     assert "orchestration.node.commands" in loaded and launcher == [], launcher
-
-
-
-def _loaded(argv: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, set[str]]:
-    """Run ``python -X importtime ARGV``: the process and the modules it loaded."""
-    proc = subprocess.run([sys.executable, "-X", "importtime", *argv], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=60)
-    return proc, {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-
 
 def test_a_start_loads_no_numpy_and_the_supervisor_no_preflight(tmp_path):
     """What stands between the start command and torchrun loads only what it uses (the launcher's
@@ -191,7 +162,6 @@ def test_the_environment_is_read_only_at_the_edges():
 
 def test_imports_inside_functions_are_the_few_that_must_be():
     sources = _sources()
-    modules = set(sources)
     lazy = []
     for module, path in sources.items():
         if not module.startswith("orchestration"):
@@ -208,7 +178,7 @@ def test_imports_inside_functions_are_the_few_that_must_be():
                     lazy.append((str(path.relative_to(REPO)), node.module))
     unexplained = sorted(set(lazy) - set(LAZY_IMPORTS))
     assert unexplained == [], unexplained
-    assert modules  # the walk found the sources
+    assert sources  # the walk found the sources
 
 
 PROCESS_HELPERS = {"run_torchrun", "wait_for", "tagged_pids", "wait_until_ended", "NamespaceCluster"}
@@ -248,8 +218,6 @@ def test_each_module_runs_on_one_worker():
     """The README's ``-n 2 --dist loadgroup``: every test of a module on one worker (its cluster, its
     Slurm, its engine, its run names started once). pytest 9.2 with pytest-xdist 3.8 dropped the
     groups silently (pytest-dev/pytest-xdist#1386): each module's tests on both workers at once."""
-    import re
-
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup",
                            "--no-loadscope-reorder", "-v", "tests/test_zero_table.py", "tests/test_launch_plan.py"],
                           cwd=REPO, capture_output=True, text=True, timeout=300, env=clean_env())
@@ -267,14 +235,10 @@ def test_psutil_is_required_for_megatron_core_s_checkpoint_writer():
     (dist_checkpointing/strategies/filesystem_async.py ``_process_memory``, called by
     ``write_preloaded_data``; 0.16.1 and 0.19.2 alike) and megatron-core does not declare it.
     Read from the installed source, not imported."""
-    import importlib.util
-
     spec = importlib.util.find_spec("megatron.core")
     if spec is None:
         pytest.skip("megatron-core is not installed")
     source = (Path(spec.origin).parent / "dist_checkpointing" / "strategies" / "filesystem_async.py").read_text()
-    import re
-
     writer = re.search(r"\n    def write_preloaded_data\((.*?)\n    (?:@|def )", source, re.S)
     assert "psutil.Process(" in source and writer and "_process_memory()" in writer.group(1)
     assert '"psutil' in (REPO / "pyproject.toml").read_text()
@@ -282,8 +246,6 @@ def test_psutil_is_required_for_megatron_core_s_checkpoint_writer():
 
 def test_the_linter_finds_nothing():
     """ruff, with the rules and line length pyproject.toml gives ([tool.ruff]), over the whole tree."""
-    import importlib.util
-
     require(None if importlib.util.find_spec("ruff") else "ruff (pip install -e .[test])", "the linter")
     proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", "."],
                           cwd=REPO, capture_output=True, text=True, timeout=120)

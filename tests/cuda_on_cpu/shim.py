@@ -171,7 +171,12 @@ def _waited_at_issue(method):
 
 
 def collective_patches() -> dict[str, Any]:
-    """torch.distributed.ProcessGroup's collectives, each done when it returns, however reached."""
+    """torch.distributed.ProcessGroup's collectives, each done when it returns, however reached.
+
+    On a GPU megatron-core leaves collectives in flight and relies on stream order (Megatron-FSDP
+    dispatches the next step's parameter all-gather at the end of each optimizer step; buckets are
+    reused and freed in stream order). With streams no-ops, gloo's own threads could write into a
+    bucket freed or a group destroyed meanwhile: a rank died of SIGSEGV inside an all_gather."""
     pg = torch.distributed.ProcessGroup
     return {n: _waited_at_issue(getattr(pg, n)) for n in _COLLECTIVES if hasattr(pg, n)}
 
