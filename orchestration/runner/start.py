@@ -111,7 +111,7 @@ def start_run(launch: LaunchEnv, planned: PlannedStart) -> StartResult:
     rolled_back: list[NodeResult[StopResult]] = []
     started = [(r.node_rank, r.host) for r in start.nodes if r.ok]
     if started and len(started) < len(start.nodes):
-        rolled_back, _ = backend_for(launch, [(p.node_rank, p.host) for p in plan.nodes]).stop(launch, plan.run, started)
+        rolled_back, _ = backend_for(launch, plan.node_hosts).stop(launch, plan.run, started)
     return StartResult(plan, planned.preflight, notes, tuple(start.nodes), tuple(rolled_back))
 
 

@@ -111,6 +111,11 @@ class StartPlan:
     directories are what a start would settle)."""
     master_port: int = 0
 
+    @property
+    def node_hosts(self) -> tuple[tuple[int, str], ...]:
+        """(rank, host) of every node: what a backend is picked from (cluster/backends.py)."""
+        return tuple((p.node_rank, p.host) for p in self.nodes)
+
     def header(self) -> dict:
         """What the dry run prints before the nodes' plans."""
         engine = engine_named(self.resolved.runtime.engine)
@@ -369,7 +374,7 @@ class StartNodes(Step):
 
     def run(self, start: Started) -> tuple[str, ...]:
         plans = start.plan.nodes
-        start.nodes = backend_for(start.launch, [(p.node_rank, p.host) for p in plans]).start(start.launch, plans, start.paths)
+        start.nodes = backend_for(start.launch, start.plan.node_hosts).start(start.launch, plans, start.paths)
         return ()
 
 
