@@ -54,15 +54,16 @@ def parse_args(argv):
 
 
 def read_rank_env(env: Mapping[str, str]) -> dict:
-    """torchrun's variables, and the supervisor's (LAUNCHER_PROGRESS_DIR: where this rank reports
-    its progress; LAUNCHER_ATTEMPT: which attempt of the run this is): the fields of
+    """torchrun's variables, the supervisor's (LAUNCHER_PROGRESS_DIR: where this rank reports
+    its progress; LAUNCHER_ATTEMPT: which attempt of the run this is) and OMP_NUM_THREADS: the fields of
     :class:`megatron_ext.training.loop.RankEnv`, read without importing torch."""
     try:
         world = int(env.get("WORLD_SIZE", 1))
         progress = env.get(PROGRESS_DIR_ENV, "").strip()
         return dict(rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)), world_size=world,
                     local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)), node=int(env.get("GROUP_RANK", 0)),
-                    progress_dir=Path(progress) if progress else None, attempt=int(env.get(ATTEMPT_ENV, "1") or 1))
+                    progress_dir=Path(progress) if progress else None, attempt=int(env.get(ATTEMPT_ENV, "1") or 1),
+                    omp_num_threads=env.get("OMP_NUM_THREADS"))
     except ValueError as exc:
         raise UserError(f"RANK/LOCAL_RANK/WORLD_SIZE/GROUP_RANK/{ATTEMPT_ENV} must be integers ({exc}); run under torchrun") from None
 

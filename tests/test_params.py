@@ -10,7 +10,7 @@ from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import (
     RunOverrides, TrainingParams, batch_geometry, list_data_sets, list_models, load_run_params, read_overrides,
 )
-from megatron_ext.training.loop import learning_rate
+from megatron_ext.training.loop import cpu_threads, learning_rate
 from megatron_ext.training.megatron_core_releases import check_megatron_core
 from megatron_ext.run_spec.zero import ZeroStage, parse_zero_stage
 
@@ -87,6 +87,14 @@ def test_learning_rate_warmup_then_cosine():
     assert learning_rate(t, 20) == pytest.approx(0.1)
     lrs = [learning_rate(t, i) for i in range(4, 21)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+@pytest.mark.parametrize("omp, cpus, local_ranks, threads", [
+    (None, 8, 2, 4), (None, 2, 1, 2), (None, 2, 4, 1), (None, None, 1, 1),  # the cores, shared by the node's ranks
+    ("1", 8, 1, None), ("6", 8, 2, None),  # OMP_NUM_THREADS set (the user's, torchrun's): torch's own reading stands
+])
+def test_a_cpu_rank_takes_its_share_of_the_cores_unless_omp_num_threads_is_set(omp, cpus, local_ranks, threads):
+    assert cpu_threads(omp, cpus, local_ranks) == threads
 
 
 def test_megatron_core_version_gate():
