@@ -91,6 +91,7 @@ def test_learning_rate_warmup_then_cosine():
 
 @pytest.mark.parametrize("omp, cpus, local_ranks, threads", [
     (None, 8, 2, 4), (None, 2, 1, 2), (None, 2, 4, 1), (None, None, 1, 1),  # the cores, shared by the node's ranks
+    ("", 8, 2, 4), (" ", 2, 1, 2),  # set empty: OpenMP ignores it, and so does the rank
     ("1", 8, 1, None), ("6", 8, 2, None),  # OMP_NUM_THREADS set (the user's, torchrun's): torch's own reading stands
 ])
 def test_a_cpu_rank_takes_its_share_of_the_cores_unless_omp_num_threads_is_set(omp, cpus, local_ranks, threads):
