@@ -19,6 +19,12 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 TEST_DATA = REPO / "tests" / "data"
 
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+"""One intra-op thread in every rank the suite starts (the launcher forwards it to every node): the
+two workers' runs share 2 cores, and a rank that took both spun in OpenMP's barriers (two 1-rank
+runs beside a busy loop: 30 iterations in 60-95 s each, 12-16 s with this; training/loop.py's
+``cpu_threads``). torchrun sets the same where it starts more than one process per node."""
+
 
 def pytest_sessionstart(session) -> None:
     """Byte-compile the project once for this interpreter. Where PYTHONDONTWRITEBYTECODE is set

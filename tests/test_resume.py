@@ -15,16 +15,22 @@ stage 3 does on the CPU (FSDP2's DTensor state; only reshard_after_forward diffe
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+from pathlib import Path
 
 import pytest
 
+from megatron_ext.host.procfs import process_environ
 from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.run_spec.iteration_log import parse_log
 
 from netns_cluster import NamespaceCluster, missing_prerequisites
-from conftest import clean_env, require, run_script, tagged_pids, wait_for
+from conftest import REPO, clean_env, require, run_script, tagged_pids, wait_for
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
@@ -87,14 +93,38 @@ def reference(resume_env, artifact_root, tmp_path_factory):
     return data, expected
 
 
+def signal_pending(pid: int) -> bool:
+    """Whether a signal waits for ``pid`` (a stopped process keeps what it is sent: ShdPnd), or
+    it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return int(next(l.split()[1] for l in status.splitlines() if l.startswith("ShdPnd:")), 16) != 0
+
+
 def stop_after_a_checkpoint(run: str, data: str, env: dict, root) -> int:
-    """Start ``run``, stop it once a checkpoint exists (before the end); the checkpoint's iteration."""
+    """Start ``run``, stop it once a checkpoint exists (before the end); the checkpoint's iteration.
+    The ranks are held (SIGSTOP) from the first checkpoint until the stop's signal reaches them, so
+    the stop lands before the end however fast the ranks are and however slow ssh is."""
     start = run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=env)
     assert start.returncode == 0, start.stdout + start.stderr
     checkpoints = root / "runs" / run / "checkpoints"
     wait_for(lambda: latest_iteration(checkpoints), 240, interval_s=0.2, what="a first checkpoint")
-    stop = run_script("stop_multinode_training.sh", run, env=env)
-    assert stop.returncode == 0, stop.stdout + stop.stderr
+    ranks = [pid for pid in tagged_pids(run) if process_environ(pid).get("RANK", "").isdigit()]
+    assert len(ranks) == 2, ranks
+    try:
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        stopping = subprocess.Popen(["bash", str(REPO / "training_scripts" / "stop_multinode_training.sh"), run], env=env,
+                                    cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_for(lambda: all(signal_pending(pid) for pid in ranks), 120, interval_s=0.1, what="the stop's signal to reach the ranks")
+    finally:
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    out, _ = stopping.communicate(timeout=300)
+    assert stopping.returncode == 0, out
     assert tagged_pids(run) == []
     saved = latest_iteration(checkpoints)
     assert saved is not None and saved < ITERS, f"stopped too late: checkpoint {saved}"
