@@ -23,6 +23,8 @@ ENVIRONMENT_EDGES = {
     "orchestration/launch_env.py": "the launcher's edge",
     "orchestration/node/commands.py": "the node side's entry",
     "megatron_ext/pretrain.py": "the training program's edge",
+    "orchestration/megatron_lm/validate.py": "the argument check's child: it sets each check's environment, as the "
+                                             "rank it stands in for gets it (validate_args reads os.environ)",
 }
 LAZY_IMPORTS = {
     ("orchestration/megatron_lm/validate.py", "megatron"): "the child imports the checkout's megatron",
@@ -48,6 +50,7 @@ LAZY_IMPORTS = {
                                                                         "status and stop load none",
     ("orchestration/runner/start_plan.py", "megatron_ext.data.tokenizers"): "sentencepiece or tokenizers, for starts only",
     ("orchestration/runner/start.py", "megatron_ext.data.prepare"): "numpy, for a Megatron-LM start only",
+    ("orchestration/runner/sweep.py", "megatron_ext.data.prepare"): "numpy, for a Megatron-LM sweep only",
     ("orchestration/megatron_lm/render.py", "megatron_ext.data.tokenizers"): "for a Megatron-LM start only",
     ("orchestration/node/commands.py", "orchestration.node.preflight"): "node-check's alone: the supervisor, which "
                                                                        "starts torchrun, loads ~40 ms less",

@@ -18,9 +18,11 @@ lose or change the flags of older releases the checkout retired, one note each
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from megatron_ext.run_spec.engines import MEGATRON_CORE, MEGATRON_LM, engine_named
 from megatron_ext.run_spec.errors import UserError
@@ -33,7 +35,7 @@ from orchestration.launch_env import LaunchEnv
 from orchestration.megatron_lm.checkout import Checkout
 from orchestration.megatron_lm.render import NodeKernels, check_flags, integrity_flags, load_flags, render_pretrain_gpt
 from orchestration.megatron_lm.retired_flags import retire_flags
-from orchestration.megatron_lm.validate import DEFAULT_DEVICE_ARCH, validate_with_megatron
+from orchestration.megatron_lm.validate import DEFAULT_DEVICE_ARCH, Validation, validate_with_megatron
 from orchestration.node.wire import CheckpointChoice, NodeReport
 
 if TYPE_CHECKING:
@@ -194,25 +196,66 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
                                                           init_checkpoint=t.init_checkpoint or ""))
 
 
-def check_arguments(program: ProgramPlan | None, launch: LaunchEnv, checkout: Checkout | None, tokenizer_path: str | None,
-                    data_ready: bool) -> tuple[str, ...]:
-    """Megatron-LM's own check of ``program``'s arguments (see the module docstring): its notes, or a
-    UserError. The tokenizer (``tokenizer_path``, the data set's) is built too, unless the data
-    preparation still has to make it (no path, data not ready)."""
+@dataclass(frozen=True, kw_only=True)
+class ArgumentCheck:
+    """One argument list for Megatron-LM's own check, with the ranks' environment (sorted) and what
+    its child runs with: checks that differ only in ``argv`` and ``env`` share one child."""
+
+    root: str
+    argv: tuple[str, ...]
+    world_size: int
+    env: tuple[tuple[str, str], ...]
+    device_arch: int
+    python: str
+    build_tokenizer: bool
+
+
+Verdicts = Mapping[ArgumentCheck, Validation]
+
+
+def argument_check(program: ProgramPlan | None, launch: LaunchEnv, checkout: Checkout | None, tokenizer_path: str | None,
+                   data_ready: bool) -> ArgumentCheck | tuple[str, ...]:
+    """What Megatron-LM's own check of ``program``'s arguments runs on; or, where it does not run,
+    the notes (another engine: none; a Python the checkout refuses: the source reader's, or its
+    UserError). The tokenizer (``tokenizer_path``, the data set's) is built too, unless the data
+    preparation still has to make it (no path, data not ready). Pure but for the source reader."""
     if program is None or not engine_named(program.engine).runs_checkout or checkout is None:
         return ()
-    rank_env = {k: v for k, v in launch.forwarded.items() if k not in program.env}
-    rank_env.update({k: v for k, v in program.env.items() if v is not None})
-    tokenizer_made_by_preparation = not data_ready and tokenizer_path is None
     requirement = checkout.python_requirement
     problem = (python_problem(requirement, sys.version_info[:3], launch.python, "the launcher")
                if requirement is not None and launch.python == sys.executable else None)
     if problem is not None:  # its import would fail in the child: say why, and what the preflight does with it
         return _checked_from_source(program, checkout, "Megatron-LM's own argument check cannot run here, and every "
                                     f"node's preflight refuses a start on this Python: {problem}")
-    verdict = validate_with_megatron(checkout.root, program.program_args, launch.world_size, rank_env,
-                                     device_arch(launch), python=launch.python,
-                                     build_tokenizer=not tokenizer_made_by_preparation)
+    rank_env = {k: v for k, v in launch.forwarded.items() if k not in program.env}
+    rank_env.update({k: v for k, v in program.env.items() if v is not None})
+    return ArgumentCheck(root=str(checkout.root), argv=tuple(program.program_args), world_size=launch.world_size,
+                         env=tuple(sorted(rank_env.items())), device_arch=device_arch(launch), python=launch.python,
+                         build_tokenizer=data_ready or tokenizer_path is not None)
+
+
+def run_argument_checks(checks: Iterable[ArgumentCheck]) -> dict[ArgumentCheck, Validation]:
+    """Every check's verdict: one child (one import of Megatron-LM, ~5 s here) for the checks that
+    share all but their argument list and environment. Side effects: those children."""
+    groups: dict[ArgumentCheck, list[ArgumentCheck]] = {}
+    for check in dict.fromkeys(checks):
+        groups.setdefault(dataclasses.replace(check, argv=(), env=()), []).append(check)
+    verdicts: dict[ArgumentCheck, Validation] = {}
+    for child, members in groups.items():
+        answers = validate_with_megatron(Path(child.root), [(m.argv, dict(m.env)) for m in members], child.world_size,
+                                         child.device_arch, python=child.python, build_tokenizer=child.build_tokenizer)
+        verdicts.update(zip(members, answers))
+    return verdicts
+
+
+def check_arguments(program: ProgramPlan | None, launch: LaunchEnv, checkout: Checkout | None, tokenizer_path: str | None,
+                    data_ready: bool, verdicts: Verdicts | None = None) -> tuple[str, ...]:
+    """Megatron-LM's own check of ``program``'s arguments (see the module docstring): its notes, or a
+    UserError; the verdict from ``verdicts`` where it holds this very check, else from a child."""
+    check = argument_check(program, launch, checkout, tokenizer_path, data_ready)
+    if not isinstance(check, ArgumentCheck):
+        return check
+    verdict = (verdicts or {}).get(check) or run_argument_checks([check])[check]
     if verdict.status == "refused":
         raise UserError(
             f"Megatron-LM {checkout.version_text} ({checkout.root}) refuses the rendered arguments at world size "
@@ -224,8 +267,8 @@ def check_arguments(program: ProgramPlan | None, launch: LaunchEnv, checkout: Ch
             f"{tokenizer_path} as its ranks would ({verdict.message}); give a tokenizer that "
             "transformers' AutoTokenizer.from_pretrained loads (a directory with tokenizer.json and tokenizer_config.json)"
         )
-    made = ("; the tokenizer is made by the data preparation: it is built when the start has prepared the data"
-            if tokenizer_made_by_preparation else "")
+    made = ("" if check.build_tokenizer else
+            "; the tokenizer is made by the data preparation: it is built when the start has prepared the data")
     if verdict.status == "accepted":
         note = (f"Megatron-LM {checkout.version_text}'s own parse_args + validate_args accept the arguments at world size "
                 f"{launch.world_size}")

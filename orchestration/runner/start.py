@@ -24,6 +24,7 @@ from typing import Sequence, TextIO
 from orchestration.cluster.backends import backend_for
 from orchestration.cluster.fanout import NodeResult
 from orchestration.launch_env import LaunchEnv
+from orchestration.megatron_lm.program import Verdicts
 from orchestration.node.wire import NodeStarted, StopResult
 from orchestration.runner.control import RunEnd, wait_until_ended
 from orchestration.runner.preflight import Preflight, Problem, leave_out, run_preflight
@@ -65,7 +66,7 @@ def plan_settled_start(launch: LaunchEnv, model: str, data: str, run: str, nodes
 
 def run_checks(launch: LaunchEnv, planned: PlannedStart) -> tuple[str, ...]:
     """The plan's check steps (a dry run runs them too): their notes; a refusal is a UserError."""
-    start = Started(launch, planned.plan, planned.inputs, planned.inputs.data_ready)
+    start = Started(launch=launch, plan=planned.plan, inputs=planned.inputs, data_ready=planned.inputs.data_ready)
     return tuple(note for step in planned.plan.steps if step.check for note in step.run(start))
 
 
@@ -97,12 +98,14 @@ class StartResult:
         return "; ".join(r.describe_failure().replace("\n", " ") for r in self.nodes if not r.ok)
 
 
-def start_run(launch: LaunchEnv, planned: PlannedStart) -> StartResult:
-    """Execute ``planned``: its steps in order; on a partial start the started nodes are stopped."""
+def start_run(launch: LaunchEnv, planned: PlannedStart, verdicts: Verdicts | None = None) -> StartResult:
+    """Execute ``planned``: its steps in order; on a partial start the started nodes are stopped.
+    ``verdicts``: Megatron-LM argument checks already run (a sweep's), which its check step takes."""
     plan = planned.plan
     if planned.refused:
         return StartResult(plan, planned.preflight)
-    start = Started(launch, plan, planned.inputs, planned.inputs.data_ready)
+    start = Started(launch=launch, plan=plan, inputs=planned.inputs, data_ready=planned.inputs.data_ready,
+                    verdicts=dict(verdicts or {}))
     notes: tuple[str, ...] = ()
     for step in plan.steps:
         t0 = time.monotonic()

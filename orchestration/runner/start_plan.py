@@ -46,7 +46,7 @@ from orchestration.cluster.fanout import NodeResult
 from orchestration.launch_env import SOCKET_IFNAME_VARIABLES, LaunchEnv
 from orchestration.megatron_lm.checkout import Checkout, read_checkout
 from orchestration.megatron_lm.dataset_helpers import ensure_built
-from orchestration.megatron_lm.program import (BUILD_HELPERS, CHECK_ARGUMENTS, ProgramPlan, check_arguments,
+from orchestration.megatron_lm.program import (BUILD_HELPERS, CHECK_ARGUMENTS, ProgramPlan, Verdicts, check_arguments,
                                                check_megatron_lm_params, plan_program)
 from orchestration.node.run_state import first_attempt
 from orchestration.node.wire import MEMBERSHIP_RULE, NODE_TAG, RUN_ID_TAG, RUN_TAG, NodePlan, NodeReport, NodeStarted
@@ -289,7 +289,7 @@ def settle(launch: LaunchEnv, answers: Sequence[NodeReport] | None) -> tuple[Lau
 
 # -- the steps ---------------------------------------------------------------------------------------
 
-@dataclass
+@dataclass(kw_only=True)
 class Started:
     """What a start's steps share while they run (orchestration/runner/start.py makes one)."""
 
@@ -299,6 +299,8 @@ class Started:
     data_ready: bool
     nodes: list[NodeResult[NodeStarted]] = field(default_factory=list)
     """Every node's start (the start-nodes step's)."""
+    verdicts: Verdicts = field(default_factory=dict)
+    """Megatron-LM argument checks already run (a sweep's, for all its stages at once)."""
 
     @property
     def paths(self) -> RunPaths:
@@ -335,7 +337,7 @@ class CheckArguments(Step):
 
     def run(self, start: Started) -> tuple[str, ...]:
         return check_arguments(start.plan.program, start.launch, start.inputs.checkout,
-                               start.inputs.params.data.tokenizer.model_path, start.data_ready)
+                               start.inputs.params.data.tokenizer.model_path, start.data_ready, start.verdicts)
 
 
 class BuildHelpers(Step):
