@@ -39,6 +39,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -435,7 +436,14 @@ def main() -> None:
                         result = precision(stage)
                     elif mode == "nan":
                         result = nan_step(stage)
-                        (args.out / f"nan_rank{dist.get_rank()}.json").write_text(json.dumps(result))
+                        answer = args.out / f"nan_rank{dist.get_rank()}.json"
+                        answer.with_suffix(".tmp").write_text(json.dumps(result))
+                        answer.with_suffix(".tmp").rename(answer)
+                        # Megatron-FSDP: every rank stops; each waits for the others' answers (torchrun stops the
+                        # rest at the first exit: on a loaded machine once before rank 0 had written its own).
+                        deadline = time.monotonic() + (60 if stage >= 2 else 0)
+                        while len(list(args.out.glob("nan_rank*.json"))) < dist.get_world_size() and time.monotonic() < deadline:
+                            time.sleep(0.1)
                         os._exit(1 if result["error"] else 0)  # none goes on to a collective its peers left
                     else:
                         result = resume(args, stage, suffix)
