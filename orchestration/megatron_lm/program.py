@@ -228,7 +228,8 @@ def argument_check(program: ProgramPlan | None, launch: LaunchEnv, checkout: Che
         return _checked_from_source(program, checkout, "Megatron-LM's own argument check cannot run here, and every "
                                     f"node's preflight refuses a start on this Python: {problem}")
     rank_env = {k: v for k, v in launch.forwarded.items() if k not in program.env}
-    rank_env.update({k: v for k, v in program.env.items() if v is not None})
+    rank_env.update({k: v for k, v in program.env.items() if v is not None and not k.startswith("WANDB_")})
+    # (W&B's: validate_args reads none, and a fresh WANDB_RUN_ID per plan would make no two checks alike)
     return ArgumentCheck(root=str(checkout.root), argv=tuple(program.program_args), world_size=launch.world_size,
                          env=tuple(sorted(rank_env.items())), device_arch=device_arch(launch), python=launch.python,
                          build_tokenizer=data_ready or tokenizer_path is not None)
@@ -256,6 +257,13 @@ def check_arguments(program: ProgramPlan | None, launch: LaunchEnv, checkout: Ch
     if not isinstance(check, ArgumentCheck):
         return check
     verdict = (verdicts or {}).get(check) or run_argument_checks([check])[check]
+    return judge_arguments(check, verdict, launch, checkout, tokenizer_path, program)
+
+
+def judge_arguments(check: ArgumentCheck, verdict: Validation, launch: LaunchEnv, checkout: Checkout, tokenizer_path: str | None,
+                    program: ProgramPlan | None = None) -> tuple[str, ...]:
+    """The notes of ``check``'s verdict, or its UserError; an unavailable one (``program`` given):
+    every flag checked against the checkout's source instead. Pure but for that reader."""
     if verdict.status == "refused":
         raise UserError(
             f"Megatron-LM {checkout.version_text} ({checkout.root}) refuses the rendered arguments at world size "
@@ -273,6 +281,8 @@ def check_arguments(program: ProgramPlan | None, launch: LaunchEnv, checkout: Ch
         note = (f"Megatron-LM {checkout.version_text}'s own parse_args + validate_args accept the arguments at world size "
                 f"{launch.world_size}")
         return (note + (f" ({verdict.message})" if verdict.message else "") + made,)
+    if program is None:
+        return ()
     return _checked_from_source(program, checkout, f"Megatron-LM's own argument check cannot run here "
                                 f"({verdict.message}); checked every flag against the checkout's source instead")
 

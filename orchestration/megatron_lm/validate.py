@@ -70,19 +70,18 @@ def validate_with_megatron(checkout: Path, checks: Sequence[tuple[Sequence[str],
         proc = subprocess.run(cmd, env=given[0]["env"] if given else ranks, cwd=str(Path(__file__).resolve().parents[2]),
                               capture_output=True, text=True, timeout=timeout_s * max(1, len(given)), input=json.dumps(given))
     except subprocess.TimeoutExpired:
-        return (Validation("unavailable", f"Megatron-LM's argument check did not finish within {timeout_s:.0f}s"),) * len(checks)
+        limit = timeout_s * max(1, len(given))
+        return (Validation("unavailable", f"Megatron-LM's argument check did not finish within {limit:.0f}s"),) * len(checks)
     verdicts = []
     for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            try:
-                raw = json.loads(line)
-                verdicts.append(Validation(raw["status"], raw["message"]))
-            except (json.JSONDecodeError, KeyError):
-                break
-    if len(verdicts) == len(checks):
-        return tuple(verdicts)
+        try:
+            raw = json.loads(line) if line.startswith('{"status": ') else None
+            verdicts += [Validation(raw["status"], raw["message"])] if raw else []
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass
     tail = " ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-    return (Validation("unavailable", f"the check exited with code {proc.returncode}: {tail[-300:]}"),) * len(checks)
+    missing = Validation("unavailable", f"the check exited with code {proc.returncode}: {tail[-300:]}")
+    return tuple(verdicts[:len(checks)]) + (missing,) * (len(checks) - len(verdicts))  # those it answered kept
 
 
 # -- the child --------------------------------------------------------------------------------
