@@ -94,8 +94,7 @@ def reference(resume_env, artifact_root, tmp_path_factory):
 
 
 def signal_pending(pid: int) -> bool:
-    """Whether a signal waits for ``pid`` (a stopped process keeps what it is sent: ShdPnd), or
-    it is gone."""
+    """Whether a signal waits for ``pid`` (a stopped process keeps what it is sent: ShdPnd), or it is gone."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except FileNotFoundError:

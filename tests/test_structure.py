@@ -23,8 +23,7 @@ ENVIRONMENT_EDGES = {
     "orchestration/launch_env.py": "the launcher's edge",
     "orchestration/node/commands.py": "the node side's entry",
     "megatron_ext/pretrain.py": "the training program's edge",
-    "orchestration/megatron_lm/validate.py": "the argument check's child: it sets each check's environment, as the "
-                                             "rank it stands in for gets it (validate_args reads os.environ)",
+    "orchestration/megatron_lm/validate.py": "the argument check's child sets each check's environment (validate_args reads it)",
 }
 LAZY_IMPORTS = {
     ("orchestration/megatron_lm/validate.py", "megatron"): "the child imports the checkout's megatron",

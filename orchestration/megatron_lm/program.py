@@ -198,8 +198,7 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
 
 @dataclass(frozen=True, kw_only=True)
 class ArgumentCheck:
-    """One argument list for Megatron-LM's own check, with the ranks' environment (sorted) and what
-    its child runs with: checks that differ only in ``argv`` and ``env`` share one child."""
+    """One argument list for Megatron-LM's check, its ranks' environment and its child's settings."""
 
     root: str
     argv: tuple[str, ...]
@@ -215,10 +214,9 @@ Verdicts = Mapping[ArgumentCheck, Validation]
 
 def argument_check(program: ProgramPlan | None, launch: LaunchEnv, checkout: Checkout | None, tokenizer_path: str | None,
                    data_ready: bool) -> ArgumentCheck | tuple[str, ...]:
-    """What Megatron-LM's own check of ``program``'s arguments runs on; or, where it does not run,
-    the notes (another engine: none; a Python the checkout refuses: the source reader's, or its
-    UserError). The tokenizer (``tokenizer_path``, the data set's) is built too, unless the data
-    preparation still has to make it (no path, data not ready). Pure but for the source reader."""
+    """What Megatron-LM's own check of ``program``'s arguments runs on (the tokenizer too, unless the
+    data preparation still has to make it); where it does not run, the notes (another engine: none;
+    a Python the checkout refuses: the source reader's, or its UserError)."""
     if program is None or not engine_named(program.engine).runs_checkout or checkout is None:
         return ()
     requirement = checkout.python_requirement
@@ -262,8 +260,7 @@ def check_arguments(program: ProgramPlan | None, launch: LaunchEnv, checkout: Ch
 
 def judge_arguments(check: ArgumentCheck, verdict: Validation, launch: LaunchEnv, checkout: Checkout, tokenizer_path: str | None,
                     program: ProgramPlan | None = None) -> tuple[str, ...]:
-    """The notes of ``check``'s verdict, or its UserError; an unavailable one (``program`` given):
-    every flag checked against the checkout's source instead. Pure but for that reader."""
+    """``verdict``'s notes or UserError (unavailable: the source reader's, where ``program`` is given)."""
     if verdict.status == "refused":
         raise UserError(
             f"Megatron-LM {checkout.version_text} ({checkout.root}) refuses the rendered arguments at world size "

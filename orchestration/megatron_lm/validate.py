@@ -5,13 +5,11 @@
 :func:`validate_with_megatron` runs this module in a subprocess with the launcher's interpreter
 (node 0's: wherever ``pretrain_gpt.py`` will run, it imports), the checkout first on
 ``sys.path``, ``WORLD_SIZE`` = nodes x processes, ``RANK=0`` and the environment the ranks will
-get; for several argument lists (a sweep's stages: one import of Megatron-LM, ~5 s here, instead
-of one per stage), ``-- -`` reads them from standard input, a JSON list of ``{"argv": [...],
-"env": {...}}``, each checked with its own environment. The child prints one JSON line per list:
-accepted, refused (Megatron's own message), tokenizer (the run's
-tokenizer does not build as the ranks would build it), or unavailable
-(the checkout does not import here, e.g. a login node without torch) — then the launcher falls
-back to the source reader (:mod:`orchestration.megatron_lm.checkout`) and says so.
+get (``-- -``: several, a JSON list of ``{"argv", "env"}`` on standard input, each checked under its
+own environment: a sweep's stages, one import of Megatron-LM). One JSON line per list: accepted,
+refused (Megatron's own message), tokenizer (the run's tokenizer does not build as the ranks would
+build it), or unavailable (the checkout does not import here, e.g. a login node without torch) —
+then the launcher falls back to the source reader (:mod:`orchestration.megatron_lm.checkout`).
 
 Without a GPU, ``validate_args`` cannot ask the device for its compute capability (it does for
 Megatron-FSDP and tensor/context parallelism); the child then answers for a Hopper GPU
@@ -42,7 +40,6 @@ VALIDATION_TIMEOUT_S = 120.0
 NO_TOKENIZER = "--no-tokenizer"
 """The child's option: check the arguments only (the tokenizer file is made later, by the data preparation)."""
 FROM_STDIN = "-"
-"""The child's argument list: ``-`` reads several from standard input (a JSON list of lists)."""
 DEFAULT_DEVICE_ARCH = 9
 """Compute capability assumed when node 0 has no GPU (Hopper: H100, H200)."""
 
@@ -93,9 +90,7 @@ def _answer(status: str, message: str, times: int = 1) -> int:
 
 
 def _check(checkout: str, world_size: int, device_arch: int, checks: list[dict], build_tokenizer: bool = True) -> int:
-    """One answer per check ({"argv": [...], "env": {...} or absent: this process's}); Megatron-LM
-    imported once for all of them (with the first check's environment: the launcher starts the
-    child with it), each checked with its own environment."""
+    """One answer per check ({"argv", "env" or none: this process's}), Megatron-LM imported once."""
     def parser_error(self, message):  # argparse would print usage and exit; keep its message
         raise ValueError(f"{self.prog}: error: {message}")
 

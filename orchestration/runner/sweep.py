@@ -8,8 +8,7 @@ Each stage is an ordinary run, ``PREFIX_z<stage>``, planned and started by the s
 functions (:func:`~orchestration.runner.start.plan_settled_start`,
 :func:`~orchestration.runner.start.start_run`: preflight, every node, rollback) with only
 ``ZERO_STAGE`` changed, so the seed, data and iterations are the data set's for every stage
-(ENGINE=megatron-lm: every stage's arguments are checked by Megatron-LM in one child before the
-first starts, :func:`check_stage_arguments`). The
+(Megatron-LM checks all their arguments first: :func:`check_stage_arguments`). The
 sweep waits until every node's supervisor has recorded how the stage ended (finished, failed,
 stopped: :func:`~orchestration.runner.control.wait_until_ended`), then compares the stages
 (:mod:`orchestration.analysis`, planned memory next to measured). A stage that fails is reported
@@ -143,10 +142,9 @@ def plan_sweep(launch: LaunchEnv, model: str, data: str, prefix: str, stages: Se
 
 
 def check_stage_arguments(launch: LaunchEnv, model: str, data: str, prefix: str, stages: Sequence[int]) -> Verdicts:
-    """ENGINE=megatron-lm: Megatron-LM's own check of every stage's arguments in one child, the data
-    prepared first (the tokenizer is checked as the ranks build it): a stage it refuses is a
-    UserError naming it before stage 0 starts, not when its turn comes; each stage's start takes
-    its verdict instead of a child of its own (~5 s here). Other engines, a refused preflight: {}."""
+    """ENGINE=megatron-lm: Megatron-LM's check of every stage's arguments in one child (the data prepared
+    first): a stage it refuses is a UserError naming it before stage 0 starts; each stage's start
+    takes its verdict instead of a child of its own (~5 s here). Other engines, a refused preflight: {}."""
     nodes = list(enumerate(launch.hosts))
     first = read_start_inputs(_stage_launch(launch, stages[0]), model, data, stage_run_name(prefix, stages[0]), nodes)
     if first.checkout is None:
