@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.host.procfs import process_environ
 from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.run_spec.iteration_log import parse_log
+from orchestration.node.watchdog import worker_pids
 
 from netns_cluster import NamespaceCluster, missing_prerequisites
 from conftest import REPO, clean_env, require, run_script, tagged_pids, wait_for
@@ -110,7 +110,7 @@ def stop_after_a_checkpoint(run: str, data: str, env: dict, root) -> int:
     assert start.returncode == 0, start.stdout + start.stderr
     checkpoints = root / "runs" / run / "checkpoints"
     wait_for(lambda: latest_iteration(checkpoints), 240, interval_s=0.2, what="a first checkpoint")
-    ranks = [pid for pid in tagged_pids(run) if process_environ(pid).get("RANK", "").isdigit()]
+    ranks = [pid for node in (0, 1) for pid in worker_pids(run, node).values()]  # not their children (async saves)
     assert len(ranks) == 2, ranks
     try:
         for pid in ranks:

@@ -255,12 +255,12 @@ def check_arguments(program: ProgramPlan | None, launch: LaunchEnv, checkout: Ch
     if not isinstance(check, ArgumentCheck):
         return check
     verdict = (verdicts or {}).get(check) or run_argument_checks([check])[check]
-    return judge_arguments(check, verdict, launch, checkout, tokenizer_path, program)
+    return judge_arguments(check, verdict, program, launch, checkout, tokenizer_path)
 
 
-def judge_arguments(check: ArgumentCheck, verdict: Validation, launch: LaunchEnv, checkout: Checkout, tokenizer_path: str | None,
-                    program: ProgramPlan | None = None) -> tuple[str, ...]:
-    """``verdict``'s notes or UserError (unavailable: the source reader's, where ``program`` is given)."""
+def judge_arguments(check: ArgumentCheck, verdict: Validation, program: ProgramPlan, launch: LaunchEnv, checkout: Checkout,
+                    tokenizer_path: str | None) -> tuple[str, ...]:
+    """``verdict``'s notes or UserError (unavailable: the source reader's)."""
     if verdict.status == "refused":
         raise UserError(
             f"Megatron-LM {checkout.version_text} ({checkout.root}) refuses the rendered arguments at world size "
@@ -278,8 +278,6 @@ def judge_arguments(check: ArgumentCheck, verdict: Validation, launch: LaunchEnv
         note = (f"Megatron-LM {checkout.version_text}'s own parse_args + validate_args accept the arguments at world size "
                 f"{launch.world_size}")
         return (note + (f" ({verdict.message})" if verdict.message else "") + made,)
-    if program is None:
-        return ()
     return _checked_from_source(program, checkout, f"Megatron-LM's own argument check cannot run here "
                                 f"({verdict.message}); checked every flag against the checkout's source instead")
 

@@ -63,11 +63,11 @@ def validate_with_megatron(checkout: Path, checks: Sequence[tuple[Sequence[str],
     cmd = [python, "-m", "orchestration.megatron_lm.validate", str(checkout), str(world_size), str(device_arch),
            *([] if build_tokenizer else [NO_TOKENIZER]), "--", FROM_STDIN]
     given = [{"argv": list(argv), "env": {**env, **ranks}} for argv, env in checks]
+    limit = timeout_s * max(1, len(given))
     try:
         proc = subprocess.run(cmd, env=given[0]["env"] if given else ranks, cwd=str(Path(__file__).resolve().parents[2]),
-                              capture_output=True, text=True, timeout=timeout_s * max(1, len(given)), input=json.dumps(given))
+                              capture_output=True, text=True, timeout=limit, input=json.dumps(given))
     except subprocess.TimeoutExpired:
-        limit = timeout_s * max(1, len(given))
         return (Validation("unavailable", f"Megatron-LM's argument check did not finish within {limit:.0f}s"),) * len(checks)
     verdicts = []
     for line in proc.stdout.splitlines():

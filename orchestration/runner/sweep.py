@@ -41,7 +41,7 @@ from megatron_ext.host.procfs import pid_is_alive, process_start_time
 from orchestration.analysis.compare import DEFAULT_WARMUP_ITERATIONS, RunOutcome, RunSummary, compare_runs, run_records
 from orchestration.analysis.comparison_files import ComparisonFiles, write_comparison
 from orchestration.launch_env import LaunchEnv
-from orchestration.megatron_lm.program import ArgumentCheck, Verdicts, argument_check, judge_arguments, run_argument_checks
+from orchestration.megatron_lm.program import ArgumentCheck, ProgramPlan, Verdicts, argument_check, judge_arguments, run_argument_checks
 from orchestration.node.run_state import RunState
 from orchestration.node.wire import NodeStatus, stop_command
 from orchestration.runner.control import Statuses, node_statuses, stop_run, wait_until_ended
@@ -156,22 +156,22 @@ def check_stage_arguments(launch: LaunchEnv, model: str, data: str, prefix: str,
     preflight = run_preflight(launch, first)
     if preflight.problems:
         return {}
-    planned: dict[int, tuple[LaunchEnv, StartInputs, ArgumentCheck]] = {}
+    planned: dict[int, tuple[LaunchEnv, StartInputs, ProgramPlan, ArgumentCheck]] = {}
     for stage in stages:
         stage_launch = _stage_launch(launch, stage)
         try:  # a stage its plan refuses (a known limit) is left to its start: a failed row, the sweep goes on
             i = read_start_inputs(stage_launch, model, data, stage_run_name(prefix, stage), nodes)
-            check = argument_check(plan_start(stage_launch, i, preflight.answers).program, stage_launch, i.checkout,
-                                   i.params.data.tokenizer.model_path, i.data_ready)
+            program = plan_start(stage_launch, i, preflight.answers).program
+            check = argument_check(program, stage_launch, i.checkout, i.params.data.tokenizer.model_path, i.data_ready)
         except UserError:
             continue
         if isinstance(check, ArgumentCheck):
-            planned[stage] = (stage_launch, i, check)
-    verdicts = {c: v for c, v in run_argument_checks(c for _, _, c in planned.values()).items() if v.status != "unavailable"}
-    for stage, (stage_launch, i, check) in planned.items():
+            planned[stage] = (stage_launch, i, program, check)
+    verdicts = {c: v for c, v in run_argument_checks(c for *_, c in planned.values()).items() if v.status != "unavailable"}
+    for stage, (stage_launch, i, program, check) in planned.items():
         if check in verdicts:  # unavailable: each stage's start tries again, and says so
             try:
-                judge_arguments(check, verdicts[check], stage_launch, i.checkout, i.params.data.tokenizer.model_path)
+                judge_arguments(check, verdicts[check], program, stage_launch, i.checkout, i.params.data.tokenizer.model_path)
             except UserError as exc:
                 raise UserError(f"stage {stage} ({i.run}): {exc}") from None
     return verdicts
