@@ -188,7 +188,7 @@ def cmd_start(args, launch: LaunchEnv) -> int:
     )
     if not args.wait:
         return EXIT_OK
-    save_signal = control.SaveSignal(paths, args.signal_file)
+    save_signal = control.SaveSignal(launch=launch, run=args.run, nodes=nodes, mark=args.signal_file)
     save_signal.install()
     end = control.wait_until_ended(launch, args.run, nodes, on_poll=save_signal.poll)
     print(f"run {args.run} ended: {end.describe()}", flush=True)

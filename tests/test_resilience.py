@@ -114,9 +114,9 @@ def test_an_attempt_on_fewer_nodes_runs_the_plan_on_those():
     assert (env["NNODES"], env["NODE_RANK"], env["LAUNCHER_ATTEMPT"]) == ("2", "1", "3")
 
 
-def _report(rank, state="S", iteration=10, collective=True, last=100.0, read=True):
+def _report(rank, state="S", iteration=10, collective=True, silent_s=31.0, read=True):
     return RankReport(rank=rank, node_rank=rank // 2, host=f"node{rank // 2}", pid=1000 + rank, process_state=state, phase="step",
-                      iteration=iteration, phase_elapsed_s=31.0, limit_s=30.0, last_report_at=last, stack_read=read,
+                      iteration=iteration, phase_elapsed_s=silent_s, limit_s=30.0, stack_read=read,
                       in_collective=collective if read else None, dump=f"node{rank // 2}_rank{rank}.txt")
 
 
@@ -126,8 +126,10 @@ def test_suspects_in_order_of_evidence():
     assert [r.rank for r in outside.ranks] == [1] and outside.why.startswith("not inside a collective")
     behind = find_suspects([_report(0, iteration=11), _report(1, iteration=10), _report(2, iteration=11)])
     assert [r.rank for r in behind.ranks] == [1] and behind.why == "behind the others (iteration 10, the others at 11)"
-    silent = find_suspects([_report(0, last=100.0), _report(1, last=90.0), _report(2, last=100.0)])
+    silent = find_suspects([_report(0, silent_s=31.0), _report(1, silent_s=41.0), _report(2, silent_s=31.5)])
     assert [r.rank for r in silent.ranks] == [1] and silent.why.startswith("silent first")
+    never = find_suspects([_report(0), _report(1, silent_s=None)])
+    assert [r.rank for r in never.ranks] == [1] and never.why == "never reported progress"
     alike = find_suspects([_report(0), _report(1)])
     assert len(alike.ranks) == 2 and alike.why.startswith("every rank waits alike")
 

@@ -130,11 +130,6 @@ class RunPaths:
         """Attempt ``attempt``'s file ``what`` (``node1.end.json``, ``decision.json``, ``node1.ready``, ``hang.json``)."""
         return self.run_state_dir / f"{self.run}_a{attempt}.{what}"
 
-    @property
-    def save_request_file(self) -> Path:
-        """Asks every node to save a checkpoint at the next step and end (preempted)."""
-        return self.run_state_dir / f"{self.run}.save_request"
-
     def exists(self) -> bool:
         """Whether a start of this run left anything here (its parameters, state or run folder)."""
         return (self.params_path.exists() or self.run_dir.is_dir()

@@ -14,13 +14,28 @@ This module is the data and the pure decision.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from megatron_ext.run_spec.errors import FINAL
 from megatron_ext.run_spec.resilience import ResilienceParams
 from orchestration.node.run_state import AttemptRecord, RunState
 from orchestration.node.watchdog import Hang
+
+
+class Evidence(enum.IntEnum):
+    """How much a node's own failure says about what went wrong (node 0 records the strongest)."""
+
+    NONE = 0
+    """Stopped because another node failed, or on request: its own failure, if any, is not the cause."""
+    CONSEQUENCE = 1
+    """A rank failed because a peer did (gloo's "Connection closed by peer", NCCL's abort:
+    orchestration/node/failure.py's PEER_CONSEQUENCES)."""
+    RANK = 2
+    """A rank failed on its own (an exception, a signal, the hang protocol's suspects, a lost node)."""
+    NODE = 3
+    """The node itself: its share of the artifact root gone, its supervisor's own error."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +50,12 @@ class AttemptEnd:
     reason: str
     requested: bool = False
     """Stopped because someone asked (stop, Ctrl-C): no restart."""
-    at: float = 0.0
+    failure: str | None = None
+    """This node's own failure, whole (the failure file's text), when it had one."""
+    evidence: Evidence = Evidence.NONE
+    """How much ``failure`` says (node 0 records the strongest of the attempt)."""
+    leaves: bool = False
+    """This node cannot go on (its share of the artifact root is gone): it ends after this attempt."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +100,20 @@ def node_names(nodes: Sequence[int], hosts: Sequence[str]) -> str:
     return ", ".join(f"node {r}" + (f" ({hosts[r]})" if r < len(hosts) else "") for r in nodes)
 
 
+def choose_failure(first: str | None, ends: Mapping[int, AttemptEnd | None]) -> str | None:
+    """The attempt's failure as node 0 records it: the board's first claim (what stopped every
+    node), unless a node's own failure carries stronger evidence (a node whose share went away
+    beats the peers' "Connection closed by peer" that followed, whichever was claimed first). A
+    first claim no end carries (a hang's summary, a lost node, a node that did not join) counts as
+    :attr:`Evidence.RANK`."""
+    own = [end for end in ends.values() if end is not None and end.failure]
+    first_evidence = next((end.evidence for end in own if end.failure == first), Evidence.RANK)
+    strongest = max(own, key=lambda end: (end.evidence, -end.node_rank), default=None)
+    if strongest is not None and (first is None or strongest.evidence > first_evidence):
+        return strongest.failure
+    return first
+
+
 def decide(attempt: int, ends: dict[int, AttemptEnd | None], ledger: Sequence[AttemptRecord], policy: ResilienceParams,
            restarts_so_far: int, cause: RunState, cause_reason: str, hosts: Sequence[str] = (),
            joiners: Sequence[int] = (), rejoins_so_far: int = 0) -> Decision:
@@ -91,11 +125,14 @@ def decide(attempt: int, ends: dict[int, AttemptEnd | None], ledger: Sequence[At
     the rendezvous host and leader). ``joiners``: nodes brought back and asking for a place
     (``rejoin``), which a restart takes."""
     missing = sorted(rank for rank, end in ends.items() if end is None)
-    members = tuple(rank for rank in sorted(ends) if rank not in missing)
-    if missing:
-        names = node_names(missing, hosts)
-        gone = (f"{names} gone (its machine or its supervisor: no end of attempt {attempt} and no heartbeat within "
-                f"{policy.join_s:.0f} s)")
+    leaving = sorted(rank for rank, end in ends.items() if end is not None and end.leaves)
+    members = tuple(rank for rank in sorted(ends) if rank not in missing and rank not in leaving)
+    if missing or leaving:
+        gone = "; ".join(
+            [f"{node_names(missing, hosts)} gone (its machine or its supervisor: no end of attempt {attempt} and no "
+             f"heartbeat within {policy.join_s:.0f} s)"] * bool(missing)
+            + [f"{node_names(leaving, hosts)} cannot go on (its share of the artifact root is gone)"] * bool(leaving))
+        missing = sorted({*missing, *leaving})
         if 0 in missing:
             return Decision(attempt=attempt, restart=False, state=RunState.FAILED,
                             reason=f"{gone}; node 0 is the rendezvous host and the leader, so the run ends: start it again without "

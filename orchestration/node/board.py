@@ -7,20 +7,27 @@ nodes agree on").
 
 Keys, under the start's run id (a new start never reads an old one's):
 
-    beat/<node>          a counter each supervisor adds 1 to every HEARTBEAT_S: a peer is alive
-                         while its counter changes within node_lost_s of the observer's own
-                         monotonic clock
-    exit/<node>          a supervisor ending (its silence from then on is no loss)
-    a<K>/failure         the attempt's first failure (compare_set: the first writer wins)
+    beat/<node>/<inc>    each supervisor's beat, and ``exit/<node>/<inc>`` when it ends
+                         (orchestration/node/liveness.py: its own thread, its own connection)
+    a<K>/failure         the attempt's first failure (compare_set: the first writer wins): it
+                         stops every node; node 0 records the one the evidence names
     a<K>/hang            the attempt's hang claim (compare_set)
-    a<K>/end/<node>      how the attempt ended on each node
-    a<K>/decision        node 0's decision after it (restart or end)
+    a<K>/report/<node>   each node's report of its ranks once a hang is claimed (their state,
+                         progress and stacks' verdicts; the dumps themselves are files for people)
+    a<K>/end/<node>      how the attempt ended on each node (its own failure whole, if any)
+    a<K>/decision        node 0's decision after it (restart, or how the run ends): every node
+                         follows it, whatever its own end was
+    a<K>/resume          node 0: the checkpoint a Megatron-LM attempt loads
     a<K>/ready/<node>    a node ready for attempt K
     a<K>/roster          node 0: the nodes attempt K runs on
     a<K>/rejoin          node 0: the nodes back for the next attempt (attempt K saves and ends for them)
     join/<node>          a node brought back (``rejoin``) counts its requests for a place
     join/<node>/<N>      node 0's answer to request N: the attempt after whose end it is taken
+                         (N is that supervisor's incarnation)
     save                 a save request (compare_set: the first reason stays)
+
+Every call answers within a deadline (:class:`DeadlineStore`): a TCPStore bounds only ``get`` and
+``wait`` itself, and against a node 0 cut off the network any other call blocks until TCP gives up.
 
 One node (NNODES=1) agrees with itself: :class:`MemoryStore`, the same operations in memory, so a
 one-node run starts no store and imports no torch here. The files the supervisors write beside
@@ -32,13 +39,14 @@ from __future__ import annotations
 
 import datetime
 import json
+import threading
 import time
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Iterable, Protocol, Sequence
 
 from megatron_ext.run_spec.convert import structure, unstructure
 from orchestration.node.attempts import AttemptEnd, Decision, HangClaim
 from orchestration.node.resume_point import ResumePoint
-from orchestration.node.watchdog import Hang
+from orchestration.node.watchdog import Hang, RankReport
 from orchestration.node.wire import coordination_port
 
 STORE_TIMEOUT_S = 30.0
@@ -86,76 +94,103 @@ class MemoryStore:
         return all(k in self._data for k in keys)
 
 
-def open_store(run_id: str, nnodes: int, leader: bool, master_addr: str, master_port: int,
-               connect_s: float) -> Store:
-    """The run's store: in memory for one node; else node 0 hosts a TCPStore on
-    :func:`coordination_port` and the others connect (waiting up to ``connect_s`` for node 0)."""
+class DeadlineStore:
+    """A :class:`Store` whose every call answers within ``deadline_s`` or raises
+    :class:`BoardUnreachable`, as does any error of the store's. The call runs in a daemon thread
+    this one waits for: a call that never returns (node 0 cut off) is left behind, and while it is
+    still out every later call fails at once (a TCPStore client runs one call at a time: the next
+    would only queue behind it), until it returns."""
+
+    def __init__(self, store: Store, deadline_s: float):
+        self.store, self.deadline_s = store, deadline_s
+        self._out: tuple[threading.Thread, str, float] | None = None
+
+    def _call(self, op: str, *args):
+        if self._out is not None and self._out[0].is_alive():
+            _, pending, since = self._out
+            raise BoardUnreachable(f"node 0's coordination store has not answered a {pending} for "
+                                   f"{time.monotonic() - since:.0f} s")
+        answer: dict[str, object] = {}
+
+        def call() -> None:
+            try:
+                answer["value"] = getattr(self.store, op)(*args)
+            except BaseException as exc:  # handed to the waiting thread
+                answer["error"] = exc
+
+        thread = threading.Thread(target=call, name=f"store-{op}", daemon=True)
+        self._out = (thread, op, time.monotonic())
+        thread.start()
+        thread.join(self.deadline_s)
+        if thread.is_alive():
+            raise BoardUnreachable(f"node 0's coordination store did not answer a {op} within {self.deadline_s:.0f} s")
+        self._out = None
+        if "error" in answer:
+            exc = answer["error"]
+            if isinstance(exc, (RuntimeError, OSError)):  # DistNetworkError, DistStoreError, a reset connection
+                raise BoardUnreachable(f"node 0's coordination store did not answer ({str(exc).splitlines()[0][:200]})") from exc
+            raise exc
+        return answer["value"]
+
+    def set(self, key: str, value: str) -> None:
+        self._call("set", key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call("add", key, amount)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self._call("compare_set", key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", keys)
+
+
+def open_stores(run_id: str, nnodes: int, leader: bool, master_addr: str, master_port: int, connect_s: float,
+                deadline_s: float) -> tuple[Store, Store]:
+    """The run's store, twice: one connection for the supervisor's main thread, one for its beat
+    (orchestration/node/liveness.py), so that neither waits behind the other's call. In memory for
+    one node (the same store twice); else node 0 hosts a TCPStore on :func:`coordination_port` and
+    every supervisor connects (the others waiting up to ``connect_s`` for node 0). Every call
+    answers within ``deadline_s`` (:class:`DeadlineStore`)."""
     if nnodes == 1:
-        return MemoryStore()
+        store = MemoryStore()
+        return store, store
     import torch.distributed as dist
 
     port = coordination_port(master_port)
-    try:
-        store = dist.TCPStore(master_addr, port, is_master=leader, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=connect_s if not leader else STORE_TIMEOUT_S))
-    except (RuntimeError, OSError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
-        where = "listen on" if leader else "reach node 0's coordination store at"
-        raise BoardUnreachable(f"could not {where} {master_addr}:{port} ({str(exc).splitlines()[0][:200]})") from exc
-    store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
-    return dist.PrefixStore(f"{run_id}/", store)
+
+    def connect(hosts: bool, wait_s: float) -> Store:
+        try:
+            store = dist.TCPStore(master_addr, port, is_master=hosts, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=wait_s))
+        except (RuntimeError, OSError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
+            where = "listen on" if hosts else "reach node 0's coordination store at"
+            raise BoardUnreachable(f"could not {where} {master_addr}:{port} ({str(exc).splitlines()[0][:200]})") from exc
+        store.set_timeout(datetime.timedelta(seconds=deadline_s))
+        return DeadlineStore(dist.PrefixStore(f"{run_id}/", store), deadline_s)
+
+    main = connect(leader, connect_s if not leader else STORE_TIMEOUT_S)
+    return main, connect(False, connect_s if not leader else STORE_TIMEOUT_S)
 
 
 class Board:
-    """The run's shared state, one supervisor's view: its own beats and claims, its peers' as it
-    last saw them. Store errors become :class:`BoardUnreachable`."""
+    """The run's shared state, one supervisor's view: its claims, and what node 0 and its peers
+    said. Store errors (and calls past their deadline) are :class:`BoardUnreachable`."""
 
-    def __init__(self, store: Store, node_rank: int, node_lost_s: float, clock: Callable[[], float] = time.monotonic):
-        self.store, self.rank, self.node_lost_s, self.clock = store, node_rank, node_lost_s, clock
-        self._since = clock()
-        self._seen: dict[int, tuple[int, float]] = {}
-        """node -> (its beat counter, this machine's monotonic time when it last changed)."""
-
-    # -- the store, with errors named ------------------------------------------------------------
-    def _call(self, op: str, *args):
-        try:
-            return getattr(self.store, op)(*args)
-        except (RuntimeError, OSError) as exc:
-            raise BoardUnreachable(f"node 0's coordination store did not answer ({str(exc).splitlines()[0][:200]})") from exc
+    def __init__(self, store: Store, node_rank: int):
+        self.store, self.rank = store, node_rank
 
     def _get(self, key: str) -> str | None:
-        if not self._call("check", [key]):
+        if not self.store.check([key]):
             return None
-        return self._call("get", key).decode()
+        return self.store.get(key).decode()
 
     def _claim(self, key: str, value: str) -> bool:
         """``value`` set under ``key`` unless a value is there already: whether this one won."""
-        return self._call("compare_set", key, "", value).decode() == value
-
-    # -- liveness ----------------------------------------------------------------------------------
-    def beat(self) -> None:
-        self._call("add", f"beat/{self.rank}", 1)
-
-    def silent_nodes(self, nodes: Iterable[int]) -> list[int]:
-        """The nodes (not this one) whose beat counter has not changed for node_lost_s of this
-        machine's monotonic clock (a node never seen: since this board was made)."""
-        now, silent = self.clock(), []
-        for rank in nodes:
-            if rank == self.rank:
-                continue
-            count = int(self._get(f"beat/{rank}") or 0)
-            last = self._seen.get(rank)
-            if last is None or last[0] != count:
-                self._seen[rank] = (count, now if count or last is not None else self._since)
-            if now - self._seen[rank][1] > self.node_lost_s:
-                silent.append(rank)
-        return silent
-
-    def mark_exited(self) -> None:
-        """This node's supervisor is ending: its silence from here on is no loss."""
-        self._call("set", f"exit/{self.rank}", "1")
-
-    def exited(self, node_rank: int) -> bool:
-        return bool(self._call("check", [f"exit/{node_rank}"]))
+        return self.store.compare_set(key, "", value).decode() == value
 
     # -- one attempt's agreements ------------------------------------------------------------------
     def claim_failure(self, attempt: int, text: str) -> bool:
@@ -173,35 +208,43 @@ class Board:
         raw = self._get(f"a{attempt}/hang")
         return structure(HangClaim, json.loads(raw)) if raw else None
 
+    def write_report(self, attempt: int, reports: Sequence[RankReport]) -> None:
+        """This node's ranks once a hang is claimed (their dumps are files beside, for people)."""
+        self.store.set(f"a{attempt}/report/{self.rank}", json.dumps(unstructure(list(reports))))
+
+    def read_report(self, attempt: int, node_rank: int) -> list[RankReport] | None:
+        raw = self._get(f"a{attempt}/report/{node_rank}")
+        return structure(list[RankReport], json.loads(raw)) if raw else None
+
     def write_end(self, end: AttemptEnd) -> None:
-        self._call("set", f"a{end.attempt}/end/{end.node_rank}", json.dumps(unstructure(end)))
+        self.store.set(f"a{end.attempt}/end/{end.node_rank}", json.dumps(unstructure(end)))
 
     def read_end(self, attempt: int, node_rank: int) -> AttemptEnd | None:
         raw = self._get(f"a{attempt}/end/{node_rank}")
         return structure(AttemptEnd, json.loads(raw)) if raw else None
 
     def write_decision(self, decision: Decision) -> None:
-        self._call("set", f"a{decision.attempt}/decision", json.dumps(unstructure(decision)))
+        self.store.set(f"a{decision.attempt}/decision", json.dumps(unstructure(decision)))
 
     def read_decision(self, attempt: int) -> Decision | None:
         raw = self._get(f"a{attempt}/decision")
         return structure(Decision, json.loads(raw)) if raw else None
 
     def write_resume_point(self, attempt: int, point: ResumePoint) -> None:
-        self._call("set", f"a{attempt}/resume", json.dumps(unstructure(point)))
+        self.store.set(f"a{attempt}/resume", json.dumps(unstructure(point)))
 
     def read_resume_point(self, attempt: int) -> ResumePoint | None:
         raw = self._get(f"a{attempt}/resume")
         return structure(ResumePoint, json.loads(raw)) if raw else None
 
     def mark_ready(self, attempt: int) -> None:
-        self._call("set", f"a{attempt}/ready/{self.rank}", "1")
+        self.store.set(f"a{attempt}/ready/{self.rank}", "1")
 
     def ready_nodes(self, attempt: int, nodes: Sequence[int]) -> list[int]:
-        return [rank for rank in nodes if self._call("check", [f"a{attempt}/ready/{rank}"])]
+        return [rank for rank in nodes if self.store.check([f"a{attempt}/ready/{rank}"])]
 
     def write_roster(self, attempt: int, members: Sequence[int]) -> None:
-        self._call("set", f"a{attempt}/roster", json.dumps(list(members)))
+        self.store.set(f"a{attempt}/roster", json.dumps(list(members)))
 
     def read_roster(self, attempt: int) -> tuple[int, ...] | None:
         raw = self._get(f"a{attempt}/roster")
@@ -211,26 +254,29 @@ class Board:
     def request_join(self) -> int:
         """This node asks for a place in the run: the request's number (one node may be lost and
         brought back more than once)."""
-        return int(self._call("add", f"join/{self.rank}", 1))
+        return int(self.store.add(f"join/{self.rank}", 1))
 
     def join_answer(self, request: int) -> int | None:
         """The attempt after whose end node 0 takes this node (its request ``request``), once it answered."""
         raw = self._get(f"join/{self.rank}/{request}")
         return int(raw) if raw else None
 
-    def join_requests(self, nodes: Iterable[int]) -> list[int]:
-        """Node 0: the nodes among ``nodes`` with a request it has not answered."""
-        pending = []
+    def join_requests(self, nodes: Iterable[int]) -> dict[int, int]:
+        """Node 0: the nodes among ``nodes`` with a request it has not answered, each with the
+        request's number (its supervisor's incarnation)."""
+        pending = {}
         for rank in nodes:
             request = int(self._get(f"join/{rank}") or 0)
-            if request and not self._call("check", [f"join/{rank}/{request}"]):
-                pending.append(rank)
+            if request and not self.store.check([f"join/{rank}/{request}"]):
+                pending[rank] = request
         return pending
 
-    def accept_join(self, rank: int, attempt: int) -> None:
-        """Node 0: ``rank``'s latest request answered: it is taken after ``attempt``."""
+    def accept_join(self, rank: int, attempt: int) -> int:
+        """Node 0: ``rank``'s latest request answered: it is taken after ``attempt``. The request's
+        number: the incarnation of ``rank``'s supervisor from then on (orchestration/node/liveness.py)."""
         request = int(self._get(f"join/{rank}") or 0)
-        self._call("set", f"join/{rank}/{request}", str(attempt))
+        self.store.set(f"join/{rank}/{request}", str(attempt))
+        return request
 
     def claim_rejoin(self, attempt: int, nodes: Sequence[int]) -> None:
         """Node 0: attempt ``attempt`` saves and ends so that ``nodes`` come back in the next."""

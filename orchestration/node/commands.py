@@ -253,6 +253,8 @@ def _answer(command: str, request, node: NodeEnv, stdin_line: str):
         from orchestration.node.linktest import run_linktest  # the same
 
         return run_linktest(request, node.environ)
+    if command == "node-save":
+        return processes.ask_to_save(t.node_rank, t.host, paths.node_pid_file(t.node_rank))
     if command == "node-stop":
         stop = processes.preview_stop if request.dry_run else processes.stop_node
         return stop(paths.run, t.node_rank, t.host, paths.node_pid_file(t.node_rank), request.grace_s,
@@ -291,7 +293,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_node_parser().parse_args(argv)
     configure_node_logging(os.environ.get("LOG_LEVEL", ""))
     if args.command == "node-supervise":
-        return node_supervise(args.plan_file, read_node_env(os.environ))
+        code = node_supervise(args.plan_file, read_node_env(os.environ))
+        logging.shutdown()
+        sys.stdout.flush()
+        # A store call still out (node 0 cut off) sits in torch's C++ in a daemon thread: no
+        # interpreter teardown under it (one that returns then aborts the process).
+        os._exit(code)
     needs_secrets = args.command == "node-start" and plan_names_secrets(args.request) and not sys.stdin.isatty()
     code, line = answer(argv, os.environ, sys.stdin.readline() if needs_secrets else "")  # the launcher's one line
     print(line, flush=True)

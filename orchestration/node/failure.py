@@ -78,6 +78,12 @@ PEER_CONSEQUENCES = (
 """What a rank raises because another rank died: never the cause while another rank names one."""
 
 
+def follows_a_peer(reason: str) -> bool:
+    """Whether a failure's reason is only what a rank raises because another rank died
+    (:data:`PEER_CONSEQUENCES`): the node that failed first is elsewhere."""
+    return any(p in reason for p in PEER_CONSEQUENCES)
+
+
 def _rank_exceptions(log_text: str, last: int = 400) -> list[tuple[int | None, re.Match]]:
     """(rank, match) of every exception line in the log's tail but torchrun's own ChildFailedError,
     in order: the rank from torch's ``[rankN]:`` prefix, None for a line without one."""

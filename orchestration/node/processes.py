@@ -19,8 +19,8 @@ from typing import Iterator, Sequence
 
 from megatron_ext.host.procfs import parent_pid, pid_is_alive, process_environ, process_start_time  # noqa: F401
 from orchestration.node.run_state import PidRecord, read_pid_file
-from orchestration.node.wire import (ARTIFACT_ROOT_ENV, DEFAULT_STOP_GRACE_S, NODE_TAG, RUN_ID_TAG, RUN_TAG, StopPreview,
-                                     StopResult)
+from orchestration.node.wire import (ARTIFACT_ROOT_ENV, DEFAULT_STOP_GRACE_S, NODE_TAG, RUN_ID_TAG, RUN_TAG, SaveAsked,
+                                     StopPreview, StopResult)
 
 SWEEP_KILL_AFTER_S = 5.0
 
@@ -104,11 +104,12 @@ def preview_stop(run: str, node_rank: int, host: str, pid_path: Path, grace_s: f
 
 
 def stop_node(run: str, node_rank: int, host: str, pid_path: Path, grace_s: float = DEFAULT_STOP_GRACE_S,
-             signal_group: bool = True, artifact_root: str | None = None) -> StopResult:
+             signal_group: bool = True, artifact_root: str | None = None, record: PidRecord | None = None) -> StopResult:
     """SIGTERM the recorded group (torchrun and the node's supervisor; or, from the supervisor
     itself, torchrun alone, keeping the pid file for its next attempt), wait, then SIGTERM/SIGKILL
-    every process still tagged (never the caller)."""
-    record = read_pid_file(pid_path)
+    every process still tagged (never the caller). ``record``: the supervisor's own record of its
+    torchrun (default: the pid file's; the supervisor does not read the share to stop its own)."""
+    record = record if record is not None else read_pid_file(pid_path)
     if signal_group:
         alive = record is not None and (record_is_alive(record) or supervisor_is_alive(record))
     else:
@@ -131,6 +132,15 @@ def stop_node(run: str, node_rank: int, host: str, pid_path: Path, grace_s: floa
     if not left and signal_group:
         pid_path.unlink(missing_ok=True)
     return StopResult(node_rank=node_rank, host=host, was_running=alive, signalled_group=group, swept=swept, killed=killed, left=left)
+
+
+def ask_to_save(node_rank: int, host: str, pid_path: Path) -> SaveAsked:
+    """SIGUSR1 to the node's supervisor, if the pid file's is alive and ours: it asks every node,
+    over the board, to save at the next step and end."""
+    record = read_pid_file(pid_path)
+    if record is None or not supervisor_is_alive(record) or not _signal(record.supervisor_pid, signal.SIGUSR1):
+        return SaveAsked(node_rank, host, None)
+    return SaveAsked(node_rank, host, record.supervisor_pid)
 
 
 def port_is_free(port: int) -> bool:

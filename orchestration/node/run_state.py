@@ -4,7 +4,6 @@
     $ARTIFACT_ROOT/run_state/<run>_node<N>.exit.json   how the node's run ended (NodeExit)
     $ARTIFACT_ROOT/run_state/<run>_node<N>.heartbeat   rewritten by the node's supervisor while it lives (attempt, state)
     $ARTIFACT_ROOT/run_state/<run>_failure.txt         node 0's record of the attempt's first failure
-    $ARTIFACT_ROOT/run_state/<run>.save_request        save a checkpoint at the next step and end (preempted)
     $ARTIFACT_ROOT/run_state/<run>_attempts.json       the ledger (node 0's): every attempt, why it ended, its checkpoints
     $ARTIFACT_ROOT/run_state/<run>_node<N>.pid         the node's torchrun and supervisor (PidRecord)
 
@@ -161,20 +160,6 @@ def clear_failure(paths: RunPaths) -> None:
     paths.failure_file.unlink(missing_ok=True)
 
 
-def request_save(paths: RunPaths, why: str, run_id: str) -> None:
-    """Ask every node of the run to save a checkpoint at the next step and end as preempted."""
-    write_json_atomic(paths.save_request_file, {"why": why, "at": time.time(), "run_id": run_id})
-
-
-def read_save_request(paths: RunPaths, run_id: str) -> str | None:
-    """A save request for the start ``run_id`` (a node may still see an earlier start's request
-    through a shared file system's cache after node 0 removed it: that one is not this start's)."""
-    raw = read_json(paths.save_request_file)
-    if not isinstance(raw, dict) or raw.get("run_id") != run_id:
-        return None
-    return str(raw.get("why") or "save requested")
-
-
 def write_plan_file(paths: RunPaths, node_rank: int, plan_json: str) -> Path:
     """The node's plan for its supervisor (node-start writes it; under srun the launcher does: the
     step's tasks read it)."""
@@ -194,13 +179,12 @@ def reset_node_files(paths: RunPaths, node_rank: int) -> None:
 
 
 def reset_run_files(paths: RunPaths, keep_ledger: bool) -> None:
-    """Node 0's start: no failure, save request or attempt files of an earlier start (the ledger is
+    """Node 0's start: no failure or attempt files of an earlier start (the ledger is
     kept only for a requeued batch job, which continues its attempts)."""
     clear_failure(paths)
     for path in paths.run_state_dir.glob(f"{paths.run}_a*.*"):
         if path.name[len(paths.run) + 2:].split(".", 1)[0].isdigit():
             path.unlink(missing_ok=True)
-    paths.save_request_file.unlink(missing_ok=True)
     if not keep_ledger:
         paths.attempts_file.unlink(missing_ok=True)
         for mark in paths.run_state_dir.glob(f"{paths.run}.batch_signal.*"):

@@ -4,30 +4,37 @@ finds its hangs, restarts by itself and saves on preemption.
     python -m orchestration node-supervise --plan-file $ARTIFACT_ROOT/run_state/demo_node1.plan.json
 
 ``node-start`` starts one per node, detached (under Slurm, one task of the start's srun step per
-node). For each attempt it starts the node's torchrun exactly as the plan says (same process
-group, so ``stop`` signals both; the environment is the plan's, with the attempt number by the
-plan's per-attempt rule), writes the pid file, and then every :data:`POLL_S` seconds:
+node). The supervisors agree over node 0's coordination store (orchestration/node/board.py) and
+judge each other alive by a beat that runs in a thread of its own (orchestration/node/liveness.py);
+the files they write on the artifact root are records for ``status`` and people, kept best effort
+(orchestration/node/records.py). For each attempt a supervisor starts the node's torchrun exactly
+as the plan says (same process group; the environment is the plan's, with the attempt number by
+the plan's per-attempt rule), records it, and then every :data:`POLL_S` seconds:
 
-- rewrites the node's heartbeat (attempt, state);
-- torchrun exits 0: the node ``finished`` (or ``preempted``, when it had asked its ranks to save);
-  non-zero: the first failing node writes ``run_state/<run>_failure.txt`` (node, rank, exit code or
-  signal, the log's end);
-- the failure file appears, or a peer's heartbeat is older than training.resilience.node_lost_s:
-  it stops its torchrun (a peer lost for good is left out of the next attempt when
-  training.resilience.min_nodes, NNODES=MIN:MAX, allows: the nodes left go on, node ranks compacted);
+- torchrun exits: the node's end of the attempt (finished; preempted, when it had asked its ranks
+  to save; failed, with the log's reason, which claims the attempt's failure on the board first);
+- the board holds the attempt's failure (another node's): it stops its torchrun;
+- node 0 finds a node silent for training.resilience.node_lost_s by its own clock (a node other
+  than 0: node 0 silent, or its store unanswering past the same deadline): the failure is claimed,
+  or this node's part ends naming node 0;
 - the watchdog (orchestration/node/watchdog.py) finds a rank past its phase's limit: it claims a
-  hang; every node then dumps each of its ranks' stacks into ``runs/<run>/hangs/<attempt>/``, node 0
-  names the suspects and writes the failure file ("node 1 (...) hung: rank 3 stopped ...");
-- a save request (``run_state/<run>.save_request``: SIGUSR1 to the waiting batch start or to a
-  supervisor, or ``stop --save``): it sends each of its ranks the engine's save signal directly
-  (not through torchrun, whose handler would tear them down);
+  hang; every node then dumps each of its ranks' stacks into ``runs/<run>/hangs/<attempt>/`` and
+  puts its report on the board, node 0 names the suspects ("node 1 (...) hung: rank 3 stopped ...");
+- a save request (SIGUSR1 to a supervisor: ``stop --save``, the batch start's SIGUSR1) goes to the
+  board, and every node sends each of its ranks the engine's save signal directly (not through
+  torchrun, whose handler would tear them down);
+- the artifact root has not answered for node_lost_s (its heartbeat record's write fails): this
+  node's part ends, naming the node, the root and the error;
 - SIGTERM (``stop``): it lets torchrun stop and records ``stopped``.
 
 Before each attempt of a Megatron-LM run node 0 picks the checkpoint it loads, passing over and
 moving aside a damaged one, and every node names it (orchestration/node/resume_point.py; this
-program's ranks pick their own). After an attempt that failed or hung every node writes how it ended; node 0 decides (restart after
-a backoff from the latest complete checkpoint, or end: failed, hung, gave up), every node follows
-(orchestration/node/attempts.py). The node's final state goes to ``<run>_node<N>.exit.json``.
+program's ranks pick their own). After every attempt each node puts how it ended on the board and
+node 0 decides for all (orchestration/node/attempts.py): the run's end (finished, preempted,
+stopped, failed, hung, gave up), or a restart after a backoff from the latest complete checkpoint,
+on which nodes; every node follows that decision, whatever its own end was. Whatever goes wrong in
+a supervisor itself, its torchrun and ranks are stopped and the cause is put on the board. The
+node's final state goes to ``<run>_node<N>.exit.json``.
 Side effects: processes, the run_state files, the node log, the node-local progress directory.
 """
 
@@ -39,6 +46,7 @@ import shutil
 import signal
 import subprocess
 import time
+import traceback
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -49,30 +57,36 @@ from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED
 from megatron_ext.run_spec.resilience import PROGRESS_DIR_ENV, ResilienceParams, read_progress
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.node import attempts, processes, resume_point
-from orchestration.node.attempts import AttemptEnd, Decision
-from orchestration.node.board import Board, BoardUnreachable, open_store
-from orchestration.node.failure import describe_returncode, failure_summary
+from orchestration.node.attempts import AttemptEnd, Decision, Evidence
+from orchestration.node.board import Board, BoardUnreachable, open_stores
+from orchestration.node.failure import describe_returncode, failure_summary, follows_a_peer
+from orchestration.node.liveness import Liveness
+from orchestration.node.records import RecordKeeper
 from orchestration.node.resume_point import ResumePoint
-from orchestration.node.run_state import (HEARTBEAT_S, NodeExit, RunState, clear_failure, read_save_request, tail,
-                                          write_exit, write_failure, write_heartbeat)
+from orchestration.node.run_state import (HEARTBEAT_S, NodeExit, PidRecord, RunState, clear_failure, tail, write_exit,
+                                          write_failure, write_heartbeat)
 from orchestration.node.run_state import begin_attempt, end_attempt, read_ledger, write_pid_file
 from orchestration.node.wire import NodePlan, decode_payload
 from orchestration.node.flight_recorder import StuckCollective, read_flight_recorders, stuck_collective
-from orchestration.node.watchdog import Watchdog, dump_node, find_suspects, read_node_report, worker_pids
+from orchestration.node.watchdog import Watchdog, dump_node, find_suspects, worker_pids
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
 LOG_TAIL_LINES = 25
 HANG_REPORT_WAIT_S = 30.0
-"""How long node 0 waits for every node's hang report before naming the suspects from those it has."""
+"""How long node 0 waits for every node's hang report on the board before naming the suspects from those it has."""
 HUNG_STOP_GRACE_S = 10.0
 """A hung attempt's stop: its ranks are sent SIGCONT, then torchrun SIGTERM; this long before SIGKILL."""
+RECORD_WRITE_S = 10.0
+"""A heartbeat record's write that has not returned in this long counts as the share failing."""
 PREEMPTED_LINE = "exiting program after receiving"
 """Megatron-LM's line after a signal-triggered save (its exit code is 0, as for a finished run)."""
 ENDED_PHASES = ("done", "preempted")
 """Phases after a rank's last step: a save request is not forwarded to it (it may be tearing down
 its handlers: SIGUSR1 would kill it)."""
+SAVED = (RunState.FINISHED, RunState.PREEMPTED)
+"""How an attempt ends on a node when nothing failed."""
 
 
 class Supervisor:
@@ -100,6 +114,17 @@ class Supervisor:
         self.decided = self.members
         self.board: Board | None = None
         """The run's shared state over the network (orchestration/node/board.py), from :meth:`run`."""
+        self.liveness: Liveness | None = None
+        """This node's beat and its view of who else is alive (orchestration/node/liveness.py), from :meth:`run`."""
+        self.incarnation = 0
+        """Which supervisor of this node this is: 0 the start's, N the one a ``rejoin``'s N-th request made."""
+        self.incarnations: dict[int, int] = {}
+        """Node 0: the incarnation of every node it took back (others: 0)."""
+        self.records = RecordKeeper(plan.artifact_root, f"node {self.rank}{self._host(self.rank)}", self.say)
+        self.proc: subprocess.Popen | None = None
+        """The current attempt's torchrun, while there is one."""
+        self.record: PidRecord | None = None
+        """Its record (the pid file's content, kept here: stopping it reads nothing from the share)."""
         self._signalled_save: str | None = None
         self._recorded_failure: int | None = None
         self._hang_seen: float | None = None
@@ -117,18 +142,38 @@ class Supervisor:
     def say(self, text: str) -> None:
         log.info("[supervisor node%d] %s", self.rank, text)
 
+    def _host(self, rank: int) -> str:
+        return f" ({self.plan.hosts[rank]})" if rank < len(self.plan.hosts) else ""
+
     def beat(self, state: RunState) -> None:
-        """The beat the other nodes judge this one by (the board), and the record ``status`` reads."""
-        self.board.beat()
-        write_heartbeat(self.paths, self.rank, self.attempt, state, self.plan.run_id)
+        """The record ``status`` reads (the beat the other nodes judge this one by runs in its own
+        thread: orchestration/node/liveness.py); its write is also the probe of the share."""
+        self.records.keep("writing the heartbeat record", lambda: write_heartbeat(
+            self.paths, self.rank, self.attempt, state, self.plan.run_id), deadline_s=RECORD_WRITE_S)
+
+    def _latest_checkpoint(self) -> int | None:
+        return self.records.keep("reading the checkpoints' folder", lambda: latest_iteration(self.paths.checkpoints_dir))
+
+    def _log_tail(self, lines: int, max_bytes: int = 65536) -> str:
+        return self.records.keep("reading the node log", lambda: tail(Path(self.plan.log_path), lines, max_bytes), "")
+
+    def _watch(self, nodes) -> None:
+        """Node 0 watches ``nodes`` (each in the incarnation it took it back in); the others, node 0."""
+        self.liveness.watch({n: self.incarnations.get(n, 0) for n in nodes} if self.leader else {0: 0})
 
     def _lost_peer(self) -> int | None:
-        """A node of this attempt whose beat stopped changing (by this machine's monotonic clock)
-        while it had not ended. Node 0 watches every node; the others watch node 0 alone (whose
-        store they reach every poll anyway): a poll costs O(1) store operations on a node, O(N) on
-        node 0, not O(N) everywhere (benchmarks/coordination.py)."""
-        watched = self.members if self.leader else (0,)
-        return next((rank for rank in self.board.silent_nodes(watched) if not self.board.exited(rank)), None)
+        """Node 0: a node of this attempt silent for node_lost_s (by this machine's clock) that did not
+        say it ends. The others: node 0 silent so long (its store unanswering counts) ends this
+        node's part (:class:`BoardUnreachable`). Node 0 watches every node, the others node 0 alone:
+        a beat costs O(1) store operations on a node, O(N) on node 0 (benchmarks/coordination.py)."""
+        lost = self.liveness.lost()
+        if not self.leader:
+            if 0 in lost:
+                raise BoardUnreachable(f"node 0's supervisor has given no sign for {self.liveness.silent_s(0):.0f} s "
+                                       f"(its machine, its supervisor or the network to it is gone)"
+                                       + (f": {self.liveness.error}" if self.liveness.error else ""))
+            return None
+        return next((rank for rank in self.members if rank in lost), None)
 
     def _failure(self) -> str | None:
         """The attempt's first failure (its first line), from the board; node 0 keeps its record,
@@ -137,9 +182,12 @@ class Supervisor:
         if text is None:
             return None
         if self.leader and self._recorded_failure != self.attempt:
-            write_failure(self.paths, text)
-            self._recorded_failure = self.attempt
+            self._record_failure(text)
         return text.splitlines()[0] if text.strip() else text
+
+    def _record_failure(self, text: str) -> None:
+        self.records.keep("writing the failure record", lambda: write_failure(self.paths, text))
+        self._recorded_failure = self.attempt
 
     def _claim_failure(self, text: str) -> bool:
         won = self.board.claim_failure(self.attempt, text)
@@ -147,11 +195,10 @@ class Supervisor:
         return won
 
     def _save_request(self) -> str | None:
-        """A save asked of this run: by SIGUSR1 to this supervisor or a request file this node sees
-        (``stop --save``, the batch start's SIGUSR1), passed on to every node through the board."""
-        why = self._signalled_save or read_save_request(self.paths, self.plan.run_id)
-        if why:
-            self.board.request_save(why)
+        """A save asked of this run: by SIGUSR1 to this supervisor (``stop --save``, the batch
+        start's SIGUSR1), passed on to every node through the board."""
+        if self._signalled_save:
+            self.board.request_save(self._signalled_save)
         return self.board.save_request()
 
     @property
@@ -168,19 +215,21 @@ class Supervisor:
         if self.leader:
             back = self.board.join_requests(self.absent)
             if back:
-                self.board.claim_rejoin(self.attempt, back)
+                self.board.claim_rejoin(self.attempt, sorted(back))
         back = self.board.rejoin(self.attempt)
         return (f"{attempts.node_names(back, self.plan.hosts)} back: a checkpoint now, then attempt {self.attempt + 1} "
                 f"on {len(self.members) + len(back)} of {self.nnodes} nodes") if back else None
 
     def _wait(self, seconds: float, done: Callable[[], object], state: RunState, beat: bool = True) -> object:
-        """Poll ``done`` until it gives something or ``seconds`` pass, beating meanwhile; None on
-        timeout or when a stop arrives."""
+        """Poll ``done`` until it gives something or ``seconds`` pass, writing the heartbeat record
+        meanwhile; None on timeout or when a stop arrives. A node other than 0 whose node 0 went
+        silent ends here (:class:`BoardUnreachable`)."""
         deadline, last_beat = time.monotonic() + seconds, 0.0
         while True:
             value = done()
             if value or self.stopping or time.monotonic() >= deadline:
                 return value
+            self._lost_peer()
             if beat and time.monotonic() - last_beat >= HEARTBEAT_S:
                 self.beat(state)
                 last_beat = time.monotonic()
@@ -198,9 +247,10 @@ class Supervisor:
         with open(self.plan.log_path, "ab", buffering=0) as out:
             proc = subprocess.Popen(list(argv), cwd=self.plan.cwd, env=env, stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT)
-        record = processes.new_record(self.plan.run, self.plan.run_id, self.rank, self.plan.host, proc.pid, argv,
-                                      Path(self.plan.log_path), supervisor_pid=os.getpid(), slurm_step=self.slurm_step)
-        write_pid_file(self.plan.pid_file, record)
+        self.proc = proc
+        self.record = processes.new_record(self.plan.run, self.plan.run_id, self.rank, self.plan.host, proc.pid, argv,
+                                           Path(self.plan.log_path), supervisor_pid=os.getpid(), slurm_step=self.slurm_step)
+        self.records.keep("writing the pid file", lambda: write_pid_file(self.plan.pid_file, self.record))
         return proc
 
     def _stop_torchrun(self, proc: subprocess.Popen, reason: str, hung: bool = False) -> None:
@@ -212,8 +262,8 @@ class Supervisor:
                 except ProcessLookupError:
                     pass
         processes.stop_node(self.plan.run, self.rank, self.plan.host, self.plan.pid_file,
-                           grace_s=HUNG_STOP_GRACE_S if hung else processes.DEFAULT_STOP_GRACE_S, signal_group=False,
-                           artifact_root=self._root)
+                            grace_s=HUNG_STOP_GRACE_S if hung else processes.DEFAULT_STOP_GRACE_S, signal_group=False,
+                            artifact_root=self._root, record=self.record)
         proc.poll()
 
     def _forward_save(self, signalled: set[int]) -> set[int]:
@@ -223,7 +273,7 @@ class Supervisor:
         pids = worker_pids(self.plan.run, self.rank, self._root)
         engine = engine_named(self.plan.engine)
         if engine.progress_from_log:
-            ready = set(pids.values()) if engine.parse_log(tail(Path(self.plan.log_path), 400))[0] else set()
+            ready = set(pids.values()) if engine.parse_log(self._log_tail(400))[0] else set()
         else:
             reported = read_progress(self.progress_dir)
             ready = {pid for rank, pid in pids.items() if rank in reported and reported[rank].pid == pid
@@ -243,38 +293,54 @@ class Supervisor:
         """The ranks ended after saving on request (this program's progress, or Megatron-LM's line)."""
         if any(p.phase == "preempted" for p in read_progress(self.progress_dir).values()):
             return True
-        return PREEMPTED_LINE in tail(Path(self.plan.log_path), 40)
+        return PREEMPTED_LINE in self._log_tail(40)
 
     def _sweep(self) -> None:
         """torchrun is gone; its workers, in sessions of their own, may not be (torchrun SIGKILLed),
         nor what they started (a multiprocessing resource tracker, which ignores SIGTERM and ends
         when its rank's pipe closes): every process of the node's run but this one, gone."""
         processes.stop_node(self.plan.run, self.rank, self.plan.host, self.plan.pid_file, grace_s=0.0, signal_group=False,
-                            artifact_root=self._root)
+                            artifact_root=self._root, record=self.record)
+
+    def _ended(self, state: RunState, reason: str, **more) -> AttemptEnd:
+        self.proc = None
+        return AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=state, reason=reason, **more)
 
     def _end(self, proc: subprocess.Popen, code: int, saving: bool) -> AttemptEnd:
         if code == 0:
             self._sweep()  # what a rank started may outlive it by a moment (a resource tracker cleaning up)
             if saving and self._preempted():
-                return AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.PREEMPTED,
-                                  reason="saved a checkpoint on request and ended")
-            return AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.FINISHED, reason="torchrun exited with code 0")
+                return self._ended(RunState.PREEMPTED, "saved a checkpoint on request and ended")
+            return self._ended(RunState.FINISHED, "torchrun exited with code 0")
         stopping = self.stopping
         try:
             if not stopping:  # the claim first: the other nodes stop now, not after the sweep below
-                text = failure_summary(self.rank, self.plan.host, code, tail(Path(self.plan.log_path), 400, max_bytes=262144),
+                self.beat(RunState.RUNNING)  # the share's probe: its loss is the cause, not what the ranks made of it
+                if self.records.failing_since is not None:
+                    return self._leave(None)
+                text = failure_summary(self.rank, self.plan.host, code, self._log_tail(400, max_bytes=262144),
                                        LOG_TAIL_LINES)
                 self._claim_failure(text)
         finally:
             self._sweep()
         if stopping:
-            return AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.STOPPED, reason="stopped on request",
-                              requested=True)
-        return AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.FAILED, reason=text.splitlines()[0])
+            return self._ended(RunState.STOPPED, "stopped on request", requested=True)
+        evidence = Evidence.CONSEQUENCE if follows_a_peer(text.splitlines()[0]) else Evidence.RANK
+        return self._ended(RunState.FAILED, text.splitlines()[0], failure=text, evidence=evidence)
+
+    def _leave(self, proc: subprocess.Popen | None) -> AttemptEnd:
+        """The share has not answered for node_lost_s (or failed as torchrun failed): this node's
+        part ends with that cause, claimed on the board (the others stop, and node 0 records it)."""
+        cause = self.records.cause()
+        if proc is not None and proc.poll() is None:
+            self._stop_torchrun(proc, cause)
+        self._claim_failure(cause + "\n")
+        return self._ended(RunState.FAILED, cause, failure=cause + "\n", evidence=Evidence.NODE, leaves=True)
 
     def _hang(self, watchdog: Watchdog, reported: bool) -> bool:
         """The hang protocol, one poll: claim a hang found here; dump this node's ranks once a hang
-        is claimed; node 0 names the suspects once every node reported. Whether this node reported."""
+        is claimed and put their report on the board; node 0 names the suspects once every node
+        reported. Whether this node reported."""
         claim = self.board.hang_claim(self.attempt)
         if claim is None:
             found = watchdog.check(time.time())  # this machine's clock against its own ranks' reports
@@ -284,14 +350,16 @@ class Supervisor:
         if self._hang_seen is None:
             self._hang_seen = time.monotonic()
         if not reported:
-            dump_node(self.plan.run, self.rank, self.plan.host, self.nproc, self.progress_dir, self.policy,
-                      self.paths.hangs_dir(self.attempt), self.attempt, claim.detail, place=self.members.index(self.rank),
-                      artifact_root=self._root)
+            reports = self.records.keep("writing the hang dumps", lambda: dump_node(
+                self.plan.run, self.rank, self.plan.host, self.nproc, self.progress_dir, self.policy,
+                self.paths.hangs_dir(self.attempt), self.attempt, claim.detail, place=self.members.index(self.rank),
+                artifact_root=self._root), [])
+            self.board.write_report(self.attempt, reports)
             reported = True
         if self.leader and self._failure() is None:
-            # Each node's report is a file it alone writes; a shared file system may show it late:
-            # node 0 waits for all of them, or HANG_REPORT_WAIT_S of its own clock from when it saw the claim.
-            reports = {n: read_node_report(self.paths.hangs_dir(self.attempt), n) for n in self.members}
+            # Node 0 waits for every node's report on the board, or HANG_REPORT_WAIT_S of its own
+            # clock from when it saw the claim (a node that cannot dump, or is gone).
+            reports = {n: self.board.read_report(self.attempt, n) for n in self.members}
             if all(r is not None for r in reports.values()) or time.monotonic() - self._hang_seen > HANG_REPORT_WAIT_S:
                 self._claim_failure(hang_summary(self.paths, self.attempt, claim, reports, self.plan))
         return reported
@@ -315,14 +383,16 @@ class Supervisor:
         return point
 
     def run_attempt(self, point: ResumePoint | None = None) -> AttemptEnd:
-        checkpoint = latest_iteration(self.paths.checkpoints_dir) if point is None else point.iteration
+        checkpoint = self._latest_checkpoint() if point is None else point.iteration
         if self.leader:
-            begin_attempt(self.paths, self.attempt, self.plan.run_id, checkpoint, self.members, self.joined)
+            self.records.keep("writing the ledger", lambda: begin_attempt(
+                self.paths, self.attempt, self.plan.run_id, checkpoint, self.members, self.joined))
         total = self.plan.first_attempt + self.policy.max_restarts + self.rejoins
         self.say(f"attempt {self.attempt} of {total}: {ATTEMPT_STARTED}"
                  + (f" (the ranks resume from the checkpoint at iteration {checkpoint})" if checkpoint is not None else ""))
         if point is not None:  # node 0's choice, as every node got it
             self.say(point.describe())
+        self._watch(self.members)
         proc = self._start_torchrun(checkpoint, point)
         watchdog = Watchdog(self.policy, self.rank, len(self.members), self.nproc, self.progress_dir, engine_named(self.plan.engine),
                             Path(self.plan.log_path), time.time(), place=self.members.index(self.rank))
@@ -333,6 +403,8 @@ class Supervisor:
             if code is not None:
                 return self._end(proc, code, saving is not None)
             try:
+                if self.records.failing_s() > self.policy.node_lost_s and not self.stopping:
+                    return self._leave(proc)
                 if not self.stopping:
                     why = saving or self._save_request() or self._rejoin_request()
                     if why:
@@ -345,12 +417,11 @@ class Supervisor:
                         hung = " hung: " in failure
                         why = f"{'the run hung' if hung else 'another node failed'}: {failure}"
                         self._stop_torchrun(proc, why, hung)
-                        return AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.HUNG if hung else RunState.STOPPED,
-                                          reason=why)
+                        return self._ended(RunState.HUNG if hung else RunState.STOPPED, why)
                     lost = self._lost_peer()
                     if lost is not None:
-                        self._claim_failure(f"node {lost}{self._host(lost)} lost: its supervisor's beat has not changed "
-                                            f"for {self.policy.node_lost_s:.0f} s (its machine, its supervisor or the "
+                        self._claim_failure(f"node {lost}{self._host(lost)} lost: its supervisor has given no sign for "
+                                            f"{self.liveness.silent_s(lost):.0f} s (its machine, its supervisor or the "
                                             f"network to it is gone); noticed by node {self.rank}\n")
                         continue
                     if saving is None:
@@ -365,12 +436,9 @@ class Supervisor:
 
     # -- between attempts ---------------------------------------------------------------------
 
-    def _host(self, rank: int) -> str:
-        return f" ({self.plan.hosts[rank]})" if rank < len(self.plan.hosts) else ""
-
     def decide(self, end: AttemptEnd) -> Decision:
-        """Node 0: every node's end of this attempt, then the decision (restart, on which nodes, or
-        end); the others read it."""
+        """Node 0: every node's end of this attempt, then the decision (the run's end, or a restart
+        on which nodes); the others read it and follow."""
         join_s = self.policy.join_s
         if not self.leader:
             decision = self._wait(2 * join_s + HANG_REPORT_WAIT_S, lambda: self.board.read_decision(self.attempt),
@@ -383,48 +451,64 @@ class Supervisor:
             return decision
         # Every node's end, or its beat stopped (lost: it will write none), within join_s.
         def settled() -> bool:
-            silent = self.board.silent_nodes(self.members)
-            return all(n in silent or self.board.read_end(self.attempt, n) for n in self.members)
+            lost = self.liveness.lost()
+            return all(n in lost or self.board.read_end(self.attempt, n) for n in self.members)
 
         self._wait(join_s, settled, RunState.RESTARTING)
         ends = {n: self.board.read_end(self.attempt, n) for n in self.members}
         back = self.board.rejoin(self.attempt)
-        checkpoint = latest_iteration(self.paths.checkpoints_dir)
+        checkpoint = self._latest_checkpoint()
         rejoin = attempts.decide_rejoin(self.attempt, ends, back, self.restarts, self.rejoins, checkpoint,
-                                        self.plan.hosts) if back and not self.stopping else None
+                                        self.plan.hosts) if back and not self.stopping and not self.board.save_request() else None
         if rejoin is not None:  # every node saved for the nodes back (or reached its last iteration): nothing failed
-            end_attempt(self.paths, self.attempt, RunState.PREEMPTED if rejoin.restart else rejoin.state,
-                        f"saved a checkpoint for {attempts.node_names(back, self.plan.hosts)} to come back"
-                        if rejoin.restart else rejoin.reason, checkpoint)
+            self._close_ledger(RunState.PREEMPTED if rejoin.restart else rejoin.state,
+                               f"saved a checkpoint for {attempts.node_names(back, self.plan.hosts)} to come back"
+                               if rejoin.restart else rejoin.reason, checkpoint)
             return self._publish(rejoin)
-        failure = self._failure() or end.reason
-        cause = RunState.HUNG if " hung: " in failure else RunState.FAILED
-        self._close_ledger(end)
-        ledger = read_ledger(self.paths)
         if self.stopping:
-            ends[self.rank] = AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.STOPPED, reason="stopped on request",
-                                         requested=True)
-        back = self.board.join_requests(self.absent) if self.policy.min_nodes else ()
+            ends[self.rank] = AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.STOPPED,
+                                         reason="stopped on request", requested=True)
+        first = self.board.failure(self.attempt)
+        chosen = attempts.choose_failure(first, ends)
+        if chosen is None and all(e is not None and e.state in SAVED for e in ends.values()):
+            state = RunState.FINISHED if any(e.state == RunState.FINISHED for e in ends.values()) else RunState.PREEMPTED
+            reason = end.reason if end.state == state else next(e.reason for e in ends.values() if e.state == state)
+            self._close_ledger(state, reason, checkpoint)
+            return self._publish(Decision(attempt=self.attempt, restart=False, state=state, reason=reason))
+        if chosen is not None and chosen != first:
+            self._record_failure(chosen)  # a node's own cause, stronger than what the others made of it
+        failure = chosen.splitlines()[0] if chosen else end.reason
+        cause = RunState.HUNG if " hung: " in failure else RunState.FAILED
+        self._close_ledger(cause if chosen else end.state, failure, checkpoint)
+        ledger = self.records.keep("reading the ledger", lambda: read_ledger(self.paths), [])
+        back = self.board.join_requests(self.absent) if self.policy.min_nodes else {}
         decision = attempts.decide(self.attempt, ends, ledger, self.policy, self.restarts, cause, failure, self.plan.hosts,
-                                   joiners=back, rejoins_so_far=self.rejoins)
+                                   joiners=sorted(back), rejoins_so_far=self.rejoins)
         if not decision.restart:  # the ledger's last word is how the run ended
-            end_attempt(self.paths, self.attempt, decision.state, decision.reason,
-                        latest_iteration(self.paths.checkpoints_dir), lost=decision.lost)
+            self._close_ledger(decision.state, decision.reason, checkpoint, lost=decision.lost)
         if decision.restart:  # the next attempt starts without this one's failure (kept beside the ledger)
             if decision.lost:
-                end_attempt(self.paths, self.attempt, cause, f"{failure}; the run goes on with {len(decision.members)} of "
-                                                             f"{self.nnodes} nodes", latest_iteration(self.paths.checkpoints_dir),
-                            lost=decision.lost)
-            if self.paths.failure_file.exists():  # node 0's own record: it alone writes and moves it
-                os.replace(self.paths.failure_file, self.paths.attempt_file(self.attempt, "failure.txt"))
-            clear_failure(self.paths)
+                self._close_ledger(cause, f"{failure}; the run goes on with {len(decision.members)} of {self.nnodes} nodes",
+                                   checkpoint, lost=decision.lost)
+            self.records.keep("moving the failure record aside", self._set_failure_aside)
         return self._publish(decision)
 
+    def _set_failure_aside(self) -> None:
+        if self.paths.failure_file.exists():  # node 0's own record: it alone writes and moves it
+            os.replace(self.paths.failure_file, self.paths.attempt_file(self.attempt, "failure.txt"))
+        clear_failure(self.paths)
+
+    def _close_ledger(self, state: RunState, reason: str, checkpoint: int | None, lost: tuple[int, ...] = ()) -> None:
+        """Node 0: this attempt's entry in the ledger (what ended it, the checkpoint it reached)."""
+        self.records.keep("writing the ledger", lambda: end_attempt(self.paths, self.attempt, state, reason, checkpoint,
+                                                                    lost=lost))
+
     def _publish(self, decision: Decision) -> Decision:
-        """Node 0: the decision on the board, and the nodes it takes back told so."""
+        """Node 0: the decision on the board, and the nodes it takes back told so (and watched in
+        the incarnation their request names)."""
         self.board.write_decision(decision)
         for rank in decision.joined:
-            self.board.accept_join(rank, decision.attempt)
+            self.incarnations[rank] = self.board.accept_join(rank, decision.attempt)
         return decision
 
     def join(self, decided: tuple[int, ...]) -> bool:
@@ -434,6 +518,7 @@ class Supervisor:
         self.board.mark_ready(self.attempt)
         join_s = self.policy.join_s
         if self.leader:
+            self._watch(decided)
             self._wait(join_s, lambda: len(self.board.ready_nodes(self.attempt, decided)) == len(decided),
                        RunState.RESTARTING)
             ready = tuple(self.board.ready_nodes(self.attempt, decided))
@@ -461,53 +546,84 @@ class Supervisor:
 
     def finish(self, state: RunState, reason: str, code: int | None = None) -> int:
         exit_code, sig = describe_returncode(code) if code is not None else (None, None)
-        write_exit(self.paths, NodeExit(node_rank=self.rank, state=state, exit_code=exit_code, signal=sig, reason=reason,
-                                        ended_at=time.time(), run_id=self.plan.run_id))
+        self.records.keep("writing the exit record", lambda: write_exit(self.paths, NodeExit(
+            node_rank=self.rank, state=state, exit_code=exit_code, signal=sig, reason=reason, ended_at=time.time(),
+            run_id=self.plan.run_id)))
         self.say(f"{state}: {reason}")
         shutil.rmtree(self.progress_dir, ignore_errors=True)
-        if self.board is not None:
+        if self.liveness is not None:
             try:
-                self.board.mark_exited()
+                self.liveness.mark_exited()
                 if self.leader:  # the store lives in this process: keep it until the others are done with it
                     back = self.board.join_requests(self.absent)  # joining: told by exit/0
                     others = [n for n in (*self.members, *back) if n != self.rank]
+                    self.incarnations.update(back)
+                    self._watch(others)
                     self._wait(self.policy.node_lost_s + HEARTBEAT_S,
-                               lambda: all(self.board.exited(n) for n in others) or
-                               set(others) <= set(self.board.silent_nodes(others)), state, beat=False)
+                               lambda: all(self.liveness.exited(n) or n in self.liveness.silent() for n in others),
+                               state, beat=False)
             except BoardUnreachable:
                 pass  # node 0 ended first: nothing is left to tell it
+            self.liveness.stop()
         return 0
-
-    def _close_ledger(self, end: AttemptEnd) -> None:
-        """Node 0: this attempt's entry in the ledger (what ended it, the checkpoint it reached)."""
-        if not self.leader:
-            return
-        failure = self._failure() if end.state not in (RunState.FINISHED, RunState.PREEMPTED) else None
-        state = end.state if failure is None else RunState.HUNG if " hung: " in failure else RunState.FAILED
-        end_attempt(self.paths, self.attempt, state, failure or end.reason,
-                             latest_iteration(self.paths.checkpoints_dir))
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         signal.signal(signal.SIGUSR1, self._on_sigusr1)
         env = self.plan.env
         try:
-            store = open_store(self.plan.run_id, self.nnodes, self.leader, env.get("MASTER_ADDR", "localhost"),
-                               int(env.get("MASTER_PORT", "0") or 0), connect_s=self.policy.join_s)
+            store, beat_store = open_stores(self.plan.run_id, self.nnodes, self.leader, env.get("MASTER_ADDR", "localhost"),
+                                            int(env.get("MASTER_PORT", "0") or 0), connect_s=self.policy.join_s,
+                                            deadline_s=self.policy.node_lost_s)
         except BoardUnreachable as exc:
             return self.finish(RunState.FAILED, f"{exc}: node 0's supervisor holds the run's coordination store "
                                                 "(MASTER_PORT + 1); start the run on node 0 too, and allow TCP to it")
-        self.board = Board(store, self.rank, self.policy.node_lost_s)
+        self.board = Board(store, self.rank)
         try:
-            if self.plan.rejoin:
-                ended = self._come_back()
+            request = self.board.request_join() if self.plan.rejoin else None
+            self.incarnation = request or 0
+            self.liveness = Liveness(beat_store, self.rank, self.incarnation, self.policy.node_lost_s).start()
+            self._watch(self.members)
+            if request is not None:
+                ended = self._come_back(request)
                 if ended is not None:
                     return ended
             return self._attempts()
         except BoardUnreachable as exc:
+            self._stop_current(str(exc))
             if self.stopping:
                 return self.finish(RunState.STOPPED, "stopped on request")
             return self.finish(RunState.FAILED, f"lost node 0 (the run's leader): {exc}")
+        except Exception as exc:  # whatever else: this node's part ends, its ranks with it, the cause told
+            return self._fail(exc)
+
+    def _fail(self, exc: Exception) -> int:
+        """The supervisor itself failed: its torchrun and ranks stopped, the cause (the share, named
+        with its path and error, or the error itself) on the board for node 0 to record, and node 0's
+        own failure its decision for every node; then this node ends."""
+        if isinstance(exc, OSError) and (self.records.failing_since is not None or str(exc.filename or "").startswith(self._root)):
+            self.records.failed(str(exc.filename), exc)
+            cause = self.records.cause()
+        else:
+            cause = f"node {self.rank}{self._host(self.rank)}: the supervisor failed: {type(exc).__name__}: {exc}"
+        log.error("%s\n%s", cause, "".join(traceback.format_exception(exc)).rstrip())
+        self._stop_current(cause)
+        try:
+            self._claim_failure(cause + "\n")
+            self.board.write_end(self._ended(RunState.FAILED, cause, failure=cause + "\n", evidence=Evidence.NODE,
+                                             leaves=True))
+            if self.leader:
+                self._publish(Decision(attempt=self.attempt, restart=False, state=RunState.FAILED, reason=cause))
+        except BoardUnreachable:
+            pass
+        return self.finish(RunState.FAILED, cause)
+
+    def _stop_current(self, reason: str) -> None:
+        """The current attempt's torchrun (if any) and every process of the node's run stopped."""
+        if self.proc is not None and self.proc.poll() is None:
+            self._stop_torchrun(self.proc, reason)
+        self._sweep()
+        self.proc = None
 
     def _attempts(self) -> int:
         while True:
@@ -519,15 +635,10 @@ class Supervisor:
                 return self.finish(RunState.STOPPED, "stopped on request") if self.stopping else \
                     self.finish(RunState.FAILED, point.refused)
             end = self.run_attempt(point)
-            # the ranks saved and ended for nodes brought back, not for a save request: the run goes on
-            rejoining = (end.state in (RunState.PREEMPTED, RunState.FINISHED) and self.board.rejoin(self.attempt)
-                         and not self.board.save_request())
-            final = (end.state in (RunState.FINISHED, RunState.PREEMPTED) and not rejoining) or end.requested
-            if final or (self.restarts >= self.policy.max_restarts and not rejoining):  # no restart can follow
-                self._close_ledger(end)
-                return self.finish(end.state, end.reason)
             self.board.write_end(end)
             decision = self.decide(end)
+            if end.leaves:  # whatever node 0 decided for the others, this node cannot go on
+                return self.finish(RunState.FAILED, end.reason)
             if not decision.restart:
                 return self.finish(decision.state, decision.reason)
             if not self._follow(decision):
@@ -550,19 +661,18 @@ class Supervisor:
             return RunState.STOPPED, "stopped on request"
         return RunState.PREEMPTED, "a save was requested between attempts: the latest checkpoint stands"
 
-    def _come_back(self) -> int | None:
-        """A node brought back (``rejoin``): ask node 0 for a place, wait (beating, ``joining``)
-        until it takes this node at its next restart, then follow that decision. None when it
+    def _come_back(self, request: int) -> int | None:
+        """A node brought back (``rejoin``, its request number ``request``): wait (``joining``)
+        until node 0 takes this node at its next restart, then follow that decision. None when it
         follows; else this supervisor's exit (the run ended meanwhile, or a stop)."""
-        request = self.board.request_join()
         self.say(f"back for run {self.plan.run}: node 0 takes this node at its next restart (after the ranks save "
                  "a checkpoint at their next step)")
         self.beat(RunState.JOINING)  # before the pid file, which node-start waits for: status then shows it joining
-        write_pid_file(self.plan.pid_file, processes.new_record(
+        self.records.keep("writing the pid file", lambda: write_pid_file(self.plan.pid_file, processes.new_record(
             self.plan.run, self.plan.run_id, self.rank, self.plan.host, os.getpid(), ["node-supervise"],
-            Path(self.plan.log_path), supervisor_pid=os.getpid()))
+            Path(self.plan.log_path), supervisor_pid=os.getpid())))
         answer = self._wait(float("inf"), lambda: self.board.join_answer(request) or
-                            (-1 if self.board.exited(0) or self.board.silent_nodes([0]) else None), RunState.JOINING)
+                            (-1 if self.liveness.exited(0) or 0 in self.liveness.silent() else None), RunState.JOINING)
         if self.stopping:
             return self.finish(RunState.STOPPED, "stopped on request")
         if answer == -1:

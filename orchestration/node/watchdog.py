@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_ext.run_spec.convert import structure, unstructure
+from megatron_ext.run_spec.convert import unstructure
 from megatron_ext.run_spec.engines import Engine
 from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED
 from megatron_ext.run_spec.resilience import DUMP_REQUEST, RankProgress, ResilienceParams, phase_limit_s, read_progress
@@ -39,6 +39,9 @@ FLIGHT_RECORDER_WAIT_S = 5.0
 LOG_CHECK_S = 2.0
 """How often the Megatron-LM log watch reads the log's tail."""
 FAULTHANDLER_WAIT_S = 2.0
+SILENT_FIRST_MARGIN_S = 1.0
+"""Ranks whose silence is within this of the longest count as silent first: the nodes measure
+when each saw the hang claimed, a poll (0.5 s) apart."""
 COLLECTIVE_MARKERS = ("torch/distributed/", "distributed_c10d", "all_reduce", "all_gather", "reduce_scatter", "broadcast",
                       "barrier", "run_backward", "_engine_run_backward", "backward (torch/", "zero_redundancy_optimizer")
 """Frames of a stack that mean the rank waits in (or for) a collective: torch.distributed calls,
@@ -152,8 +155,10 @@ class RankReport:
     phase: str | None
     iteration: int | None
     phase_elapsed_s: float | None
+    """How long the rank had been silent (in its phase, without a report) when this node saw the
+    hang claimed: measured on this node's own clock alone (its reports and its time), so reports of
+    several nodes compare without comparing their clocks."""
     limit_s: float | None
-    last_report_at: float | None
     stack_read: bool
     in_collective: bool | None
     dump: str
@@ -320,18 +325,11 @@ def dump_node(run: str, node_rank: int, host: str, nproc_per_node: int, progress
         dump.write_text("\n".join(header) + stack + "\n")
         reports.append(RankReport(rank=rank, node_rank=node_rank, host=host, pid=pid, process_state=state, phase=p.phase if p else None,
                                   iteration=p.iteration if p else None,
-                                  phase_elapsed_s=elapsed, limit_s=limit, last_report_at=p.phase_started_at if p else None, stack_read=read,
+                                  phase_elapsed_s=elapsed, limit_s=limit, stack_read=read,
                                   in_collective=in_collective(stack) if read else None, dump=str(dump), collective_seq=seq,
                                   last_collective=name, flight_recorder=str(copy) if copy is not None else None))
     write_json_atomic(out_dir / f"node{node_rank}.json", unstructure(reports))
     return reports
-
-
-def read_node_report(out_dir: Path, node_rank: int) -> list[RankReport] | None:
-    try:
-        return structure(list[RankReport], json.loads((out_dir / f"node{node_rank}.json").read_text()))
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 # -- who hung (pure) --------------------------------------------------------------------------------
@@ -371,15 +369,16 @@ def find_suspects(reports: list[RankReport]) -> Suspects:
         behind = [r for r in reports if r.iteration == min(iterations)]
         return Suspects(tuple(behind), f"behind the others (iteration {min(iterations)}, the others at {max(iterations)})",
                         _others(reports, behind))
-    reported = [r for r in reports if r.last_report_at is not None]
-    never = [r for r in reports if r.last_report_at is None]
+    reported = [r for r in reports if r.phase_elapsed_s is not None]
+    never = [r for r in reports if r.phase_elapsed_s is None]
     if never and reported:
         return Suspects(tuple(never), "never reported progress", _others(reports, never))
-    if reported:
-        first = min(r.last_report_at for r in reported)
-        silent = [r for r in reported if r.last_report_at - first < 1.0]
+    if reported:  # each node's silence by its own clock when it saw the claim (no two machines' clocks compared)
+        longest = max(r.phase_elapsed_s for r in reported)
+        silent = [r for r in reported if longest - r.phase_elapsed_s < SILENT_FIRST_MARGIN_S]
         if len(silent) < len(reports):
-            return Suspects(tuple(silent), "silent first (their last progress report is the oldest)", _others(reports, silent))
+            return Suspects(tuple(silent), "silent first (silent the longest when the hang was claimed)",
+                            _others(reports, silent))
     return Suspects(tuple(reports), "every rank waits alike: no single suspect (a collective that never completes, e.g. a "
                                     "network fault)")
 

@@ -44,7 +44,7 @@ RUN_ID_TAG = "LAUNCHER_RUN_ID"
 NODE_TAG = "LAUNCHER_NODE_RANK"
 DEFAULT_STOP_GRACE_S = 40.0
 """torchrun forwards SIGTERM to its workers and waits 30 s before SIGKILL; allow for that."""
-NODE_COMMANDS = ("node-start", "node-supervise", "node-stop", "node-status", "node-check", "node-linktest")
+NODE_COMMANDS = ("node-start", "node-supervise", "node-stop", "node-save", "node-status", "node-check", "node-linktest")
 
 
 def node_label(node_rank: int, host: str) -> str:
@@ -214,6 +214,14 @@ class StopRequest:
 
 
 @dataclass(frozen=True)
+class SaveRequest:
+    """``node-save``: the node's supervisor asked (SIGUSR1) to have every node save at the next
+    step and end; it passes the request on over the board."""
+
+    target: NodeTarget
+
+
+@dataclass(frozen=True)
 class CheckpointSpace:
     """Where a run's checkpoints go and what they take: the free space there is checked."""
 
@@ -277,7 +285,7 @@ class LinktestRequest:
 
 
 NODE_REQUESTS: dict[str, type] = {"node-start": NodePlan, "node-check": NodeCheckRequest, "node-stop": StopRequest,
-                                  "node-status": StatusRequest, "node-linktest": LinktestRequest}
+                                  "node-save": SaveRequest, "node-status": StatusRequest, "node-linktest": LinktestRequest}
 """Each node command (but ``node-supervise``, which reads a plan file) and its request."""
 
 
@@ -337,6 +345,10 @@ def decode_secrets(line: str, names: Sequence[str]) -> dict[str, str]:
 def stop_call(run: str, node_rank: int, host: str, artifact_root: Path, grace_s: float = DEFAULT_STOP_GRACE_S,
               dry_run: bool = False) -> NodeCall:
     return _call("node-stop", StopRequest(target(run, node_rank, host, artifact_root), grace_s, dry_run))
+
+
+def save_call(run: str, node_rank: int, host: str, artifact_root: Path) -> NodeCall:
+    return _call("node-save", SaveRequest(target(run, node_rank, host, artifact_root)))
 
 
 def status_call(run: str, node_rank: int, host: str, artifact_root: Path, seq_length: int | None = None,
@@ -455,6 +467,20 @@ class StopResult:
     @property
     def ok(self) -> bool:
         return not self.left
+
+
+@dataclass(frozen=True)
+class SaveAsked:
+    """What ``node-save`` did on one node."""
+
+    node_rank: int
+    host: str
+    supervisor_pid: int | None
+    """The node's supervisor signalled (SIGUSR1), or None: none of the run's runs there."""
+
+    @property
+    def ok(self) -> bool:
+        return self.supervisor_pid is not None
 
 
 @dataclass(frozen=True, kw_only=True)

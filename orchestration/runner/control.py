@@ -27,8 +27,8 @@ from orchestration.cluster import slurm
 from orchestration.cluster.backends import backend_for, lost_node, lost_nodes, statuses_from_records
 from orchestration.cluster.fanout import NodeResult
 from orchestration.launch_env import LaunchEnv
-from orchestration.node.run_state import AttemptRecord, RunState, read_ledger, request_save
-from orchestration.node.wire import DEFAULT_STOP_GRACE_S, NodeStatus, StopResult
+from orchestration.node.run_state import AttemptRecord, RunState, read_ledger
+from orchestration.node.wire import DEFAULT_STOP_GRACE_S, NodeStatus, SaveAsked, StopResult, save_call
 from orchestration.runner.nodes import Nodes, nodes_of_run
 from orchestration.runner.sweep_state import SweepRecord, read_sweep_record, request_sweep_stop
 
@@ -199,37 +199,41 @@ def end_exit_code(states: Iterable[RunState | None]) -> int:
     return EXIT_GAVE_UP if RunState.GAVE_UP in states else EXIT_NODE_FAILED
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SaveSignal:
     """While a start waits: SIGUSR1 to it, or the batch shell's mark file (``sbatch
-    --signal=B:USR1@...`` before the time limit, or a preemption), asks every node to save and end;
-    a batch job is then requeued."""
+    --signal=B:USR1@...`` before the time limit, or a preemption), asks every node to save and end
+    (:func:`ask_to_save`, at the next poll: nothing is sent from inside the signal handler); a
+    batch job is then requeued."""
 
-    paths: RunPaths
+    launch: LaunchEnv
+    run: str
+    nodes: Nodes
     mark: Path | None = None
     """The file the batch shell's trap writes on SIGUSR1."""
     received: bool = False
+    sent: bool = False
 
     def install(self) -> None:
-        signal.signal(signal.SIGUSR1, lambda signum, frame: self._request("SIGUSR1 to the waiting start"))
+        signal.signal(signal.SIGUSR1, lambda signum, frame: setattr(self, "received", True))
 
     def poll(self, statuses: Statuses | None = None, elapsed_s: float = 0.0) -> None:
         if not self.received and self.mark is not None and self.mark.exists():
-            self._request("SIGUSR1 to the batch job (its time limit or a preemption is near)")
+            self.received = True
+        if self.received and not self.sent:
+            self.sent = True
+            ask_to_save(self.launch, self.run, self.nodes)
 
-    def _request(self, why: str) -> None:
-        self.received = True
-        request_save(self.paths, why, current_run_id(self.paths))
 
-
-def current_run_id(paths: RunPaths) -> str:
-    """The run id of the run's latest start (its resolved parameters), which a save request names."""
-    resolved = read_resolved(paths.params_path)
-    return resolved.runtime.run_id if resolved else ""
+def ask_to_save(launch: LaunchEnv, run: str, nodes: Nodes) -> list[NodeResult[SaveAsked]]:
+    """Every node's supervisor asked (``node-save``: SIGUSR1) to have every node save at the next
+    step and end: one that answers passes it on to all over the board."""
+    return backend_for(launch, nodes).call(launch, nodes, lambda rank, host: save_call(run, rank, host, launch.artifact_root),
+                                           SaveAsked)
 
 
 def save_and_wait(launch: LaunchEnv, run: str, only_this_node: bool, timeout_s: float) -> RunEnd | None:
     """``stop --save``: ask every node to save at the next step and end; wait for their ends."""
-    paths = RunPaths(launch.artifact_root, run)
-    request_save(paths, "stop --save", current_run_id(paths))
-    return wait_until_ended(launch, run, nodes_of_run(launch, run, only_this_node), timeout_s=timeout_s)
+    nodes = nodes_of_run(launch, run, only_this_node)
+    ask_to_save(launch, run, nodes)
+    return wait_until_ended(launch, run, nodes, timeout_s=timeout_s)
