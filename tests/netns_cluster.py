@@ -3,12 +3,18 @@ an OpenSSH server in each, reached through ``ssh`` aliases in a generated ssh co
 
 Needs root, iproute2 and openssh-server (``.ci/run`` installs them). Nodes share the process
 table. With ``share`` (a folder: the artifact root), node 0 keeps it on its own disk and every
-other node sees it only through ``sshfs`` from node 0 (Debian's sshfs, FUSE over the namespace
-network, default options: names and attributes cached for 20 s, no locks across nodes), mounted
-at the same path in that node's own mount namespace, in which its sshd and so every session there
-runs: a cluster's shared file system as it is, not one coherent disk. ``clock_offsets`` ({node
-index: "+30s"}) give every session on a node a clock that far off (libfaketime, Debian's
-``faketime``, through the node's sshd_config ``SetEnv``). Everything created here is named with a
+other node sees it only through ``sshfs`` (Debian's sshfs, FUSE over the namespace network,
+default options: names and attributes cached for 20 s, no locks across nodes) from a file server
+of its own, an sshd in this machine's own namespace on the bridge's address (a cluster's file
+server is not node 0: node 0 cut off leaves the other nodes their share), mounted at the same path
+in that node's own mount namespace, in which its sshd and so every session there runs: a
+cluster's shared file system as it is, not one coherent disk. :meth:`NamespaceCluster.lose_share`
+kills a node's sshfs client (the share then answers ENOTCONN there, as a crashed client's does);
+:meth:`NamespaceCluster.cut` sets a node's link down (its packets vanish, no connection is closed).
+``clock_offsets`` ({node index: "+30s"}) give every session on a node a wall clock that far off (libfaketime, Debian's
+``faketime``, through the node's sshd_config ``SetEnv``); its monotonic clock stays the machine's,
+as a real machine's does (libfaketime would shift CLOCK_MONOTONIC too, but not the kernel's timed
+waits: a thread's 2 s wait then lasts 32 s). Everything created here is named with a
 per-process prefix and torn down by :meth:`NamespaceCluster.close`, also after a failure.
 Addresses are private (10.213.x.0/24) and exist only inside these namespaces.
 """
@@ -25,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SSHD = "/usr/sbin/sshd"
+FILE_SERVER_PORT = 2222
+"""The file server's sshd, on the bridge's address (one per cluster: each has its own subnet)."""
 SSHFS = "/usr/bin/sshfs"
 LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 
@@ -84,6 +92,8 @@ class NamespaceCluster:
             for i in range(num_nodes)
         ]
         self.ssh_config = workdir / "ssh_config"
+        self.file_server = Node("fileserver", "", f"{self.subnet}.254", workdir / "sshd_fs.pid", workdir / "sshd_fs.conf")
+        """The share's server: an sshd on the bridge's address, in this machine's namespace."""
         self._created_bridge = False
 
     # -- setup -------------------------------------------------------------------------------
@@ -146,7 +156,8 @@ class NamespaceCluster:
                 f"AuthorizedKeysFile {authorized}", "UsePAM no", "StrictModes no", "PermitRootLogin yes",
                 "PasswordAuthentication no", "KbdInteractiveAuthentication no", "PubkeyAuthentication yes",
                 "LogLevel ERROR", "MaxStartups 100", "MaxSessions 100", "Subsystem sftp internal-sftp",
-                *([f"SetEnv LD_PRELOAD={LIBFAKETIME} FAKETIME={self.clock_offsets[self.nodes.index(node)]}"]
+                *([f"SetEnv LD_PRELOAD={LIBFAKETIME} FAKETIME={self.clock_offsets[self.nodes.index(node)]} "
+                   "FAKETIME_DONT_FAKE_MONOTONIC=1"]
                   if self.nodes.index(node) in self.clock_offsets else []), "",
             ]))
             config_lines += [
@@ -154,7 +165,14 @@ class NamespaceCluster:
                 "  IdentitiesOnly yes", "  StrictHostKeyChecking no", "  UserKnownHostsFile /dev/null", "  LogLevel ERROR", "",
             ]
         self.ssh_config.write_text("\n".join(config_lines))
-        for node in self.nodes:  # node 0 first: the others mount the share from it
+        if self.share is not None:  # the file server first: the nodes mount the share from it
+            self.file_server.sshd_config.write_text("\n".join([
+                f"ListenAddress {self.file_server.address}", f"Port {FILE_SERVER_PORT}", f"HostKey {host_key}",
+                f"PidFile {self.file_server.sshd_pid_file}", f"AuthorizedKeysFile {authorized}", "UsePAM no",
+                "StrictModes no", "PermitRootLogin yes", "PasswordAuthentication no", "LogLevel ERROR",
+                "MaxStartups 100", "Subsystem sftp internal-sftp", ""]))
+            _sh(SSHD, "-f", str(self.file_server.sshd_config), "-E", str(self.workdir / "fileserver.sshd.log"))
+        for node in self.nodes:
             self.start_sshd(node)
             self.wait_for_ssh(node)
 
@@ -169,12 +187,37 @@ class NamespaceCluster:
             return
         steps = [f"mount -t tmpfs tmpfs {shlex.quote(target)}" if source == "tmpfs"
                  else f"mount --bind {shlex.quote(source)} {shlex.quote(target)}" for source, target in mounts]
-        if shared:  # node 0's folder through SFTP, at the same path (facts.md: shared file systems)
+        if shared:  # the file server's folder through SFTP, at the same path (facts.md: shared file systems)
             options = (f"IdentityFile={self.workdir / 'id_ed25519'},StrictHostKeyChecking=no,"
-                       "UserKnownHostsFile=/dev/null,LogLevel=ERROR")
-            steps.insert(0, shlex.join([SSHFS, "-o", options, f"root@{self.nodes[0].address}:{self.share}", str(self.share)]))
+                       f"UserKnownHostsFile=/dev/null,LogLevel=ERROR,port={FILE_SERVER_PORT}")
+            client = self.share_client_pid_file(node)
+            client.unlink(missing_ok=True)
+            # in the foreground, in the background of this shell: its pid recorded (lose_share), and
+            # the mount there before sshd starts
+            steps.insert(0, shlex.join([SSHFS, "-f", "-o", options, f"root@{self.file_server.address}:{self.share}",
+                                        str(self.share)]) + f" >/dev/null 2>&1 & echo $! > {shlex.quote(str(client))}; "
+                         f"n=0; until grep -qs ' {self.share} fuse.sshfs ' /proc/self/mounts; do n=$((n+1)); "
+                         "[ $n -gt 200 ] && exit 1; sleep 0.05; done")
         script = " && ".join([*steps, "exec " + shlex.join(sshd)])
         _sh("ip", "netns", "exec", node.namespace, "unshare", "--mount", "--propagation", "private", "sh", "-c", script)
+
+    def share_client_pid_file(self, node: Node) -> Path:
+        return self.workdir / f"{node.alias}.sshfs.pid"
+
+    def lose_share(self, node: Node) -> int:
+        """The node's sshfs client SIGKILLed (its pid recorded when it was started): the share
+        answers ENOTCONN in every session of that node. The pid killed."""
+        pid = int(self.share_client_pid_file(node).read_text().split()[0])
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def cut(self, node: Node) -> None:
+        """The node's link down (its veth's end on the bridge): its packets vanish, nothing is
+        closed, as when a switch port or a cable goes."""
+        _sh("ip", "link", "set", f"{self.prefix}v{self.nodes.index(node)}", "down")
+
+    def mend(self, node: Node) -> None:
+        _sh("ip", "link", "set", f"{self.prefix}v{self.nodes.index(node)}", "up")
 
     def mounted_share(self, node: Node) -> bool:
         """Whether ``share`` is an sshfs mount in the sessions of ``node``."""
@@ -265,6 +308,7 @@ class NamespaceCluster:
 
     # -- teardown ------------------------------------------------------------------------------
     def close(self) -> None:
+        self.kill_sshd(self.file_server)
         for node in self.nodes:
             self.kill_sshd(node)
             for pid in self.namespace_pids(node):  # anything a failed test left in our namespace
