@@ -11,10 +11,12 @@ in that node's own mount namespace, in which its sshd and so every session there
 cluster's shared file system as it is, not one coherent disk. :meth:`NamespaceCluster.lose_share`
 kills a node's sshfs client (the share then answers ENOTCONN there, as a crashed client's does);
 :meth:`NamespaceCluster.cut` sets a node's link down (its packets vanish, no connection is closed).
-``clock_offsets`` ({node index: "+30s"}) give every session on a node a wall clock that far off (libfaketime, Debian's
-``faketime``, through the node's sshd_config ``SetEnv``); its monotonic clock stays the machine's,
-as a real machine's does (libfaketime would shift CLOCK_MONOTONIC too, but not the kernel's timed
-waits: a thread's 2 s wait then lasts 32 s). Everything created here is named with a
+``clock_offsets`` ({node index: "+30s"}) give every session on a node a clock that far off (libfaketime, Debian's
+``faketime``, through the node's sshd_config ``SetEnv``). libfaketime 0.9.10 shifts
+CLOCK_MONOTONIC too, and ``time.sleep`` with it, but not a lock's timed wait (``sem_clockwait``):
+there a thread's 2 s ``Event.wait`` or ``Thread.join`` lasts 32 s, so the supervisor times its
+threads with sleeps (orchestration/node/board.py ``join_within``); with
+``FAKETIME_DONT_FAKE_MONOTONIC=1`` every ``time.sleep`` fails with EINVAL instead. Everything created here is named with a
 per-process prefix and torn down by :meth:`NamespaceCluster.close`, also after a failure.
 Addresses are private (10.213.x.0/24) and exist only inside these namespaces.
 """
@@ -156,8 +158,7 @@ class NamespaceCluster:
                 f"AuthorizedKeysFile {authorized}", "UsePAM no", "StrictModes no", "PermitRootLogin yes",
                 "PasswordAuthentication no", "KbdInteractiveAuthentication no", "PubkeyAuthentication yes",
                 "LogLevel ERROR", "MaxStartups 100", "MaxSessions 100", "Subsystem sftp internal-sftp",
-                *([f"SetEnv LD_PRELOAD={LIBFAKETIME} FAKETIME={self.clock_offsets[self.nodes.index(node)]} "
-                   "FAKETIME_DONT_FAKE_MONOTONIC=1"]
+                *([f"SetEnv LD_PRELOAD={LIBFAKETIME} FAKETIME={self.clock_offsets[self.nodes.index(node)]}"]
                   if self.nodes.index(node) in self.clock_offsets else []), "",
             ]))
             config_lines += [

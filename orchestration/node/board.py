@@ -94,6 +94,21 @@ class MemoryStore:
         return all(k in self._data for k in keys)
 
 
+def join_within(thread: threading.Thread, seconds: float) -> bool:
+    """Wait up to ``seconds`` for ``thread`` to end (whether it did), timed by sleeps on this
+    machine's monotonic clock, not by a lock's timed wait: where libfaketime offsets a node's clock
+    (the tests' node 1), it shifts the monotonic clock that ``time.sleep`` follows but not the
+    kernel's ``sem_clockwait`` under ``Thread.join(timeout)``, which then waits 30 s longer."""
+    deadline, pause = time.monotonic() + seconds, 0.0005
+    while thread.is_alive():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.05)
+    return True
+
+
 class DeadlineStore:
     """A :class:`Store` whose every call answers within ``deadline_s`` or raises
     :class:`BoardUnreachable`, as does any error of the store's. The call runs in a daemon thread
@@ -121,8 +136,7 @@ class DeadlineStore:
         thread = threading.Thread(target=call, name=f"store-{op}", daemon=True)
         self._out = (thread, op, time.monotonic())
         thread.start()
-        thread.join(self.deadline_s)
-        if thread.is_alive():
+        if not join_within(thread, self.deadline_s):
             raise BoardUnreachable(f"node 0's coordination store did not answer a {op} within {self.deadline_s:.0f} s")
         self._out = None
         if "error" in answer:

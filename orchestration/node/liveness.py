@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Callable, Mapping
 
-from orchestration.node.board import BoardUnreachable, Store
+from orchestration.node.board import BoardUnreachable, Store, join_within
 from orchestration.node.run_state import HEARTBEAT_S
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,12 @@ class Liveness:
         self.tick()
 
         def beat() -> None:
-            while not self._stop.wait(self.period_s):
+            while True:
+                deadline = time.monotonic() + self.period_s
+                while not self._stop.is_set() and time.monotonic() < deadline:
+                    time.sleep(min(0.1, self.period_s))  # sleeps, not a timed wait: board.join_within says why
+                if self._stop.is_set():
+                    return
                 self.tick()
 
         self._thread = threading.Thread(target=beat, name=f"beat-node{self.rank}", daemon=True)
@@ -143,4 +148,4 @@ class Liveness:
         """No more beats: the thread ends after its current round (which a deadline bounds)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(self.period_s + 1.0)
+            join_within(self._thread, self.node_lost_s + 1.0)

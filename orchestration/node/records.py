@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from orchestration.node.board import join_within
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -62,8 +64,7 @@ class RecordKeeper:
 
         self._out = threading.Thread(target=call, name="record-write", daemon=True)
         self._out.start()
-        self._out.join(deadline_s)
-        if self._out.is_alive():
+        if not join_within(self._out, deadline_s):
             self._failed(what, f"did not return within {deadline_s:.0f} s")
             return default
         if "error" in answer:

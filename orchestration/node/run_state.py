@@ -54,7 +54,8 @@ class RunState(str, enum.Enum):
     GAVE_UP = "gave up"
     """The restart breaker: attempts in a row that made no progress (no new checkpoint)."""
     STOPPED = "stopped"
-    """Stopped on request, or because another node failed."""
+    """Stopped on request (a node's attempt also ends so when another node failed; the run's end,
+    every node's exit record, is node 0's decision)."""
     LOST = "lost"
     """A node left out of the run after its machine or its supervisor was gone (NNODES=MIN:MAX): the
     others went on without it."""
