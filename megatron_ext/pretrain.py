@@ -32,7 +32,7 @@ from megatron_ext.host.devices import visible_gpu_count
 from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
 from megatron_ext.run_spec.params import BatchGeometry, RunParams, load_run_params, read_overrides, with_batch_geometry
 from megatron_ext.run_spec.resilience import ATTEMPT_ENV, PROGRESS_DIR_ENV
-from megatron_ext.run_spec.run_paths import RunPaths, artifact_root, check_run_name
+from megatron_ext.run_spec.run_paths import RunPaths, artifact_root, check_root_writable, check_run_name
 from megatron_ext.run_spec.wandb_run import WandbSettings, read_wandb_settings, wandb_missing_message
 from megatron_ext.run_spec.zero import parse_zero_stage
 
@@ -117,6 +117,7 @@ def check_inputs(args, env: Mapping[str, str]) -> CheckedInputs:
     params, geometry = with_batch_geometry(load_run_params(args.model, args.data, overrides), ranks["world_size"])
     check_device_connections(params.training.zero_stage, env)
     paths = RunPaths(artifact_root(env), run)
+    check_root_writable(paths.root)
     planned_prepared(params.data, paths.data_cache_dir)  # missing data paths fail here, on every rank
     wandb = read_wandb_settings(env)
     if wandb and wandb.enabled and importlib.util.find_spec("wandb") is None:  # the launcher's preflight says so first

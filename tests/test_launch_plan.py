@@ -70,6 +70,50 @@ def test_bad_launch_env(env, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("given,blocked,what", [
+    ("file", "file", "is a file"),
+    ("file/runs", "file", "is under {tmp}/file, which is a file"),
+    ("dangling/runs", "dangling", "is under {tmp}/dangling, which is a link to {tmp}/gone, which does not exist"),
+    ("/dev/null", "/dev/null", "is not a directory"),
+])
+def test_an_artifact_root_where_no_directory_can_be_is_refused_by_every_command(tmp_path, given, blocked, what):
+    """At the one read of ARTIFACT_ROOT, before any command (start, stop, status, export, ...) looks
+    under it: the value, the rule, the fix; nothing made."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    root = given if given.startswith("/") else str(tmp_path / given)
+    with pytest.raises(UserError) as refused:
+        read_launch_env({"ARTIFACT_ROOT": root})
+    assert str(refused.value) == (
+        f"ARTIFACT_ROOT={root} {what.format(tmp=tmp_path)}; the artifact root must be a directory (every run's logs, run "
+        f"state and checkpoints go under it): set ARTIFACT_ROOT to a directory (e.g. ARTIFACT_ROOT=$HOME/runs), or unset "
+        f"it for {REPO / 'artifacts'}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "file"]
+    assert read_launch_env({"ARTIFACT_ROOT": str(tmp_path / "new" / "root")}).artifact_root == tmp_path / "new" / "root"
+
+
+def test_a_start_refuses_an_artifact_root_it_cannot_write(tmp_path):
+    """A start (and train, preflight, submit, the sweep, their dry runs) needs to write there: where no
+    folder can be made it is refused before anything starts, and the probe leaves nothing behind."""
+    with pytest.raises(UserError, match=r"^ARTIFACT_ROOT=/proc/no_such_root cannot be made: /proc takes no new folder \("
+                                        r".*; a start writes every run's logs, run state and checkpoints under it: set "
+                                        r"ARTIFACT_ROOT to a directory this machine can write"):
+        _inputs({"ARTIFACT_ROOT": "/proc/no_such_root"}, tmp_path)
+    launch, inputs = _inputs({"ARTIFACT_ROOT": str(tmp_path / "new" / "root")}, tmp_path)
+    assert inputs.run == "r1" and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [["status", "r1"], ["stop", "r1", "--this-node"], ["check-checkpoints", "r1"]])
+def test_stop_and_status_under_a_file_say_so(tmp_path, monkeypatch, capsys, command):
+    from orchestration import cli
+
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("ARTIFACT_ROOT", str(tmp_path / "file"))
+    assert cli.main(command) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"error: ARTIFACT_ROOT={tmp_path / 'file'} is a file; ") and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("run", ["has space", "semi;colon", "", "-dash", "a" * 200, "quote'", "$(x)"])
 def test_bad_run_names(run):
     with pytest.raises(UserError, match="is not a valid run name"):
@@ -85,7 +129,7 @@ def test_node_plans_fix_node_rank_and_forward_environment(tmp_path):
     env = {"HOSTS": "n0,n1", "NPROC_PER_NODE": "8", "ZERO_STAGE": "2", "NCCL_IB_HCA": "mlx5", "GLOO_SOCKET_IFNAME": "eth0",
            "CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "PYTHONPATH": "/x",
            "MEGATRON_LM_DIR": "/m", "PATH": "/bin", "VIRTUAL_ENV": "/venv", "CONDA_PREFIX": "/c", "HOME": "/root", "SECRET": "no",
-           "ARTIFACT_ROOT": "/shared/art", "global_batch": "ignored"}
+           "ARTIFACT_ROOT": str(tmp_path / "shared" / "art"), "global_batch": "ignored"}
     launch, inputs = _inputs(env, tmp_path)
     plan = plan_start(launch, inputs)
     assert [p.node_rank for p in plan.nodes] == [0, 1] and plan.run_id == inputs.run_id
@@ -96,9 +140,10 @@ def test_node_plans_fix_node_rank_and_forward_environment(tmp_path):
         assert argv[argv.index("--node-rank") + 1] == str(p.node_rank)
         assert argv[argv.index("--nnodes") + 1] == "2" and argv[argv.index("--master-addr") + 1] == "n0"
         assert "--rdzv-backend" not in argv  # static rendezvous: ranks follow --node-rank
-        assert p.env["NODE_RANK"] == str(p.node_rank) and p.env["ARTIFACT_ROOT"] == "/shared/art"
+        assert p.env["NODE_RANK"] == str(p.node_rank) and p.env["ARTIFACT_ROOT"] == str(tmp_path / "shared" / "art")
         assert (p.env["LAUNCHER_RUN"], p.env["LAUNCHER_RUN_ID"], p.env["LAUNCHER_NODE_RANK"]) == ("r1", plan.run_id, str(p.node_rank))
-        assert p.log_path == f"/shared/art/logs/r1_node{p.node_rank}.log" and p.pid_path.endswith(f"run_state/r1_node{p.node_rank}.pid")
+        assert p.log_path == f"{tmp_path}/shared/art/logs/r1_node{p.node_rank}.log"
+        assert p.pid_path.endswith(f"run_state/r1_node{p.node_rank}.pid")
         for key in ("NCCL_IB_HCA", "GLOO_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
                     "PYTHONPATH", "MEGATRON_LM_DIR", "PATH", "VIRTUAL_ENV", "CONDA_PREFIX"):
             assert p.env[key] == env[key]

@@ -160,6 +160,24 @@ def test_bad_input_starts_nothing(env, artifact_root, extra, args, message):
     assert not (artifact_root / "run_state" / f"{args[2]}_node0.pid").exists()
 
 
+@pytest.mark.parametrize("root,message", [
+    ("{file}", "ARTIFACT_ROOT={file} is a file; the artifact root must be a directory (every run's logs, run state and "
+               "checkpoints go under it): set ARTIFACT_ROOT to a directory"),
+    ("/proc/no_such_root", "ARTIFACT_ROOT=/proc/no_such_root cannot be made: /proc takes no new folder ("),
+], ids=["a_file", "cannot_be_made"])
+def test_an_artifact_root_that_cannot_be_one_starts_nothing(env, tmp_path, root, message):
+    """One line naming the value, the rule and the fix, exit 2, nothing started or made (each used to
+    end in a traceback from the preflight, exit 1)."""
+    (tmp_path / "file").write_text("not a directory\n")
+    root, message = root.format(file=tmp_path / "file"), message.format(file=tmp_path / "file")
+    proc = run_script("start_training.sh", "gpt_smoke", "smoke", "bad_root", env={**env, "ARTIFACT_ROOT": root}, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"error: {message}"), proc.stderr
+    assert "or unset it for " in proc.stderr
+    assert tagged_pids("bad_root") == [] and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    assert (tmp_path / "file").read_text() == "not a directory\n" and not os.path.exists("/proc/no_such_root")
+
+
 @pytest.mark.parametrize("dry_run", ["", "1"])
 def test_a_tokenizer_that_does_not_load_starts_nothing(env, artifact_root, tmp_path, dry_run):
     """An invalid tokenizer.json: one message before anything starts (it used to say "started" and

@@ -18,12 +18,18 @@ Layout (``RunPaths``)::
     $ARTIFACT_ROOT/runs/<run>/wandb/, wandb.json W&B's files (WANDB_PROJECT set), the W&B run id
     $ARTIFACT_ROOT/data_cache/                  prepared corpora and dataset index caches
 
-Pure path arithmetic.
+Path arithmetic, and the root's two checks: :func:`artifact_root` (every reader of ARTIFACT_ROOT:
+the launcher's commands, the training program) refuses a root where no directory can be, a file at
+it or above it, and only looks; :func:`check_root_writable` (what starts, before anything is
+started) makes and removes one empty folder to learn that a start can write there.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -35,10 +41,62 @@ DEFAULT_ARTIFACT_ROOT = REPO_ROOT / "artifacts"
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+ROOT_RULE = "the artifact root must be a directory (every run's logs, run state and checkpoints go under it)"
+
+
 def artifact_root(env: Mapping[str, str]) -> Path:
-    """``$ARTIFACT_ROOT`` from an environment mapping, or ``<repo>/artifacts``: the single default."""
+    """``$ARTIFACT_ROOT`` from an environment mapping, or ``<repo>/artifacts``: the single default. A
+    UserError where no directory can be there (a file, or a path under one). Looks, changes nothing."""
     value = env.get("ARTIFACT_ROOT", "").strip()
-    return Path(value).expanduser().absolute() if value else DEFAULT_ARTIFACT_ROOT
+    root = Path(value).expanduser().absolute() if value else DEFAULT_ARTIFACT_ROOT
+    blocked = _in_the_way(root)
+    if blocked is not None:
+        path, what = blocked
+        where = f"is {what}" if path == root else f"is under {path}, which is {what}"
+        raise UserError(f"{_named(root)} {where}; {ROOT_RULE}: {_root_fix(root, 'a directory', f'move {path} away')}")
+    return root
+
+
+def check_root_writable(root: Path) -> None:
+    """A UserError where a start could not write under ``root`` on this machine: the root, or where it
+    does not exist the nearest folder above it that does, takes no new folder (a read-only or pseudo
+    file system such as /proc, no permission). Makes and removes one empty folder there."""
+    base = next(p for p in (root, *root.parents) if p.exists())
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=base))
+    except OSError as exc:
+        where = "is not writable here" if base == root else f"cannot be made: {base} takes no new folder"
+        raise UserError(f"{_named(root)} {where} ({exc.strerror}); a start writes every run's logs, run state and "
+                        f"checkpoints under it: {_root_fix(root, 'a directory this machine can write', f'make {base} writable')}"
+                        ) from None
+
+
+def _in_the_way(root: Path) -> tuple[Path, str] | None:
+    """The first path at or above ``root`` that exists and is no directory, and what it is; None where
+    the nearest existing one is a directory."""
+    for path in (root, *root.parents):
+        try:
+            mode = path.stat().st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            if path.is_symlink():
+                return path, f"a link to {os.readlink(path)}, which does not exist"
+            continue
+        except OSError as exc:
+            return path, f"out of reach ({exc.strerror})"
+        if stat.S_ISDIR(mode):
+            return None
+        return path, "a file" if stat.S_ISREG(mode) else "not a directory"
+    return None
+
+
+def _named(root: Path) -> str:
+    return f"ARTIFACT_ROOT={root}" if root != DEFAULT_ARTIFACT_ROOT else f"the artifact root {root} (ARTIFACT_ROOT unset)"
+
+
+def _root_fix(root: Path, directory: str, otherwise: str) -> str:
+    """Set ARTIFACT_ROOT to ``directory``, or unset it (or, where it is unset, do ``otherwise``)."""
+    alternative = otherwise if root == DEFAULT_ARTIFACT_ROOT else f"unset it for {DEFAULT_ARTIFACT_ROOT}"
+    return f"set ARTIFACT_ROOT to {directory} (e.g. ARTIFACT_ROOT=$HOME/runs), or {alternative}"
 
 
 def check_run_name(run: str) -> str:

@@ -39,7 +39,7 @@ from megatron_ext.run_spec.checkpoints import check_resumable, latest_iteration,
 from megatron_ext.run_spec.params import BatchGeometry, RunParams, load_run_params, with_batch_geometry
 from megatron_ext.run_spec.resilience import ATTEMPT_ENV, FLIGHT_RECORDER_ENTRIES, FLIGHT_RECORDER_ENV, PROGRESS_DIR_ENV
 from megatron_ext.run_spec.resolved import ResolvedRun, RunRuntime, write_resolved
-from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
+from megatron_ext.run_spec.run_paths import RunPaths, check_root_writable, check_run_name
 from megatron_ext.run_spec.wandb_run import WandbState, read_wandb_state, write_wandb_state
 from orchestration.cluster.backends import backend_for
 from orchestration.cluster.fanout import NodeResult
@@ -132,10 +132,12 @@ class StartPlan:
 
 def read_start_inputs(launch: LaunchEnv, model: str, data: str, run: str, nodes: Sequence[tuple[int, str]]) -> StartInputs:
     """Checked params for the whole cluster (world = NNODES x NPROC_PER_NODE) and everything else a
-    start depends on; a UserError before anything starts. Reads files only."""
+    start depends on; a UserError before anything starts. Reads files only (and makes and removes one
+    empty folder: whether the artifact root takes the run's files)."""
     from megatron_ext.data.tokenizers import check_tokenizer
 
     check_run_name(run)
+    check_root_writable(launch.artifact_root)
     params = load_run_params(model, data, launch.overrides)
     check_tokenizer(params.data.tokenizer)
     params, geometry = with_batch_geometry(params, launch.world_size)

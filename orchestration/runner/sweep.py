@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import load_run_params, with_batch_geometry
-from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
+from megatron_ext.run_spec.run_paths import RunPaths, check_root_writable, check_run_name
 from megatron_ext.host.procfs import pid_is_alive, process_start_time
 from orchestration.analysis.compare import DEFAULT_WARMUP_ITERATIONS, RunOutcome, RunSummary, compare_runs, run_records
 from orchestration.analysis.comparison_files import ComparisonFiles, write_comparison
@@ -107,8 +107,10 @@ def _stage_launch(launch: LaunchEnv, stage: int) -> LaunchEnv:
 def check_sweep(launch: LaunchEnv, model: str, data: str, prefix: str, stages: Sequence[int]) -> int:
     """Everything a sweep can refuse before it starts anything: names, every stage's parameters
     and batch at this world size, stage runs that would resume from old checkpoints, a sweep
-    PREFIX already running, a live run called PREFIX. The iterations of each stage."""
+    PREFIX already running, a live run called PREFIX, an artifact root it cannot write. The
+    iterations of each stage."""
     check_run_name(prefix)
+    check_root_writable(launch.artifact_root)
     iterations = 0
     for stage in stages:
         run = check_run_name(stage_run_name(prefix, stage))
