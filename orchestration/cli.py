@@ -599,7 +599,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="fraction of memory kept free (default 0.1)")
     p.add_argument("--bus-bandwidth-gbs", type=float, default=DEFAULT_BUS_BANDWIDTH_GBS,
                    help=f"data-parallel bus bandwidth, GB/s (default {DEFAULT_BUS_BANDWIDTH_GBS:g}: 4x8 H100 all-reduce)")
-    p.add_argument("--seq-length", type=int, help="tokens per sequence (default the data set's, else 4096)")
+    p.add_argument("--seq-length", type=int, help="tokens per sequence, at most the model's max_position_embeddings (default the data "
+                   "set's, else 4096 or the model's positions where fewer)")
     p.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (default the data set's, else 1)")
     p.add_argument("--vocab-size", type=int, help="unpadded vocabulary (default the preset's, else the data set's)")
     p.add_argument("--grad-reduce-in-bf16", action="store_true", default=None,

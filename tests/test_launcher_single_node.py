@@ -149,8 +149,10 @@ os.execvpe(cmd[0], cmd, env)
     ({}, ("gpt_smoke", "smoke", "bad;run"), "is not a valid run name"),
     ({}, ("gpt9", "smoke", "r"), "unknown model 'gpt9'"),
     ({"ZERO_STAGE": "7"}, ("gpt_smoke", "smoke", "r"), "ZERO_STAGE='7' is not a ZeRO stage"),
-    ({"NPROC_PER_NODE": "3"}, ("gpt_smoke", "gpt2_smoke", "r"),
+    ({"NPROC_PER_NODE": "3"}, ("gpt2", "gpt2_smoke", "r"),
      "global_batch_size=64 is not divisible by micro_batch_size(2) x data_parallel_size(3)"),
+    ({}, ("gpt_smoke", "gpt2_smoke", "r"), "data/gpt2_smoke.yaml:training.seq_length=1024 is longer than model "
+                                           "gpt_smoke's max_position_embeddings=256: "),
 ])
 def test_bad_input_starts_nothing(env, artifact_root, extra, args, message):
     proc = run_script("start_training.sh", *args, env={**env, **extra}, timeout=60)

@@ -8,7 +8,8 @@ import pytest
 
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import (
-    RunOverrides, TrainingParams, batch_geometry, list_data_sets, list_models, load_run_params, read_overrides,
+    RunOverrides, TrainingParams, batch_geometry, list_data_sets, list_models, load_data_set, load_model, load_run_params,
+    read_overrides,
 )
 from megatron_ext.training.loop import cpu_threads, learning_rate
 from megatron_ext.training.megatron_core_releases import check_megatron_core
@@ -17,10 +18,27 @@ from megatron_ext.run_spec.zero import ZeroStage, parse_zero_stage
 
 @pytest.mark.parametrize("model", list_models())
 @pytest.mark.parametrize("data", list_data_sets())
-def test_every_model_loads_with_every_data_set(model, data):
+def test_every_model_loads_with_every_data_set_whose_sequence_it_holds(model, data):
+    """A pair loads as written, or is refused: a data set's sequence longer than the model's positions
+    (gpt2_smoke's 1024 on gpt_smoke's 256) is never cut to fit without a word."""
+    seq_length = load_data_set(data)[1].seq_length
+    positions = load_model(model).max_position_embeddings
+    if seq_length > positions:
+        with pytest.raises(UserError) as refused:
+            load_run_params(model, data)
+        assert (f"data/{data}.yaml:training.seq_length={seq_length} is longer than model {model}'s "
+                f"max_position_embeddings={positions}") in str(refused.value)
+        assert f"set it to at most {positions}" in str(refused.value)
+        return
     p = load_run_params(model, data)
-    assert p.training.seq_length <= p.model.max_position_embeddings
-    assert p.training.zero_stage == 0
+    assert p.training.seq_length == seq_length and p.training.zero_stage == 0
+
+
+@pytest.mark.parametrize("model,data", [("gpt_smoke", "smoke"), ("qwen3_smoke", "smoke"), ("gpt2", "gpt2_smoke"),
+                                        ("qwen3_1p7b", "qwen3_1p7b_smoke"), ("qwen3_1p7b", "qwen3_1p7b_gbs2048"),
+                                        ("llama3_8b", "qwen3_1p7b_smoke")])
+def test_the_pairs_the_docs_and_scripts_use_hold_their_sequence(model, data):
+    assert load_run_params(model, data).training.seq_length == load_data_set(data)[1].seq_length
 
 
 def test_required_presets_exist():
@@ -28,10 +46,22 @@ def test_required_presets_exist():
     assert {"smoke", "qwen3_1p7b_smoke"} <= set(list_data_sets())
 
 
-def test_smoke_shrinks_sequence_to_model_positions(tmp_path):
+@pytest.mark.parametrize("positions,kind,fix", [
+    (256, "learned_absolute", "use a model with at least that many positions"),
+    (64, "rope", "raise max_position_embeddings in a preset of your own"),
+])
+def test_a_sequence_longer_than_the_model_s_positions_is_refused(tmp_path, positions, kind, fix):
+    """Value, rule and fix in one error (it used to train at the model's length and say nothing)."""
     model = tmp_path / "short.yaml"
-    model.write_text("num_layers: 1\nhidden_size: 32\nffn_hidden_size: 64\nnum_attention_heads: 2\nmax_position_embeddings: 64\n")
-    assert load_run_params(str(model), "smoke").training.seq_length == 64
+    model.write_text("num_layers: 1\nhidden_size: 32\nffn_hidden_size: 64\nnum_attention_heads: 2\n"
+                     f"max_position_embeddings: {positions}\nposition_embedding_type: {kind}\n")
+    data = tmp_path / "long.yaml"
+    data.write_text("data: {source: embedded}\ntraining: {seq_length: 100000000}\n")
+    with pytest.raises(UserError) as refused:
+        load_run_params(str(model), str(data))
+    assert str(refused.value).startswith(
+        f"{data}:training.seq_length=100000000 is longer than model short's max_position_embeddings={positions}: "
+        f"a sequence cannot have more tokens than the model has positions; set it to at most {positions}, or {fix}")
 
 
 def test_zero_stage_from_environment_overrides_params():

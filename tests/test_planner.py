@@ -173,6 +173,16 @@ def test_qwen3_1p7b_gbs2048_on_32_gpus_traffic_as_the_command_plans_it():
         plan_memory(load_model("qwen3_1p7b"), micro_batch_size=4, global_batch_size=100, **ON_32_GPUS)
 
 
+def test_the_sequence_planned_is_one_the_model_holds():
+    """plan-memory plans no sequence the model cannot train: --seq-length longer than its positions is
+    refused as a data set's is; without one, 4096 or the model's positions where fewer."""
+    with pytest.raises(UserError, match=r"^--seq-length=1024 is longer than model gpt_smoke's max_position_embeddings=256: "
+                                        r".*set it to at most 256"):
+        plan_memory_request(MemoryRequest(model="gpt_smoke", vocab_size=2048, seq_length=1024), 1, 2, None)
+    assert plan_memory_request(MemoryRequest(model="gpt_smoke", vocab_size=2048), 1, 2, None).seq_length == 256
+    assert plan_memory_request(MemoryRequest(model="qwen3_1p7b"), 1, 2, None).seq_length == 4096
+
+
 def test_lowest_stage_that_fits():
     qwen = load_model("qwen3_1p7b")
     kwargs = dict(micro_batch_size=1, **ON_32_GPUS)

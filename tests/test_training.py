@@ -157,7 +157,7 @@ BAD_INPUTS = [
     (["--model", "gpt5", "--data", "smoke"], {}, "unknown model 'gpt5'"),
     (["--model", "gpt_smoke", "--data", "nosuch"], {}, "unknown data set 'nosuch'"),
     (["--model", "gpt_smoke", "--data", "smoke"], {"ZERO_STAGE": "7"}, "ZERO_STAGE='7' is not a ZeRO stage"),
-    (["--model", "gpt_smoke", "--data", "gpt2_smoke"], {"WORLD_SIZE": "3"},
+    (["--model", "gpt2", "--data", "gpt2_smoke"], {"WORLD_SIZE": "3"},
      "global_batch_size=64 is not divisible by micro_batch_size(2) x data_parallel_size(3) = 6"),
 ]
 

@@ -55,7 +55,7 @@ class ModelPreset:
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocabulary up to a multiple of this (tokens)."""
     max_position_embeddings: int = 2048
-    """Longest sequence the positions support (tokens); training sequences are cut to it."""
+    """Longest sequence the positions support (tokens); a longer training.seq_length is refused."""
     position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
     """Rotary or learned absolute positions."""
     rotary_base: int = 10000
@@ -142,7 +142,7 @@ class TrainingParams:
     """
 
     seq_length: int = 128
-    """Tokens per sequence (cut to the model's max_position_embeddings)."""
+    """Tokens per sequence; at most the model's max_position_embeddings (:func:`check_seq_length`)."""
     micro_batch_size: int = 4
     """Sequences per rank per forward/backward."""
     global_batch_size: int | None = None
@@ -403,8 +403,7 @@ def load_run_params(
         stage = parse_zero_stage(str(training.zero_stage), source=f"{where}:training.zero_stage")
     engine = overrides.engine or check_engine(training.engine, f"{where}:training.engine")
     training = dataclasses.replace(
-        training, zero_stage=int(stage), seq_length=min(training.seq_length, preset.max_position_embeddings),
-        engine=engine, train_iters=overrides.train_iters or training.train_iters,
+        training, zero_stage=int(stage), engine=engine, train_iters=overrides.train_iters or training.train_iters,
         resilience=with_overrides(training.resilience, overrides.resilience),
     )
     if overrides.global_batch_size:
@@ -455,6 +454,7 @@ def validate_run_params(p: RunParams) -> None:
         value = getattr(t, key)
         if value is not None and value <= 0:
             raise UserError(f"training.{key}={value} must be > 0")
+    check_seq_length(t.seq_length, m, f"{_where('data', p.data_set)}:training.seq_length")
     if t.global_batch_size is not None and t.gradient_accumulation_steps is not None:
         raise UserError(
             f"training sets both global_batch_size={t.global_batch_size} and gradient_accumulation_steps="
@@ -472,6 +472,20 @@ def validate_run_params(p: RunParams) -> None:
             f"global_batch_size={t.global_batch_size} is not divisible by micro_batch_size="
             f"{t.micro_batch_size}; change one of them"
         )
+
+
+def check_seq_length(seq_length: int, m: ModelPreset, source: str) -> None:
+    """A UserError naming both and the fix where ``m`` has fewer positions than ``seq_length`` (never cut
+    to fit). Megatron-LM asserts the same for either position type (``max_position_embeddings >=
+    seq_length``); learned positions are weights of that many rows, rotary ones a preset may extend."""
+    if seq_length <= m.max_position_embeddings:
+        return
+    more = ("raise max_position_embeddings in a preset of your own (rotary positions are computed, not learned)"
+            if m.position_embedding_type == "rope" else
+            "use a model with at least that many positions (learned_absolute positions are weights: they do not extend)")
+    raise UserError(f"{source}={seq_length} is longer than model {m.name}'s max_position_embeddings="
+                    f"{m.max_position_embeddings}: a sequence cannot have more tokens than the model has positions; "
+                    f"set it to at most {m.max_position_embeddings}, or {more}")
 
 
 def batch_geometry(t: TrainingParams, data_parallel_size: int) -> BatchGeometry:

@@ -74,7 +74,8 @@ from typing import Literal
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.flops import bf16_share_under_fp8, flops_per_token
 from megatron_ext.run_spec.model_size import count_model_parameters
-from megatron_ext.run_spec.params import ModelPreset, RunOverrides, RunParams, batch_geometry, load_model, load_run_params
+from megatron_ext.run_spec.params import (ModelPreset, RunOverrides, RunParams, batch_geometry, check_seq_length, load_model,
+                                          load_run_params)
 
 Precision = Literal["bf16", "fp32"]
 """bf16: GPUs (Megatron's mixed precision); fp32: the CPU path (torch, gloo)."""
@@ -536,7 +537,9 @@ def plan_memory_request(r: MemoryRequest, nnodes: int, nproc_per_node: int, gpu_
         seq, micro = seq or t.seq_length, micro or t.micro_batch_size
         gbs, accumulation, bf16_reduce = geometry.global_batch_size, geometry.accumulation_steps, t.grad_reduce_in_bf16
         fp8 = t.fp8 is not None
-    seq = min(seq or 4096, preset.max_position_embeddings)
+    if r.seq_length is not None:
+        check_seq_length(r.seq_length, preset, "--seq-length")
+    seq = seq or min(4096, preset.max_position_embeddings)  # the data set's was checked as it loaded
     return plan_memory(preset, vocab_size=vocab, nnodes=nnodes, nproc_per_node=nproc, seq_length=seq,
                        micro_batch_size=micro or 1, precision=precision, device=device,
                        device_bytes=memory_gb * GB if memory_gb else None, headroom=r.headroom,
