@@ -105,13 +105,14 @@ def test_resume_is_exact_at_every_stage(runs):
         assert two["gathers_after_load"][0] == 0 < two["gathers_after_load"][1], two  # pre-hook off, then on
     if stage >= 2:
         assert two["state_dict_roundtrip"] == "KeyError: 'param_groups'"
-    # Each rank recorded (read back) the files it wrote itself: its data file and rank file.
+    # Each rank recorded (read back) the files it wrote itself, found by their names: together every file.
     from megatron_ext.run_spec.checksums import writer_rank
 
     folder = root / "two" / f"checkpoints_z{stage}" / "iter_0000003" / "checksums"
     records = {r: set(json.loads((folder / f"rank{r}.json").read_text())["files"]) for r in (0, 1)}
     assert {"__1_0.distcp", "rank1.pt"} <= records[1] and {"meta.json", "__0_0.distcp", "rank0.pt"} <= records[0], records
     assert all(writer_rank(name) == r for r, names in records.items() for name in names), records
+    assert records[0] | records[1] == {p.name for p in folder.parent.iterdir() if p.is_file()}, records  # found by name: all
     # export_hf reads these layouts too: megatron-core's torch_dist (stages 0-1: stacked layers),
     # Megatron-FSDP's fp32 main weights under its module. prefix (stages 2-3), in one process.
     exported = exportable_weights(root / "two" / f"checkpoints_z{stage}" / "iter_0000003")

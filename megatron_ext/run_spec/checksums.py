@@ -3,10 +3,13 @@
     bash training_scripts/check_checkpoints.sh demo          # every checkpoint of the run: verified or damaged
 
 Each rank, right after a save, records every file it wrote (size and CRC-32, read back on the node
-that wrote them, while the bytes are still in its page cache: :func:`writer_rank`) in
-``checksums/rank<R>.json`` inside the checkpoint folder; the
-``latest`` marker is written after every rank did (torch.distributed.checkpoint carries no
-checksum of its own). A checkpoint verifies when every recorded file is there with its size and
+that wrote them, while the bytes are still in its page cache) in ``checksums/rank<R>.json`` inside
+the checkpoint folder: the files it finds by the names its writers give them
+(:func:`files_written_by`, :func:`writer_rank`), never by listing a folder the other nodes write
+into (a shared file system shows another node's names late); the ``latest`` marker is written
+after every rank did (torch.distributed.checkpoint carries no checksum of its own). At a resume
+each rank reads the records of its share of the writers by name and checks their files
+(:func:`verify_writers`). A checkpoint verifies when every recorded file is there with its size and
 CRC-32; a missing file, another size (a truncated copy, a quota hit) or other bytes make it
 damaged, naming the file. A checkpoint without records (written before this existed, or by a
 Megatron-LM release without ``--verify-integrity``) is "unrecorded": loaded as before, never
@@ -71,6 +74,26 @@ def writer_rank(name: str) -> int:
     return int(match.group(1) or match.group(2)) if match else 0
 
 
+RANK_0_FILES = (".metadata", "metadata.json", "common.pt", "meta.json")
+"""What rank 0 alone writes into a checkpoint: torch.distributed.checkpoint's ``.metadata`` (its
+coordinator), megatron-core's ``metadata.json`` and ``common.pt`` (torch_dist format), this
+project's ``meta.json``."""
+
+
+def files_written_by(checkpoint: Path, rank: int) -> list[Path]:
+    """The files ``rank`` wrote into ``checkpoint``, found by their names on this rank's own machine
+    (which shows its own writes at once), not by listing the folder: ``rank<R>.pt``; the data files
+    ``__<R>_0.distcp``, ``__<R>_1.distcp``, ... that torch.distributed.checkpoint's
+    FileSystemWriter (a file per writer thread) and megatron-core's FileSystemWriterAsync (a file
+    per non-empty bucket) number from 0 without a gap; on rank 0, :data:`RANK_0_FILES` present."""
+    names = [f"rank{rank}.pt", *(RANK_0_FILES if rank == 0 else ())]
+    count = 0
+    while (checkpoint / f"__{rank}_{count}.distcp").is_file():
+        names.append(f"__{rank}_{count}.distcp")
+        count += 1
+    return [checkpoint / name for name in names if (checkpoint / name).is_file()]
+
+
 def written_by(names: Iterable[str], rank: int, world: int) -> list[str]:
     """The ``names`` that ``rank`` of ``world`` wrote (or, at another world size, its share of the
     writers: rank ``writer_rank % world``), so that a rank reads back, at a save and at a resume,
@@ -78,13 +101,18 @@ def written_by(names: Iterable[str], rank: int, world: int) -> list[str]:
     return [name for name in names if writer_rank(name) % world == rank]
 
 
-def record_files(checkpoint: Path, files: Iterable[Path], writer: str) -> Path:
-    """Record ``files`` (inside ``checkpoint``) as ``writer`` wrote them: ``checksums/<writer>.json``."""
+def record_path(checkpoint: Path, writer: int | str) -> Path:
+    """Where the checksums of what ``writer`` (a rank, or a name) wrote are recorded."""
+    return checkpoint / CHECKSUMS_DIR / (f"rank{writer}.json" if isinstance(writer, int) else f"{writer}.json")
+
+
+def record_files(checkpoint: Path, files: Iterable[Path], writer: int | str) -> Path:
+    """Record ``files`` (inside ``checkpoint``) as ``writer`` wrote them: ``checksums/rank<R>.json``."""
     entries = {}
     for path in sorted(files):
         size, crc = crc32_of(path)
         entries[str(path.relative_to(checkpoint))] = {"bytes": size, "crc32": crc}
-    out = checkpoint / CHECKSUMS_DIR / f"{writer}.json"
+    out = record_path(checkpoint, writer)
     write_text_atomic(out, json.dumps({"algorithm": "crc32", "files": entries}, indent=0, sort_keys=True))
     return out
 
@@ -166,6 +194,23 @@ def verify(checkpoint: Path, share: tuple[int, int] = (0, 1), sizes_only: bool =
         return None
     names = written_by(sorted(entries), *share)
     return [d for d in (check_file(checkpoint, name, entries[name], sizes_only) for name in names) if d is not None]
+
+
+def verify_writers(checkpoint: Path, rank: int, world: int, saved_world: int) -> list[Damage]:
+    """Damage in the files that this rank's share of the checkpoint's ``saved_world`` writers wrote
+    (writer ``w`` where ``w % world == rank``: its own at the same size, read once by one rank),
+    each writer's record read by its name, ``checksums/rank<w>.json``, not found by listing the
+    folder; a record missing or unreadable is damage too. For a checkpoint that has records."""
+    damage: list[Damage] = []
+    for writer in range(rank, saved_world, world):
+        record = record_path(checkpoint, writer)
+        try:
+            entries = json.loads(record.read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            damage.append(Damage(str(record.relative_to(checkpoint)), "its checksum record is missing or does not read"))
+            continue
+        damage += [d for name, entry in sorted(entries.items()) if (d := check_file(checkpoint, name, entry)) is not None]
+    return damage
 
 
 @dataclass(frozen=True)

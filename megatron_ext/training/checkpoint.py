@@ -9,7 +9,7 @@ Layout (``$ARTIFACT_ROOT/runs/<run>/checkpoints``)::
                              its rank-local optimizer state (CPU stage 1: ZeroRedundancyOptimizer's
                              partition)
       meta.json              iteration, consumed samples, world size, stage, global batch (rank 0, last)
-      checksums/rank<R>.json size and CRC-32 of each file, every rank a share (run_spec/checksums.py)
+      checksums/rank<R>.json size and CRC-32 of each file rank R wrote, found by name (run_spec/checksums.py)
     latest                   "iter_0000010": written last, atomically (tmp + rename)
 
 Every rank writes into ``.iter_0000010.saving-<token>`` (a name no node looked up before: a shared
@@ -51,8 +51,8 @@ import torch.distributed as dist
 
 from megatron_ext.host.devices import Device
 from megatron_ext.run_spec.checkpoints import LATEST, CheckpointMeta, iteration_dir_name, read_meta
-from megatron_ext.run_spec.checksums import (CHECKSUMS_DIR, DAMAGED_SUFFIX, list_checkpoints, moved_aside_note,
-                                             none_verifies_fix, record_files, verify, written_by)
+from megatron_ext.run_spec.checksums import (DAMAGED_SUFFIX, files_written_by, list_checkpoints, moved_aside_note,
+                                             none_verifies_fix, record_files, verify)
 from megatron_ext.run_spec.errors import FINAL, UserError
 from megatron_ext.host.json_files import write_text_atomic
 
@@ -139,11 +139,11 @@ def _collective_step(what: Callable[[], None], checkpoints_dir: Path, target: Pa
 
 
 def save(trainer, checkpoints_dir: Path, meta: CheckpointMeta, keep: int) -> tuple[Path, float]:
-    """Every rank writes its part and records the checksums of a share of the folder's files; then
-    rank 0 writes meta.json and, last, the ``latest`` marker. The folder, and this rank's seconds
-    spent on checksums."""
+    """Every rank writes its part and records the checksums of the files it wrote (rank 0 also
+    meta.json); then rank 0 renames the folder into place and writes, last, the ``latest`` marker.
+    The folder, and this rank's seconds spent on checksums."""
     final = checkpoints_dir / iteration_dir_name(meta.iteration)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     # Every rank writes into a folder of a name no node has looked up before, renamed into place by
     # rank 0 once complete: a shared file system caches names (sshfs 20 s, NFS up to 60 s), so a
     # folder removed and made again under the same name (an earlier attempt's incomplete save at
@@ -166,11 +166,10 @@ def save(trainer, checkpoints_dir: Path, meta: CheckpointMeta, keep: int) -> tup
     def write_meta_and_checksums() -> None:
         if rank == 0:
             (target / "meta.json").write_text(meta.to_json())
-        dist.barrier()
-        files = {str(p.relative_to(target)): p for p in target.rglob("*") if p.is_file() and p.parent.name != CHECKSUMS_DIR}
-        # What this rank wrote, read back on its own node while in its page cache (not another
-        # node's files over the shared file system).
-        record_files(target, [files[name] for name in written_by(sorted(files), rank, world)], f"rank{rank}")
+        # What this rank wrote, found by name and read back on its own node while in its page
+        # cache: no listing of a folder the other nodes write into (a shared file system shows
+        # their names late), no other node's files over the network.
+        record_files(target, files_written_by(target, rank), rank)
 
     started = time.monotonic()
     _collective_step(write_meta_and_checksums, checkpoints_dir, target)
