@@ -8,6 +8,7 @@ latest checkpoint on the namespace cluster) and tests/test_resilience.py (a full
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -24,7 +25,7 @@ def _checkpoint(root, iteration: int, recorded: bool = True):
     folder.mkdir(parents=True)
     (folder / "__0_0.distcp").write_bytes(bytes(range(256)) * 64)
     (folder / ".metadata").write_bytes(b"m" * 100)
-    (folder / "meta.json").write_text(json.dumps({"iteration": iteration}))
+    (folder / "meta.json").write_text(json.dumps({"iteration": iteration, "world_size": 2}))
     if recorded:
         files = sorted(p for p in folder.rglob("*") if p.is_file())
         record_files(folder, files[0::2], "rank0")  # two writers, each a share
@@ -102,25 +103,49 @@ def group():
 
 
 def test_the_newest_checkpoint_that_verifies_is_loaded_and_the_damaged_moved_aside(tmp_path, group):
-    from megatron_ext.training.checkpoint import newest_verified
+    """Rank 0's choice (``latest`` and the complete ones before it, newest first), then the ranks'
+    check of it: each reads its writers' records by name (``checksums/rank<w>.json`` of the
+    checkpoint's 2 writers, here both for the one rank)."""
+    from megatron_ext.training.checkpoint import ResumeCandidate, choose_resume, newest_verified
 
     _checkpoint(tmp_path, 5)
     _checkpoint(tmp_path, 10)
     _flip(_checkpoint(tmp_path, 15) / "__0_0.distcp")
-    assert newest_verified(tmp_path, 15)[0] != 15
+    (tmp_path / "iter_0000020").mkdir()  # a save that did not finish: no meta.json
+    choice = choose_resume(tmp_path)
+    assert choice.candidates == tuple(ResumeCandidate(it, 2, True) for it in (15, 10, 5)) and choice.notes == ()
+    assert newest_verified(tmp_path, choice)[0] == 10
     assert latest_iteration(tmp_path) == 10
-    assert [it for it, _ in list_checkpoints(tmp_path)] == [5, 10]
+    assert [it for it, _ in list_checkpoints(tmp_path)] == [5, 10, 20]
     assert (tmp_path / "iter_0000015.damaged" / "__0_0.distcp").is_file()  # kept for a look
-    assert newest_verified(tmp_path, 10) == (10, [])
+    assert newest_verified(tmp_path, choose_resume(tmp_path)) == (10, [])
+    (tmp_path / "iter_0000010" / "checksums" / "rank1.json").unlink()  # a writer's record gone: damage, not "unrecorded"
+    assert newest_verified(tmp_path, choose_resume(tmp_path))[0] == 5
+
+
+def test_latest_naming_a_folder_this_node_does_not_see_falls_back_or_refuses(tmp_path, group):
+    """``latest`` written, its folder not shown (a shared file system's stale view, or gone): rank 0
+    waits a bounded time, then takes the older complete checkpoints, saying so; with none, one
+    error naming the folder and the shared file system."""
+    from megatron_ext.training.checkpoint import choose_resume
+
+    _checkpoint(tmp_path, 5)
+    (tmp_path / LATEST).write_text("iter_0000010")
+    choice = choose_resume(tmp_path, visible_s=0.2)
+    assert [c.iteration for c in choice.candidates] == [5]
+    assert "iter_0000010/meta.json (the checkpoint" in choice.notes[0] and "shared file system" in choice.notes[0]
+    shutil.rmtree(tmp_path / "iter_0000005")
+    with pytest.raises(UserError, match="no older complete checkpoint is there to resume from"):
+        choose_resume(tmp_path, visible_s=0.2)
 
 
 def test_no_checkpoint_that_verifies_is_one_error_that_ends_the_run(tmp_path, group):
-    from megatron_ext.training.checkpoint import newest_verified
+    from megatron_ext.training.checkpoint import choose_resume, newest_verified
 
     _flip(_checkpoint(tmp_path, 5) / "__0_0.distcp")
     (_checkpoint(tmp_path, 10) / ".metadata").unlink()
     with pytest.raises(UserError) as err:
-        newest_verified(tmp_path, 10)
+        newest_verified(tmp_path, choose_resume(tmp_path))
     text = str(err.value)
     assert text.startswith(f"no checkpoint of this run verifies ({FINAL}): iteration 10: .metadata: missing; "
                            "iteration 5: __0_0.distcp: other bytes") and "check_checkpoints.sh" in text

@@ -5,7 +5,9 @@
 This project's program writes ``<checkpoints>/iter_NNNNNNN/`` (one shard per rank plus
 ``meta.json``) and then, last and atomically, ``<checkpoints>/latest`` naming that directory, so a
 crash during a save leaves the previous checkpoint as the latest. Megatron-LM writes
-``latest_checkpointed_iteration.txt`` into ``--save``. Pure apart from reading those files.
+``latest_checkpointed_iteration.txt`` into ``--save``. Pure apart from reading those files. The
+launcher reads them here; the training program's ranks do not: rank 0 chooses and tells the others
+(megatron_ext/training/checkpoint.py ``choose_resume``).
 """
 
 from __future__ import annotations

@@ -26,8 +26,12 @@ saying why (the launcher before anything starts, and every rank). At another dat
 every rank takes rank 0's RNG states (they are the same on every rank: one seed; Megatron-LM
 saves data-parallel rank 0's alone).
 
+Resume: rank 0 alone reads ``latest`` and lists the folder (:func:`choose_resume`); every rank
+takes its choice over the network (training/agreement.py), so a node whose shared file system shows
+an older ``latest`` loads the same checkpoint as the others.
+
 Faults (docs/faults.md): a resume verifies the checkpoint against its checksums first, every rank
-a share of the files; a damaged one (which file, why) is moved aside as ``iter_N.damaged`` and the
+a share of the writers' files; a damaged one (which file, why) is moved aside as ``iter_N.damaged`` and the
 newest that verifies is loaded instead; none is a UserError. A save that meets a full disk
 (ENOSPC, EDQUOT) on any rank removes its partial folder, leaves ``latest`` where it was and ends the
 run with the free space and the size a checkpoint needs (a restart would meet the same wall).
@@ -43,6 +47,7 @@ import re
 import shutil
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -51,10 +56,11 @@ import torch.distributed as dist
 
 from megatron_ext.host.devices import Device
 from megatron_ext.run_spec.checkpoints import LATEST, CheckpointMeta, iteration_dir_name, read_meta
-from megatron_ext.run_spec.checksums import (DAMAGED_SUFFIX, files_written_by, list_checkpoints, moved_aside_note,
-                                             none_verifies_fix, record_files, verify)
+from megatron_ext.run_spec.checksums import (CHECKSUMS_DIR, DAMAGED_SUFFIX, files_written_by, list_checkpoints,
+                                             moved_aside_note, none_verifies_fix, record_files, verify_writers)
 from megatron_ext.run_spec.errors import FINAL, UserError
-from megatron_ext.host.json_files import write_text_atomic
+from megatron_ext.host.json_files import read_json, write_text_atomic
+from megatron_ext.run_spec.shared_fs import SHARED_FS_LAG_S, NotVisibleHere, wait_for_files
 
 
 def rng_state() -> dict:
@@ -195,19 +201,70 @@ def _prune(checkpoints_dir: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def newest_verified(checkpoints_dir: Path, latest: int) -> tuple[int, list[str]]:
-    """The newest complete checkpoint at or before ``latest`` whose files verify, and a note per
-    damaged one passed over (a collective: every rank checks a share of the files). A checkpoint
-    without checksums (written before they existed) is taken as it is. None that verifies is a
-    UserError. Rank 0 moves each damaged one aside (``iter_N.damaged``, kept for a look) and points
-    ``latest`` at the one chosen."""
+@dataclass(frozen=True)
+class ResumeCandidate:
+    """A complete checkpoint rank 0 saw, as every rank needs it to check its share."""
+
+    iteration: int
+    saved_world_size: int
+    """The ranks that wrote it: one checksum record each."""
+    recorded: bool
+    """It has checksum records (a checkpoint written before they existed has none: loaded as it is)."""
+
+
+@dataclass(frozen=True)
+class ResumeChoice:
+    """Rank 0's answer to "where does this start resume": the complete checkpoints at or before the
+    one ``latest`` names, newest first (empty: a fresh start), and what rank 0 has to say of them."""
+
+    candidates: tuple[ResumeCandidate, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+def choose_resume(checkpoints_dir: Path, visible_s: float = SHARED_FS_LAG_S) -> ResumeChoice:
+    """Rank 0 alone: read ``latest`` and list the complete checkpoints (every other rank takes this
+    choice over the network: megatron_ext/training/agreement.py). The folder ``latest`` names is
+    waited for up to ``visible_s`` (the marker is written after the folder, but a shared file system
+    can show the two apart); if it never shows, the older complete ones are the candidates, and
+    with none a UserError."""
+    marker = checkpoints_dir / LATEST
+    name = marker.read_text().strip() if marker.is_file() else ""
+    if not (name.startswith("iter_") and name.removeprefix("iter_").isdigit()):
+        return ResumeChoice()
+    latest, notes = int(name.removeprefix("iter_")), []
+    try:
+        wait_for_files([checkpoints_dir / name / "meta.json"], visible_s, f"the checkpoint {checkpoints_dir / LATEST} names")
+    except NotVisibleHere as exc:
+        notes.append(f"{exc}; resuming from an older checkpoint instead")
+    complete = {it: p for it, p in _complete(checkpoints_dir) if it <= latest}
+    if not notes:
+        complete[latest] = checkpoints_dir / name  # whatever the listing shows yet
+    if not complete:
+        raise UserError(f"{notes[0].removesuffix('; resuming from an older checkpoint instead')}, and no older complete "
+                        f"checkpoint is there to resume from; for a fresh start, use another RUN name or remove "
+                        f"{checkpoints_dir}")
+    candidates = tuple(ResumeCandidate(it, int((read_json(p / "meta.json") or {}).get("world_size", 1)),
+                                       (p / CHECKSUMS_DIR).is_dir())
+                       for it, p in sorted(complete.items(), reverse=True))
+    return ResumeChoice(candidates, tuple(notes))
+
+
+def newest_verified(checkpoints_dir: Path, choice: ResumeChoice, visible_s: float = SHARED_FS_LAG_S) -> tuple[int, list[str]]:
+    """The newest of rank 0's ``choice`` whose files verify, and a note per damaged one passed over
+    (a collective: every rank calls it with the same choice and checks its share of the writers'
+    files, :func:`verify_writers`, after waiting up to ``visible_s`` for the folder to show on its
+    machine). A checkpoint without checksums (written before they existed) is taken as it is. None
+    that verifies is a UserError. Rank 0 moves each damaged one aside (``iter_N.damaged``, kept for
+    a look) and points ``latest`` at the one chosen."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    complete = [(it, p) for it, p in _complete(checkpoints_dir) if it <= latest]
     damaged: list[tuple[int, Path, list[str]]] = []
-    for iteration, path in reversed(complete):
-        mine = verify(path, share=(rank, world))
+    for candidate in choice.candidates:
+        iteration = candidate.iteration
+        path = checkpoints_dir / iteration_dir_name(iteration)
+        wait_for_files([path / "meta.json"], visible_s, f"the checkpoint of iteration {iteration}, which rank 0 chose to resume")
+        mine = verify_writers(path, rank, world, candidate.saved_world_size) if candidate.recorded else []
         everyone: list = [None] * world
-        dist.all_gather_object(everyone, [d.describe() for d in mine or ()])
+        dist.all_gather_object(everyone, [d.describe() for d in mine])
         found = [what for part in everyone for what in part]
         if found:
             damaged.append((iteration, path, found))

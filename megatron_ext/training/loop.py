@@ -4,7 +4,8 @@
 
 :class:`Pretrain` takes everything resolved before a process group exists (:class:`RunInputs`)
 and runs it: :meth:`Pretrain.set_up` (device, process group, megatron's parallel state, seeds),
-:meth:`Pretrain.build` (data, model, trainer for the ZeRO stage, datasets), :meth:`Pretrain.train_step`
+:meth:`Pretrain.build` (data, the resume point decided by rank 0 and told to every rank over the
+network: training/agreement.py; model, trainer for the ZeRO stage, datasets), :meth:`Pretrain.train_step`
 (micro-batches with gradient accumulation, clip, optimizer step), :meth:`Pretrain.log` (at log
 intervals only: one collective gathers the loss and every rank's memory figures; rank 0 writes
 the metrics record and TensorBoard, the last rank W&B when WANDB_PROJECT is set, every node's local
@@ -36,7 +37,7 @@ from megatron_ext.run_spec.fp8 import fp8_config_fields, fp8_problem
 from megatron_ext.run_spec.iteration_log import (
     IterationRecord, MetricsWriter, format_iteration_line, format_progress_line,
 )
-from megatron_ext.run_spec.checkpoints import CheckpointMeta, check_resumable, latest_iteration, read_meta
+from megatron_ext.run_spec.checkpoints import CheckpointMeta, check_resumable, read_meta
 from megatron_ext.run_spec.hf_config import hf_model_type
 from megatron_ext.run_spec.params import COLLECTIVE_TIMEOUT_S, BatchGeometry, RunParams, TrainingParams
 from megatron_ext.run_spec.resilience import (PERSIST_SHARE, SLOW_RANK_CLEARED, BusyInterval, describe_slow_ranks,
@@ -215,6 +216,7 @@ class Pretrain:
     def build(self) -> None:
         """Data, the model, its trainer for the ZeRO stage, the datasets, the FLOPs per step."""
         from megatron_ext.data.prepare import ensure_prepared
+        from megatron_ext.training.agreement import agree_on_resume
         from megatron_ext.training.datasets import build_datasets
         from megatron_ext.training.model import (build_gpt_model, choose_kernels, installed_megatron_core, model_vocab_size,
                                                  transformer_engine_version)
@@ -228,6 +230,10 @@ class Pretrain:
         self.prepared = ensure_prepared(self.params.data, self.paths.data_cache_dir, prepares=self.ranks.node == 0,
                                         say=print if self.ranks.local_rank == 0 else None)
         self.progress.phase("setup")
+        # Rank 0 reads `latest` and lists the checkpoints, every rank takes its choice: whether to
+        # start from the initial weights below and, in resume(), which checkpoint to load.
+        self.resume_choice = agree_on_resume(self.paths.checkpoints_dir)
+        resuming = bool(self.resume_choice.candidates)
         self.real_vocab = model_vocab_size(m, self.prepared.vocab_size)
         self.vocab = padded_vocab_size(self.real_vocab, m.make_vocab_size_divisible_by)
         self.kernels = choose_kernels(self.on_cuda, transformer_engine_version(), t.zero_stage,
@@ -237,11 +243,11 @@ class Pretrain:
                                  kernels=self.kernels,
                                  **fp8_config_fields(t.fp8, t.fp8_amax_history_len, t.fp8_amax_compute_algo))
         restrict_logits(module, self.real_vocab, self.vocab)  # the loss over the real vocabulary (hf_weights.py)
-        if m.hf_checkpoint and t.init == "pretrained" and latest_iteration(self.paths.checkpoints_dir) is None:
+        if m.hf_checkpoint and t.init == "pretrained" and not resuming:
             load_hf_weights(module, m, hf_model_type(m), self.vocab)  # before any wrapper, on every rank
             if self.ranks.rank == 0:
                 print(f"initialised from the Hugging Face weights in {m.hf_checkpoint}", flush=True)
-        if t.init_checkpoint and latest_iteration(self.paths.checkpoints_dir) is None:
+        if t.init_checkpoint and not resuming:
             from megatron_ext.training.megatron_lm_weights import load_init_checkpoint
 
             load_init_checkpoint(module, t.init_checkpoint, m.name, announce=self.ranks.rank == 0)  # every rank
@@ -435,25 +441,25 @@ class Pretrain:
         return float(total) / (self.ranks.world_size * t.eval_iters)
 
     def resume(self) -> int:
-        """Load the latest checkpoint of the run, if any: the iteration it holds (0 = fresh start)."""
+        """Load the checkpoint rank 0 chose (:meth:`build`), if any: the iteration it holds (0 = fresh start)."""
         from megatron_ext.training import checkpoint
 
-        where = self.paths.checkpoints_dir
-        latest = latest_iteration(where)
-        if latest is None:
+        where, choice = self.paths.checkpoints_dir, self.resume_choice
+        if not choice.candidates:
             return 0
         t = self.t
         started = time.monotonic()
-        latest, skipped = checkpoint.newest_verified(where, latest)
+        latest, skipped = checkpoint.newest_verified(where, choice)
         verified_s = time.monotonic() - started
         note = check_resumable(read_meta(where, latest), self.ranks.world_size, t.zero_stage, t.global_batch_size,
                                Device.of(self.on_cuda), where)
         started = time.monotonic()
         meta = checkpoint.load(self.trainer, where, latest)
         if self.ranks.rank == 0:
-            for line in skipped:
+            for line in (*choice.notes, *skipped):
                 print(f"warning: {line}", flush=True)
             print(f"checkpoint of iteration {latest} verified against its checksums in {verified_s:.1f} s", flush=True)
+        if self.ranks.local_rank == 0:  # every node's log: what its own ranks loaded
             print(f"resuming from iteration {meta.iteration} ({where}; consumed samples {meta.consumed_samples}; "
                   f"loaded in {time.monotonic() - started:.1f} s)" + (f"; {note}" if note else ""), flush=True)
         return meta.iteration
