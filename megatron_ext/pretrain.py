@@ -106,7 +106,7 @@ def check_inputs(args, env: Mapping[str, str]) -> CheckedInputs:
     """Every check of the rank's input that needs neither torch nor megatron-core (the run name, the
     parameter files, the batch geometry, the environment's numbers, the data paths, W&B): a bad
     input ends the rank here, before its ~5 s of imports, as it ends the launcher before it starts."""
-    from megatron_ext.data.prepare import planned_prepared
+    from megatron_ext.data.prepare import check_data_paths
 
     run = check_run_name(args.run or f"{args.model}_{os.path.splitext(os.path.basename(args.data))[0]}")
     overrides = read_overrides(env)
@@ -118,7 +118,7 @@ def check_inputs(args, env: Mapping[str, str]) -> CheckedInputs:
     check_device_connections(params.training.zero_stage, env)
     paths = RunPaths(artifact_root(env), run)
     check_root_writable(paths.root)
-    planned_prepared(params.data, paths.data_cache_dir)  # missing data paths fail here, on every rank
+    check_data_paths(params.data)  # missing data paths fail here, on every rank (rank 0 alone prepares)
     wandb = read_wandb_settings(env)
     if wandb and wandb.enabled and importlib.util.find_spec("wandb") is None:  # the launcher's preflight says so first
         raise UserError(wandb_missing_message(f"for {sys.executable}"))

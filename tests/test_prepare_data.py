@@ -107,6 +107,44 @@ def test_ensure_prepared_caches_once(tmp_path):
     assert (tmp_path / "cache").stat().st_mtime_ns == mtime
 
 
+def test_the_other_ranks_take_rank_0_s_manifest_and_wait_for_its_files(tmp_path):
+    """training/agreement.py over a real store (a HashStore, as the process group's TCPStore
+    answers): rank 0 prepares and announces; another rank, waiting before the announcement (it
+    says so), takes rank 0's manifest whatever cache folder it would have named; files that never
+    show are one error naming the path; a UserError of rank 0's reaches the others."""
+    import threading
+
+    import torch.distributed as dist
+
+    from megatron_ext.run_spec.shared_fs import NotVisibleHere
+    from megatron_ext.training.agreement import DATA_KEY, agree_on_data
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox {i * 7} jumps over the lazy dog {i % 13}\n" for i in range(400)))
+    data = DataParams(source="files", paths=(str(corpus),), tokenizer=TokenizerParams(vocab_size=320))
+    store, said, got = dist.HashStore(), [], []
+    waiting = threading.Thread(target=lambda: got.append(agree_on_data(data, tmp_path / "elsewhere", 1, say=said.append,
+                                                                       store=store, wait_s=0.2)))
+    waiting.start()
+    prepared = agree_on_data(data, tmp_path / "cache", 0, workers=1, store=store)
+    waiting.join(timeout=30)
+    assert got == [prepared] and prepared.prefixes[0].startswith(str(tmp_path / "cache"))
+    assert said[0] == f"waiting for rank 0 to prepare the data cache under {tmp_path / 'elsewhere'}", said
+    assert not (tmp_path / "elsewhere").exists()
+
+    gone = dict(json.loads(store.get(DATA_KEY))["prepared"], prefixes=[str(tmp_path / "gone" / "corpus_text_document")])
+    stale = dist.HashStore()
+    stale.set(DATA_KEY, json.dumps({"prepared": gone}))
+    with pytest.raises(NotVisibleHere, match=r"gone/corpus_text_document.bin \(the data cache rank 0 prepared\) does not "
+                                             r"show on .* ARTIFACT_ROOT is one shared file system"):
+        agree_on_data(data, tmp_path / "cache", 1, store=stale, visible_s=0.3)
+    refused = dist.HashStore()
+    with pytest.raises(UserError, match="does not exist"):
+        agree_on_data(DataParams(source="files", paths=(str(tmp_path / "nope.jsonl"),)), tmp_path / "cache", 0, store=refused)
+    with pytest.raises(UserError, match="nope.jsonl does not exist"):
+        agree_on_data(data, tmp_path / "cache", 1, store=refused)
+
+
 def test_too_small_vocabulary_is_a_params_error(tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text("tiny corpus\n" * 10)

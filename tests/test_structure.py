@@ -162,6 +162,27 @@ def test_the_environment_is_read_only_at_the_edges():
     assert readers == [], readers
 
 
+LOCK_CALLS = {"flock", "lockf"}
+"""File locks: on a cluster's shared file system they fail (Lustre's ``noflock``: ENOSYS), lock this
+machine only (``localflock``, NFS's ``local_lock``) or nothing at all (SFTP)."""
+
+
+def test_no_product_code_takes_a_file_lock():
+    """The nodes and the ranks agree over the network (docs/design.md, "What the nodes agree on, and
+    where"): no ``fcntl.flock``, ``fcntl.lockf`` or ``lockf`` anywhere in orchestration/ or
+    megatron_ext/, called or imported (tests/test_shared_fs.py runs a training on a share that
+    refuses them)."""
+    found = []
+    for path in _sources().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = (node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")) \
+                if isinstance(node, ast.Call) else None
+            imported = {a.name for a in node.names} if isinstance(node, ast.ImportFrom) and node.module == "fcntl" else set()
+            if name in LOCK_CALLS or imported & LOCK_CALLS:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert found == [], found
+
+
 def test_imports_inside_functions_are_the_few_that_must_be():
     sources = _sources()
     lazy = []

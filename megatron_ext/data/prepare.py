@@ -13,31 +13,35 @@ the end-of-document token; a document with no tokens adds no sequence (only a do
 ``uint16`` below 65,500 tokens of vocabulary, else ``int32``. With ``--vocab-size`` and no model, a sentencepiece model is trained on
 the corpus and written to ``<prefix>.model``. Encoding runs in ``--workers`` processes.
 
-Side effects: reads inputs, writes the outputs (atomically: a folder renamed into place with
-its manifest). A run prepares its cache once, on node 0 (:func:`ensure_prepared`: its ranks take
-turns under a file lock on that machine); the other nodes' ranks wait for the manifest to appear
-through the shared file system. No lock or rename is trusted across machines (a cluster's file
-system may have neither: docs/design.md).
+Side effects: reads inputs, writes the outputs. :func:`ensure_prepared` prepares a cache with no
+lock anywhere: into a folder of its own (a name no other preparer uses), renamed into place with
+its manifest; a preparer that finds the finished cache there first (two starts at once) discards
+its own. A training run prepares on global rank 0 alone, which announces the manifest to the
+other ranks over the network (megatron_ext/training/agreement.py); the launcher prepares on its
+own machine before any rank starts (docs/design.md, "What the nodes agree on, and where").
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
+import errno
 import hashlib
 import json
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
+from megatron_ext.run_spec.shared_fs import SHARED_FS_LAG_S, wait_for_files
 from megatron_ext.run_spec.convert import structure
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import DataParams, TokenizerParams
@@ -47,6 +51,8 @@ from megatron_ext.data.tokenizers import load_tokenizer, train_sentencepiece
 logger = logging.getLogger(__name__)
 
 DOCUMENT_SUFFIX = "_text_document"
+MANIFEST = "prepared.json"
+"""A prepared cache's manifest (:class:`PreparedData`, its paths relative to the cache folder)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -301,13 +307,8 @@ def _ready_made(data: DataParams) -> PreparedData | None:
         tokenizer = load_tokenizer(data.tokenizer)
         return PreparedData(prefixes=(), weights=(), tokenizer_type="null", tokenizer_path=None,
                             vocab_size=tokenizer.vocab_size, eod=tokenizer.eod)
+    check_data_paths(data)
     if data.source == "files":
-        missing = [p for p in data.paths if not (_is_indexed_prefix(p) or Path(p).is_file())]
-        if missing:
-            raise UserError(
-                f"data path {missing[0]} does not exist (neither a file nor an indexed-dataset "
-                f"prefix with .bin/.idx); fix data.paths or run python -m megatron_ext.data.prepare"
-            )
         if all(_is_indexed_prefix(p) for p in data.paths):
             tokenizer = load_tokenizer(data.tokenizer)
             weights = data.weights or tuple(1.0 for _ in data.paths)
@@ -315,14 +316,27 @@ def _ready_made(data: DataParams) -> PreparedData | None:
                 prefixes=tuple(data.paths), weights=weights, tokenizer_type=data.tokenizer.type, tokenizer_path=data.tokenizer.model_path,
                 vocab_size=tokenizer.vocab_size, eod=tokenizer.eod,
             )
-        if data.weights and len(data.paths) > 1:
-            raise UserError("blend weights need prepared .bin/.idx prefixes; prepare each file first")
     return None
+
+
+def check_data_paths(data: DataParams) -> None:
+    """A UserError for a data path that does not exist (neither a file nor an indexed prefix) or
+    blend weights over files not prepared yet; reads only the paths given."""
+    if data.source != "files":
+        return
+    missing = [p for p in data.paths if not (_is_indexed_prefix(p) or Path(p).is_file())]
+    if missing:
+        raise UserError(
+            f"data path {missing[0]} does not exist (neither a file nor an indexed-dataset "
+            f"prefix with .bin/.idx); fix data.paths or run python -m megatron_ext.data.prepare"
+        )
+    if data.weights and len(data.paths) > 1 and not all(_is_indexed_prefix(p) for p in data.paths):
+        raise UserError("blend weights need prepared .bin/.idx prefixes; prepare each file first")
 
 
 def is_prepared(data: DataParams, cache_root: Path) -> bool:
     """Whether ``data`` needs no preparation: ready-made prefixes, or :func:`ensure_prepared` ran."""
-    return _ready_made(data) is not None or (_cache_dir(data, cache_root) / "prepared.json").is_file()
+    return _ready_made(data) is not None or (_cache_dir(data, cache_root) / MANIFEST).is_file()
 
 
 def planned_prepared(data: DataParams, cache_root: Path) -> PreparedData:
@@ -331,8 +345,8 @@ def planned_prepared(data: DataParams, cache_root: Path) -> PreparedData:
     if ready is not None:
         return ready
     out_dir = _cache_dir(data, cache_root)
-    if (out_dir / "prepared.json").is_file():
-        return _read_manifest(out_dir / "prepared.json")
+    if (out_dir / MANIFEST).is_file():
+        return _read_manifest(out_dir / MANIFEST)
     name, tok = _corpus_name(data), data.tokenizer
     model = tok.model_path or (str(out_dir / f"{name}.model") if tok.type == "sentencepiece" else None)
     return PreparedData(prefixes=(str(out_dir / f"{name}{DOCUMENT_SUFFIX}"),), weights=(1.0,), tokenizer_type=tok.type,
@@ -346,7 +360,7 @@ def _write_manifest(prepared: PreparedData, directory: Path) -> None:
         return os.path.relpath(path, directory) if path and Path(path).is_relative_to(directory) else path
 
     raw = dict(prepared.__dict__, prefixes=[rel(p) for p in prepared.prefixes], tokenizer_path=rel(prepared.tokenizer_path))
-    (directory / "prepared.json").write_text(json.dumps(raw, indent=1))
+    (directory / MANIFEST).write_text(json.dumps(raw, indent=1))
 
 
 def _read_manifest(path: Path) -> PreparedData:
@@ -360,34 +374,41 @@ def _read_manifest(path: Path) -> PreparedData:
     return structure(PreparedData, raw)
 
 
-def ensure_prepared(data: DataParams, cache_root: Path, workers: int = 2, prepares: bool = True,
-                    say: Callable[[str], object] | None = None, poll_s: float = 2.0) -> PreparedData:
-    """Indexed datasets for ``data``, prepared once into ``cache_root`` (locked on this machine,
-    atomic). ``prepares`` False (a node other than 0): wait until the manifest is there, saying
-    once through ``say`` what it waits for; a cache made elsewhere is used as it is."""
+def ensure_prepared(data: DataParams, cache_root: Path, workers: int = 2,
+                    visible_s: float = SHARED_FS_LAG_S) -> PreparedData:
+    """Indexed datasets for ``data``, prepared once into ``cache_root`` with no lock: into a folder
+    no other preparer names (host, pid, a random token), then renamed into place. When the rename
+    finds the finished cache there (another start prepared it meanwhile: ENOTEMPTY or EEXIST by
+    POSIX, EPERM on sshfs) this preparer's own copy is discarded and the one in place is used,
+    waiting up to ``visible_s`` for its manifest to show through a shared file system."""
     ready = _ready_made(data)
     if ready is not None:
         return ready
     out_dir = _cache_dir(data, cache_root)
-    manifest = out_dir / "prepared.json"
-    if not prepares:
-        waited = False
-        while not manifest.is_file():
-            if not waited and say is not None:
-                half = sorted(p.name for p in cache_root.glob(f"{out_dir.name}.tmp*")) if cache_root.is_dir() else []
-                say(f"waiting for node 0 to prepare the data cache {out_dir}"
-                    + (f" (being made: {', '.join(half)})" if half else ""))
-            waited = True
-            time.sleep(poll_s)
+    manifest = out_dir / MANIFEST
+    if manifest.is_file():
         return _read_manifest(manifest)
     cache_root.mkdir(parents=True, exist_ok=True)
-    with open(cache_root / f".{out_dir.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not manifest.is_file():
-            tmp_dir = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-            _write_manifest(_prepare_into(data, tmp_dir, workers), tmp_dir)
-            os.replace(tmp_dir, out_dir)
+    own = cache_root / f".{out_dir.name}.preparing-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        _write_manifest(_prepare_into(data, own, workers), own)
+        try:
+            os.rename(own, out_dir)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.EPERM):
+                raise
+            logger.info("%s was prepared by another start meanwhile: using it, discarding this one's copy", out_dir)
+            wait_for_files([manifest], visible_s, f"the data cache another start prepared ({out_dir} is there)")
+    finally:
+        shutil.rmtree(own, ignore_errors=True)
     return _read_manifest(manifest)
+
+
+def prepared_files(prepared: PreparedData) -> list[Path]:
+    """What a rank reads of ``prepared``: each prefix's ``.bin`` and ``.idx``, and the tokenizer's
+    model (a file, or a Hugging Face tokenizer's directory)."""
+    files = [Path(f"{prefix}{suffix}") for prefix in prepared.prefixes for suffix in (".bin", ".idx")]
+    return files + ([Path(prepared.tokenizer_path)] if prepared.tokenizer_path else [])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,8 +4,8 @@
 
 :class:`Pretrain` takes everything resolved before a process group exists (:class:`RunInputs`)
 and runs it: :meth:`Pretrain.set_up` (device, process group, megatron's parallel state, seeds),
-:meth:`Pretrain.build` (data, the resume point decided by rank 0 and told to every rank over the
-network: training/agreement.py; model, trainer for the ZeRO stage, datasets), :meth:`Pretrain.train_step`
+:meth:`Pretrain.build` (the data and the resume point, both decided by rank 0 and told to every rank
+over the network: training/agreement.py; model, trainer for the ZeRO stage, datasets), :meth:`Pretrain.train_step`
 (micro-batches with gradient accumulation, clip, optimizer step), :meth:`Pretrain.log` (at log
 intervals only: one collective gathers the loss and every rank's memory figures; rank 0 writes
 the metrics record and TensorBoard, the last rank W&B when WANDB_PROJECT is set, every node's local
@@ -215,8 +215,7 @@ class Pretrain:
     # -- build ----------------------------------------------------------------------------------
     def build(self) -> None:
         """Data, the model, its trainer for the ZeRO stage, the datasets, the FLOPs per step."""
-        from megatron_ext.data.prepare import ensure_prepared
-        from megatron_ext.training.agreement import agree_on_resume
+        from megatron_ext.training.agreement import agree_on_data, agree_on_resume
         from megatron_ext.training.datasets import build_datasets
         from megatron_ext.training.model import (build_gpt_model, choose_kernels, installed_megatron_core, model_vocab_size,
                                                  transformer_engine_version)
@@ -225,10 +224,10 @@ class Pretrain:
 
         m, t = self.params.model, self.t
         self.progress.phase("prepare")  # as long as a corpus takes: no limit
-        # Node 0's ranks prepare (one at a time: a lock on that machine); every other node's wait
-        # for what node 0 made: no lock or rename reaches across a cluster's file system.
-        self.prepared = ensure_prepared(self.params.data, self.paths.data_cache_dir, prepares=self.ranks.node == 0,
-                                        say=print if self.ranks.local_rank == 0 else None)
+        # Rank 0 prepares and tells the others over the network (training/agreement.py): no lock,
+        # no file polled, no cache key computed on another node.
+        self.prepared = agree_on_data(self.params.data, self.paths.data_cache_dir, self.ranks.rank,
+                                      say=print if self.ranks.local_rank == 0 else None)
         self.progress.phase("setup")
         # Rank 0 reads `latest` and lists the checkpoints, every rank takes its choice: whether to
         # start from the initial weights below and, in resume(), which checkpoint to load.
