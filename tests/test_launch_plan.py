@@ -337,3 +337,21 @@ def test_nnodes_min_max_leaves_out_the_nodes_the_preflight_refused_while_enough_
     assert leave_out(on_node0, 1, 4) == (on_node0, ())  # node 0 leads: never left out
     unanswered = Preflight((), ((2, "g2", "no answer"),), False)
     assert leave_out(unanswered, 1, 4) == (unanswered, ())  # unsettled: a start stops there
+
+
+def test_the_srun_start_waits_for_the_supervisors_deadlines_and_the_share_s_cache(tmp_path):
+    """The srun start reads each node's pid file through the share: it waits for the supervisors'
+    own deadlines (their plan seen there, node 0's store, Megatron-LM's choice of checkpoint) plus
+    the share's cache (the pid file seen here)."""
+    import dataclasses
+
+    from megatron_ext.host.json_files import SETTLE_S, SHARE_CACHE_S
+    from orchestration.cluster.backends import srun_start_timeout_s
+    from orchestration.node.wire import CheckpointChoice
+
+    assert SHARE_CACHE_S == 60.0 and SETTLE_S > SHARE_CACHE_S  # NFS's acregmax/acdirmax
+    launch, inputs = _inputs({}, tmp_path)
+    node = plan_start(launch, inputs).nodes[0]
+    assert srun_start_timeout_s(node) == SETTLE_S + 120 + SHARE_CACHE_S + 30  # join_s 120: the data set's default
+    chosen = dataclasses.replace(node, checkpoint_choice=CheckpointChoice())
+    assert srun_start_timeout_s(chosen) == srun_start_timeout_s(node) + 120

@@ -20,8 +20,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-SETTLE_S = 30.0
-"""How long a reader that needs a file waits for it to appear whole: above sshfs's 20 s name cache."""
+SHARE_CACHE_S = 60.0
+"""How late another machine's write may show on a shared file system: NFS caches attributes and
+names for up to 60 s (``acregmax``, ``acdirmax``), sshfs for 20 s. A wait that reads another
+machine's record allows for at least this much, on the reader's own monotonic clock."""
+SETTLE_S = SHARE_CACHE_S + 30.0
+"""How long a reader that needs a file waits for it to appear whole: the share's cache time and
+half a minute more (a writer that is itself slow to start)."""
 
 
 def write_text_atomic(path: Path, text: str) -> None:

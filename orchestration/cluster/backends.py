@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import ClassVar, Mapping, Sequence
 
+from megatron_ext.host.json_files import SETTLE_S, SHARE_CACHE_S
+from megatron_ext.run_spec.resilience import ResilienceParams
 from megatron_ext.run_spec.resolved import read_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.cluster import slurm
@@ -40,7 +42,8 @@ Nodes = Sequence[tuple[int, str]]
 STATUS_TIMEOUT_S = 60.0
 LOCAL_POLL_S = 1.0
 REMOTE_POLL_S = 5.0
-SRUN_START_TIMEOUT_S = 120.0
+SRUN_START_SLACK_S = 30.0
+"""The srun step's tasks placed and their Python started (beyond the waits :func:`srun_start_timeout_s` names)."""
 
 
 def remote_shell_command(argv: Sequence[str], env: Mapping[str, str], cwd: str) -> str:
@@ -178,13 +181,15 @@ class Srun(Backend):
     def start(self, launch: LaunchEnv, plans: Sequence[NodePlan], paths: RunPaths) -> list[NodeResult[NodeStarted]]:
         """One srun step, a task per node, each the node's supervisor for the plan the launcher left in
         the node's plan file; the srun client runs detached here. A result per node once its torchrun
-        runs (or the step ended)."""
+        runs (its pid file of this start, read here through the share), or the step ended, or the
+        node's exit record of this start says it failed, or :func:`srun_start_timeout_s`."""
         for p in plans:
             write_plan_file(paths, p.node_rank, p.to_json())
         argv = slurm.srun_step_argv(self.job_id, len(plans), launch.python, launch.cwd, slurm.plan_file_pattern(paths))
         srun_log = paths.logs_dir / f"{paths.run}_srun.log"
         client = slurm.start_step(argv, launch.environ, launch.cwd, srun_log)
-        deadline = time.monotonic() + SRUN_START_TIMEOUT_S
+        timeout_s = max(map(srun_start_timeout_s, plans), default=0.0)
+        deadline = time.monotonic() + timeout_s
         results = []
         for p in plans:
             wait = wait_until_started(paths, p.node_rank, p.pid_file, p.run_id, lambda: client.poll() is None,
@@ -196,7 +201,8 @@ class Srun(Backend):
                                     log=p.log_path, run_id=p.run_id)
             else:
                 ended = wait.ended or read_exit(paths, p.node_rank, p.run_id)
-                why = ended.reason if ended else f"srun exited with {client.returncode}" if client.poll() is not None else "no answer"
+                why = ended.reason if ended else f"srun exited with {client.returncode}" if client.poll() is not None else \
+                    f"no pid file of this start within {timeout_s:.0f} s (its supervisor neither started torchrun nor said why)"
                 error = f"{why}; see {srun_log} and {p.log_path}"
             results.append(NodeResult(node_rank=p.node_rank, host=p.host, argv=argv, returncode=0 if value else 1, value=value,
                                       error=error, output=""))
@@ -218,6 +224,17 @@ class Srun(Backend):
 
     def poll_s(self, nodes: Nodes) -> float:
         return LOCAL_POLL_S
+
+
+def srun_start_timeout_s(plan: NodePlan) -> float:
+    """How long the srun start waits, by this machine's clock, for the nodes' pid files of this
+    start: each task's plan seen through the share (SETTLE_S), the supervisors meeting at node 0's
+    store and (Megatron-LM) waiting for node 0's choice of checkpoint (``join_s`` each, their own
+    deadlines), then the pid file seen here through the share (SHARE_CACHE_S), and
+    SRUN_START_SLACK_S. A node that fails sooner says so (its exit record, or the step's end)."""
+    join_s = decode_payload(ResilienceParams, plan.resilience).join_s
+    waits = 2 if plan.checkpoint_choice is not None else 1
+    return SETTLE_S + waits * join_s + SHARE_CACHE_S + SRUN_START_SLACK_S
 
 
 def backend_for(launch: LaunchEnv, nodes: Nodes = ()) -> Backend:

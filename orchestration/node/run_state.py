@@ -247,7 +247,9 @@ def wait_until_started(paths: RunPaths, node_rank: int, pid_path: Path, run_id: 
                        timeout_s: float, settle_s: float = 0.0, poll_s: float = 0.1) -> StartWait:
     """Until the node's torchrun of start ``run_id`` runs (its pid file) and has for ``settle_s``,
     or the node's start ended (its exit record, or ``alive()`` false: the supervisor or the srun
-    step is gone), or ``timeout_s``: the one wait for a start (node-start, the srun start)."""
+    step is gone), or ``timeout_s``: the one wait for a start (node-start, the srun start). Timed
+    by this machine's monotonic clock only; a caller reading another machine's records (the srun
+    start) gives a ``timeout_s`` that allows for the share's cache."""
     t0 = time.monotonic()
     record = None
     while True:
