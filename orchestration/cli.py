@@ -51,6 +51,7 @@ from orchestration.import_args.importer import import_arg_files
 from orchestration.import_args.outputs import check_outputs, write_outputs
 from orchestration.import_args.yaml_files import imported_yaml, render_report
 from orchestration.launch_env import LaunchEnv, launch_env_from_process
+from orchestration.node.run_state import HEARTBEAT_S
 from orchestration.node.wire import DEFAULT_STOP_GRACE_S, StopPreview, encode_payload, node_label, stop_command
 from orchestration.runner import control, rejoin
 from orchestration.runner.export import export_argv, run_export
@@ -339,6 +340,10 @@ def cmd_status(args, launch: LaunchEnv) -> int:
     if (report.job or backend_for(launch).records_only) and not args.json:  # read here from the records each node writes, not asked
         print(f"(the nodes as their records under {launch.artifact_root / 'run_state'} show them here; a shared "
               "file system may show another node's record up to a minute late)", flush=True)
+        beats = ", ".join(f"node{r.node_rank} {r.value.beat}" for r in report.nodes if r.ok and r.value.beat is not None)
+        if beats:  # one status cannot tell a supervisor gone without a record from a live one; two can
+            print(f"(heartbeat records' counters: {beats}; each goes up every {HEARTBEAT_S:.0f} s while its "
+                  "supervisor lives: the same number in a status two minutes later means it has stopped)", flush=True)
     if args.json:
         for r in report.nodes:
             print(json_line(r.value) if r.ok else json_line({"node_rank": r.node_rank, "host": r.host,

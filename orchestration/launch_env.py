@@ -117,6 +117,10 @@ class LaunchEnv:
     link_test_s: float | None = None
     """LINK_TEST_S: how long each node of a multi-node preflight keeps exchanging with its ring
     neighbours (None: the node's default, orchestration/node/linktest.py ``MEASURE_S``)."""
+    record_silence_s: float | None = None
+    """RECORD_SILENCE_S: how long a node's heartbeat record may stay the same before a start waiting
+    on the records (inside a Slurm allocation) takes its supervisor as gone (None: the production
+    value, orchestration/runner/record_beats.py ``RECORD_SILENCE_S``, which allows for NFS's cache)."""
     log_level: str = "INFO"
     """LOG_LEVEL (or ``--verbose``: DEBUG): how much the launcher says on standard error."""
     environ: dict[str, str] = field(default_factory=dict, repr=False)
@@ -278,6 +282,7 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: 
         log_level=read_log_level(env),
         allow_slow_links=env.get("ALLOW_SLOW_LINKS", "").strip() not in ("", "0", "false", "no"),
         link_test_s=_seconds(env, "LINK_TEST_S", 0.1, 60.0),
+        record_silence_s=_seconds(env, "RECORD_SILENCE_S", 5.0, 3600.0, example=119),
         environ=dict(env),
         python=python,
         cwd=cwd,
@@ -308,7 +313,7 @@ def _nodes(env: Mapping[str, str], hosts: int) -> tuple[int | None, int]:
     return lo, hi
 
 
-def _seconds(env: Mapping[str, str], name: str, low: float, high: float) -> float | None:
+def _seconds(env: Mapping[str, str], name: str, low: float, high: float, example: float = 1.5) -> float | None:
     """A duration in seconds between ``low`` and ``high``; None where unset."""
     text = env.get(name, "").strip()
     if not text:
@@ -318,7 +323,7 @@ def _seconds(env: Mapping[str, str], name: str, low: float, high: float) -> floa
     except ValueError:
         value = float("nan")
     if not low <= value <= high:  # nan fails too
-        raise UserError(f"{name}={text!r} must be seconds between {low:g} and {high:g}; e.g. {name}=1.5")
+        raise UserError(f"{name}={text!r} must be seconds between {low:g} and {high:g}; e.g. {name}={example:g}")
     return value
 
 

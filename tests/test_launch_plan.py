@@ -339,6 +339,79 @@ def test_nnodes_min_max_leaves_out_the_nodes_the_preflight_refused_while_enough_
     assert leave_out(unanswered, 1, 4) == (unanswered, ())  # unsettled: a start stops there
 
 
+# -- a start under Slurm, judged from the nodes' records ----------------------------------------------
+
+def _status(rank: int, exit: str | None = None):
+    from orchestration.node.run_state import RunState
+    from orchestration.node.wire import NodeStatus
+
+    return NodeStatus(node_rank=rank, host=f"n{rank}", alive=exit is None, state=RunState.FINISHED if exit else RunState.RUNNING,
+                      exit=exit, run_failure=None, pid=None, last_iteration=None, train_iters=None, tokens_per_s=None,
+                      last_line="", log="")
+
+
+def test_a_heartbeat_record_that_stops_changing_ends_its_node_after_the_margin():
+    """By the reader's clock alone (a fake one here): node 0's counter goes up every 2 s, node 1's
+    stopped at 7 (its supervisor SIGKILLed); node 1 is alive until its counter has been still for
+    the margin, then failed with the reason, and the wait's end is a failure."""
+    from orchestration.node.run_state import Heartbeat, RunState
+    from orchestration.runner.control import RunEnd, end_exit_code
+    from orchestration.runner.record_beats import RecordBeats
+
+    beats = RecordBeats(run_id="start2", since=100.0, silence_s=90.0)
+    for t in range(100, 300, 2):
+        beats.observe(0, Heartbeat(1, RunState.RUNNING, beat=t, run_id="start2"), float(t))
+        beats.observe(1, Heartbeat(1, RunState.RUNNING, beat=min(t, 106), run_id="start2"), float(t))
+        judged, silent = beats.judge({0: _status(0), 1: _status(1)}, float(t))
+        assert judged[0].alive and judged[0].state == RunState.RUNNING
+        assert (silent == ()) == (t - 106 <= 90), t  # 106: the reader's time its counter last changed
+    assert silent == (1,) and not judged[1].alive and judged[1].state == RunState.FAILED
+    assert judged[1].exit == ("node 1's supervisor has not updated its record for 192 s: it ended without saying how "
+                              "(killed, e.g. by the out-of-memory killer), or its machine or its share is gone")
+    end = RunEnd({1: judged[1]}, silent=silent)
+    assert end.describe().startswith("node1 failed; node 1's supervisor has not updated its record for 192 s")
+    assert end_exit_code(end.states) == 1
+
+
+def test_only_this_start_s_record_is_a_sign_of_life():
+    """A record of another start (an earlier one's, still there or seen late) is ignored: the node is
+    silent from the watch's beginning. A counter that starts again from 1 (a new supervisor) is a
+    change. A node whose status says how it ended is never judged silent."""
+    from orchestration.node.run_state import Heartbeat, RunState
+    from orchestration.runner.record_beats import RecordBeats
+
+    beats = RecordBeats(run_id="start2", since=0.0, silence_s=10.0)
+    for t in range(0, 30):
+        beats.observe(0, Heartbeat(1, RunState.RUNNING, beat=t, run_id="start1"), float(t))
+    assert beats.silent_s(0, 29.0) == 29.0 and beats.judge({0: _status(0)}, 29.0)[1] == (0,)
+    beats.observe(1, Heartbeat(1, RunState.RUNNING, beat=500, run_id="start2"), 1.0)
+    beats.observe(1, Heartbeat(2, RunState.RUNNING, beat=1, run_id="start2"), 20.0)
+    beats.observe(1, None, 25.0)  # missing or torn: no news
+    assert beats.silent_s(1, 29.0) == 9.0 and beats.judge({1: _status(1)}, 29.0)[1] == ()
+    ended = _status(2, exit="torchrun exited with code 0")
+    judged, silent = beats.judge({2: ended}, 1000.0)
+    assert judged[2] == ended and silent == ()
+
+
+def test_a_status_from_the_records_reads_only_this_start_s(tmp_path):
+    """node-status by_heartbeat with the start's run id: an earlier start's heartbeat and exit
+    records are not this start's end or life; this start's counter is shown."""
+    from megatron_ext.run_spec.run_paths import RunPaths
+    from orchestration.node.commands import node_status
+    from orchestration.node.run_state import NodeExit, RunState, write_exit, write_heartbeat
+
+    paths = RunPaths(tmp_path, "r1")
+    write_exit(paths, NodeExit(node_rank=0, state=RunState.PREEMPTED, exit_code=0, signal=None, reason="saved", ended_at=0.0,
+                               run_id="start1"))
+    write_heartbeat(paths, 0, 1, RunState.RUNNING, "start1", beat=41)
+    earlier = node_status(paths, 0, "n0", None, by_heartbeat=True, run_id="start2")
+    assert earlier.exit is None and not earlier.alive and earlier.beat is None
+    assert node_status(paths, 0, "n0", None, by_heartbeat=True, run_id="start1").exit == "saved"
+    write_heartbeat(paths, 0, 1, RunState.RUNNING, "start2", beat=3)
+    now = node_status(paths, 0, "n0", None, by_heartbeat=True, run_id="start2")
+    assert now.alive and now.state == RunState.RUNNING and now.beat == 3 and now.exit is None
+
+
 def test_the_srun_start_waits_for_the_supervisors_deadlines_and_the_share_s_cache(tmp_path):
     """The srun start reads each node's pid file through the share: it waits for the supervisors'
     own deadlines (their plan seen there, node 0's store, Megatron-LM's choice of checkpoint) plus
@@ -355,3 +428,15 @@ def test_the_srun_start_waits_for_the_supervisors_deadlines_and_the_share_s_cach
     assert srun_start_timeout_s(node) == SETTLE_S + 120 + SHARE_CACHE_S + 30  # join_s 120: the data set's default
     chosen = dataclasses.replace(node, checkpoint_choice=CheckpointChoice())
     assert srun_start_timeout_s(chosen) == srun_start_timeout_s(node) + 120
+
+
+def test_record_silence_allows_for_the_share_s_cache_and_tests_may_lower_it():
+    """RECORD_SILENCE_S lowers the margin (tests only); by default it is above NFS's 60 s cache plus
+    the longest pause a supervisor bounds between two writes of its record."""
+    from megatron_ext.host.json_files import SHARE_CACHE_S
+    from orchestration.runner.record_beats import RECORD_SILENCE_S, SUPERVISOR_GAP_S
+
+    assert read_launch_env({}).record_silence_s is None and read_launch_env({"RECORD_SILENCE_S": "15"}).record_silence_s == 15.0
+    with pytest.raises(UserError, match="RECORD_SILENCE_S='1' must be seconds between 5 and 3600; e.g. RECORD_SILENCE_S=119"):
+        read_launch_env({"RECORD_SILENCE_S": "1"})
+    assert RECORD_SILENCE_S == 119.0 == SHARE_CACHE_S + SUPERVISOR_GAP_S + 4

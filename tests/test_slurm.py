@@ -1,14 +1,18 @@
 """The launcher under a real Slurm (tests/slurm_cluster.py: munged, slurmctld and one slurmd on
 this machine; one node with one task of 2 training processes): a batch job through
 submit_training.sh that gets its time-limit signal saves, requeues and runs to the end, a run started
-inside an allocation (salloc) stops on request, scancel of a batch job leaves nothing, bad input is
-one message with nothing submitted. With CI=true a missing prerequisite is a failure."""
+inside an allocation (salloc) stops on request, scancel of a batch job leaves nothing, a batch job
+whose supervisor is SIGKILLed fails within a minute with the reason, bad input is one message with
+nothing submitted. With CI=true a missing prerequisite is a failure."""
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import subprocess
+import time
+from signal import SIGKILL
 
 import pytest
 
@@ -117,6 +121,41 @@ def test_stop_cancels_a_batch_job_and_leaves_nothing(slurm_env, artifact_root, t
     finally:
         subprocess.run(["scancel", job], env=slurm_env)
     assert tagged_pids("sl_cancel") == []
+
+
+def test_a_supervisor_killed_without_a_record_ends_its_batch_job_long_before_its_time_limit(slurm_env, artifact_root, tmp_path):
+    """The node's supervisor SIGKILLed mid-run (as the out-of-memory killer would: no exit record):
+    the batch job's waiting start sees its heartbeat record stop changing, by its own clock, and
+    after the margin (RECORD_SILENCE_S, lowered here: this machine's one disk shows every write at
+    once; 119 s in production) ends the run as failed with the reason, stops what the supervisor
+    left, and the job fails within a minute, not at its 10-minute limit. The supervisor is found
+    through the node's pid record and checked by its start time and run tag, never by name."""
+    from orchestration.node.processes import supervisor_is_alive
+    from orchestration.node.run_state import read_pid_file
+
+    data = write_data_set(tmp_path / "long.yaml", train_iters=5000)
+    env = {**slurm_env, "RECORD_SILENCE_S": "15"}
+    submit = run_script("submit_training.sh", "gpt_smoke", data, "sl_killed", "--time", "10", "--signal-ahead-s", "0", env=env)
+    assert submit.returncode == 0, submit.stdout + submit.stderr
+    job = submit.stdout.split("submitted slurm job ")[1].split()[0]
+    sbatch_log = artifact_root / "logs" / "sl_killed_sbatch.log"
+    try:
+        wait_for(lambda: last_iteration(artifact_root / "logs" / "sl_killed_node0.log") >= 2, 300, what="the job to train")
+        record = read_pid_file(artifact_root / "run_state" / "sl_killed_node0.pid")
+        assert record is not None and supervisor_is_alive(record), record
+        os.kill(record.supervisor_pid, SIGKILL)
+        killed_at = time.monotonic()
+        wait_for(lambda: job_state(job, env) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 120, interval_s=1,
+                 what=f"slurm job {job} to end")
+        took_s = time.monotonic() - killed_at
+        state, output = job_state(job, env), sbatch_log.read_text()
+    finally:
+        subprocess.run(["scancel", job], env=env)
+    assert state == "FAILED" and took_s < 60, (state, took_s, output[-3000:])
+    assert "run sl_killed ended: node0 failed; node 0's supervisor has not updated its record for " in output, output[-3000:]
+    assert "it ended without saying how (killed, e.g. by the out-of-memory killer)" in output
+    assert not (artifact_root / "run_state" / "sl_killed_node0.exit.json").exists()  # nothing said how: the wait did
+    wait_for(lambda: not tagged_pids("sl_killed"), 60, what="every process of the run to end")
 
 
 def test_the_time_limit_signal_saves_requeues_and_finishes_with_the_same_losses(slurm_env, artifact_root, unattended):

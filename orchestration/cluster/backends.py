@@ -254,25 +254,36 @@ def backend_for(launch: LaunchEnv, nodes: Nodes = ()) -> Backend:
 # -- status from the records -----------------------------------------------------------------------
 
 def statuses_from_records(launch: LaunchEnv, run: str, nodes: Nodes, seq_length: int | None) -> list[NodeResult[NodeStatus]]:
-    """Every node's status read in this process from the shared run_state files (alive = its
-    supervisor's heartbeat is recent); a node the ledger lost wrote none to say it ended: lost."""
-    lost = lost_nodes(RunPaths(launch.artifact_root, run))
+    """Every node's status read in this process from the shared run_state files of the run's latest
+    start (alive = its supervisor's heartbeat record is there and its exit record is not; whether
+    that record still changes, a wait judges: runner/record_beats.py); a node the ledger lost wrote
+    none to say it ended: lost."""
+    paths = RunPaths(launch.artifact_root, run)
+    run_id = this_start_run_id(paths)
+    lost = lost_nodes(paths, this_start_ledger(paths, run_id))
     results = []
     for rank, host in nodes:
         if rank in lost:
             results.append(lost_node(rank, host, lost[rank]))
             continue
-        code, line = answer_here(status_call(run, rank, host, launch.artifact_root, seq_length, by_heartbeat=True), launch.environ)
+        code, line = answer_here(status_call(run, rank, host, launch.artifact_root, seq_length, by_heartbeat=True,
+                                             run_id=run_id), launch.environ)
         value = decode_payload(NodeStatus, json.loads(line)) if code == 0 else None
         results.append(NodeResult(node_rank=rank, host=host, argv=[], returncode=code, value=value,
                                   error=None if value else line, output=""))
     return results
 
 
-def this_start_ledger(paths: RunPaths) -> list[AttemptRecord]:
-    """The ledger's attempts of the run's latest start (its resolved parameters' run id)."""
+def this_start_run_id(paths: RunPaths) -> str | None:
+    """The run id of the run's latest start (its resolved parameters'), or None."""
     resolved = read_resolved(paths.params_path)
-    return [r for r in read_ledger(paths) if resolved and r.run_id == resolved.runtime.run_id]
+    return resolved.runtime.run_id if resolved else None
+
+
+def this_start_ledger(paths: RunPaths, run_id: str | None = None) -> list[AttemptRecord]:
+    """The ledger's attempts of the run's latest start (``run_id``, default its resolved parameters')."""
+    run_id = run_id or this_start_run_id(paths)
+    return [r for r in read_ledger(paths) if run_id and r.run_id == run_id]
 
 
 def lost_nodes(paths: RunPaths, this_start: Sequence[AttemptRecord] | None = None) -> dict[int, AttemptRecord]:

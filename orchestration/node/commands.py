@@ -188,14 +188,21 @@ def planned_engine(paths: RunPaths, node_rank: int) -> Engine:
         return MEGATRON_CORE
 
 
-def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | None, by_heartbeat: bool = False) -> NodeStatus:
+def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | None, by_heartbeat: bool = False,
+                run_id: str | None = None) -> NodeStatus:
     """Alive or not, and the last iteration line of the node's log (either engine's), read
     with the one iteration-line parser; ``seq_length`` turns step time into tokens/s.
     ``by_heartbeat``: from another machine that shares the files: alive = its supervisor's
-    heartbeat record of this start is there and its exit record is not (its state, the record's)."""
+    heartbeat record of this start (``run_id``) is there and its exit record is not (its state,
+    the record's). A one-shot status cannot tell a supervisor gone without a record from a live
+    one: the record's counter (``beat``) can, between two statuses; a waiting start compares it
+    (orchestration/runner/record_beats.py)."""
     record = read_pid_file(paths.node_pid_file(node_rank))
-    ended = read_exit(paths, node_rank)
+    this_start = run_id if by_heartbeat else None
+    ended = read_exit(paths, node_rank, this_start)
     beat = read_heartbeat(paths, node_rank)
+    if beat is not None and this_start and beat.run_id != this_start:
+        beat = None  # an earlier start's record, not yet replaced (or not yet seen replaced)
     if by_heartbeat:  # another machine's records, perhaps seen late: no clock or mtime of theirs is compared here
         alive = beat is not None and not ended  # a node lost without a record: the ledger says so (the caller reads it)
         training = alive and beat.state == RunState.RUNNING
@@ -227,7 +234,7 @@ def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | No
         tokens_per_s=last.tokens_per_s if last and last.tokens_per_s else None,
         last_line=lines[-1][-160:] if lines else "", log=str(paths.node_log(node_rank)),
         attempt=beat.attempt if beat else None, failure_reason=reason, failure_score=score,
-        slow_ranks=standing_slow_ranks(text),
+        slow_ranks=standing_slow_ranks(text), beat=beat.beat if beat else None,
     )
 
 
@@ -259,7 +266,7 @@ def _answer(command: str, request, node: NodeEnv, stdin_line: str):
         stop = processes.preview_stop if request.dry_run else processes.stop_node
         return stop(paths.run, t.node_rank, t.host, paths.node_pid_file(t.node_rank), request.grace_s,
                     artifact_root=str(t.artifact_root))
-    return node_status(paths, t.node_rank, t.host, request.seq_length, request.by_heartbeat)
+    return node_status(paths, t.node_rank, t.host, request.seq_length, request.by_heartbeat, request.run_id)
 
 
 def answer(argv: Sequence[str], environ: Mapping[str, str], stdin_line: str = "") -> tuple[int, str]:

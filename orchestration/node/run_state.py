@@ -2,7 +2,7 @@
 
     $ARTIFACT_ROOT/run_state/<run>_node<N>.plan.json   the node's plan, for its supervisor
     $ARTIFACT_ROOT/run_state/<run>_node<N>.exit.json   how the node's run ended (NodeExit)
-    $ARTIFACT_ROOT/run_state/<run>_node<N>.heartbeat   rewritten by the node's supervisor while it lives (attempt, state)
+    $ARTIFACT_ROOT/run_state/<run>_node<N>.heartbeat   rewritten by the node's supervisor while it lives (attempt, state, beat)
     $ARTIFACT_ROOT/run_state/<run>_failure.txt         node 0's record of the attempt's first failure
     $ARTIFACT_ROOT/run_state/<run>_attempts.json       the ledger (node 0's): every attempt, why it ended, its checkpoints
     $ARTIFACT_ROOT/run_state/<run>_node<N>.pid         the node's torchrun and supervisor (PidRecord)
@@ -125,12 +125,15 @@ class Heartbeat:
 
     attempt: int
     state: RunState
-    at: float
+    beat: int = 0
+    """How many times the supervisor has written this record: one more at every write (every
+    :data:`HEARTBEAT_S`). A reader on another machine judges the writer alive by this number
+    changing on the reader's own clock; the record holds no clock of the writer's."""
     run_id: str = ""
 
 
-def write_heartbeat(paths: RunPaths, node_rank: int, attempt: int, state: RunState, run_id: str = "") -> None:
-    write_json_atomic(paths.node_heartbeat_file(node_rank), unstructure(Heartbeat(attempt, state, time.time(), run_id)))
+def write_heartbeat(paths: RunPaths, node_rank: int, attempt: int, state: RunState, run_id: str = "", beat: int = 0) -> None:
+    write_json_atomic(paths.node_heartbeat_file(node_rank), unstructure(Heartbeat(attempt, state, beat, run_id)))
 
 
 def read_heartbeat(paths: RunPaths, node_rank: int) -> Heartbeat | None:

@@ -147,9 +147,12 @@ class Supervisor:
 
     def beat(self, state: RunState) -> None:
         """The record ``status`` reads (the beat the other nodes judge this one by runs in its own
-        thread: orchestration/node/liveness.py); its write is also the probe of the share."""
+        thread: orchestration/node/liveness.py); its write is also the probe of the share. The
+        record's counter goes up at every write: a reader on another machine (a start waiting
+        under Slurm) takes this supervisor as gone once it stops changing."""
+        self.beats = beats = getattr(self, "beats", 0) + 1
         self.records.keep("writing the heartbeat record", lambda: write_heartbeat(
-            self.paths, self.rank, self.attempt, state, self.plan.run_id), deadline_s=RECORD_WRITE_S)
+            self.paths, self.rank, self.attempt, state, self.plan.run_id, beats), deadline_s=RECORD_WRITE_S)
 
     def _latest_checkpoint(self) -> int | None:
         return self.records.keep("reading the checkpoints' folder", lambda: latest_iteration(self.paths.checkpoints_dir))

@@ -200,6 +200,9 @@ class StatusRequest:
     by_heartbeat: bool = False
     """Answered from another machine that shares the files (alive = the node's supervisor's
     heartbeat record is there, its exit record not), not from the node's process table."""
+    run_id: str | None = None
+    """With ``by_heartbeat``: the start whose records count (its resolved run id); an earlier
+    start's heartbeat and exit records, still there or seen late, are not this start's."""
 
 
 @dataclass(frozen=True)
@@ -352,8 +355,8 @@ def save_call(run: str, node_rank: int, host: str, artifact_root: Path) -> NodeC
 
 
 def status_call(run: str, node_rank: int, host: str, artifact_root: Path, seq_length: int | None = None,
-                by_heartbeat: bool = False) -> NodeCall:
-    return _call("node-status", StatusRequest(target(run, node_rank, host, artifact_root), seq_length, by_heartbeat))
+                by_heartbeat: bool = False, run_id: str | None = None) -> NodeCall:
+    return _call("node-status", StatusRequest(target(run, node_rank, host, artifact_root), seq_length, by_heartbeat, run_id))
 
 
 def check_call(run: str, node_rank: int, host: str, artifact_root: Path, request: CheckRequest,
@@ -445,6 +448,9 @@ class NodeStatus:
     """How telling that line is (a rank's exception beats torchrun's summary beats the last line)."""
     slow_ranks: str | None = None
     """The latest attempt's slow-rank warning in the node's log, while it stands (rank 0's node)."""
+    beat: int | None = None
+    """The counter of the supervisor's heartbeat record: one more at every write, every 2 s while
+    the supervisor lives. Two statuses a while apart that show the same number: it has stopped."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,12 +24,13 @@ from megatron_ext.run_spec.errors import EXIT_GAVE_UP, EXIT_NODE_FAILED, EXIT_OK
 from megatron_ext.run_spec.resolved import read_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.cluster import slurm
-from orchestration.cluster.backends import backend_for, lost_node, lost_nodes, statuses_from_records
+from orchestration.cluster.backends import backend_for, lost_node, lost_nodes, statuses_from_records, this_start_run_id
 from orchestration.cluster.fanout import NodeResult
 from orchestration.launch_env import LaunchEnv
-from orchestration.node.run_state import AttemptRecord, RunState, read_ledger
+from orchestration.node.run_state import AttemptRecord, RunState, read_heartbeat, read_ledger
 from orchestration.node.wire import DEFAULT_STOP_GRACE_S, NodeStatus, SaveAsked, StopResult, save_call
 from orchestration.runner.nodes import Nodes, nodes_of_run
+from orchestration.runner.record_beats import RECORD_SILENCE_S, RecordBeats
 from orchestration.runner.sweep_state import SweepRecord, read_sweep_record, request_sweep_stop
 
 EXIT_RECORD_WAIT_S = 10.0
@@ -146,13 +147,17 @@ class RunEnd:
     statuses: dict[int, NodeStatus | None] = field(default_factory=dict)
     unreachable: tuple[int, ...] = ()
     """Nodes that answered no status for the wait's ``unreachable_s``: the run was stopped from here."""
+    silent: tuple[int, ...] = ()
+    """Nodes whose supervisor's heartbeat record stopped changing, with no exit record (records-only
+    backends: record_beats.py): the run was stopped from here."""
 
     @property
     def states(self) -> set[RunState | None]:
         return {s.state if s else None for s in self.statuses.values()}
 
     def describe(self) -> str:
-        return ", ".join(f"node{rank} {s.state if s else 'unreachable'}" for rank, s in sorted(self.statuses.items()))
+        states = ", ".join(f"node{rank} {s.state if s else 'unreachable'}" for rank, s in sorted(self.statuses.items()))
+        return "; ".join([states, *(s.exit for rank, s in sorted(self.statuses.items()) if rank in self.silent and s and s.exit)])
 
 
 def wait_until_ended(launch: LaunchEnv, run: str, nodes: Nodes, seq_length: int | None = None, poll_s: float | None = None,
@@ -162,21 +167,37 @@ def wait_until_ended(launch: LaunchEnv, run: str, nodes: Nodes, seq_length: int 
     (finished, failed, stopped, ...) written, or EXIT_RECORD_WAIT_S after torchrun went. None after
     ``timeout_s``. ``on_poll(statuses, elapsed_s)`` sees every poll (progress lines; it may raise to
     stop waiting). Each node's supervisor stops its node when another fails or goes silent; a node
-    that answers no status for ``unreachable_s`` gets the run stopped from here."""
+    that answers no status for ``unreachable_s`` gets the run stopped from here.
+
+    Where the statuses come from the nodes' records (``Backend.records_only``: inside a Slurm
+    allocation) a node has ended only by its exit record of this start, or once its heartbeat
+    record's counter has not changed for ``launch.record_silence_s`` (RECORD_SILENCE_S) by this
+    machine's clock: failed, its supervisor gone without a record; what it left is stopped from here."""
     t0 = time.monotonic()
-    poll_s = backend_for(launch, nodes).poll_s(nodes) if poll_s is None else poll_s
+    backend = backend_for(launch, nodes)
+    poll_s = backend.poll_s(nodes) if poll_s is None else poll_s
+    paths = RunPaths(launch.artifact_root, run)
+    beats = RecordBeats(run_id=this_start_run_id(paths), since=t0,
+                        silence_s=launch.record_silence_s or RECORD_SILENCE_S) if backend.records_only else None
     gone_since = unknown_since = None
     while True:
         results = node_statuses(launch, run, nodes, seq_length)
         statuses = {r.node_rank: r.value if r.ok else None for r in results}
         now = time.monotonic()
+        silent: tuple[int, ...] = ()
+        if beats is not None:  # another machine's records: ended by its exit record, or its counter still
+            for rank, _ in nodes:
+                beats.observe(rank, read_heartbeat(paths, rank), now)
+            statuses, silent = beats.judge(statuses, now)
         if on_poll is not None:
             on_poll(statuses, now - t0)
         known = [s for s in statuses.values() if s is not None]
         gone = len(known) == len(statuses) and not any(s.alive for s in known)
         gone_since = (gone_since or now) if gone else None
         if gone and (all(s.exit for s in known) or now - gone_since > EXIT_RECORD_WAIT_S):
-            return RunEnd(statuses)
+            if silent:  # its torchrun and ranks may outlive it: stopped from here, by their records and tags
+                stop_run(launch, run)
+            return RunEnd(statuses, silent=silent)
         unknown_since = (unknown_since or now) if len(known) < len(statuses) else None
         if unreachable_s is not None and unknown_since and now - unknown_since > unreachable_s:
             missing = tuple(rank for rank, s in statuses.items() if s is None)
