@@ -282,7 +282,7 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: 
         log_level=read_log_level(env),
         allow_slow_links=env.get("ALLOW_SLOW_LINKS", "").strip() not in ("", "0", "false", "no"),
         link_test_s=_seconds(env, "LINK_TEST_S", 0.1, 60.0),
-        record_silence_s=_seconds(env, "RECORD_SILENCE_S", 5.0, 3600.0, example=119),
+        record_silence_s=_seconds(env, "RECORD_SILENCE_S", 5.0, 3600.0, example=76),
         environ=dict(env),
         python=python,
         cwd=cwd,

@@ -434,9 +434,9 @@ def test_record_silence_allows_for_the_share_s_cache_and_tests_may_lower_it():
     """RECORD_SILENCE_S lowers the margin (tests only); by default it is above NFS's 60 s cache plus
     the longest pause a supervisor bounds between two writes of its record."""
     from megatron_ext.host.json_files import SHARE_CACHE_S
-    from orchestration.runner.record_beats import RECORD_SILENCE_S, SUPERVISOR_GAP_S
+    from orchestration.runner.record_beats import RECORD_GAP_S, RECORD_SILENCE_S
 
     assert read_launch_env({}).record_silence_s is None and read_launch_env({"RECORD_SILENCE_S": "15"}).record_silence_s == 15.0
-    with pytest.raises(UserError, match="RECORD_SILENCE_S='1' must be seconds between 5 and 3600; e.g. RECORD_SILENCE_S=119"):
+    with pytest.raises(UserError, match="RECORD_SILENCE_S='1' must be seconds between 5 and 3600; e.g. RECORD_SILENCE_S=76"):
         read_launch_env({"RECORD_SILENCE_S": "1"})
-    assert RECORD_SILENCE_S == 119.0 == SHARE_CACHE_S + SUPERVISOR_GAP_S + 4
+    assert RECORD_SILENCE_S == 76.0 == SHARE_CACHE_S + RECORD_GAP_S + 4

@@ -127,7 +127,7 @@ def test_a_supervisor_killed_without_a_record_ends_its_batch_job_long_before_its
     """The node's supervisor SIGKILLed mid-run (as the out-of-memory killer would: no exit record):
     the batch job's waiting start sees its heartbeat record stop changing, by its own clock, and
     after the margin (RECORD_SILENCE_S, lowered here: this machine's one disk shows every write at
-    once; 119 s in production) ends the run as failed with the reason, stops what the supervisor
+    once; 76 s in production) ends the run as failed with the reason, stops what the supervisor
     left, and the job fails within a minute, not at its 10-minute limit. The supervisor is found
     through the node's pid record and checked by its start time and run tag, never by name."""
     from orchestration.node.processes import supervisor_is_alive

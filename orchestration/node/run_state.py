@@ -32,6 +32,8 @@ from megatron_ext.run_spec.run_paths import RunPaths
 
 HEARTBEAT_S = 2.0
 """How often a node's supervisor touches its heartbeat."""
+RECORD_WRITE_S = 10.0
+"""A heartbeat record's write that has not returned in this long counts as the share failing."""
 
 
 class RunState(str, enum.Enum):

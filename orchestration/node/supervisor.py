@@ -61,9 +61,9 @@ from orchestration.node.attempts import AttemptEnd, Decision, Evidence
 from orchestration.node.board import Board, BoardUnreachable, open_stores
 from orchestration.node.failure import describe_returncode, failure_summary, follows_a_peer
 from orchestration.node.liveness import Liveness
-from orchestration.node.records import RecordKeeper
+from orchestration.node.records import HeartbeatRecord, RecordKeeper
 from orchestration.node.resume_point import ResumePoint
-from orchestration.node.run_state import (HEARTBEAT_S, NodeExit, PidRecord, RunState, clear_failure, tail, write_exit,
+from orchestration.node.run_state import (HEARTBEAT_S, RECORD_WRITE_S, NodeExit, PidRecord, RunState, clear_failure, tail, write_exit,
                                           write_failure, write_heartbeat)
 from orchestration.node.run_state import begin_attempt, end_attempt, read_ledger, write_pid_file
 from orchestration.node.wire import NodePlan, decode_payload
@@ -78,8 +78,6 @@ HANG_REPORT_WAIT_S = 30.0
 """How long node 0 waits for every node's hang report on the board before naming the suspects from those it has."""
 HUNG_STOP_GRACE_S = 10.0
 """A hung attempt's stop: its ranks are sent SIGCONT, then torchrun SIGTERM; this long before SIGKILL."""
-RECORD_WRITE_S = 10.0
-"""A heartbeat record's write that has not returned in this long counts as the share failing."""
 PREEMPTED_LINE = "exiting program after receiving"
 """Megatron-LM's line after a signal-triggered save (its exit code is 0, as for a finished run)."""
 ENDED_PHASES = ("done", "preempted")
@@ -121,6 +119,8 @@ class Supervisor:
         self.incarnations: dict[int, int] = {}
         """Node 0: the incarnation of every node it took back (others: 0)."""
         self.records = RecordKeeper(plan.artifact_root, f"node {self.rank}{self._host(self.rank)}", self.say)
+        self.heartbeat = HeartbeatRecord(self.records, lambda attempt, state, count: write_heartbeat(
+            self.paths, self.rank, attempt, state, plan.run_id, count), deadline_s=RECORD_WRITE_S)
         self.proc: subprocess.Popen | None = None
         """The current attempt's torchrun, while there is one."""
         self.record: PidRecord | None = None
@@ -146,13 +146,11 @@ class Supervisor:
         return f" ({self.plan.hosts[rank]})" if rank < len(self.plan.hosts) else ""
 
     def beat(self, state: RunState) -> None:
-        """The record ``status`` reads (the beat the other nodes judge this one by runs in its own
-        thread: orchestration/node/liveness.py); its write is also the probe of the share. The
-        record's counter goes up at every write: a reader on another machine (a start waiting
-        under Slurm) takes this supervisor as gone once it stops changing."""
-        self.beats = beats = getattr(self, "beats", 0) + 1
-        self.records.keep("writing the heartbeat record", lambda: write_heartbeat(
-            self.paths, self.rank, self.attempt, state, self.plan.run_id, beats), deadline_s=RECORD_WRITE_S)
+        """The supervisor's state in the record ``status`` reads, written now (and rewritten every
+        HEARTBEAT_S by its own thread, its counter one more each time: a reader on another machine
+        takes this supervisor as gone once the counter stops changing); the write probes the share.
+        The beat the other nodes judge this one by runs in a thread of its own too (liveness.py)."""
+        self.heartbeat.set(self.attempt, state)
 
     def _latest_checkpoint(self) -> int | None:
         return self.records.keep("reading the checkpoints' folder", lambda: latest_iteration(self.paths.checkpoints_dir))
@@ -227,15 +225,14 @@ class Supervisor:
         """Poll ``done`` until it gives something or ``seconds`` pass, writing the heartbeat record
         meanwhile; None on timeout or when a stop arrives. A node other than 0 whose node 0 went
         silent ends here (:class:`BoardUnreachable`)."""
-        deadline, last_beat = time.monotonic() + seconds, 0.0
+        deadline = time.monotonic() + seconds
+        if beat and state != self.heartbeat.state:
+            self.beat(state)
         while True:
             value = done()
             if value or self.stopping or time.monotonic() >= deadline:
                 return value
             self._lost_peer()
-            if beat and time.monotonic() - last_beat >= HEARTBEAT_S:
-                self.beat(state)
-                last_beat = time.monotonic()
             time.sleep(POLL_S)
 
     # -- one attempt --------------------------------------------------------------------------
@@ -399,8 +396,9 @@ class Supervisor:
         proc = self._start_torchrun(checkpoint, point)
         watchdog = Watchdog(self.policy, self.rank, len(self.members), self.nproc, self.progress_dir, engine_named(self.plan.engine),
                             Path(self.plan.log_path), time.time(), place=self.members.index(self.rank))
-        saving, signalled, reported, last_beat = None, set(), False, 0.0
+        saving, signalled, reported = None, set(), False
         self._hang_seen = None
+        self.beat(RunState.RUNNING)
         while True:
             code = proc.poll()
             if code is not None:
@@ -429,9 +427,6 @@ class Supervisor:
                         continue
                     if saving is None:
                         reported = self._hang(watchdog, reported)
-                if time.monotonic() - last_beat >= HEARTBEAT_S:
-                    self.beat(RunState.RUNNING)
-                    last_beat = time.monotonic()
             except BoardUnreachable as exc:  # node 0's store: its supervisor, machine or link is gone
                 self._stop_torchrun(proc, str(exc))
                 raise
@@ -548,6 +543,7 @@ class Supervisor:
         return True
 
     def finish(self, state: RunState, reason: str, code: int | None = None) -> int:
+        self.heartbeat.stop()
         exit_code, sig = describe_returncode(code) if code is not None else (None, None)
         self.records.keep("writing the exit record", lambda: write_exit(self.paths, NodeExit(
             node_rank=self.rank, state=state, exit_code=exit_code, signal=sig, reason=reason, ended_at=time.time(),

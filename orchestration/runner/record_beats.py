@@ -20,21 +20,20 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from megatron_ext.host.json_files import SHARE_CACHE_S
-from orchestration.node.run_state import HEARTBEAT_S, Heartbeat, RunState
-from orchestration.node.wire import DEFAULT_STOP_GRACE_S, NodeStatus
+from orchestration.node.run_state import HEARTBEAT_S, RECORD_WRITE_S, Heartbeat, RunState
+from orchestration.node.wire import NodeStatus
 
-SUPERVISOR_GAP_S = DEFAULT_STOP_GRACE_S + 15.0
-"""The longest a live supervisor goes between two writes of its heartbeat record, of the pauses it
-bounds itself: stopping its torchrun (DEFAULT_STOP_GRACE_S, then its sweep's SIGKILL, 5 s) and a
-record write that takes its whole deadline (10 s). Longer passes of the supervisor's main thread
-(Megatron-LM's checksum pass over a large checkpoint before an attempt, stack dumps of many hung
-ranks) are not bounded there, and not covered here."""
-RECORD_SILENCE_S = SHARE_CACHE_S + SUPERVISOR_GAP_S + 2 * HEARTBEAT_S
+RECORD_GAP_S = RECORD_WRITE_S + HEARTBEAT_S
+"""The longest a live supervisor goes between two writes of its heartbeat record: the record is
+rewritten every HEARTBEAT_S by a thread of its own (orchestration/node/records.py), whatever its
+main thread does (a 47 s stop, node 0's checksum pass, a dump), and a write that takes longer than
+RECORD_WRITE_S counts as the share failing."""
+RECORD_SILENCE_S = SHARE_CACHE_S + RECORD_GAP_S + 2 * HEARTBEAT_S
 """How long a node's heartbeat record may stay the same, by the reader's clock, before its
-supervisor counts as gone (119 s): the share may show a write up to SHARE_CACHE_S late (NFS's
-``acregmax``/``acdirmax``), the supervisor may pause SUPERVISOR_GAP_S between writes, plus two
-beats. A supervisor killed without a record keeps a batch job about two minutes, not until its
-time limit. RECORD_SILENCE_S in the environment lowers it, only where the artifact root shows
+supervisor counts as gone (76 s): the share may show a write up to SHARE_CACHE_S late (NFS's
+``acregmax``/``acdirmax``), the supervisor may take RECORD_GAP_S between writes, plus two beats.
+A supervisor killed without a record keeps a batch job about a minute and a quarter, not until
+its time limit. RECORD_SILENCE_S in the environment lowers it, only where the artifact root shows
 every write to every node at once (the tests' one machine)."""
 
 
