@@ -4,8 +4,9 @@
 
 N simulated supervisors, each with its own client connection to one ``torch.distributed.TCPStore``
 (node 0's, as orchestration/node/board.py opens it), poll as a running attempt's supervisor does
-every POLL_S (0.5 s): the save request, the attempt's failure, the hang claim, the liveness of
-the nodes it watches (node 0 all of them, the others node 0 alone) and a beat every HEARTBEAT_S.
+every POLL_S (0.5 s): the save request, the attempt's failure, the hang claim; and every
+HEARTBEAT_S the round of its beat thread (orchestration/node/liveness.py): its own counter, and
+the counters and exits of the nodes it watches (node 0 all of them, the others node 0 alone).
 Reported: store operations per second, the bytes they carry (keys and values; the 16-byte-odd
 framing of each request left out), and whether a round of every node's poll kept within POLL_S
 (the slowest round). Then what one store serves flat out: one client, then ``--procs`` clients,
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch.distributed as dist  # noqa: E402
 
 from orchestration.node.board import Board  # noqa: E402
+from orchestration.node.liveness import Liveness  # noqa: E402
 from orchestration.node.run_state import HEARTBEAT_S  # noqa: E402
 from orchestration.node.supervisor import POLL_S  # noqa: E402
 
@@ -72,27 +74,30 @@ def _client(port: int, prefix: str) -> dist.PrefixStore:
 def simulate(port: int, nodes: list[int], total: int, seconds: float, ready, out) -> None:
     """Poll as the supervisors of ``nodes`` (of ``total``) would, for ``seconds`` (from when every
     process has its clients: a process still importing torch is no load on the store)."""
-    boards = [Board(CountingStore(_client(port, "run-1/")), n, node_lost_s=20.0) for n in nodes]
+    stores = [CountingStore(_client(port, "run-1/")) for _ in nodes]
+    boards = [Board(store, n) for store, n in zip(stores, nodes)]
+    beats = [Liveness(store, n, 0, node_lost_s=20.0) for store, n in zip(stores, nodes)]
+    for liveness in beats:
+        liveness.watch({m: 0 for m in range(total)} if liveness.rank == 0 else {0: 0})
     ready.wait()
-    everyone = tuple(range(total))
     slowest, rounds, next_beat = 0.0, 0, 0.0
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         start = time.monotonic()
         beat = start >= next_beat
-        for board in boards:
+        for board, liveness in zip(boards, beats):
             board.save_request()
             board.failure(1)
             board.hang_claim(1)
-            board.silent_nodes(everyone if board.rank == 0 else (0,))
-            if beat:
-                board.beat()
+            liveness.lost()  # what the main thread asks: no store call
+            if beat:  # the beat thread's round (a connection of its own in a supervisor; one here)
+                liveness.tick()
         if beat:
             next_beat = start + HEARTBEAT_S
         took = time.monotonic() - start
         slowest, rounds = max(slowest, took), rounds + 1
         time.sleep(max(0.0, POLL_S - took))
-    out.put((sum(b.store.ops for b in boards), sum(b.store.bytes for b in boards), slowest, rounds))
+    out.put((sum(s.ops for s in stores), sum(s.bytes for s in stores), slowest, rounds))
 
 
 def flat_out(port: int, seconds: float, ready, out) -> None:

@@ -222,9 +222,9 @@ class Supervisor:
                 f"on {len(self.members) + len(back)} of {self.nnodes} nodes") if back else None
 
     def _wait(self, seconds: float, done: Callable[[], object], state: RunState, beat: bool = True) -> object:
-        """Poll ``done`` until it gives something or ``seconds`` pass, writing the heartbeat record
-        meanwhile; None on timeout or when a stop arrives. A node other than 0 whose node 0 went
-        silent ends here (:class:`BoardUnreachable`)."""
+        """Poll ``done`` until it gives something or ``seconds`` pass, with ``state`` in the heartbeat
+        record (unless ``beat`` is False); None on timeout or when a stop arrives. A node other than
+        0 whose node 0 went silent ends here (:class:`BoardUnreachable`)."""
         deadline = time.monotonic() + seconds
         if beat and state != self.heartbeat.state:
             self.beat(state)
@@ -315,7 +315,7 @@ class Supervisor:
         stopping = self.stopping
         try:
             if not stopping:  # the claim first: the other nodes stop now, not after the sweep below
-                self.beat(RunState.RUNNING)  # the share's probe: its loss is the cause, not what the ranks made of it
+                self.heartbeat.write()  # the share's probe: its loss is the cause, not what the ranks made of it
                 if self.records.failing_since is not None:
                     return self._leave(None)
                 text = failure_summary(self.rank, self.plan.host, code, self._log_tail(400, max_bytes=262144),
