@@ -112,7 +112,7 @@ def test_node_1s_share_lost_ends_the_run_naming_node_1_and_the_file_system(clust
 
 
 def test_a_stop_held_past_node_lost_s_takes_no_node_for_lost(cluster, env, artifact_root, tmp_path):
-    data = write_data_set(tmp_path / "short.yaml", train_iters=40, global_batch=8, save_interval=5,
+    data = write_data_set(tmp_path / "short.yaml", train_iters=30, global_batch=8, save_interval=5,
                           resilience=f"node_lost_s: {NODE_LOST_S}, join_s: 90, restart_backoff_s: 1, max_restarts: 1")
     run = "cf_held"
     held = None
