@@ -195,7 +195,7 @@ def test_a_run_on_the_shared_file_system_ends_in_one_attempt(cluster, cluster_en
     assert [e["state"] for e in ends] == ["finished", "finished"], (ends, logs[0][-3000:], logs[1][-3000:])
     ledger = json.loads((artifact_root / "run_state" / "mn_share_attempts.json").read_text())
     assert [(r["attempt"], r["state"], r["lost"]) for r in ledger] == [(1, "finished", [])], ledger
-    assert "waiting for node 0 to prepare the data cache" in logs[1] or "iteration" in logs[1]
+    assert "waiting for rank 0 to prepare the data cache" in logs[1] or "iteration" in logs[1]
     assert not any(" lost" in line for log in logs for line in log.splitlines() if line.startswith("[supervisor"))
     assert "iteration       30/      30" in logs[0]
     assert sorted(p.name for p in (artifact_root / "runs" / "mn_share" / "checkpoints").glob("iter_*"))[-1] == "iter_0000030"

@@ -10,8 +10,7 @@ Layout (``RunPaths``)::
     $ARTIFACT_ROOT/run_state/<run>_node<N>.{plan.json,exit.json,heartbeat}  the node's supervisor
     $ARTIFACT_ROOT/run_state/<run>_failure.txt  the current attempt's first failure
     $ARTIFACT_ROOT/run_state/<run>_attempts.json the attempts so far and why each ended (node 0's ledger)
-    $ARTIFACT_ROOT/run_state/<run>_a<K>.*       attempt K: each node's end, the decision, readiness, a hang claim
-    $ARTIFACT_ROOT/run_state/<run>.save_request a save-and-stop request (preemption, time limit, stop --save)
+    $ARTIFACT_ROOT/run_state/<run>_a<K>.*       attempt K's failure record, set aside when attempt K+1 began
     $ARTIFACT_ROOT/runs/<run>/hangs/<K>/        attempt K's hang: every rank's stack and each node's report
     $ARTIFACT_ROOT/runs/<run>/metrics.jsonl     one record per iteration
     $ARTIFACT_ROOT/runs/<run>/checkpoints/      torch.distributed.checkpoint directories
