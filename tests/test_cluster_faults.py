@@ -54,13 +54,20 @@ def exit_record(artifact_root: Path, run: str, node: int) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def test_node_0_cut_off_ends_node_1s_part_within_node_lost_s_naming_node_0(cluster, env, artifact_root, tmp_path):
+def start_long_run(run: str, env: dict, artifact_root: Path, tmp_path: Path, iterations: int) -> None:
+    """A 2 x 1 run of 5000 iterations started, and trained on node 1 to ``iterations``."""
     data = write_data_set(tmp_path / "long.yaml", train_iters=5000, global_batch=8, resilience=RESILIENCE)
+    start = run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=env)
+    assert start.returncode == 0, start.stdout + start.stderr
+    wait_for(lambda: last_iteration(artifact_root / "logs" / f"{run}_node1.log") >= iterations, 240, what="node 1 to train")
+
+
+def test_node_0_cut_off_ends_node_1s_part_within_node_lost_s_naming_node_0(cluster, env, artifact_root, tmp_path):
+    """Node 0's link down at iteration 2: node 1 stops its ranks, naming node 0, within
+    node_lost_s and a stop (its store calls end by their deadline; its beat finds node 0 silent)."""
     run = "cf_cut"
     try:
-        start = run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=env)
-        assert start.returncode == 0, start.stdout + start.stderr
-        wait_for(lambda: last_iteration(artifact_root / "logs" / f"{run}_node1.log") >= 2, 240, what="node 1 to train")
+        start_long_run(run, env, artifact_root, tmp_path, 2)
         assert set(tagged_pids(run)) & _node_pids(cluster, 1)
         cluster.cut(cluster.nodes[0])
         cut_at = time.monotonic()
@@ -85,12 +92,13 @@ def test_node_0_cut_off_ends_node_1s_part_within_node_lost_s_naming_node_0(clust
 
 
 def test_node_1s_share_lost_ends_the_run_naming_node_1_and_the_file_system(cluster, env, artifact_root, tmp_path):
-    data = write_data_set(tmp_path / "long.yaml", train_iters=5000, global_batch=8, resilience=RESILIENCE)
+    """Node 1's sshfs client killed at iteration 3: every process of the run ends; node 0 records
+    node 1's cause (the artifact root unreachable, with the error), though its own ranks' "Connection
+    closed by peer" may have been claimed first; node 1 leaves the run (the ledger says it cannot go
+    on); status, asked on node 0 alone, shows it."""
     run = "cf_share"
     try:
-        start = run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=env)
-        assert start.returncode == 0, start.stdout + start.stderr
-        wait_for(lambda: last_iteration(artifact_root / "logs" / f"{run}_node1.log") >= 3, 240, what="node 1 to train")
+        start_long_run(run, env, artifact_root, tmp_path, 3)
         cluster.lose_share(cluster.nodes[1])
         lost_at = time.monotonic()
         wait_for(lambda: not tagged_pids(run), 120, interval_s=0.2, what="every process of the run to end")
@@ -112,6 +120,9 @@ def test_node_1s_share_lost_ends_the_run_naming_node_1_and_the_file_system(clust
 
 
 def test_a_stop_held_past_node_lost_s_takes_no_node_for_lost(cluster, env, artifact_root, tmp_path):
+    """After the first checkpoint node 1's rank is SIGSTOPped and node 0's SIGKILLed: node 1's stop
+    of its torchrun takes torchrun's 30 s (node_lost_s 6 s), node 0 waits for node 1's end, names
+    node 0's rank, loses no node, and restarts on both (MAX_RESTARTS 1)."""
     data = write_data_set(tmp_path / "short.yaml", train_iters=5000, global_batch=8, save_interval=5,
                           resilience=f"node_lost_s: {NODE_LOST_S}, join_s: 90, restart_backoff_s: 1, max_restarts: 1")
     run = "cf_held"
