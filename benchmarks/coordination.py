@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch.distributed as dist  # noqa: E402
 
-from orchestration.node.board import Board  # noqa: E402
+from orchestration.node.board import Board, DeadlineStore  # noqa: E402
 from orchestration.node.liveness import Liveness  # noqa: E402
 from orchestration.node.run_state import HEARTBEAT_S  # noqa: E402
 from orchestration.node.supervisor import POLL_S  # noqa: E402
@@ -75,8 +75,8 @@ def simulate(port: int, nodes: list[int], total: int, seconds: float, ready, out
     """Poll as the supervisors of ``nodes`` (of ``total``) would, for ``seconds`` (from when every
     process has its clients: a process still importing torch is no load on the store)."""
     stores = [CountingStore(_client(port, "run-1/")) for _ in nodes]
-    boards = [Board(store, n) for store, n in zip(stores, nodes)]
-    beats = [Liveness(store, n, 0, node_lost_s=20.0) for store, n in zip(stores, nodes)]
+    boards = [Board(DeadlineStore(store, 20.0), n) for store, n in zip(stores, nodes)]
+    beats = [Liveness(DeadlineStore(store, 20.0), n, 0, node_lost_s=20.0) for store, n in zip(stores, nodes)]
     for liveness in beats:
         liveness.watch({m: 0 for m in range(total)} if liveness.rank == 0 else {0: 0})
     ready.wait()

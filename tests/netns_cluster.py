@@ -210,6 +210,14 @@ class NamespaceCluster:
         answers ENOTCONN in every session of that node. The pid killed."""
         pid = int(self.share_client_pid_file(node).read_text().split()[0])
         os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGCONT)  # a stopped one (hang_share) goes too
+        return pid
+
+    def hang_share(self, node: Node) -> int:
+        """The node's sshfs client SIGSTOPped: every call on the share there waits (a hard-mounted NFS
+        whose server is gone), until :meth:`lose_share` or a restart of the node's sshd. Its pid."""
+        pid = int(self.share_client_pid_file(node).read_text().split()[0])
+        os.kill(pid, signal.SIGSTOP)
         return pid
 
     def cut(self, node: Node) -> None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from conftest import free_port
 from orchestration.node.attempts import AttemptEnd, Decision, Evidence, choose_failure
-from orchestration.node.board import Board, BoardUnreachable, MemoryStore, open_stores
+from orchestration.node.board import Board, BoardUnreachable, DeadlineStore, MemoryStore, open_stores
 from orchestration.node.liveness import Liveness
 from orchestration.node.wire import coordination_port
 from orchestration.node.run_state import RunState
@@ -31,7 +31,7 @@ def stores(request):
     """(node 0's view, node 1's view) of one store."""
     if request.param == "memory":
         store = MemoryStore()
-        yield store, store
+        yield DeadlineStore(store, 20), DeadlineStore(store, 20)
         return
     yield connected_stores()
 
@@ -132,7 +132,7 @@ def test_a_peer_is_alive_while_its_beat_changes_by_the_observers_clock(stores):
     clock.now += 21
     node0.tick()
     assert node0.silent() == [1, 2]
-    node1.mark_exited()
+    Board(stores[1], 1).mark_exited(0)
     node0.tick()
     assert node0.exited(1) and node0.lost() == [2]
 
@@ -144,7 +144,7 @@ def test_a_node_back_in_a_new_incarnation_is_watched_anew(stores):
     node0 = Liveness(stores[0], 0, 0, node_lost_s=20, clock=clock)
     old = Liveness(stores[1], 1, 0, node_lost_s=20)
     old.tick()
-    old.mark_exited()
+    Board(stores[1], 1).mark_exited(0)
     node0.watch({1: 0})
     node0.tick()
     assert node0.exited(1)

@@ -6,7 +6,7 @@ per node, the artifact root through sshfs from a file server of its own: tests/n
   ``node_lost_s`` and a stop; no TCP timeout (about 15 minutes) is waited for;
 - node 1's share gone (its sshfs client killed: ENOTCONN there): every process of the run ends,
   and the failure node 0 records names node 1 and the artifact root, not the "Connection closed by
-  peer" the other ranks raised after;
+  peer" the other ranks raised after; the same for a share that hangs (its client SIGSTOPped);
 - a supervisor's main thread held past ``node_lost_s`` (node 1's stop of a rank that does not end
   at SIGTERM, torchrun's own 30 s before its SIGKILL): its beat runs in a thread of its own, so
   node 0 takes no node for lost, and the run restarts on both nodes.
@@ -113,6 +113,31 @@ def test_node_1s_share_lost_ends_the_run_naming_node_1_and_the_file_system(clust
         print(f"every process of the run ended {ended_s:.1f} s after node 1's share was lost")
     finally:
         cluster.kill_sshd(cluster.nodes[1])  # its sessions and their broken mount go with its mount namespace
+        cluster.start_sshd(cluster.nodes[1])
+        cluster.wait_for_ssh(cluster.nodes[1])
+        run_script("stop_multinode_training.sh", run, env=env)
+    wait_for(lambda: not tagged_pids(run), 60, what="nothing of the run left")
+
+
+def test_node_1s_share_hung_ends_the_run_naming_node_1_and_the_file_system(cluster, env, artifact_root, tmp_path):
+    """Node 1's sshfs client SIGSTOPped at iteration 3 (a hard mount whose server is gone: every
+    call on the share waits, a log line too): the heartbeat record's write misses its deadline, the
+    node's part ends, by its main thread or, stuck on the share, by its beat thread; every process
+    of the run ends, and node 0 records node 1's cause."""
+    run = "cf_hung"
+    try:
+        start_long_run(run, env, artifact_root, tmp_path, 3)
+        cluster.hang_share(cluster.nodes[1])
+        hung_at = time.monotonic()
+        wait_for(lambda: not tagged_pids(run), 180, interval_s=0.2, what="every process of the run to end")
+        ended_s = time.monotonic() - hung_at
+        failure = (artifact_root / "run_state" / f"{run}_failure.txt").read_text()
+        assert failure.startswith(f"node 1 (node1): the artifact root {artifact_root} is unreachable: "), failure
+        assert exit_record(artifact_root, run, 0)["state"] == "failed"
+        print(f"every process of the run ended {ended_s:.1f} s after node 1's share hung (node_lost_s {NODE_LOST_S})")
+    finally:
+        cluster.lose_share(cluster.nodes[1])
+        cluster.kill_sshd(cluster.nodes[1])
         cluster.start_sshd(cluster.nodes[1])
         cluster.wait_for_ssh(cluster.nodes[1])
         run_script("stop_multinode_training.sh", run, env=env)

@@ -21,7 +21,7 @@ import pytest
 from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.run_spec.errors import FINAL, UserError
 from megatron_ext.run_spec.resilience import RankProgress, ResilienceParams, phase_limit_s, read_resilience_overrides
-from orchestration.node.attempts import AttemptEnd, AttemptRecord, decide, decide_rejoin
+from orchestration.node.attempts import AttemptEnd, AttemptRecord, Evidence, decide, decide_rejoin, trained_to_the_end
 from megatron_ext.host.procfs import process_environ
 from orchestration.node.run_state import RunState
 from orchestration.node.watchdog import RankReport, find_suspects, in_collective
@@ -59,11 +59,37 @@ def test_decide_restarts_gives_up_and_ends():
         "ends: NNODES=MIN:MAX would let it go on with the nodes left")
     assert decide(1, {0: _end(0, RunState.STOPPED, requested=True), 1: _end(1)}, progressed, POLICY, 0,
                   RunState.FAILED, "x").state == RunState.STOPPED
+    stopped = decide(1, {0: _end(0, RunState.STOPPED, requested=True), 1: None}, progressed, POLICY, 0, RunState.FAILED, "x")
+    assert stopped.state == RunState.STOPPED and stopped.lost == ()  # a stop asked: a node slower to end is no loss
+    leaving = AttemptEnd(node_rank=1, attempt=1, state=RunState.FAILED, reason="node 1 (n1): the artifact root /a is "
+                         "unreachable: [Errno 107] Transport endpoint is not connected", leaves=True)
+    left = decide(1, {0: _end(0, RunState.STOPPED), 1: leaving}, progressed, POLICY, 0, RunState.FAILED, "x", ("n0", "n1"))
+    assert not left.restart and left.lost == (1,) and left.reason.startswith(
+        "node 1 (n1) cannot go on (node 1 (n1): the artifact root /a is unreachable: [Errno 107]")
     spent = decide(4, ends, [_record(4, 50, 60)], POLICY, 3, RunState.FAILED, "node 1 failed")
     assert not spent.restart and spent.state == RunState.FAILED and "after 3 restart(s) (MAX_RESTARTS=3)" in spent.reason
     full = decide(1, ends, progressed, POLICY, 0, RunState.FAILED,
                   f"node 0 (h) failed: torchrun exit code 1; rank 0: error: disk full: /c, 0.01 GB free ...; {FINAL}, so ...")
     assert not full.restart and full.state == RunState.FAILED and "disk full" in full.reason
+
+
+def test_a_finished_node_finishes_the_run_whatever_its_peers_made_of_its_teardown():
+    """One node finished (its ranks took every step with the others): the others' failing only as
+    their peers went (gloo's "Connection closed by peer" at teardown) or stopping for that is no
+    reason to restart; a failure of a rank's own, a hang, a lost node or a stop asked is."""
+    def end(rank, state, evidence=Evidence.NONE, **more):
+        return AttemptEnd(node_rank=rank, attempt=1, state=state, reason="x", evidence=evidence, **more)
+
+    finished, preempted = end(0, RunState.FINISHED), end(0, RunState.PREEMPTED)
+    assert trained_to_the_end({0: finished, 1: end(1, RunState.FINISHED)})
+    assert trained_to_the_end({0: preempted, 1: end(1, RunState.PREEMPTED)})
+    assert trained_to_the_end({0: finished, 1: end(1, RunState.FAILED, Evidence.CONSEQUENCE)})
+    assert trained_to_the_end({0: finished, 1: end(1, RunState.STOPPED)})
+    assert not trained_to_the_end({0: preempted, 1: end(1, RunState.FAILED, Evidence.CONSEQUENCE)})
+    assert not trained_to_the_end({0: finished, 1: end(1, RunState.FAILED, Evidence.RANK)})
+    assert not trained_to_the_end({0: finished, 1: end(1, RunState.HUNG)})
+    assert not trained_to_the_end({0: finished, 1: None})
+    assert not trained_to_the_end({0: finished, 1: end(1, RunState.STOPPED, requested=True)})
 
 
 def test_a_lost_node_is_left_out_when_enough_are_left_and_node_0_never():

@@ -184,7 +184,7 @@ class RunPaths:
         return self.run_state_dir / f"{self.run}_attempts.json"
 
     def attempt_file(self, attempt: int, what: str) -> Path:
-        """Attempt ``attempt``'s file ``what`` (``node1.end.json``, ``decision.json``, ``node1.ready``, ``hang.json``)."""
+        """Attempt ``attempt``'s file ``what`` (``failure.txt``: its failure record, set aside when the next began)."""
         return self.run_state_dir / f"{self.run}_a{attempt}.{what}"
 
     def exists(self) -> bool:

@@ -55,7 +55,8 @@ class AttemptEnd:
     evidence: Evidence = Evidence.NONE
     """How much ``failure`` says (node 0 records the strongest of the attempt)."""
     leaves: bool = False
-    """This node cannot go on (its share of the artifact root is gone): it ends after this attempt."""
+    """This node cannot go on (its share of the artifact root is gone, or its supervisor failed): it
+    ends after this attempt, whatever node 0 decides for the others."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +115,19 @@ def choose_failure(first: str | None, ends: Mapping[int, AttemptEnd | None]) -> 
     return first
 
 
+def trained_to_the_end(ends: Mapping[int, AttemptEnd | None]) -> bool:
+    """Whether the attempt ended with nothing to restart: every node saved (finished, or preempted on
+    request), or one finished (its ranks took every step with the others, the last checkpoint with
+    them) and the others failed only as its peers went (Evidence.CONSEQUENCE: a teardown's "Connection
+    closed by peer") or were stopped for that."""
+    if any(end is None or end.leaves or end.requested for end in ends.values()):
+        return False
+    if all(end.state in (RunState.FINISHED, RunState.PREEMPTED) for end in ends.values()):
+        return True
+    return (any(end.state == RunState.FINISHED for end in ends.values())
+            and all(end.evidence <= Evidence.CONSEQUENCE and end.state != RunState.HUNG for end in ends.values()))
+
+
 def decide(attempt: int, ends: dict[int, AttemptEnd | None], ledger: Sequence[AttemptRecord], policy: ResilienceParams,
            restarts_so_far: int, cause: RunState, cause_reason: str, hosts: Sequence[str] = (),
            joiners: Sequence[int] = (), rejoins_so_far: int = 0) -> Decision:
@@ -124,14 +138,18 @@ def decide(attempt: int, ends: dict[int, AttemptEnd | None], ledger: Sequence[At
     run, unless ``policy.min_nodes`` allows the next attempt on the nodes left (never without node 0,
     the rendezvous host and leader). ``joiners``: nodes brought back and asking for a place
     (``rejoin``), which a restart takes."""
+    if any(end.requested for end in ends.values() if end is not None):  # a stop asked: whoever else ended how
+        return Decision(attempt=attempt, restart=False, state=RunState.STOPPED, reason="stopped on request")
     missing = sorted(rank for rank, end in ends.items() if end is None)
-    leaving = sorted(rank for rank, end in ends.items() if end is not None and end.leaves)
+    leaving = {rank: end.reason for rank, end in ends.items() if end is not None and end.leaves}
     members = tuple(rank for rank in sorted(ends) if rank not in missing and rank not in leaving)
     if missing or leaving:
-        gone = "; ".join(
-            [f"{node_names(missing, hosts)} gone (its machine or its supervisor: no end of attempt {attempt} and no "
-             f"heartbeat within {policy.join_s:.0f} s)"] * bool(missing)
-            + [f"{node_names(leaving, hosts)} cannot go on (its share of the artifact root is gone)"] * bool(leaving))
+        reasons = []
+        if missing:
+            reasons.append(f"{node_names(missing, hosts)} gone (its machine or its supervisor: no end of attempt "
+                           f"{attempt} and no heartbeat within {policy.join_s:.0f} s)")
+        reasons += [f"{node_names([rank], hosts)} cannot go on ({why})" for rank, why in sorted(leaving.items())]
+        gone = "; ".join(reasons)
         missing = sorted({*missing, *leaving})
         if 0 in missing:
             return Decision(attempt=attempt, restart=False, state=RunState.FAILED,
@@ -143,8 +161,6 @@ def decide(attempt: int, ends: dict[int, AttemptEnd | None], ledger: Sequence[At
             return Decision(attempt=attempt, restart=False, state=RunState.FAILED, reason=f"{gone}: the run ends: {rule} ({cause_reason})",
                             lost=tuple(missing))
         cause_reason = f"{gone}: going on with {len(members)} of {len(ends)} nodes ({cause_reason})"
-    if any(end.requested for end in ends.values() if end is not None):
-        return Decision(attempt=attempt, restart=False, state=RunState.STOPPED, reason="stopped on request")
     if FINAL in cause_reason:  # a full disk, no checkpoint that verifies: no restart mends it
         return Decision(attempt=attempt, restart=False, state=cause, reason=cause_reason, lost=tuple(missing))
     streak = 0

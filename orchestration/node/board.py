@@ -41,7 +41,7 @@ import datetime
 import json
 import threading
 import time
-from typing import Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence, TypeVar
 
 from megatron_ext.run_spec.convert import structure, unstructure
 from orchestration.node.attempts import AttemptEnd, Decision, HangClaim
@@ -50,7 +50,18 @@ from orchestration.node.watchdog import Hang, RankReport
 from orchestration.node.wire import coordination_port
 
 STORE_TIMEOUT_S = 30.0
-"""A store operation's limit (a get of a key that exists returns at once; the client's connect waits this long)."""
+"""How long node 0's supervisor waits to listen on its port, and for its own connections."""
+ABSENT = "\x00absent"
+"""What :meth:`Board._get` asks a compare_set to expect: no value of the board's is it."""
+T = TypeVar("T")
+
+
+def beat_key(node_rank: int, incarnation: int) -> str:
+    return f"beat/{node_rank}/{incarnation}"
+
+
+def exit_key(node_rank: int, incarnation: int) -> str:
+    return f"exit/{node_rank}/{incarnation}"
 
 
 class BoardUnreachable(RuntimeError):
@@ -114,13 +125,16 @@ class DeadlineStore:
     :class:`BoardUnreachable`, as does any error of the store's. The call runs in a daemon thread
     this one waits for: a call that never returns (node 0 cut off) is left behind, and while it is
     still out every later call fails at once (a TCPStore client runs one call at a time: the next
-    would only queue behind it), until it returns."""
+    would only queue behind it), until it returns. One thread's connection: the supervisor's main
+    thread and its beat thread each have their own (:func:`open_stores`)."""
 
     def __init__(self, store: Store, deadline_s: float):
         self.store, self.deadline_s = store, deadline_s
         self._out: tuple[threading.Thread, str, float] | None = None
 
-    def _call(self, op: str, *args):
+    def run(self, what: str, calls: Callable[[Store], T]) -> T:
+        """``calls(store)``, several calls on the store at once, within one deadline (the beat's
+        round: one thread for all its calls)."""
         if self._out is not None and self._out[0].is_alive():
             _, pending, since = self._out
             raise BoardUnreachable(f"node 0's coordination store has not answered a {pending} for "
@@ -129,15 +143,15 @@ class DeadlineStore:
 
         def call() -> None:
             try:
-                answer["value"] = getattr(self.store, op)(*args)
+                answer["value"] = calls(self.store)
             except BaseException as exc:  # handed to the waiting thread
                 answer["error"] = exc
 
-        thread = threading.Thread(target=call, name=f"store-{op}", daemon=True)
-        self._out = (thread, op, time.monotonic())
+        thread = threading.Thread(target=call, name=f"store-{what}", daemon=True)
+        self._out = (thread, what, time.monotonic())
         thread.start()
         if not join_within(thread, self.deadline_s):
-            raise BoardUnreachable(f"node 0's coordination store did not answer a {op} within {self.deadline_s:.0f} s")
+            raise BoardUnreachable(f"node 0's coordination store did not answer a {what} within {self.deadline_s:.0f} s")
         self._out = None
         if "error" in answer:
             exc = answer["error"]
@@ -147,36 +161,36 @@ class DeadlineStore:
         return answer["value"]
 
     def set(self, key: str, value: str) -> None:
-        self._call("set", key, value)
+        self.run("set", lambda store: store.set(key, value))
 
     def get(self, key: str) -> bytes:
-        return self._call("get", key)
+        return self.run("get", lambda store: store.get(key))
 
     def add(self, key: str, amount: int) -> int:
-        return self._call("add", key, amount)
+        return self.run("add", lambda store: store.add(key, amount))
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        return self._call("compare_set", key, expected, desired)
+        return self.run("compare_set", lambda store: store.compare_set(key, expected, desired))
 
     def check(self, keys: list[str]) -> bool:
-        return self._call("check", keys)
+        return self.run("check", lambda store: store.check(keys))
 
 
 def open_stores(run_id: str, nnodes: int, leader: bool, master_addr: str, master_port: int, connect_s: float,
-                deadline_s: float) -> tuple[Store, Store]:
+                deadline_s: float) -> tuple[DeadlineStore, DeadlineStore]:
     """The run's store, twice: one connection for the supervisor's main thread, one for its beat
     (orchestration/node/liveness.py), so that neither waits behind the other's call. In memory for
     one node (the same store twice); else node 0 hosts a TCPStore on :func:`coordination_port` and
     every supervisor connects (the others waiting up to ``connect_s`` for node 0). Every call
     answers within ``deadline_s`` (:class:`DeadlineStore`)."""
     if nnodes == 1:
-        store = MemoryStore()
-        return store, store
+        store = MemoryStore()  # two threads, each its own keys: each dict operation is one step
+        return DeadlineStore(store, deadline_s), DeadlineStore(store, deadline_s)
     import torch.distributed as dist
 
     port = coordination_port(master_port)
 
-    def connect(hosts: bool, wait_s: float) -> Store:
+    def connect(hosts: bool, wait_s: float) -> DeadlineStore:
         try:
             store = dist.TCPStore(master_addr, port, is_master=hosts, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=wait_s))
@@ -198,13 +212,19 @@ class Board:
         self.store, self.rank = store, node_rank
 
     def _get(self, key: str) -> str | None:
-        if not self.store.check([key]):
-            return None
-        return self.store.get(key).decode()
+        """The value under ``key``, or None, in one call: a compare_set that never matches answers
+        what is there, or its own expected value where nothing is."""
+        value = self.store.compare_set(key, ABSENT, ABSENT).decode()
+        return None if value == ABSENT else value
 
     def _claim(self, key: str, value: str) -> bool:
         """``value`` set under ``key`` unless a value is there already: whether this one won."""
         return self.store.compare_set(key, "", value).decode() == value
+
+    def mark_exited(self, incarnation: int) -> None:
+        """This supervisor (``incarnation``) is ending: its silence from here on is no loss
+        (orchestration/node/liveness.py reads it)."""
+        self.store.set(exit_key(self.rank, incarnation), "1")
 
     # -- one attempt's agreements ------------------------------------------------------------------
     def claim_failure(self, attempt: int, text: str) -> bool:

@@ -111,7 +111,7 @@ def first_cause(found: list[tuple[int | None, re.Match]],
     for index, (rank, m) in enumerate(real):
         last_of_rank[rank] = (index, m)
     ordered = sorted((index, rank, m) for rank, (index, m) in last_of_rank.items())
-    causes = [(rank, m) for _, rank, m in ordered if not any(p in (m.group(2) or "") for p in PEER_CONSEQUENCES)]
+    causes = [(rank, m) for _, rank, m in ordered if not follows_a_peer(m.group(2) or "")]
     own = [c for c in causes if c[0] == exited_first and exited_first is not None]
     return (own or causes)[0] if causes else real[-1]
 

@@ -19,29 +19,19 @@ for its new one:
 
     beat/<node>/<incarnation>   the counter
     exit/<node>/<incarnation>   the supervisor is ending: its silence from then on is no loss
+                                (:meth:`~orchestration.node.board.Board.mark_exited`)
 
 Side effects: the beat thread, store calls.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from typing import Callable, Mapping
 
-from orchestration.node.board import BoardUnreachable, Store, join_within
+from orchestration.node.board import BoardUnreachable, DeadlineStore, beat_key, exit_key, join_within
 from orchestration.node.run_state import HEARTBEAT_S
-
-log = logging.getLogger(__name__)
-
-
-def beat_key(node_rank: int, incarnation: int) -> str:
-    return f"beat/{node_rank}/{incarnation}"
-
-
-def exit_key(node_rank: int, incarnation: int) -> str:
-    return f"exit/{node_rank}/{incarnation}"
 
 
 class Liveness:
@@ -49,9 +39,13 @@ class Liveness:
     thread calls it every ``period_s``; tests call it with their own clock); the main thread only
     reads what the last rounds saw (:meth:`lost`, :meth:`silent_s`), which never waits."""
 
-    def __init__(self, store: Store, node_rank: int, incarnation: int, node_lost_s: float,
-                 clock: Callable[[], float] = time.monotonic, period_s: float = HEARTBEAT_S):
-        self.store, self.rank, self.incarnation = store, node_rank, incarnation
+    def __init__(self, store: DeadlineStore, node_rank: int, incarnation: int, node_lost_s: float,
+                 clock: Callable[[], float] = time.monotonic, period_s: float = HEARTBEAT_S,
+                 after_round: Callable[[], None] | None = None):
+        """``after_round``: called by the beat thread after each round (the supervisor's last resort
+        when its main thread is stuck on a share that does not answer); it must not log or touch
+        the share."""
+        self.store, self.rank, self.incarnation, self.after_round = store, node_rank, incarnation, after_round
         self.node_lost_s, self.clock, self.period_s = node_lost_s, clock, period_s
         self._lock = threading.Lock()
         self._watched: dict[int, int] = {}
@@ -102,25 +96,28 @@ class Liveness:
         """The watched nodes silent for longer than ``node_lost_s`` that did not say they end."""
         return [n for n in self.silent() if not self.exited(n)]
 
-    def mark_exited(self) -> None:
-        """This supervisor is ending: its silence from here on is no loss."""
-        self.store.set(exit_key(self.rank, self.incarnation), "1")
-
     # -- the beat -------------------------------------------------------------------------------
     def tick(self) -> None:
         """One round: this node's counter up by one; the watched nodes' counters and exits read."""
         with self._lock:
             watched = dict(self._watched)
+
+        def round_trip(store) -> tuple[dict[int, int], set[int]]:
+            store.add(beat_key(self.rank, self.incarnation), 1)
+            counts = {n: int(store.add(beat_key(n, inc), 0)) for n, inc in watched.items()}
+            return counts, {n for n, inc in watched.items() if store.check([exit_key(n, inc)])}
+
         try:
-            self.store.add(beat_key(self.rank, self.incarnation), 1)
-            counts = {n: int(self.store.add(beat_key(n, inc), 0)) for n, inc in watched.items()}
-            exited = {n for n, inc in watched.items() if self.store.check([exit_key(n, inc)])}
+            counts, exited = self.store.run("beat", round_trip)
         except BoardUnreachable as exc:
             self.error = str(exc)
             return
+        except Exception as exc:  # noqa: BLE001 - the beat thread never dies of a surprise: that would be taken for a loss
+            self.error = f"{type(exc).__name__}: {exc}"
+            return
         now = self.clock()
         with self._lock:
-            self._answered_at = now
+            self._answered_at, self.error = now, None
             for n, count in counts.items():
                 inc, last, _ = self._seen.get(n, (watched[n], -1, now))
                 if inc == watched[n] == self._watched.get(n) and count != last:
@@ -139,6 +136,8 @@ class Liveness:
                 if self._stop.is_set():
                     return
                 self.tick()
+                if self.after_round is not None:
+                    self.after_round()
 
         self._thread = threading.Thread(target=beat, name=f"beat-node{self.rank}", daemon=True)
         self._thread.start()

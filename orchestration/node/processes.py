@@ -110,6 +110,8 @@ def stop_node(run: str, node_rank: int, host: str, pid_path: Path, grace_s: floa
     every process still tagged (never the caller). ``record``: the supervisor's own record of its
     torchrun (default: the pid file's; the supervisor does not read the share to stop its own)."""
     record = record if record is not None else read_pid_file(pid_path)
+    if record is not None and os.getpid() in (record.pid, record.pgid if signal_group else None):
+        record = None  # a supervisor's own record (a node joining, before its first attempt): never the caller
     if signal_group:
         alive = record is not None and (record_is_alive(record) or supervisor_is_alive(record))
     else:

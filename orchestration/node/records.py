@@ -95,15 +95,15 @@ class RecordKeeper:
 
     def keep(self, what: str, action: Callable[[], T], default: T = None, deadline_s: float | None = None) -> T:
         """``action()`` (a write or read of a record on the share), or ``default`` when it raised
-        an OSError or (given ``deadline_s``) did not return in time; either is remembered."""
+        an OSError or (given ``deadline_s``) did not return in time; either is remembered. Only a
+        call given a deadline (the heartbeat record's write: the probe) says the share answers
+        again: a read that works beside writes that fail does not reset the count."""
         if deadline_s is None:
             try:
-                value = action()
+                return action()
             except OSError as exc:
                 self._failed(what, _describe(exc))
                 return default
-            self._answered()
-            return value
         if self._out is not None and self._out.is_alive():
             self._failed(what, f"an earlier write has not returned for {self.failing_s():.0f} s")
             return default
@@ -112,7 +112,7 @@ class RecordKeeper:
         def call() -> None:
             try:
                 answer["value"] = action()
-            except OSError as exc:
+            except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
                 answer["error"] = exc
 
         self._out = threading.Thread(target=call, name="record-write", daemon=True)
@@ -122,7 +122,7 @@ class RecordKeeper:
             return default
         if "error" in answer:
             exc = answer["error"]
-            self._failed(what, _describe(exc))
+            self._failed(what, _describe(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}")
             return default
         self._answered()
         return answer.get("value", default)  # type: ignore[return-value]

@@ -83,7 +83,7 @@ def tail(path: Path, lines: int, max_bytes: int = 65536) -> str:
             size = fh.tell()
             fh.seek(max(0, size - max_bytes))
             text = fh.read().decode(errors="replace")
-    except FileNotFoundError:
+    except OSError:  # missing; or on a share that fails (the heartbeat record's probe says so, once)
         return ""
     return "\n".join(text.splitlines()[-lines:])
 

@@ -24,7 +24,8 @@ the plan's per-attempt rule), records it, and then every :data:`POLL_S` seconds:
   board, and every node sends each of its ranks the engine's save signal directly (not through
   torchrun, whose handler would tear them down);
 - the artifact root has not answered for node_lost_s (its heartbeat record's write fails): this
-  node's part ends, naming the node, the root and the error;
+  node's part ends, naming the node, the root and the error (by the beat thread, when the main
+  thread is stuck on a share that hangs: :meth:`Supervisor._last_resort`);
 - SIGTERM (``stop``): it lets torchrun stop and records ``stopped``.
 
 Before each attempt of a Megatron-LM run node 0 picks the checkpoint it loads, passing over and
@@ -40,6 +41,7 @@ Side effects: processes, the run_state files, the node log, the node-local progr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -51,7 +53,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from megatron_ext.run_spec.checkpoints import latest_iteration
-from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, UserError
 from megatron_ext.run_spec.engines import engine_named
 from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED
 from megatron_ext.run_spec.resilience import PROGRESS_DIR_ENV, ResilienceParams, read_progress
@@ -125,7 +127,11 @@ class Supervisor:
         """The current attempt's torchrun, while there is one."""
         self.record: PidRecord | None = None
         """Its record (the pid file's content, kept here: stopping it reads nothing from the share)."""
+        self._main_at = time.monotonic()
+        """The main thread's last step (:meth:`_alive`)."""
         self._signalled_save: str | None = None
+        self.ended_by: Decision | None = None
+        """Node 0's decision that the run ends before the attempt this node is joining."""
         self._recorded_failure: int | None = None
         self._hang_seen: float | None = None
         self._root = str(plan.artifact_root)
@@ -162,6 +168,38 @@ class Supervisor:
         """Node 0 watches ``nodes`` (each in the incarnation it took it back in); the others, node 0."""
         self.liveness.watch({n: self.incarnations.get(n, 0) for n in nodes} if self.leader else {0: 0})
 
+    def _alive(self, bounded_s: float = 0.0) -> None:
+        """The main thread's stamp, by which the beat thread's :meth:`_last_resort` judges it stuck;
+        ``bounded_s``: the step it begins takes at most that long."""
+        self._main_at = time.monotonic() + bounded_s
+
+    def _last_resort(self) -> None:
+        """From the beat thread, after each of its rounds. When the share has not answered for twice
+        node_lost_s and the main thread has made no step for node_lost_s, the main thread is stuck on
+        the share (a hard mount whose server is gone: a write, even a log line, waits for ever), and
+        the beat, which touches neither the share nor the log, would keep this node alive for ever.
+        So this thread ends the node's part: the cause on the board over its own connection, every
+        process of the node's run killed, its end and exit marked, then this process. No record can
+        be written, nothing is logged."""
+        now = time.monotonic()
+        if self.records.failing_s() <= 2 * self.policy.node_lost_s or now - self._main_at <= self.policy.node_lost_s:
+            return
+        cause = self.records.cause() + " (the supervisor, stuck on it, ended by its beat thread)"
+        board = Board(self.liveness.store, self.rank)  # this thread's own connection
+        try:
+            board.claim_failure(self.attempt, cause + "\n")
+            board.write_end(AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.FAILED, reason=cause,
+                                       failure=cause + "\n", evidence=Evidence.NODE, leaves=True))
+            if self.leader:
+                board.write_decision(Decision(attempt=self.attempt, restart=False, state=RunState.FAILED, reason=cause))
+            board.mark_exited(self.incarnation)
+        except BoardUnreachable:
+            pass
+        for pid in processes.tagged_processes(self.plan.run, self.rank, self._root):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        os._exit(EXIT_NODE_FAILED)
+
     def _lost_peer(self) -> int | None:
         """Node 0: a node of this attempt silent for node_lost_s (by this machine's clock) that did not
         say it ends. The others: node 0 silent so long (its store unanswering counts) ends this
@@ -173,6 +211,8 @@ class Supervisor:
                 raise BoardUnreachable(f"node 0's supervisor has given no sign for {self.liveness.silent_s(0):.0f} s "
                                        f"(its machine, its supervisor or the network to it is gone)"
                                        + (f": {self.liveness.error}" if self.liveness.error else ""))
+            if self.liveness.exited(0):
+                raise BoardUnreachable("node 0's supervisor ended (the run ended there)")
             return None
         return next((rank for rank in self.members if rank in lost), None)
 
@@ -200,6 +240,7 @@ class Supervisor:
         start's SIGUSR1), passed on to every node through the board."""
         if self._signalled_save:
             self.board.request_save(self._signalled_save)
+            self._signalled_save = None  # posted: the first reason stays on the board
         return self.board.save_request()
 
     @property
@@ -221,18 +262,27 @@ class Supervisor:
         return (f"{attempts.node_names(back, self.plan.hosts)} back: a checkpoint now, then attempt {self.attempt + 1} "
                 f"on {len(self.members) + len(back)} of {self.nnodes} nodes") if back else None
 
-    def _wait(self, seconds: float, done: Callable[[], object], state: RunState, beat: bool = True) -> object:
+    def _wait(self, seconds: float, done: Callable[[], object], state: RunState, beat: bool = True,
+              until_stop: bool = True) -> object:
         """Poll ``done`` until it gives something or ``seconds`` pass, with ``state`` in the heartbeat
-        record (unless ``beat`` is False); None on timeout or when a stop arrives. A node other than
-        0 whose node 0 went silent ends here (:class:`BoardUnreachable`)."""
+        record (unless ``beat`` is False); None on timeout, or when a stop arrives (unless
+        ``until_stop`` is False: node 0 still collects the others' ends). A node other than 0 whose
+        node 0 went silent or ended ends here (:class:`BoardUnreachable`)."""
         deadline = time.monotonic() + seconds
         if beat and state != self.heartbeat.state:
             self.beat(state)
         while True:
+            self._alive()
             value = done()
-            if value or self.stopping or time.monotonic() >= deadline:
+            if value or (self.stopping and until_stop) or time.monotonic() >= deadline:
                 return value
-            self._lost_peer()
+            try:
+                self._lost_peer()
+            except BoardUnreachable:
+                value = done()  # node 0's last word may have come just before its end
+                if value:
+                    return value
+                raise
             time.sleep(POLL_S)
 
     # -- one attempt --------------------------------------------------------------------------
@@ -255,15 +305,16 @@ class Supervisor:
 
     def _stop_torchrun(self, proc: subprocess.Popen, reason: str, hung: bool = False) -> None:
         self.say(f"stopping torchrun: {reason}")
+        grace_s = HUNG_STOP_GRACE_S if hung else processes.DEFAULT_STOP_GRACE_S
+        self._alive(grace_s + processes.SWEEP_KILL_AFTER_S + 2.0)  # a step of bounded length: not stuck
         if hung:  # a stopped rank cannot act on SIGTERM until it continues
             for pid in worker_pids(self.plan.run, self.rank, self._root).values():
                 try:
                     os.kill(pid, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
-        processes.stop_node(self.plan.run, self.rank, self.plan.host, self.plan.pid_file,
-                            grace_s=HUNG_STOP_GRACE_S if hung else processes.DEFAULT_STOP_GRACE_S, signal_group=False,
-                            artifact_root=self._root, record=self.record)
+        processes.stop_node(self.plan.run, self.rank, self.plan.host, self.plan.pid_file, grace_s=grace_s,
+                            signal_group=False, artifact_root=self._root, record=self.record)
         proc.poll()
 
     def _forward_save(self, signalled: set[int]) -> set[int]:
@@ -332,9 +383,9 @@ class Supervisor:
         """The share has not answered for node_lost_s (or failed as torchrun failed): this node's
         part ends with that cause, claimed on the board (the others stop, and node 0 records it)."""
         cause = self.records.cause()
+        self._claim_failure(cause + "\n")  # first: the stop below logs, and a log on a share that hangs waits for ever
         if proc is not None and proc.poll() is None:
             self._stop_torchrun(proc, cause)
-        self._claim_failure(cause + "\n")
         return self._ended(RunState.FAILED, cause, failure=cause + "\n", evidence=Evidence.NODE, leaves=True)
 
     def _hang(self, watchdog: Watchdog, reported: bool) -> bool:
@@ -370,10 +421,9 @@ class Supervisor:
         choice = self.plan.checkpoint_choice
         if choice is None:
             return None
-        if not self.leader:
-            point = self._wait(self.policy.join_s, lambda: self.board.read_resume_point(self.attempt), RunState.RESTARTING)
-            return point or ResumePoint(None, False, refused=f"node 0 named no checkpoint for attempt {self.attempt} "
-                                                             f"within {self.policy.join_s:.0f} s")
+        if not self.leader:  # as long as node 0 takes (a checksum pass over a large checkpoint), while it beats
+            point = self._wait(float("inf"), lambda: self.board.read_resume_point(self.attempt), RunState.RESTARTING)
+            return point or ResumePoint(None, False, refused="stopped on request")
         try:
             point, damaged = resume_point.choose(self.paths.checkpoints_dir, choice.init_checkpoint)
             resume_point.take(point, damaged, self.paths.checkpoints_dir)
@@ -400,6 +450,7 @@ class Supervisor:
         self._hang_seen = None
         self.beat(RunState.RUNNING)
         while True:
+            self._alive()
             code = proc.poll()
             if code is not None:
                 return self._end(proc, code, saving is not None)
@@ -452,7 +503,7 @@ class Supervisor:
             lost = self.liveness.lost()
             return all(n in lost or self.board.read_end(self.attempt, n) for n in self.members)
 
-        self._wait(join_s, settled, RunState.RESTARTING)
+        self._wait(join_s, settled, RunState.RESTARTING, until_stop=False)
         ends = {n: self.board.read_end(self.attempt, n) for n in self.members}
         back = self.board.rejoin(self.attempt)
         checkpoint = self._latest_checkpoint()
@@ -468,10 +519,12 @@ class Supervisor:
                                          reason="stopped on request", requested=True)
         first = self.board.failure(self.attempt)
         chosen = attempts.choose_failure(first, ends)
-        if chosen is None and all(e is not None and e.state in SAVED for e in ends.values()):
+        if attempts.trained_to_the_end(ends):
             state = RunState.FINISHED if any(e.state == RunState.FINISHED for e in ends.values()) else RunState.PREEMPTED
             reason = end.reason if end.state == state else next(e.reason for e in ends.values() if e.state == state)
             self._close_ledger(state, reason, checkpoint)
+            if first is not None:  # what a teardown made of a finished run is no failure of it
+                self.records.keep("moving the failure record aside", self._set_failure_aside)
             return self._publish(Decision(attempt=self.attempt, restart=False, state=state, reason=reason))
         if chosen is not None and chosen != first:
             self._record_failure(chosen)  # a node's own cause, stronger than what the others made of it
@@ -533,8 +586,15 @@ class Supervisor:
             self.board.write_roster(self.attempt, ready)
             self.members = ready
             return True
-        roster = self._wait(join_s + 2 * HEARTBEAT_S, lambda: self.board.read_roster(self.attempt),
-                            RunState.RESTARTING)
+        # node 0's roster, or its word that there is no attempt K (a save asked in the backoff: its
+        # decision; a node that did not join: the failure it claimed)
+        roster = self._wait(join_s + 2 * HEARTBEAT_S, lambda: self.board.read_roster(self.attempt)
+                            or self.board.read_decision(self.attempt) or self.board.failure(self.attempt), RunState.RESTARTING)
+        if isinstance(roster, Decision):
+            self.ended_by = roster
+            return False
+        if isinstance(roster, str):
+            return False
         if roster is None or self.rank not in roster:
             if roster is not None and not self.stopping:
                 self.say(f"left out of attempt {self.attempt} (not ready in time): this node ends here")
@@ -552,7 +612,7 @@ class Supervisor:
         shutil.rmtree(self.progress_dir, ignore_errors=True)
         if self.liveness is not None:
             try:
-                self.liveness.mark_exited()
+                self.board.mark_exited(self.incarnation)
                 if self.leader:  # the store lives in this process: keep it until the others are done with it
                     back = self.board.join_requests(self.absent)  # joining: told by exit/0
                     others = [n for n in (*self.members, *back) if n != self.rank]
@@ -560,7 +620,7 @@ class Supervisor:
                     self._watch(others)
                     self._wait(self.policy.node_lost_s + HEARTBEAT_S,
                                lambda: all(self.liveness.exited(n) or n in self.liveness.silent() for n in others),
-                               state, beat=False)
+                               state, beat=False, until_stop=False)
             except BoardUnreachable:
                 pass  # node 0 ended first: nothing is left to tell it
             self.liveness.stop()
@@ -581,7 +641,8 @@ class Supervisor:
         try:
             request = self.board.request_join() if self.plan.rejoin else None
             self.incarnation = request or 0
-            self.liveness = Liveness(beat_store, self.rank, self.incarnation, self.policy.node_lost_s).start()
+            self.liveness = Liveness(beat_store, self.rank, self.incarnation, self.policy.node_lost_s,
+                                     after_round=self._last_resort).start()
             self._watch(self.members)
             if request is not None:
                 ended = self._come_back(request)
@@ -600,21 +661,21 @@ class Supervisor:
         """The supervisor itself failed: its torchrun and ranks stopped, the cause (the share, named
         with its path and error, or the error itself) on the board for node 0 to record, and node 0's
         own failure its decision for every node; then this node ends."""
-        if isinstance(exc, OSError) and (self.records.failing_since is not None or str(exc.filename or "").startswith(self._root)):
+        if isinstance(exc, OSError) and exc.filename and Path(str(exc.filename)).is_relative_to(self._root):
             self.records.failed(str(exc.filename), exc)
             cause = self.records.cause()
         else:
             cause = f"node {self.rank}{self._host(self.rank)}: the supervisor failed: {type(exc).__name__}: {exc}"
         log.error("%s\n%s", cause, "".join(traceback.format_exception(exc)).rstrip())
-        self._stop_current(cause)
-        try:
+        try:  # told first: the other nodes stop now, not after this node's stop below (up to 47 s)
             self._claim_failure(cause + "\n")
-            self.board.write_end(self._ended(RunState.FAILED, cause, failure=cause + "\n", evidence=Evidence.NODE,
-                                             leaves=True))
+            self.board.write_end(AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.FAILED, reason=cause,
+                                            failure=cause + "\n", evidence=Evidence.NODE, leaves=True))
             if self.leader:
                 self._publish(Decision(attempt=self.attempt, restart=False, state=RunState.FAILED, reason=cause))
         except BoardUnreachable:
             pass
+        self._stop_current(cause)
         return self.finish(RunState.FAILED, cause)
 
     def _stop_current(self, reason: str) -> None:
@@ -627,6 +688,8 @@ class Supervisor:
     def _attempts(self) -> int:
         while True:
             if self.attempt > self.plan.first_attempt and not self.join(self.decided):
+                if self.ended_by is not None:  # node 0's word before the attempt (a save asked in the backoff)
+                    return self.finish(*self._between_attempts_end())
                 return self.finish(RunState.STOPPED if self.stopping else RunState.FAILED,
                                    "stopped on request" if self.stopping else self._failure() or "a node did not join")
             point = self.resume_point()
@@ -650,12 +713,21 @@ class Supervisor:
         self.restarts, self.rejoins, self.joined = decision.restarts, decision.rejoins, decision.joined
         self.say(decision.reason)
         self.beat(RunState.RESTARTING)
-        if self._wait(decision.backoff_s, self._save_request, RunState.RESTARTING) or self.stopping:
+        if not self.leader:  # node 0 alone reads a save request here: its word on the next attempt, or the roster
+            word = self._wait(decision.backoff_s, lambda: self.board.read_decision(self.attempt + 1), RunState.RESTARTING)
+            self.attempt += 1
+            self.ended_by = word
+            return word is None and not self.stopping
+        if self._wait(decision.backoff_s, self._save_request, RunState.RESTARTING) and not self.stopping:
+            state, reason = self._between_attempts_end()
+            self._publish(Decision(attempt=self.attempt + 1, restart=False, state=state, reason=reason))
             return False
         self.attempt += 1
-        return True
+        return not self.stopping
 
     def _between_attempts_end(self) -> tuple[RunState, str]:
+        if self.ended_by is not None:
+            return self.ended_by.state, self.ended_by.reason
         if self.stopping:
             return RunState.STOPPED, "stopped on request"
         return RunState.PREEMPTED, "a save was requested between attempts: the latest checkpoint stands"

@@ -241,9 +241,8 @@ class SaveSignal:
     def poll(self, statuses: Statuses | None = None, elapsed_s: float = 0.0) -> None:
         if not self.received and self.mark is not None and self.mark.exists():
             self.received = True
-        if self.received and not self.sent:
-            self.sent = True
-            ask_to_save(self.launch, self.run, self.nodes)
+        if self.received and not self.sent:  # asked again at the next poll until a supervisor has it
+            self.sent = any(r.ok and r.value.ok for r in ask_to_save(self.launch, self.run, self.nodes))
 
 
 def ask_to_save(launch: LaunchEnv, run: str, nodes: Nodes) -> list[NodeResult[SaveAsked]]:
