@@ -16,14 +16,26 @@ bus bandwidth. The figures, with the sources they follow:
   fp32 main parameters and Adam's moments; with ``training.grad_reduce_in_bf16`` the shard is bf16,
   2/d: the ZeRO paper's 2 + 14/d and 16/d). CPU (fp32 AdamW, torch): 16, 8 + 8/d, 16/d (peak
   4 + 12/d while FSDP2 holds every gathered parameter), 16/d.
-- Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-  Models", whose per-layer ``s*b*h*(34 + 5*a*s/h)`` bytes (16-bit, no parallelism) is re-derived
-  here tensor by tensor for the preset's layer (grouped-query attention, SwiGLU, QK-layernorm),
-  with SDPA/flash attention (no s x s scores stored) and no dropout masks where dropout is 0;
-  plus the logits (16-bit output and an fp32 copy in the cross entropy). With full
-  recomputation each layer keeps only its input and one layer is rebuilt at a time. An
-  estimate: allocator fragmentation, workspace and communication buffers are what the headroom
-  is for.
+- Activations: what ``torch.cuda.max_memory_allocated`` (the GPU runs' peak) adds to the model
+  states, at its moment, the start of the backward. Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models" (per layer ``s*b*h*(34 + 5*a*s/h)`` bytes, 16-bit),
+  re-derived tensor by tensor from what megatron-core and torch keep for this program's layer
+  (:func:`layer_saved_tensors`: local spec, SdpaAttention's flash attention with no s x s scores,
+  grouped-query attention, QK-norm, rotary tables, SwiGLU or GELU, dropout masks only where
+  dropout is on, the fp32 norm statistics); plus the final norm's and the output layer's inputs;
+  plus the loss's peak, 10 bytes per logit (token x vocabulary entry) with megatron-core's fused
+  cross entropy (:data:`LOSS_BYTES_PER_LOGIT`: fp32 softmax, an fp32 copy in its backward, the
+  bf16 gradient; 24.9 of Qwen3-1.7B's 60.1 GB at sequence 4096 and micro batch 4); plus the
+  cuBLAS workspaces, 66 MiB. That configuration on one H200 (DP=1, where every stage holds 18
+  bytes per parameter: stages 2-3 run as no_shard): 84.77 GiB planned, 84.78 GiB measured at
+  every stage (tests/data/gpu_peak_memory.json). With full recomputation each layer keeps only its
+  input, and the peak is the loss's or one layer rebuilt. Not counted:
+  the layers' own backward buffers (flash attention's fp32 dQ accumulator, the MLP's gradients:
+  after the logits are freed, smaller than the loss's peak unless the vocabulary is small against
+  the layer), the optimizer step's (torch's foreach AdamW allocates sqrt(v), 4 bytes per parameter
+  it updates, once the activations are freed), Megatron-FSDP's gather and reduce-scatter buffers
+  (stages 2-3 at d > 1), and what the allocator does not count: the CUDA context, NCCL's buffers,
+  fragmentation (reserved above allocated). The headroom is for those.
 - Data-parallel traffic per GPU per optimizer step of a micro-batches per GPU (:func:`dp_traffic`),
   each collective with the ring factor r = (d - 1)/d, so dividing by the NCCL *bus* bandwidth
   gives its time; g = the gradient reduction's bytes (4, or 2 with ``training.grad_reduce_in_bf16``),
@@ -84,7 +96,9 @@ GB = 1e9
 DEFAULT_BUS_BANDWIDTH_GBS = 331.0
 """NCCL all-reduce bus bandwidth measured on a 4 x 8 H100 cluster (GB/s)."""
 DEFAULT_HEADROOM = 0.10
-"""Fraction of device memory kept free (CUDA context, NCCL buffers, allocator fragmentation)."""
+"""Fraction of device memory kept free for what the plan (the caching allocator's peak allocation)
+leaves out: the CUDA context, NCCL's buffers, the allocator's fragmentation (reserved above
+allocated), Megatron-FSDP's communication buffers and the transients the module docstring names."""
 DEFAULT_ASSUMED_MFU = 0.40
 """Model FLOPs utilisation assumed for the paper compute time of a step."""
 DEFAULT_DEVICE = "h200"
@@ -158,32 +172,138 @@ def _bytes(psi: int, per_param: Fraction) -> int:
 
 
 @dataclass(frozen=True)
+class SavedTensor:
+    """One tensor a transformer layer keeps for its backward, per token of the micro-batch."""
+
+    what: str
+    """The tensor, and (in brackets) who saves it."""
+    values: int
+    """Values per token."""
+    value_bytes: int | None = None
+    """Bytes per value; None = the activations' (2 in bf16, 4 in fp32)."""
+
+
+def layer_saved_tensors(preset: ModelPreset) -> tuple[SavedTensor, ...]:
+    """What one layer of this program's GPU model keeps from its forward until its backward
+    (megatron-core's local layer spec with :class:`~megatron_ext.training.sdpa_attention.SdpaAttention`,
+    no transformer-engine; TP = 1), read from megatron-core (lines at core_v0.16.1 / core_v0.19.0):
+
+    - Norms are ``torch.nn.RMSNorm`` / ``LayerNorm`` (torch_norm.py ~L45 / ~L63) in bf16 after
+      Float16Module: torch's fused CUDA kernel saves its input and an fp32 rstd per row (LayerNorm:
+      mean and rstd). The layer input is thus kept by the input norm, the attention's residual sum
+      by the pre-MLP norm (transformer_layer.py ~L584, ~L679 / ~L626, ~L759).
+    - Every linear layer saves its input (tensor_parallel/layers.py ~L465 / ~L548,
+      ``ctx.save_for_backward(input, weight)``): the two norm outputs, the attention output, the
+      MLP's inner activation.
+    - The QKV output: ``torch.split`` gives views (attention.py ~L1460 / ~L1903); the key norm
+      and SDPA (value) keep views of it, so all of it (q + 2k) stays. With grouped queries the
+      ``query.reshape`` (~L1463 / ~L1906) cannot be a view and copies q values, which the query
+      norm saves (~L1478 / ~L1920).
+    - Rotary embedding, unfused (rope_utils.py ~L122-126 / ~L133-137): new query and key (q + k,
+      which SDPA saves; the norm outputs before it are freed), and per call a bf16 cos and sin table
+      of s x head_dim that the multiplications save (:func:`rotary_table_bytes`).
+    - SDPA: flash attention (GQA natively) saves query, key, value, its output (q) and an fp32
+      log-sum-exp per head. Its output is allocated like the query (``empty_like``, which keeps the
+      [s, b, heads, d] order of the rotary output or of the QKV output's views), so SdpaAttention's
+      final ``permute``/``reshape`` is a view, which the output projection saves: no copy.
+    - The bias-dropout-adds (fused_bias_dropout.py, torch.compile) save nothing at dropout 0 and
+      a 1-byte mask per element otherwise; SwiGLU (fused_bias_swiglu.py ~L166) saves its input
+      (2F) and returns F, fc2's input; GELU saves its input (F) and returns F.
+    """
+    h, F = preset.hidden_size, preset.ffn_hidden_size
+    heads, groups = preset.num_attention_heads, preset.query_groups
+    q, k = heads * preset.head_dim, groups * preset.head_dim
+    rotary = preset.position_embedding_type == "rope"
+    new_qk = rotary or preset.qk_layernorm  # SDPA gets new query and key, not views of the QKV output
+    stats = 1 if preset.normalization == "RMSNorm" else 2  # fp32 values per normalised row
+    tensors = [SavedTensor("layer input (input norm)", h), SavedTensor("input norm output (QKV projection)", h),
+               SavedTensor("QKV projection output (key norm and SDPA: views)", q + 2 * k)]
+    if preset.qk_layernorm and groups < heads:
+        tensors.append(SavedTensor("query regrouped, a copy (query norm)", q))
+    if new_qk:
+        tensors.append(SavedTensor("query and key after norm/rotary (SDPA)", q + k))
+    tensors.append(SavedTensor("attention output (SDPA; output projection)", q))
+    tensors += [SavedTensor("attention residual sum (pre-MLP norm)", h), SavedTensor("pre-MLP norm output (fc1)", h)]
+    if preset.swiglu:
+        tensors += [SavedTensor("fc1 output (SwiGLU)", 2 * F), SavedTensor("SwiGLU output (fc2)", F)]
+    else:
+        tensors += [SavedTensor("GELU input (GELU)", F), SavedTensor("GELU output (fc2)", F)]
+    if preset.hidden_dropout > 0:
+        tensors.append(SavedTensor("dropout masks (the two bias-dropout-adds)", 2 * h, value_bytes=1))
+    fp32 = 2 * stats + (stats * (heads + groups) if preset.qk_layernorm else 0) + heads
+    tensors.append(SavedTensor("norm statistics and the attention's log-sum-exp (norms, SDPA)", fp32, value_bytes=4))
+    return tuple(tensors)
+
+
+def rotary_table_bytes(preset: ModelPreset, seq_length: int, value_bytes: int) -> int:
+    """One layer's rotary tables: the cos and the sin of s x head_dim (rope_utils.py ~L122-125 /
+    ~L133-136, computed and cast per call) for the query's call and the key's, each saved by its
+    multiplication; none with learned positions. Independent of the micro batch."""
+    return 4 * seq_length * preset.head_dim * value_bytes if preset.position_embedding_type == "rope" else 0
+
+
+LOSS_BYTES_PER_LOGIT: dict[Precision, int] = {"bf16": 10, "fp32": 4}
+"""The loss's peak per logit (token x vocabulary entry), at the start of the backward: the bf16
+logits are freed by then (nothing saves them), the output layer's gradient is being made. GPUs:
+megatron-core's fused vocab-parallel cross entropy (the 'cross entropy' fusion, language_module.py
+~L165 / ~L192; fusions/fused_cross_entropy.py, the same at both releases, its parts compiled by
+torch.compile) keeps the softmax in fp32 for the backward: the ``.float()`` copy of the logits
+(cross_entropy.py ~L28 / ~L25) turned into exp and softmax in place and saved (fused_cross_entropy.py
+~L119), 4. Its backward (~L64-84) subtracts 1 at the targets with an indexed ``-=`` on that saved
+softmax (cross_entropy.py ~L114 / ~L111), which the compiled graph does on a fresh fp32 copy, 4
+(torch 2.13's inductor allocates it, read from its generated code on CPU; the H200's 84.78 GiB
+includes it: a torch that did it in place would make this 6); and it returns the logits' gradient
+in bf16 (~L82), 2. The forward holds less: the bf16 logits and the fp32 copy, 6. CPU (fp32, the
+unfused cross entropy, eager): every step works in place on the fp32 logits, 4."""
+
+CUBLAS_WORKSPACE_BYTES = 2 * (32 + 1) * 2**20
+"""cuBLAS workspaces, counted by the caching allocator (torch/aten CublasHandlePool.cpp,
+``getNewWorkspace`` allocates through it): 32 MiB per handle and stream on Hopper (the sm90 default of
+``CUBLAS_WORKSPACE_CONFIG``) plus cuBLASLt's 1 MiB, for the forward's thread and the autograd
+engine's device thread (a handle each)."""
+
+
+@dataclass(frozen=True)
 class ActivationBytes:
+    """The plan's activations for one micro-batch (bytes): what ``torch.cuda.max_memory_allocated``
+    adds to the model states at the peak, the start of the backward."""
+
     per_layer: int
-    """One layer's saved tensors for one micro-batch (bytes)."""
+    """One layer's saved tensors (:func:`layer_saved_tensors`) and rotary tables."""
+    outside_layers: int
+    """Saved outside the layers: the final norm's input and statistics, the output layer's input,
+    the embedding's dropout mask."""
+    loss: int
+    """The loss's peak (:data:`LOSS_BYTES_PER_LOGIT`)."""
+    workspace: int
+    """cuBLAS workspaces on GPUs (:data:`CUBLAS_WORKSPACE_BYTES`)."""
     full: int
-    """Every layer's saved tensors plus the logits (bytes)."""
+    """Every layer's saved tensors, the rest above, at the peak."""
     recompute: int
-    """Full recomputation: every layer's input, one layer rebuilt, plus the logits (bytes)."""
+    """Full recomputation: every layer's input plus the larger of the loss's peak and one layer rebuilt."""
 
 
 def estimate_activation_bytes(preset: ModelPreset, seq_length: int, micro_batch: int, padded_vocab: int,
-                              value_bytes: int) -> ActivationBytes:
-    """Saved activations of one micro-batch (see the module docstring); ``value_bytes`` = 2 for
-    bf16, 4 for fp32. Per token and layer, in values: norm inputs 2h, QKV input h, Q/K/V q + 2k,
-    QK-layernorm inputs q + k, attention output q, fc1 input h, MLP 3F (SwiGLU: fc1 output 2F,
-    gate output F) or 2F (GELU); plus 1-byte masks (2h) when hidden dropout is on. GPT-2's shape
-    gives Korthikanti's 34 s*b*h (with dropout, without the attention-score term)."""
-    h, F = preset.hidden_size, preset.ffn_hidden_size
-    q, k = preset.num_attention_heads * preset.head_dim, preset.query_groups * preset.head_dim
-    values = 2 * h + h + (q + 2 * k) + ((q + k) if preset.qk_layernorm else 0) + q + h + (3 * F if preset.swiglu else 2 * F)
-    masks = 2 * h if preset.hidden_dropout > 0 else 0
+                              value_bytes: int, vocab: int | None = None) -> ActivationBytes:
+    """Activations at the peak for one micro-batch; ``value_bytes`` = 2 for bf16 (the GPU), 4 for
+    fp32 (the CPU); ``vocab``: the vocabulary the loss runs over (the real one: the program cuts the
+    padded logits, hf_weights.py ``restrict_logits``; default ``padded_vocab``). The peak is at the
+    start of the backward: every layer's saved tensors, the final norm's and the output layer's
+    inputs, the loss's fp32 softmax, its fp32 copy and the bf16 gradient of the logits (gpt_model.py
+    ~L685-714 / ~L762-794 and :data:`LOSS_BYTES_PER_LOGIT`), and the cuBLAS workspaces. Layer
+    tensors are the GPU kernels' (:func:`layer_saved_tensors`); on the CPU torch's composite RMSNorm
+    and SDPA keep others (no device size is checked there)."""
     tokens = seq_length * micro_batch
-    per_layer = tokens * (values * value_bytes + masks)
-    head = tokens * (2 * h * value_bytes + padded_vocab * (value_bytes + 4))  # final norm + output inputs, logits
-    full = preset.num_layers * per_layer + head
-    recompute = preset.num_layers * tokens * h * value_bytes + per_layer + head
-    return ActivationBytes(per_layer=per_layer, full=full, recompute=recompute)
+    per_token = sum(t.values * (t.value_bytes or value_bytes) for t in layer_saved_tensors(preset))
+    per_layer = tokens * per_token + rotary_table_bytes(preset, seq_length, value_bytes)
+    h, stats = preset.hidden_size, 1 if preset.normalization == "RMSNorm" else 2
+    outside = tokens * (2 * h * value_bytes + 4 * stats + (h if preset.hidden_dropout > 0 else 0))
+    loss = tokens * (vocab or padded_vocab) * LOSS_BYTES_PER_LOGIT["bf16" if value_bytes == 2 else "fp32"]
+    workspace = CUBLAS_WORKSPACE_BYTES if value_bytes == 2 else 0
+    full = preset.num_layers * per_layer + outside + loss + workspace
+    recompute = preset.num_layers * tokens * h * value_bytes + outside + max(loss, per_layer) + workspace
+    return ActivationBytes(per_layer=per_layer, outside_layers=outside, loss=loss, workspace=workspace, full=full,
+                           recompute=recompute)
 
 
 @dataclass(frozen=True)
@@ -383,7 +503,8 @@ def plan_memory(preset: ModelPreset, *, vocab_size: int | None, nnodes: int, npr
     accumulation = gradient_accumulation_steps or _accumulation_steps(global_batch_size, micro_batch_size, d)
     outside = parameters_outside_layers(preset, vocab_size)
     value_bytes = 2 if precision == "bf16" else 4
-    acts = estimate_activation_bytes(preset, seq_length, micro_batch_size, count.padded_vocab, value_bytes)
+    acts = estimate_activation_bytes(preset, seq_length, micro_batch_size, count.padded_vocab, value_bytes,
+                                     vocab=vocab_size or preset.vocab_size)
     memory = device_bytes if device_bytes is not None else device.memory_bytes
     usable = memory * (1 - headroom) if memory else None
     grad_bytes = 2 if (precision == "bf16" and grad_reduce_in_bf16) else 4
