@@ -6,7 +6,8 @@
 checkpoint of this program's run (the latest, or ``--iteration``; any ZeRO stage and data-parallel
 size, as export_hf) and writes its model weights as the ``--save`` folder of a Megatron-LM run:
 ``latest_checkpointed_iteration.txt`` and ``iter_NNNNNNN/`` in torch_dist format, the dtype the
-checkpoint holds (fp32 from CPU runs, bf16 from GPU runs). Megatron-LM continues from it with
+checkpoint holds: fp32 from CPU runs and from GPU runs at stages 2-3 (Megatron-FSDP saves its fp32 main
+weights), bf16 from GPU runs at stages 0-1 (the model's bf16 weights). Megatron-LM continues from it with
 ``--pretrained-checkpoint SAVE_DIR`` (iteration 0, a fresh optimizer and schedule), and so does
 either engine given ``training.init_checkpoint: SAVE_DIR``. No optimizer state is written: the
 optimizers of the two programs keep theirs differently. The folder is written beside SAVE_DIR

@@ -504,3 +504,26 @@ def test_manual_gc_and_fp8_are_imported_into_their_fields():
     assert not {"--manual-gc", "--manual-gc-interval", "--fp8-format"} & {n.flag for n in result.not_imported}
     plain = import_texts(MINIMAL).training
     assert plain["manual_gc"] is False and "fp8" not in plain  # BF16 and Python's own GC, as Megatron-LM's defaults
+
+
+@pytest.mark.parametrize("main, comm, in_bf16, listed", [
+    ("bf16", "bf16", True, False),
+    ("fp32", "fp32", False, False),
+    ("bf16", "fp32", False, True),
+    ("auto", "auto", False, True),
+    ("fp16", "fp16", False, True),
+])
+def test_megatron_fsdp_gradient_dtypes_import_as_one_reduction_dtype(main, comm, in_bf16, listed):
+    """Megatron-LM 0.17+'s --megatron-fsdp-main-grads-dtype / --megatron-fsdp-grad-comm-dtype: both bf16 is
+    training.grad_reduce_in_bf16 (rendered back as that pair at stages 2-3), both fp32 the default; any other
+    pair has no counterpart here (one reduction dtype for both) and is listed, not silently changed."""
+    from orchestration.megatron_lm.flags import FlagSpec, FlagTable
+
+    names = ("--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-grad-comm-dtype")
+    table = FlagTable("core_v0.19.0", {**TABLE.flags, **{n: FlagSpec("1", ("fp32", "bf16", "fp16", "auto")) for n in names}})
+    result = mli.import_files([("f.sh", MINIMAL + f"{names[0]} {main} {names[1]} {comm}\n")], table)
+    assert result.training["grad_reduce_in_bf16"] is in_bf16
+    not_imported = {n.flag: n for n in result.not_imported}
+    assert [n in not_imported for n in names] == [listed, listed], not_imported
+    if listed:
+        assert "training.grad_reduce_in_bf16" in not_imported[names[0]].reason

@@ -799,3 +799,23 @@ def test_a_megatron_lm_rank_s_error_is_the_failure_s_reason():
     first = failure_summary(0, "n0", 1, MEGATRON_LM_RANK_ERROR).splitlines()[0]
     assert first == ("node 0 (n0) failed: torchrun exit code 1; rank 1: NameError: name 'TESpecProvider' is not "
                      "defined. Did you mean: 'LocalSpecProvider'?")
+
+
+@per_release
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_megatron_fsdp_reduces_gradients_in_fp32_as_this_program_does(tag, version, flags, stage):
+    """Megatron-LM 0.19 leaves Megatron-FSDP's gradients in bf16 by default (``--megatron-fsdp-main-grads-dtype
+    auto``): stages 2-3 render fp32 for both its gradient flags wherever the release defines them, bf16 with
+    ``training.grad_reduce_in_bf16`` (this program's megatron_fsdp_grad_dtypes sets the same); stages 0-1
+    and releases without the flags render neither."""
+    names = ("--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-grad-comm-dtype")
+    for in_bf16, dtype in ((False, "fp32"), (True, "bf16")):
+        args = render(stage=stage, version=version, known=flags,
+                      params=lm_params(stage=stage, grad_reduce_in_bf16=in_bf16)).args
+        check_flags(args, flags, tag)
+        given = dict(split_flags(args))
+        if stage >= 2 and all(n in flags for n in names):
+            assert [list(given[n]) for n in names] == [[dtype], [dtype]], args
+        else:
+            assert not set(names) & set(given), args
+    assert all(n in flags for n in names) == (version >= (0, 17)), version

@@ -13,22 +13,24 @@ version and the compute capability at its edge.
 
 from __future__ import annotations
 
-MIN_TRANSFORMER_ENGINE = (1, 0)
+MIN_TRANSFORMER_ENGINE = "1.0"
 """megatron-core 0.16's fp8 context needs transformer-engine 1.0 or later (fp8_utils.py ~L362)."""
 MIN_COMPUTE_CAPABILITY = (8, 9)
 """FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.0) and later."""
 
 
-def version_tuple(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split("+")[0].split("."):
-        digits = "".join(c for c in piece if c.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-        if not piece.isdigit():  # "0rc1", "0dev0": the number, then stop
-            break
-    return tuple(parts)
+def te_at_least(version: str, minimum: str) -> bool:
+    """Whether transformer-engine ``version`` is ``minimum`` or later, as megatron-core decides it:
+    its ``is_te_min_version(minimum)`` compares packaging's versions, ``PkgVersion(te) >=
+    PkgVersion(minimum)`` (megatron/core/utils.py L340-349 at core_v0.16.1, L326-335 at
+    core_v0.19.0), so a development build "2.10.0.dev0+abc" is below "2.10", and a local tag
+    ("2.12.0+cu13") counts as its release. A version packaging cannot read counts as too old. Pure."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version) >= Version(minimum)
+    except InvalidVersion:
+        return False
 
 
 def fp8_problem(fp8_setting: str | None, transformer_engine_version: str | None,
@@ -49,9 +51,8 @@ def fp8_problem(fp8_setting: str | None, transformer_engine_version: str | None,
     if transformer_engine_version is None:
         return (f"training.fp8={fp8_setting} runs through transformer-engine's fp8_autocast, and transformer-engine "
                 f"is not installed; use an image that has it (NGC PyTorch), install it (pip install -e .[gpu]), or {fix}")
-    if version_tuple(transformer_engine_version)[:2] < MIN_TRANSFORMER_ENGINE:
-        need = ".".join(map(str, MIN_TRANSFORMER_ENGINE))
-        return (f"training.fp8={fp8_setting} needs transformer-engine {need} or later (megatron-core's fp8 context); "
+    if not te_at_least(transformer_engine_version, MIN_TRANSFORMER_ENGINE):
+        return (f"training.fp8={fp8_setting} needs transformer-engine {MIN_TRANSFORMER_ENGINE} or later (megatron-core's fp8 context); "
                 f"this one is {transformer_engine_version}; upgrade it, or {fix}")
     return None
 

@@ -57,12 +57,16 @@ def count_model_parameters(preset: ModelPreset, vocab_size: int | None = None) -
     return ParameterCount(total=total, embedding=embedding, padded_vocab=V)
 
 
-CHECKPOINT_BYTES_PER_PARAMETER = {Device.CPU: 12, Device.CUDA: 14}
-"""What a checkpoint holds per parameter, every rank's shards together: fp32 weights and AdamW's two
-fp32 moments on the CPU (4 + 8); on GPUs bf16 weights, fp32 main weights and the moments (2 + 4 + 8),
-as both engines save them. RNG states, the schedule and the metadata are a rounding error."""
+def checkpoint_bytes_per_parameter(device: Device, zero_stage: int = 0) -> int:
+    """What a checkpoint holds per parameter, every rank's shards together: fp32 weights and AdamW's
+    two fp32 moments on the CPU (4 + 8); on GPUs at stages 0-1 (torch_dist) bf16 weights, fp32 main
+    weights and the moments (2 + 4 + 8), as both engines save them; at stages 2-3 (fsdp_dtensor)
+    Megatron-FSDP's state dict holds the fp32 main weights in place of the bf16 ones, and the
+    moments (4 + 8). RNG states, the schedule and the metadata are a rounding error. Pure."""
+    return 14 if Device(device) is Device.CUDA and zero_stage < 2 else 12
 
 
-def checkpoint_bytes(parameters: int, device: Device) -> int:
-    """The size of one checkpoint of a model with ``parameters`` on ``device`` (cpu or cuda)."""
-    return parameters * CHECKPOINT_BYTES_PER_PARAMETER[Device(device)]
+def checkpoint_bytes(parameters: int, device: Device, zero_stage: int = 0) -> int:
+    """The size of one checkpoint of a model with ``parameters`` on ``device`` (cpu or cuda) at
+    ``zero_stage`` (:func:`checkpoint_bytes_per_parameter`)."""
+    return parameters * checkpoint_bytes_per_parameter(device, zero_stage)

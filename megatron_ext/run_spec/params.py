@@ -159,7 +159,8 @@ class TrainingParams:
     lr_warmup_iters: int = 2
     """Optimizer steps of linear warmup."""
     lr_decay_iters: int | None = None
-    """Optimizer steps of cosine decay after warmup end; None = train_iters."""
+    """The optimizer step at which the cosine decay reaches ``min_lr``, counted from the start, warmup
+    included, as Megatron-LM's ``--lr-decay-iters`` (training/loop.py ``learning_rate``); None = train_iters."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay (per step, times lr)."""
     adam_beta1: float = 0.9
@@ -177,8 +178,9 @@ class TrainingParams:
     """GPUs with transformer-engine: matrix multiplications in FP8 through transformer-engine's
     ``fp8_autocast`` (megatron-core's fp8 context, delayed scaling): ``hybrid`` = e4m3 forward, e5m2
     gradients; ``e4m3`` = e4m3 throughout; None = BF16 (Megatron-LM's --fp8-format). Needs
-    transformer-engine and compute capability 8.9 or later (run_spec/fp8.py refuses it otherwise);
-    MFU is then against the device's dense FP8 peak."""
+    transformer-engine and compute capability 8.9 or later (run_spec/fp8.py refuses it otherwise).
+    MFU stays against the device's dense BF16 peak, as every run's (run_spec/flops.py
+    ``describe_mfu_peak``), so that an FP8 run's MFU above a BF16 run's is its gain."""
     fp8_amax_history_len: int = 1
     """Steps of amax history each FP8 scaling factor is computed from (Megatron-LM's
     --fp8-amax-history-len; its default 1; NVIDIA's published recipes use 1024)."""

@@ -25,8 +25,12 @@ line numbers are that tag's).
   ``preprocess_fsdp_dtensor_state_dict`` lays them out (~L955-975): with a gated linear unit
   (SwiGLU: Qwen3, Llama; Megatron-LM's ``--swiglu``) every ``linear_fc1.weight`` and its Adam
   moments are stored as their two halves, ``linear_fc1.weight_w`` and ``linear_fc1.weight_v``, so
-  that Megatron-LM's own loader reads this project's checkpoints and this project reads its
-  (tests/test_fsdp_dtensor_layout.py).
+  that Megatron-LM's fsdp_dtensor read, ``_load_base_checkpoint(rank0=False)`` (~L1292-1324), reads
+  this project's checkpoints and this project reads Megatron-LM's (tests/test_fsdp_dtensor_layout.py).
+  Megatron-LM's ``load_checkpoint`` as a whole is not that: its first, ``rank0=True`` pass returns
+  nothing for fsdp_dtensor (~L1294-1295), and it then expects its own ``args`` and iteration
+  records, which these checkpoints do not hold; a run that moves between the engines goes through
+  the exporters (megatron_ext/export_megatron_lm.py).
 
 What megatron-core leaves to its caller, found running its objects (tests/test_cuda_trainer_on_cpu.py):
 Adam's per-parameter state is made only for parameters that have a gradient and, with torch's

@@ -16,7 +16,7 @@ import torch
 
 from megatron_ext.host.devices import Device
 from megatron_ext.run_spec.errors import UserError
-from megatron_ext.run_spec.fp8 import version_tuple
+from megatron_ext.run_spec.fp8 import te_at_least
 from megatron_ext.run_spec.flops import padded_vocab_size
 from megatron_ext.run_spec.model_size import ParameterCount
 from megatron_ext.run_spec.params import ModelPreset
@@ -91,7 +91,7 @@ class KernelChoices:
                 f"{self.attention}, fusions: {', '.join(fused) if fused else 'none'}")
 
 
-FSDP_FUSION_NEEDS_TE = ((0, 17), (2, 10))
+FSDP_FUSION_NEEDS_TE = ((0, 17), "2.10")
 """From megatron-core 0.17 on, Megatron-FSDP asserts transformer-engine >= 2.10 when
 gradient-accumulation fusion is on, at wrap time (mcore_fsdp_adapter.py ~L112 at core_v0.17.0,
 ~L147-150 at core_v0.19.0; 0.16.1 has no such check): (the first release, the transformer-engine)."""
@@ -103,7 +103,7 @@ def fsdp_allows_fusion(megatron_core: tuple[int, int] | None, transformer_engine
     since, te_min = FSDP_FUSION_NEEDS_TE
     if megatron_core is not None and megatron_core < since:
         return True
-    return transformer_engine is not None and version_tuple(transformer_engine)[:2] >= te_min
+    return transformer_engine is not None and te_at_least(transformer_engine, te_min)
 
 
 def choose_kernels(on_cuda: bool, transformer_engine: str | None, zero_stage: int, find_spec=None,

@@ -133,6 +133,31 @@ def _or_default(r: FlagReader, section: str, key: str, kind: type) -> Any:
     return r.default(f"{section}.{key}", default, flag) if value is None else value
 
 
+FSDP_GRAD_DTYPE_FLAGS = ("--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-grad-comm-dtype")
+
+
+def _grad_reduce_in_bf16(r: FlagReader) -> bool:
+    """``--grad-reduce-in-bf16``, or Megatron-FSDP's two gradient dtypes (core_v0.17.1 and later) both
+    ``bf16``: this project accumulates and reduces in one dtype at every stage, fp32 (both ``fp32``, its
+    default) or bf16 (``training.grad_reduce_in_bf16``), and renders the pair back at stages 2-3
+    (orchestration/megatron_lm/render.py ``gradient_precision_flags``). Another pair (fp16, ``auto``,
+    two different dtypes) has no counterpart and is listed."""
+    in_bf16 = r.switch("--grad-reduce-in-bf16")
+    given = {flag: r.text(flag, "training.grad_reduce_in_bf16") for flag in FSDP_GRAD_DTYPE_FLAGS if r.given(flag)}
+    if not given:
+        return in_bf16
+    dtypes = set(given.values())
+    if len(given) == 2 and dtypes in ({"bf16"}, {"fp32"}):
+        for flag in given:
+            r.converted(flag)
+        return in_bf16 or dtypes == {"bf16"}
+    for flag in given:
+        r.untake(flag)
+        r.skip(flag, "no counterpart: this project accumulates and reduces gradients in one dtype at every stage, fp32 "
+               "(both flags fp32, the default) or bf16 (both bf16: training.grad_reduce_in_bf16: true)", section="training")
+    return in_bf16
+
+
 def _samples_to_iters(r: FlagReader, flag: str, global_batch: int | None, key: str) -> int | None:
     samples = r.number(flag, int, f"training.{key}")
     if samples is None:
@@ -189,7 +214,7 @@ def _training(r: FlagReader) -> dict[str, Any]:
                                      where="not in the files", kind=NOT_IMPORTED, section="training"))
     for key in ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
         t[key] = _or_default(r, "training", key, float)
-    t["grad_reduce_in_bf16"] = r.switch("--grad-reduce-in-bf16")
+    t["grad_reduce_in_bf16"] = _grad_reduce_in_bf16(r)
     t["manual_gc"] = r.switch("--manual-gc")
     gc_interval = r.number("--manual-gc-interval", int, "training.manual_gc_interval")
     if gc_interval is not None:

@@ -268,6 +268,28 @@ def wandb_flags(wandb: WandbSettings | None, paths: RunPaths, known: Collection[
     return flags
 
 
+FSDP_GRAD_DTYPE_FLAGS = ("--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-grad-comm-dtype")
+"""Megatron-FSDP's gradient precision in Megatron-LM 0.19 and later (arguments.py L3524-3531 at
+core_v0.19.0): both default to ``auto``, which validate_args maps to None (L1057-1058), training.py
+passes on to the DDP config (L2000-2001), and Megatron-FSDP resolves to the parameters' dtype:
+bf16 main gradients, reduce-scattered in bf16 (param_and_grad_buffer.py ~L2310, L2541). core_v0.17.1
+and core_v0.18.2 define them too, but there the DDP config's grad_reduce_in_fp32 (Megatron-LM's
+``--accumulate-allreduce-grads-in-fp32``, on for bf16 unless ``--grad-reduce-in-bf16``) wins
+(mcore_fsdp_adapter.py L117-130 at core_v0.18.2); 0.16.1 and older lack them. Rendered wherever
+the checkout has them, they say the same on every release."""
+
+
+def gradient_precision_flags(p: RunParams, known: Collection[str] = ()) -> list[str]:
+    """Stages 2-3 on a checkout with :data:`FSDP_GRAD_DTYPE_FLAGS`: fp32 main gradients and fp32
+    reduce-scatter, as this program sets megatron-core's fields (megatron_fsdp_grad_dtypes in
+    megatron_ext/training/cuda_trainer.py), or bf16 for both with ``training.grad_reduce_in_bf16``,
+    so the two engines reduce in the same precision at every stage. Pure."""
+    if p.training.zero_stage < 2 or not all(flag in known for flag in FSDP_GRAD_DTYPE_FLAGS):
+        return []
+    dtype = "bf16" if p.training.grad_reduce_in_bf16 else "fp32"
+    return [part for flag in FSDP_GRAD_DTYPE_FLAGS for part in (flag, dtype)]
+
+
 def overlap_flags(stage: int) -> list[str]:
     """Communication overlap as the megatron-core engine configures it: gradient reduction with
     backward at every stage, parameter gathers with forward from stage 1 (distributed optimizer
@@ -304,6 +326,7 @@ def render_pretrain_gpt(p: RunParams, prepared: PreparedData, paths: RunPaths, v
         + kernel_flags(kernels, p)
         + logging_and_checkpoint_flags(p, paths, wandb, known, load)
         + megatron_lm_flags_for_stage(stage, version)
+        + gradient_precision_flags(p, known)
         + overlap_flags(stage)
         + signal_flags
         + list(extra_args)

@@ -33,7 +33,7 @@ from typing import Mapping
 from megatron_ext.host.devices import Device
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.fp8 import fp8_problem
-from megatron_ext.run_spec.model_size import CHECKPOINT_BYTES_PER_PARAMETER, checkpoint_bytes
+from megatron_ext.run_spec.model_size import checkpoint_bytes, checkpoint_bytes_per_parameter
 from megatron_ext.run_spec.python_version import python_problem
 from megatron_ext.run_spec.wandb_run import wandb_missing_message
 from megatron_ext.training.megatron_core_releases import check_megatron_core
@@ -250,11 +250,11 @@ def nearest_existing(path: Path) -> Path:
     return path
 
 
-def disk_problem(checkpoint_dir: Path, parameters: int, keep: int, device: Device) -> str | None:
+def disk_problem(checkpoint_dir: Path, parameters: int, keep: int, device: Device, zero_stage: int = 0) -> str | None:
     """Why the run's checkpoints will not fit where they go on this node: ``keep`` of them and the one
     being written, each ``checkpoint_bytes`` (the run's own checkpoints there already count), against
     the free space; or None."""
-    one = checkpoint_bytes(parameters, device)
+    one = checkpoint_bytes(parameters, device, zero_stage)
     needed = one * (keep + 1)
     where = nearest_existing(checkpoint_dir)
     held = sum(f.stat().st_size for f in checkpoint_dir.rglob("*") if f.is_file()) if checkpoint_dir.is_dir() else 0
@@ -264,7 +264,7 @@ def disk_problem(checkpoint_dir: Path, parameters: int, keep: int, device: Devic
     return (f"the run's checkpoints will not fit: {checkpoint_dir} has {size_text(free)} free on this node "
             f"({size_text(held)} held by the run's checkpoints already), and {keep} kept + the one being written need "
             f"{size_text(needed)} ({size_text(one)} each: {parameters:,} parameters x "
-            f"{CHECKPOINT_BYTES_PER_PARAMETER[device]} bytes); keep fewer (training.keep_checkpoints) or put them on a "
+            f"{checkpoint_bytes_per_parameter(device, zero_stage)} bytes); keep fewer (training.keep_checkpoints) or put them on a "
             "larger file system (CHECKPOINT_ROOT)")
 
 
@@ -336,7 +336,8 @@ def inspect_node(request: NodeCheckRequest, run_state_dir: Path, visible_gpus: i
         problems.append(problem)
     if check.checkpoints is not None:
         space = check.checkpoints
-        problem = disk_problem(Path(space.directory), space.parameters, space.keep, Device.of(visible_gpus > 0))
+        problem = disk_problem(Path(space.directory), space.parameters, space.keep, Device.of(visible_gpus > 0),
+                               space.zero_stage)
         if problem:
             problems.append(problem)
     if check.needs_cuda and not visible_gpus:

@@ -233,6 +233,8 @@ class CheckpointSpace:
     """The model's parameters (a checkpoint's size)."""
     keep: int
     """Checkpoints kept on disk (training.keep_checkpoints): with the one being written, keep + 1 must fit."""
+    zero_stage: int = 0
+    """The run's stage: what a checkpoint holds per parameter depends on it (run_spec/model_size.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -105,7 +105,8 @@ def check_request(launch: LaunchEnv, inputs: StartInputs, shared_token: Path | N
                         tokenizer=(tok.type, tok.model_path) if tok.model_path else None, required_modules=required_modules(launch),
                         needs_cuda=engine_named(params.training.engine).runs_checkout,
                         checkpoints=CheckpointSpace(str(checkpoint_target(launch, inputs.run)), size,
-                                                    params.training.keep_checkpoints) if size else None,
+                                                    params.training.keep_checkpoints, params.training.zero_stage)
+                        if size else None,
                         fp8=params.training.fp8,
                         python=inputs.checkout.python_requirement if inputs.checkout is not None else None)
 
