@@ -207,8 +207,14 @@ def test_node_0_picks_megatron_lm_s_newest_checkpoint_that_verifies(tmp_path):
     _flip(_megatron_lm_checkpoint(save, 9) / "__0_0.distcp")
     _megatron_lm_checkpoint(save, 12)
     (save / MEGATRON_LM_LATEST).write_text("9")  # 12's save did not finish
-    point, damaged = choose(save)
+    told: list[tuple[int, int, int]] = []
+    point, damaged = choose(save, progress=lambda *seen: told.append(seen))
     assert (point.iteration, point.verify, [h.iteration for h in damaged]) == (6, False, [9])
+    # how far the pass has read, per checkpoint (what a start waiting on node 0 names): 9 read through, 6 unrecorded
+    sizes = sum(p.stat().st_size for p in (save / "iter_0000009").iterdir())
+    assert {it for it, _, _ in told} == {9} and told[-1][1] == sum(
+        p.stat().st_size for p in (save / "iter_0000009").iterdir() if p.name != "integrity.json") and told[-1][2] == sizes
+    assert [done for _, done, _ in told] == sorted(done for _, done, _ in told)
     assert point.describe().startswith("the checkpoint of iteration 9 is damaged (__0_0.distcp: other bytes (SHA-256 ")
     assert point.describe().endswith("moved aside as iter_0000009.damaged; Megatron-LM loads the checkpoint of "
                                      "iteration 6 (without --verify-integrity)")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.run_spec.run_paths import check_run_name
+from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
 from megatron_ext.run_spec.errors import UserError
 from orchestration.cluster.backends import DockerExec, Srun, Ssh, ThisMachine, backend_for
 from orchestration.launch_env import read_launch_env, visible_gpu_count
@@ -440,3 +440,49 @@ def test_record_silence_allows_for_the_share_s_cache_and_tests_may_lower_it():
     with pytest.raises(UserError, match="RECORD_SILENCE_S='1' must be seconds between 5 and 3600; e.g. RECORD_SILENCE_S=76"):
         read_launch_env({"RECORD_SILENCE_S": "1"})
     assert RECORD_SILENCE_S == 76.0 == SHARE_CACHE_S + RECORD_GAP_S + 4
+
+
+@pytest.mark.parametrize("doing, started", [("verifying the checkpoint of iteration 8 before choosing it: 4.0 of 9.0 GB read",
+                                             True), ("", False)])
+def test_a_start_waits_while_the_supervisor_says_a_step_before_torchrun_is_under_way(tmp_path, doing, started):
+    """node-start's wait for torchrun's pid file (0.6 s here, 31.5 s in the product) goes on while the
+    supervisor's heartbeat record of this start keeps moving and names a step under way (node 0's
+    pass over a 115 GB checkpoint took 2 minutes, and the start gave up at 32 s: issue 54); a
+    record that moves without naming one is no reason to wait, and a record that stops moving ends
+    the wait at ``timeout_s``, naming the step. The writer is the supervisor's own HeartbeatRecord
+    thread (every 0.1 s here), the pid file written 2 s in, as torchrun's would be."""
+    import threading
+    import time
+
+    from orchestration.node.records import HeartbeatRecord, RecordKeeper
+    from orchestration.node.run_state import PidRecord, RunState, wait_until_started, write_heartbeat, write_pid_file
+
+    paths = RunPaths(tmp_path, "big")
+    paths.run_state_dir.mkdir(parents=True)
+    pid_file = paths.node_pid_file(0)
+    record = HeartbeatRecord(RecordKeeper(tmp_path, "node 0", lambda _: None),
+                             lambda attempt, state, count, said: write_heartbeat(paths, 0, attempt, state, "start7", count, said),
+                             deadline_s=5.0, period_s=0.1)
+    record.doing = doing
+    record.set(1, RunState.RESTARTING)
+    torchrun = threading.Timer(2.0, lambda: write_pid_file(pid_file, PidRecord(
+        run="big", run_id="start7", node_rank=0, host="h", hostname="h", pid=1, pgid=1, start_time=1, argv=[],
+        log_path="", started_at=0.0)))
+    torchrun.start()
+    t0 = time.monotonic()
+    try:
+        wait = wait_until_started(paths, 0, pid_file, "start7", lambda: True, timeout_s=0.6, poll_s=0.05)
+    finally:
+        record.stop()
+        torchrun.cancel()
+    assert wait.started is started and wait.timed_out is not started, wait
+    assert (time.monotonic() - t0 >= 2.0) is started
+    if doing:  # the record stops moving (a supervisor stuck after saying what it was doing): named at the end
+        record = HeartbeatRecord(RecordKeeper(tmp_path, "node 0", lambda _: None),
+                                 lambda attempt, state, count, said: write_heartbeat(paths, 1, attempt, state, "start7", count, said),
+                                 deadline_s=5.0, period_s=60.0)
+        record.doing = doing
+        record.set(1, RunState.RESTARTING)
+        stuck = wait_until_started(paths, 1, paths.node_pid_file(1), "start7", lambda: True, timeout_s=0.6, poll_s=0.05)
+        record.stop()
+        assert stuck.timed_out and stuck.doing == doing, stuck

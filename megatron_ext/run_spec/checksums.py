@@ -28,7 +28,7 @@ import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from megatron_ext.host.json_files import write_text_atomic
 
@@ -40,24 +40,30 @@ INTEGRITY_FILE = "integrity.json"
 """Megatron-core's manifest in a torch_dist folder: ``{"algorithm": "sha256", "files": {name: hex digest}}``."""
 
 
-def _chunks(path: Path) -> Iterator[bytes]:
+Progress = Callable[[int], None]
+"""Told the bytes of each chunk as a check reads it (a long pass over a large checkpoint says how far it is)."""
+
+
+def _chunks(path: Path, progress: Progress | None = None) -> Iterator[bytes]:
     with open(path, "rb") as fh:
         while chunk := fh.read(CHUNK_BYTES):
+            if progress is not None:
+                progress(len(chunk))
             yield chunk
 
 
-def crc32_of(path: Path) -> tuple[int, str]:
+def crc32_of(path: Path, progress: Progress | None = None) -> tuple[int, str]:
     """(bytes, CRC-32 as 8 hex digits) of ``path``, read in chunks."""
     crc, size = 0, 0
-    for chunk in _chunks(path):
+    for chunk in _chunks(path, progress):
         crc = zlib.crc32(chunk, crc)
         size += len(chunk)
     return size, f"{crc:08x}"
 
 
-def sha256_of(path: Path) -> str:
+def sha256_of(path: Path, progress: Progress | None = None) -> str:
     digest = hashlib.sha256()
-    for chunk in _chunks(path):
+    for chunk in _chunks(path, progress):
         digest.update(chunk)
     return digest.hexdigest()
 
@@ -165,7 +171,8 @@ class Damage:
         return f"{self.file}: {self.why}"
 
 
-def check_file(checkpoint: Path, name: str, entry: dict, sizes_only: bool = False) -> Damage | None:
+def check_file(checkpoint: Path, name: str, entry: dict, sizes_only: bool = False,
+               progress: Progress | None = None) -> Damage | None:
     path = checkpoint / name
     if entry.get("crc32") == "unreadable record":
         return Damage(name, "its checksum record does not read")
@@ -178,14 +185,15 @@ def check_file(checkpoint: Path, name: str, entry: dict, sizes_only: bool = Fals
     if sizes_only:
         return None
     if "sha256" in entry:
-        digest = sha256_of(path)
+        digest = sha256_of(path, progress)
         return None if digest == entry["sha256"] else \
             Damage(name, f"other bytes (SHA-256 {digest[:16]}..., written {entry['sha256'][:16]}...)")
-    crc = crc32_of(path)[1]
+    crc = crc32_of(path, progress)[1]
     return None if crc == entry["crc32"] else Damage(name, f"other bytes (CRC-32 {crc}, written {entry['crc32']})")
 
 
-def verify(checkpoint: Path, share: tuple[int, int] = (0, 1), sizes_only: bool = False) -> list[Damage] | None:
+def verify(checkpoint: Path, share: tuple[int, int] = (0, 1), sizes_only: bool = False,
+           progress: Progress | None = None) -> list[Damage] | None:
     """Damage in the checkpoint's recorded files (``share`` = (k, n): the files rank k of n wrote,
     :func:`written_by`, so that n ranks verify a checkpoint together, each reading its own node's
     files once); None when nothing was recorded."""
@@ -193,7 +201,7 @@ def verify(checkpoint: Path, share: tuple[int, int] = (0, 1), sizes_only: bool =
     if not entries:
         return None
     names = written_by(sorted(entries), *share)
-    return [d for d in (check_file(checkpoint, name, entries[name], sizes_only) for name in names) if d is not None]
+    return [d for d in (check_file(checkpoint, name, entries[name], sizes_only, progress) for name in names) if d is not None]
 
 
 def verify_writers(checkpoint: Path, rank: int, world: int, saved_world: int) -> list[Damage]:
@@ -226,8 +234,8 @@ class CheckpointHealth:
         return f"iteration {self.iteration}: {self.state}" + (f" ({what})" if what else "")
 
 
-def health(checkpoint: Path, iteration: int, sizes_only: bool = False) -> CheckpointHealth:
-    damage = verify(checkpoint, sizes_only=sizes_only)
+def health(checkpoint: Path, iteration: int, sizes_only: bool = False, progress: Progress | None = None) -> CheckpointHealth:
+    damage = verify(checkpoint, sizes_only=sizes_only, progress=progress)
     if damage is None:
         return CheckpointHealth(iteration, checkpoint, "unrecorded")
     return CheckpointHealth(iteration, checkpoint, "damaged" if damage else "verified", tuple(damage))
@@ -243,13 +251,28 @@ def list_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def newest_verified(checkpoints: Sequence[tuple[int, Path]]) -> tuple[CheckpointHealth | None, tuple[CheckpointHealth, ...]]:
+def checkpoint_bytes_on_disk(checkpoint: Path) -> int:
+    """The bytes of the files in a checkpoint folder (its size as a check reads it)."""
+    return sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
+
+
+def newest_verified(checkpoints: Sequence[tuple[int, Path]],
+                    progress: Callable[[int, int, int], None] | None = None
+                    ) -> tuple[CheckpointHealth | None, tuple[CheckpointHealth, ...]]:
     """The newest checkpoint that verifies (or has no records), of (iteration, folder) pairs, and
     the damaged ones newer than it (every one when none verifies): one process reads every byte.
-    (A run's ranks share the reading instead: megatron_ext/training/checkpoint.py.)"""
+    (A run's ranks share the reading instead: megatron_ext/training/checkpoint.py.) ``progress``:
+    told (iteration, bytes read, its folder's bytes) as it reads."""
     damaged: list[CheckpointHealth] = []
     for iteration, path in sorted(checkpoints, reverse=True):
-        h = health(path, iteration)
+        told = None
+        if progress is not None:
+            total, done = checkpoint_bytes_on_disk(path), [0]
+
+            def told(n: int, iteration=iteration, total=total, done=done) -> None:
+                done[0] += n
+                progress(iteration, done[0], total)
+        h = health(path, iteration, progress=told)
         if h.state != "damaged":
             return h, tuple(damaged)
         damaged.append(h)

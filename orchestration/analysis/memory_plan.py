@@ -263,7 +263,7 @@ CUBLAS_WORKSPACE_BYTES = 2 * (32 + 1) * 2**20
 engine's device thread (a handle each)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ActivationBytes:
     """The plan's activations for one micro-batch (bytes): what ``torch.cuda.max_memory_allocated``
     adds to the model states at the peak, the start of the backward."""

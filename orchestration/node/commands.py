@@ -47,7 +47,10 @@ log = logging.getLogger(__name__)
 START_SETTLE_S = 1.5
 """How long node-start watches torchrun before reporting it started (catches instant failures)."""
 START_TIMEOUT_S = 30.0
-"""How long node-start waits for the supervisor to start torchrun at all."""
+"""How long node-start waits for the supervisor to start torchrun; a supervisor that says in its
+heartbeat record that a step before torchrun is under way (node 0 reading a large checkpoint through
+before it chooses, the others waiting for that choice) and keeps the record moving is waited for as
+long as it does, this long from its last beat (run_state.py ``wait_until_started``)."""
 
 
 class NodeError(RuntimeError):
@@ -149,7 +152,9 @@ def node_start(plan: NodePlan, node: NodeEnv, python: str, secrets: Mapping[str,
     if not wait.started:
         processes.stop_node(plan.run, plan.node_rank, plan.host, plan.pid_file, grace_s=1.0, artifact_root=str(plan.artifact_root))
         if wait.timed_out:
-            raise NodeError(f"torchrun did not start within {START_SETTLE_S + START_TIMEOUT_S:.0f}s; see {log_path}")
+            doing = f" (it was {wait.doing})" if wait.doing else ""
+            raise NodeError(f"torchrun did not start: {START_SETTLE_S + START_TIMEOUT_S:.0f} s passed without it or "
+                            f"a step under way before it{doing}; see {log_path}")
         why = wait.ended.reason if wait.ended else f"its supervisor exited with code {supervisor.poll()}"
         raise NodeError(f"the run ended at start ({why}); last log lines:\n{tail(log_path, 15)}")
     record = wait.record

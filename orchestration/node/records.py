@@ -40,11 +40,13 @@ class HeartbeatRecord:
     ``deadline_s`` is left behind (the share failing), and no other starts while it is out. Its
     writes are the share's probe (:class:`RecordKeeper`)."""
 
-    def __init__(self, keeper: "RecordKeeper", write: Callable[[int, RunState, int], None], deadline_s: float,
+    def __init__(self, keeper: "RecordKeeper", write: Callable[[int, RunState, int, str], None], deadline_s: float,
                  period_s: float = HEARTBEAT_S):
-        """``write(attempt, state, count)``: one write of the record."""
+        """``write(attempt, state, count, doing)``: one write of the record."""
         self.keeper, self._write, self.deadline_s, self.period_s = keeper, write, deadline_s, period_s
         self.attempt, self.state, self.count = 0, None, 0
+        self.doing = ""
+        """A long step before torchrun and how far it is (the next write carries it; empty: none)."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -60,8 +62,8 @@ class HeartbeatRecord:
     def write(self) -> None:
         with self._lock:
             self.count += 1
-            attempt, state, count = self.attempt, self.state, self.count
-            self.keeper.keep("writing the heartbeat record", lambda: self._write(attempt, state, count),
+            attempt, state, count, doing = self.attempt, self.state, self.count, self.doing
+            self.keeper.keep("writing the heartbeat record", lambda: self._write(attempt, state, count, doing),
                              deadline_s=self.deadline_s)
 
     def _start(self) -> None:

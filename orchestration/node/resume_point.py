@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from megatron_ext.run_spec.checkpoints import MEGATRON_LM_LATEST, latest_iteration
 from megatron_ext.run_spec.checksums import (DAMAGED_SUFFIX, INTEGRITY_FILE, CheckpointHealth, list_checkpoints,
@@ -50,12 +51,14 @@ class ResumePoint:
                           f"Megatron-LM loads {where} ({'with' if self.verify else 'without'} --verify-integrity)"))
 
 
-def choose(checkpoints_dir: Path, init_checkpoint: str = "") -> tuple[ResumePoint, tuple[CheckpointHealth, ...]]:
+def choose(checkpoints_dir: Path, init_checkpoint: str = "",
+           progress: Callable[[int, int, int], None] | None = None) -> tuple[ResumePoint, tuple[CheckpointHealth, ...]]:
     """The attempt's :class:`ResumePoint` and the damaged checkpoints passed over (reads every
-    byte of each checkpoint it looks at; moves nothing)."""
+    byte of each checkpoint it looks at, telling ``progress`` (iteration, bytes read, its bytes);
+    moves nothing)."""
     latest = latest_iteration(checkpoints_dir)  # newer folders than the tracker's: a save that did not finish
     chosen, damaged = newest_verified([(it, p) for it, p in list_checkpoints(checkpoints_dir)
-                                       if latest is not None and it <= latest])
+                                       if latest is not None and it <= latest], progress)
     if chosen is not None:
         notes = tuple(moved_aside_note(h.iteration, h.path, [d.describe() for d in h.damage]) for h in damaged)
         return ResumePoint(chosen.iteration, (chosen.path / INTEGRITY_FILE).is_file(), notes), damaged

@@ -132,10 +132,14 @@ class Heartbeat:
     :data:`HEARTBEAT_S`). A reader on another machine judges the writer alive by this number
     changing on the reader's own clock; the record holds no clock of the writer's."""
     run_id: str = ""
+    doing: str = ""
+    """A long step before torchrun starts, and how far it is (``verifying the checkpoint of iteration
+    8: 40.0 of 115.0 GB read``); empty otherwise. A start waiting on the node names it."""
 
 
-def write_heartbeat(paths: RunPaths, node_rank: int, attempt: int, state: RunState, run_id: str = "", beat: int = 0) -> None:
-    write_json_atomic(paths.node_heartbeat_file(node_rank), unstructure(Heartbeat(attempt, state, beat, run_id)))
+def write_heartbeat(paths: RunPaths, node_rank: int, attempt: int, state: RunState, run_id: str = "", beat: int = 0,
+                    doing: str = "") -> None:
+    write_json_atomic(paths.node_heartbeat_file(node_rank), unstructure(Heartbeat(attempt, state, beat, run_id, doing)))
 
 
 def read_heartbeat(paths: RunPaths, node_rank: int) -> Heartbeat | None:
@@ -242,6 +246,8 @@ class StartWait:
     record: PidRecord | None
     ended: NodeExit | None
     timed_out: bool = False
+    doing: str = ""
+    """What the node's supervisor last said it was doing before torchrun (its heartbeat record)."""
 
     @property
     def started(self) -> bool:
@@ -252,23 +258,32 @@ def wait_until_started(paths: RunPaths, node_rank: int, pid_path: Path, run_id: 
                        timeout_s: float, settle_s: float = 0.0, poll_s: float = 0.1) -> StartWait:
     """Until the node's torchrun of start ``run_id`` runs (its pid file) and has for ``settle_s``,
     or the node's start ended (its exit record, or ``alive()`` false: the supervisor or the srun
-    step is gone), or ``timeout_s``: the one wait for a start (node-start, the srun start). Timed
-    by this machine's monotonic clock only; a caller reading another machine's records (the srun
-    start) gives a ``timeout_s`` that allows for the share's cache."""
+    step is gone), or ``timeout_s`` passed without a sign of a step under way: the one wait for a
+    start (node-start, the srun start). A supervisor that takes long before torchrun (node 0 reading
+    a large checkpoint through before it chooses, the others waiting for that choice) says so in its
+    heartbeat record of this start (``doing``) and keeps the record's counter moving: the wait goes
+    on as long as it does, ``timeout_s`` running from the last such beat. Timed by this machine's
+    monotonic clock only (the counter changing, never a clock of the writer's); a caller reading
+    another machine's records (the srun start) gives a ``timeout_s`` that allows for the share's cache."""
     t0 = time.monotonic()
-    record = None
+    record, beat, beat_at, doing = None, None, t0, ""
     while True:
         if record is None:
             found = read_pid_file(pid_path)
             record = found if found is not None and found.run_id == run_id else None
+        heartbeat = read_heartbeat(paths, node_rank)
+        if heartbeat is not None and heartbeat.run_id == run_id and heartbeat.beat != beat:
+            beat, doing = heartbeat.beat, heartbeat.doing
+            if doing:  # a step before torchrun, under way
+                beat_at = time.monotonic()
         ended = read_exit(paths, node_rank, run_id)
-        elapsed = time.monotonic() - t0
+        now = time.monotonic()
         if (ended is not None and ended.state.failed) or not alive():
+            return StartWait(record, ended, doing=doing)
+        if record is not None and now - t0 >= settle_s:
             return StartWait(record, ended)
-        if record is not None and elapsed >= settle_s:
-            return StartWait(record, ended)
-        if elapsed > timeout_s:
-            return StartWait(record, ended, timed_out=True)
+        if now - max(t0, beat_at) > timeout_s:
+            return StartWait(record, ended, timed_out=True, doing=doing)
         time.sleep(poll_s)
 
 

@@ -78,6 +78,8 @@ POLL_S = 0.5
 LOG_TAIL_LINES = 25
 HANG_REPORT_WAIT_S = 30.0
 """How long node 0 waits for every node's hang report on the board before naming the suspects from those it has."""
+CHECK_SAY_S = 30.0
+"""How often node 0's checksum pass before a Megatron-LM attempt says in the log how far it is."""
 HUNG_STOP_GRACE_S = 10.0
 """A hung attempt's stop: its ranks are sent SIGCONT, then torchrun SIGTERM; this long before SIGKILL."""
 PREEMPTED_LINE = "exiting program after receiving"
@@ -121,14 +123,15 @@ class Supervisor:
         self.incarnations: dict[int, int] = {}
         """Node 0: the incarnation of every node it took back (others: 0)."""
         self.records = RecordKeeper(plan.artifact_root, f"node {self.rank}{self._host(self.rank)}", self.say)
-        self.heartbeat = HeartbeatRecord(self.records, lambda attempt, state, count: write_heartbeat(
-            self.paths, self.rank, attempt, state, plan.run_id, count), deadline_s=RECORD_WRITE_S)
+        self.heartbeat = HeartbeatRecord(self.records, lambda attempt, state, count, doing: write_heartbeat(
+            self.paths, self.rank, attempt, state, plan.run_id, count, doing), deadline_s=RECORD_WRITE_S)
         self.proc: subprocess.Popen | None = None
         """The current attempt's torchrun, while there is one."""
         self.record: PidRecord | None = None
         """Its record (the pid file's content, kept here: stopping it reads nothing from the share)."""
         self._main_at = time.monotonic()
         """The main thread's last step (:meth:`_alive`)."""
+        self._verify_said = float("-inf")
         self._signalled_save: str | None = None
         self.ended_by: Decision | None = None
         """Node 0's decision that the run ends before the attempt this node is joining."""
@@ -417,20 +420,37 @@ class Supervisor:
 
     def resume_point(self) -> ResumePoint | None:
         """Megatron-LM's attempts: node 0 picks the checkpoint (resume_point.py) and puts it on the
-        board; the others wait for it. None where the ranks pick their own (this program)."""
+        board; the others wait for it. None where the ranks pick their own (this program). What
+        each node does meanwhile is in its heartbeat record (``doing``), which a start waiting on
+        the node follows: node 0's pass over a large checkpoint takes minutes."""
         choice = self.plan.checkpoint_choice
         if choice is None:
             return None
-        if not self.leader:  # as long as node 0 takes (a checksum pass over a large checkpoint), while it beats
-            point = self._wait(float("inf"), lambda: self.board.read_resume_point(self.attempt), RunState.RESTARTING)
-            return point or ResumePoint(None, False, refused="stopped on request")
         try:
-            point, damaged = resume_point.choose(self.paths.checkpoints_dir, choice.init_checkpoint)
-            resume_point.take(point, damaged, self.paths.checkpoints_dir)
-        except (OSError, UserError) as exc:
-            point = ResumePoint(None, False, refused=f"could not choose the checkpoint to resume from: {exc}")
-        self.board.write_resume_point(self.attempt, point)
-        return point
+            if not self.leader:  # as long as node 0 takes (a checksum pass over a large checkpoint), while it beats
+                self.heartbeat.doing = "waiting for node 0's choice of the checkpoint to resume from"
+                point = self._wait(float("inf"), lambda: self.board.read_resume_point(self.attempt), RunState.RESTARTING)
+                return point or ResumePoint(None, False, refused="stopped on request")
+            self.heartbeat.doing = "choosing the checkpoint to resume from"
+            try:
+                point, damaged = resume_point.choose(self.paths.checkpoints_dir, choice.init_checkpoint, self._verifying)
+                resume_point.take(point, damaged, self.paths.checkpoints_dir)
+            except (OSError, UserError) as exc:
+                point = ResumePoint(None, False, refused=f"could not choose the checkpoint to resume from: {exc}")
+            self.board.write_resume_point(self.attempt, point)
+            return point
+        finally:
+            self.heartbeat.doing = ""
+
+    def _verifying(self, iteration: int, done: int, total: int) -> None:
+        """Node 0's checksum pass before it chooses, as far as it has read: in the heartbeat record
+        (which a start waiting on this node follows and names) and, every CHECK_SAY_S, in the log."""
+        self.heartbeat.doing = (f"verifying the checkpoint of iteration {iteration} before choosing it: "
+                                f"{done / 1e9:.1f} of {total / 1e9:.1f} GB read")
+        now = time.monotonic()
+        if now - self._verify_said >= CHECK_SAY_S or done >= total:
+            self._verify_said = now
+            self.say(self.heartbeat.doing)
 
     def run_attempt(self, point: ResumePoint | None = None) -> AttemptEnd:
         checkpoint = self._latest_checkpoint() if point is None else point.iteration
