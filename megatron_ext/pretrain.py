@@ -5,9 +5,9 @@
 
 The edge of the program: reads the rank's environment once (RANK, LOCAL_RANK, WORLD_SIZE,
 LOCAL_WORLD_SIZE as torchrun sets them; ZERO_STAGE and ENGINE when no ``--zero-stage`` is given;
-ARTIFACT_ROOT; MEGATRON_EXT_ALLOW_UNTESTED; the supervisor's LAUNCHER_PROGRESS_DIR and
-LAUNCHER_ATTEMPT; WANDB_PROJECT, WANDB_ENTITY, WANDB_NAME, WANDB_DIR, WANDB_MODE, WANDB_RUN_ID: the
-last rank logs to W&B), checks parameters, batch geometry, megatron-core and the data paths before
+ARTIFACT_ROOT; MEGATRON_EXT_ALLOW_UNTESTED; MEGATRON_EXT_SHARD_ONE_RANK; the supervisor's
+LAUNCHER_PROGRESS_DIR and LAUNCHER_ATTEMPT; WANDB_PROJECT, WANDB_ENTITY, WANDB_NAME, WANDB_DIR,
+WANDB_MODE, WANDB_RUN_ID: the last rank logs to W&B), checks parameters, batch geometry, megatron-core and the data paths before
 any process group exists, and hands over to :class:`megatron_ext.training.loop.Pretrain`. With
 CUDA: NCCL, one GPU per LOCAL_RANK, bf16, transformer-engine layers when they import. Without:
 gloo, fp32, megatron-core's local layers (see training/megatron_on_cpu.py). A user error is one message
@@ -138,7 +138,10 @@ def resolve(args, env: Mapping[str, str], checked: CheckedInputs | None = None):
     if warning and ranks.rank == 0:
         print(warning, file=sys.stderr, flush=True)
     check_megatron_fsdp(checked.params.training.zero_stage, env)
-    return RunInputs(checked.params, checked.geometry, ranks, checked.paths, checked.wandb)
+    from megatron_ext.training.cuda_trainer import shard_one_rank_asked
+
+    return RunInputs(params=checked.params, geometry=checked.geometry, ranks=ranks, paths=checked.paths,
+                     wandb=checked.wandb, shard_one_rank=shard_one_rank_asked(env))
 
 
 def refuse(exc: UserError, env: Mapping[str, str]) -> int:

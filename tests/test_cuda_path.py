@@ -144,6 +144,25 @@ def test_the_fsdp_fusion_rule_is_the_installed_megatron_core_s():
     assert fsdp_allows_fusion(installed_megatron_core(), "2.10.0")
 
 
+@pytest.mark.parametrize("te", ["2.9.0", "2.10.0.dev0+abc123", "2.10.0rc1", "2.10", "2.10.0", "2.10.0+cu13", "2.12.0",
+                                "1.0.0.dev0", "1.0", "0.13.0"])
+def test_transformer_engine_versions_compare_as_megatron_core_s_own_check(te, monkeypatch):
+    """A development build "2.10.0.dev0+..." is below 2.10 for megatron-core, which then asserts at wrap
+    time: te_at_least answers what megatron-core's own is_te_min_version answers for that installed
+    version (its cached ``_te_version`` set as get_te_version would), for the FSDP fusion rule and for
+    the FP8 rule."""
+    from megatron.core import utils
+    from packaging.version import Version
+
+    from megatron_ext.run_spec.fp8 import MIN_TRANSFORMER_ENGINE, te_at_least
+
+    monkeypatch.setattr(utils, "_te_version", Version(te))
+    for minimum in ("2.10", MIN_TRANSFORMER_ENGINE):
+        assert te_at_least(te, minimum) == utils.is_te_min_version(minimum), (te, minimum)
+    assert fsdp_allows_fusion((0, 19), te) == utils.is_te_min_version("2.10")
+    assert (fp8_problem("hybrid", te, (9, 0)) is None) == utils.is_te_min_version(MIN_TRANSFORMER_ENGINE)
+
+
 @pytest.mark.parametrize("model", list_models())
 @pytest.mark.parametrize("stage", [0, 2])
 def test_every_preset_builds_with_the_cuda_configuration(model, stage):
@@ -509,9 +528,9 @@ def _gpu_module(name: str):
 
 def test_prepare_device_check_copies_the_wheels_where_they_travel(tmp_path):
     """Both releases' wheels go into .whl/ of the checkout, ignored through .git/info/exclude; the
-    carry list and the one command (each release in turn, under its own limit) are printed; a second
-    run changes nothing; a missing wheel is one message, exit 2. (``--no-download``: the dependency
-    wheels come from the registry, which a test does not reach for.)"""
+    carry list, the machine kind and one command per device call (a release each, under ~300 s) are
+    printed; a second run changes nothing; a missing wheel is one message, exit 2. (``--no-download``:
+    the dependency wheels come from the registry, which a test does not reach for.)"""
     repo, wheels = tmp_path / "checkout", tmp_path / "wheels"
     repo.mkdir(), wheels.mkdir()
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
@@ -526,11 +545,13 @@ def test_prepare_device_check_copies_the_wheels_where_they_travel(tmp_path):
     for _ in range(2):
         done = subprocess.run(argv, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
         assert done.returncode == 0, done.stderr
-        assert 'carry: [".whl"]' in done.stdout
-        command = done.stdout.split("command: ", 1)[1].strip()
-        assert command.startswith("DEVICE_CHECK_LIMIT_S=250 bash tests/gpu/device_check.sh --megatron-core 0.16.1 --only "
-                                  "precision-z2-z3,") and "; DEVICE_CHECK_LIMIT_S=310 bash tests/gpu/device_check.sh " \
-            "--megatron-core 0.19.2 --only precision-z2-z3,full-z0," in command, command
+        assert 'carry: [".whl"]' in done.stdout and "\nkind: nvidia-h200 (" in done.stdout, done.stdout
+        commands = [line.split("): ", 1)[1] for line in done.stdout.splitlines() if line.startswith("command ")]
+        assert [c.split(" --only ")[0] for c in commands] == [
+            f"DEVICE_CHECK_LIMIT_S=300 bash tests/gpu/device_check.sh --megatron-core {r}" for r in ("0.19.2", "0.16.1")]
+        assert "s planned of its 300 s limit" in done.stdout and commands[0].endswith("--only precision,full-z3,full-z2,"
+                                                                                          "resume-z3,nan-z2,resume-z2,"
+                                                                                          "full-z0-fp8,full-z2-fp8")
     assert [(repo / ".whl" / wheel(release)).read_bytes() for release in ("0.16.1", "0.19.2")] == [b"wheel", b"wheel2"]
     assert (repo / ".git" / "info" / "exclude").read_text().splitlines().count("/.whl/") == 1
     ignored = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--ignored"], capture_output=True, text=True)
@@ -564,19 +585,176 @@ def test_gpu_check_preflight_names_everything_missing_at_once():
         gpu_check.install_wheel("/nonexistent/megatron_core-0.0.0-cp312-none-any.whl")
 
 
-def test_gpu_check_plan_fits_its_budget_most_valuable_first():
+def test_gpu_check_calls_fit_300_s_most_valuable_first():
+    """Each prepared device call fits its limit with the setup and the fused kernels' first compile
+    counted (two calls and a retry of one in a 15-minute lease with the machine's start), its most
+    valuable rows expected rather than left to the time left; no row repeats another: where one rank
+    runs no_shard (megatron-core 0.16) stage 3 is stage 2, so its rows are not there nor prepared."""
+    gpu_check, prepare = _gpu_module("gpu_check"), _gpu_module("prepare_device_check")
+    every = {r.name for r in gpu_check.all_rows(transformer_engine=True)}
+    planned = {}
+    for call in prepare.CALLS:
+        assert set(call.rows.split(",")) <= every, call  # no unknown row
+        assert call.limit_s <= 300 and gpu_check.STOP_MARGIN_S == 40
+        planned[call.release] = gpu_check.planned_rows(call.rows, call.limit_s - gpu_check.STOP_MARGIN_S)
+        assert planned[call.release][2] <= call.limit_s - gpu_check.STOP_MARGIN_S, planned
+    assert planned["0.19.2"][:2] == (["precision", "full-z3", "full-z2", "resume-z3", "nan-z2"], ["resume-z2"])
+    assert planned["0.16.1"][:2] == (["checkpoint-z0", "resume-z1", "nan-z2"], ["profile-z0", "precision"])
+    assert 2 * 300 + 180 <= 900 - 60  # two calls and the machine's start (minutes) leave a lease's last minute
+    no_shard = [r.name for r in gpu_check.all_rows(transformer_engine=False, shards_one_rank=False)]
+    assert not [n for n in no_shard if "z3" in n] and "precision" in no_shard and "full-z2" in no_shard
+    assert not [n for n in prepare.CALLS[1].rows.split(",") if "z3" in n]  # 0.16.1
+    with_te = [r.name for r in gpu_check.all_rows(transformer_engine=True)]
+    assert {"full-z0-fp8", "full-z2-fp8"} <= set(with_te) - set(no_shard)
+    # The full rows peaked at 84.78 GiB with micro batch 4: an H200 (139.8 GiB) runs 4, an H100 (79.2 GiB) 2.
+    stages = _gpu_module("test_gpu_stages")
+    assert [stages.micro_batch_for(gib) for gib in (139.8, 79.2, None)] == [4, 2, 4] and prepare.KIND == "nvidia-h200"
+
+
+def test_gpu_check_plan_counts_the_setup_and_one_compile():
     gpu_check = _gpu_module("gpu_check")
-    rows = gpu_check.all_rows(transformer_engine=None)
-    expected, cut = gpu_check.plan_rows(rows, gpu_check.DEFAULT_BUDGET_S)
-    names = [r.name for r in expected]
-    assert names[:6] == ["precision-z2-z3", "full-z0", "full-z1", "full-z2", "full-z3", "checkpoint-z0"]
-    assert {"resume-z1", "resume-z3", "nan-z0", "nan-z2"} <= set(names)
-    assert sum(r.estimate_s for r in expected) <= gpu_check.DEFAULT_BUDGET_S <= 480  # with install: ~8 minutes
-    assert [r.name for r in cut] == ["resume-z0", "resume-z2", "gathers-z2"]  # the tail, if time is left
-    with_te = [r.name for r in gpu_check.all_rows(transformer_engine="2.10.0")]
-    assert {"full-z0-fp8", "full-z2-fp8"} <= set(with_te)
-    only, _ = gpu_check.plan_rows(rows, 60, ["resume-z0", "nan-z2"])
-    assert [r.name for r in only] == ["resume-z0", "nan-z2"]  # in the order asked
+    row = gpu_check.Row
+    rows = [row("a", 40, print, 50), row("b", 40, print, 50), row("c", 25, print), row("d", 60, print)]
+    assert gpu_check.row_costs(rows) == [90, 40, 25, 60]  # the first full-size start compiles, once
+    assert gpu_check.row_costs(rows[2:3] + rows[:2]) == [25, 90, 40]
+    expected, cut = gpu_check.plan_rows(rows, 200, setup_s=20)
+    assert [r.name for r in expected] == ["a", "b", "c"] and [r.name for r in cut] == ["d"]  # 20+90+40+25 = 175
+    only, _ = gpu_check.plan_rows(rows, 200, ["d", "c", "z"], setup_s=20)
+    assert [r.name for r in only] == ["d", "c"]  # in the order asked; a name this release lacks left out
+    assert gpu_check.planned_s(only, setup_s=20) == 105
+
+
+def _precision_result(dtype: str, norm: float, strategy: str | None, kind: str | None, policy: bool = True) -> dict:
+    collectives = {"all_reduce": ["float32"]}
+    if kind:
+        collectives[kind] = sorted({dtype, *collectives.get(kind, [])})
+    return {"policy": {"main_grads_dtype": dtype, "grad_comm_dtype": dtype} if policy else None, "main_grads": [dtype],
+            "collectives": collectives, "grad_norm": norm, "strategy": strategy}
+
+
+def test_gpu_check_precision_verdicts():
+    """Sharded at one rank (0.19.2 with the switch): each stage's own strategy, reduce-scattered in the dtype
+    asked, the gradient norm of stage 0; a gradient added twice (norm x 2), a bf16 reduce-scatter where fp32 was
+    asked, or no_shard where sharding was asked fail. Not sharded (0.16.1): no_shard, all-reduced."""
+    rows = _gpu_module("gpu_rows")
+
+    def results(sharded: bool, change: dict | None = None) -> dict:
+        out = {0: {asked: _precision_result(dtype, 4.23, "no_shard", "all_reduce") for asked, dtype in
+                   (("fp32", "float32"), ("bf16", "bfloat16"))}}
+        for stage, strategy in ((2, "optim_grads"), (3, "optim_grads_params")):
+            out[stage] = {asked: _precision_result(dtype, 4.23, strategy if sharded else "no_shard",
+                                                   "reduce_scatter" if sharded else "all_reduce", policy=sharded)
+                          for asked, dtype in (("fp32", "float32"), ("bf16", "bfloat16"))}
+        for (stage, asked), fields in (change or {}).items():
+            out[stage][asked].update(fields)
+        return out
+
+    verdicts = rows.precision_verdicts(results(True), sharded=True)
+    assert len(verdicts) == 4 and all(": PASS (" in v for v in verdicts), verdicts
+    assert verdicts[0] == ("z2 fp32: PASS (optim_grads, main gradients float32, reduce-scatter in float32, policy "
+                           "float32/float32, norm 4.2300 vs stage 0's 4.2300)")
+    assert all(": PASS (no_shard" in v for v in rows.precision_verdicts(results(False), sharded=False))
+    for change in ({(3, "fp32"): {"grad_norm": 8.46}},
+                   {(2, "fp32"): {"collectives": {"reduce_scatter": ["bfloat16"], "all_reduce": ["float32"]}}},
+                   {(2, "bf16"): {"strategy": "no_shard"}}):
+        failed = [v for v in rows.precision_verdicts(results(True, change), sharded=True) if "FAIL" in v]
+        assert len(failed) == 1, (change, failed)
+    assert all("FAIL" in v for v in rows.precision_verdicts(results(False), sharded=True))  # no_shard where asked
+
+
+@pytest.mark.parametrize("release, allowed", [((0, 14), True), ((0, 15), True), ((0, 16), False), ((0, 17), True),
+                                              ((0, 19), True)])
+def test_one_rank_runs_stages_2_and_3_sharded_only_where_asked_and_allowed(release, allowed):
+    """cuda_trainer.one_rank_strategy: one rank runs stages 2-3 as no_shard unless MEGATRON_EXT_SHARD_ONE_RANK=1
+    keeps their own strategy, refused with one message on megatron-core 0.16 (it adds a one-rank gradient into
+    itself: the gradients double); more ranks and stages 0-1 are never changed."""
+    from megatron_ext.training.cuda_trainer import SHARD_ONE_RANK_ENV, one_rank_strategy, shard_one_rank_asked
+
+    assert [shard_one_rank_asked(env) for env in ({}, {SHARD_ONE_RANK_ENV: "0"}, {SHARD_ONE_RANK_ENV: " "},
+                                                   {SHARD_ONE_RANK_ENV: "1"})] == [False, False, False, True]
+    for stage in (0, 1, 2, 3):
+        assert one_rank_strategy(stage, 2, release, True) is None and one_rank_strategy(stage, 8, release, False) is None
+        assert one_rank_strategy(stage, 1, release, False) == (None if stage < 2 else "no_shard")
+    assert one_rank_strategy(1, 1, release, True) is None
+    if allowed:
+        assert one_rank_strategy(2, 1, release, True) is None and one_rank_strategy(3, 1, release, True) is None
+    else:
+        with pytest.raises(UserError, match=r"^MEGATRON_EXT_SHARD_ONE_RANK=1 at ZeRO stage 3 on one rank: megatron-core "
+                                            r"0\.16's Megatron-FSDP adds each reduced gradient into itself at one rank "
+                                            r"\(the gradients would double every micro-batch\); unset it"):
+            one_rank_strategy(3, 1, release, True)
+
+
+def test_the_program_reads_the_one_rank_switch_at_its_edge(tmp_path):
+    """MEGATRON_EXT_SHARD_ONE_RANK is read once, where the program reads its environment (pretrain.resolve),
+    and reaches wrap_cuda through RunInputs."""
+    from megatron_ext import pretrain
+
+    args = pretrain.parse_args(["--model", "gpt_smoke", "--data", "smoke", "--run-name", "switch"])
+    for value, asked in (("1", True), ("0", False), ("", False), (None, False)):
+        env = {"ARTIFACT_ROOT": str(tmp_path), **({"MEGATRON_EXT_SHARD_ONE_RANK": value} if value is not None else {})}
+        assert pretrain.resolve(args, env).shard_one_rank is asked, value
+
+
+@pytest.mark.parametrize("name, group", [
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "GEMM"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas",
+     "GEMM"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>(Params)", "GEMM"),
+    ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t>>",
+     "attention"),
+    ("fmha_cutlassB_bf16_aligned_64x64_k128_sm80", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0", "attention"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+    ("void at::native::multi_tensor_apply_kernel<at::native::TensorListMetadata<4>, FusedAdamMathFunctor>", "optimizer"),
+    ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0", "elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "elementwise"),
+    ("Memcpy DtoD (Device -> Device)", "memory copies"),
+    ("aten::mm", "GEMM"),
+])
+def test_profile_groups_kernels_by_name(name, group):
+    profile = _gpu_module("profile_step")
+    assert profile.kernel_group(name) == group
+    assert profile.kernel_group(name, in_optimizer=True) == "optimizer"  # launched inside the optimizer step
+
+
+def test_profile_table_gives_each_group_its_share_of_the_step():
+    profile = _gpu_module("profile_step")
+    k = profile.KernelTime
+    summary = profile.summarize([k("nvjet_a", 600.0), k("nvjet_a", 400.0), k("flash_fwd", 500.0),
+                                 k("vectorized_elementwise_kernel", 100.0, in_optimizer=True),
+                                 k("triton_poi_fused_mul_0", 200.0)], step_s=0.002)
+    groups = summary["groups"]
+    assert (groups["GEMM"]["ms"], groups["GEMM"]["share"], groups["GEMM"]["count"]) == (1.0, 0.5, 2)
+    assert groups["optimizer"]["share"] == 0.05 and groups["elementwise"]["top"] == "triton_poi_fused_mul_0"
+    assert [t["name"] for t in summary["top"]][:2] == ["nvjet_a", "flash_fwd"] and summary["kernel_ms"] == 1.8
+    table = profile.format_profile(summary, "iteration 7")
+    assert table.splitlines()[4] == "| GEMM | 1.0 | 50.0% | 2 | nvjet_a |", table
+    assert profile.one_line(summary) == ("step 2 ms: GEMM 50.0%, attention 25.0%, elementwise 10.0%, optimizer 5.0%; "
+                                         "no kernel 10.0%")
+
+
+def test_profile_of_one_step_of_the_program(tmp_path):
+    """profile_step.py around the program itself (gpt_smoke on the CPU, 3 iterations, the last profiled): the
+    table's groups are the step's operators, their shares of the step at most 100%, GEMM among them; the run
+    ends as it would without it."""
+    import json
+
+    from conftest import free_port
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
+                           str(free_port()), str(REPO / "tests" / "gpu" / "profile_step.py"), "--at", "3", "--out",
+                           str(tmp_path / "keep"), "--", "--model", "gpt_smoke", "--data", "smoke", "--run-name", "prof",
+                           "--train-iters", "3"], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=clean_env(ARTIFACT_ROOT=str(tmp_path / "art"), OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "keep" / "profile.json").read_text())
+    groups = summary["groups"]
+    assert summary["title"].startswith("iteration 3, ZERO_STAGE=0") and set(groups) == set(_gpu_module("profile_step").GROUPS)
+    assert groups["GEMM"]["share"] > 0.1 and groups["optimizer"]["count"] > 0, groups
+    assert sum(g["share"] for g in groups.values()) <= 1.0 and summary["top"][0]["name"] == "aten::mm", summary
+    assert "| group | time (ms) | share of step |" in (tmp_path / "keep" / "profile.md").read_text()
+    assert "profile: step " in proc.stdout and "done: 3 iterations" in proc.stdout
 
 
 def test_device_check_fails_in_its_first_seconds_saying_what_is_missing():
@@ -589,8 +767,9 @@ def test_device_check_fails_in_its_first_seconds_saying_what_is_missing():
 
 def test_gpu_check_writes_each_row_as_it_ends_and_kills_a_late_rows_group(tmp_path, monkeypatch):
     """The run loop on CPU with stand-in rows: each line reaches $OUT/gpu_check-<release>.txt as its row ends, a
-    row past its limit has its whole process group killed (a child and its grandchild), and a row the
-    budget left cannot hold is not started."""
+    row past its limit has its whole process group killed (a child and its grandchild), a row the budget left
+    cannot hold is not started, what a row keeps lands in $OUT beside the report; the program's answers decide:
+    where one rank may shard every row gets MEGATRON_EXT_SHARD_ONE_RANK=1, and a row it leaves out is named."""
     gpu_check, stages = _gpu_module("gpu_check"), _gpu_module("test_gpu_stages")
     facts = gpu_check.Facts(python=(3, 12), torch="2.11.0", cuda_devices=1, device_name="NVIDIA H200",
                             megatron_core="0.16.1", wheel=None, transformer_engine=None, free_gb=60.0, out_dir=str(tmp_path))
@@ -601,16 +780,33 @@ def test_gpu_check_writes_each_row_as_it_ends_and_kills_a_late_rows_group(tmp_pa
         late_group.append(int(text.rsplit("process group ", 1)[1].split()[0]))
         return f"late: exit {code}; in the file already: {'quick: done' in (tmp_path / 'gpu_check-0.16.1.txt').read_text()}"
 
+    def keeps(out):
+        (out / "keep").mkdir()
+        (out / "keep" / "profile.md").write_text("| group |")
+        return f"keeps: {os.environ.get('MEGATRON_EXT_SHARD_ONE_RANK')}"
+
     rows = [gpu_check.Row("quick", 1, lambda out: "quick: done"), gpu_check.Row("late", 5, late),
-            gpu_check.Row("big", 1000, lambda out: "big: ran")]
+            gpu_check.Row("big", 1000, lambda out: "big: ran"), gpu_check.Row("keeps", 1, keeps)]
     monkeypatch.setattr(gpu_check, "gather_facts", lambda release: facts)
-    monkeypatch.setattr(gpu_check, "all_rows", lambda transformer_engine: rows)
+    stage_3 = gpu_check.Row("full-z3", 1, lambda out: "full-z3: ran")
+    monkeypatch.setattr(gpu_check, "all_rows", lambda transformer_engine, shards_one_rank=True, micro=4:
+                        rows + [stage_3] * shards_one_rank)
+    answers = gpu_check.ProgramAnswers(None, False, "MEGATRON_EXT_SHARD_ONE_RANK")  # 0.16: no_shard at one rank
+    monkeypatch.setattr(gpu_check, "ask_program", lambda: answers)
     monkeypatch.setattr(gpu_check.signal, "signal", lambda *a: None)
-    assert gpu_check.main(["--budget-s", "60"]) == 0
+    monkeypatch.setenv("MEGATRON_EXT_SHARD_ONE_RANK", "0")  # restored after the test: main sets it
+    assert gpu_check.main(["--budget-s", "60", "--only", "quick,late,big,keeps,full-z3"]) == 0
     text = (tmp_path / "gpu_check-0.16.1.txt").read_text()
     assert "quick: done" in text and "late: exit 124; in the file already: True" in text, text
     assert "big: ran" not in text and "1 row(s) not run, their estimates past the 60 s budget: big" in text, text
+    assert "keeps: 0  [keeps " in text and "kept keeps-0.16.1.md]" in text, text
+    assert (tmp_path / "keeps-0.16.1.md").read_text() == "| group |"
+    assert "not run on this release: full-z3" in text and "full-z3: ran" not in text, text
     _wait_until_group_ended(late_group[0])  # nothing of the late row's group runs on
+    answers = gpu_check.ProgramAnswers(None, True, "MEGATRON_EXT_SHARD_ONE_RANK")  # 0.17 on
+    assert gpu_check.main(["--budget-s", "60", "--only", "keeps,full-z3"]) == 0
+    text = (tmp_path / "gpu_check-0.16.1.txt").read_text()
+    assert "Megatron-FSDP's own strategies" in text and "keeps: 1  [" in text and "full-z3: ran" in text, text
 
 
 def _wait_until_group_ended(pgid: int) -> None:
@@ -627,3 +823,18 @@ def _wait_until_group_ended(pgid: int) -> None:
         return out
 
     wait_for(lambda: not running(), 5, 0.1, f"process group {pgid} to end")
+
+
+@pytest.mark.parametrize("device, stage, per_parameter", [
+    ("cpu", 0, 12), ("cpu", 3, 12), ("cuda", 0, 14), ("cuda", 1, 14), ("cuda", 2, 12), ("cuda", 3, 12)])
+def test_a_checkpoint_s_size_per_parameter_follows_the_device_and_stage(device, stage, per_parameter, tmp_path):
+    """torch_dist (stages 0-1) on GPUs holds the bf16 weights besides the fp32 main weights and Adam's moments
+    (2 + 4 + 8 bytes); fsdp_dtensor (stages 2-3) holds the fp32 main weights in their place (4 + 8), as fp32
+    everywhere on the CPU. The preflight's disk check says which (Qwen3-1.7B: 24.1 or 20.6 GB each)."""
+    from megatron_ext.run_spec.model_size import checkpoint_bytes, checkpoint_bytes_per_parameter
+    from megatron_ext.host.devices import Device
+
+    assert checkpoint_bytes_per_parameter(Device(device), stage) == per_parameter
+    assert checkpoint_bytes(1_720_574_976, Device(device), stage) == 1_720_574_976 * per_parameter
+    said = preflight.disk_problem(tmp_path / "checkpoints", 10**15, 2, Device(device), stage)
+    assert f"x {per_parameter} bytes)" in said, said

@@ -26,6 +26,8 @@ and Megatron-FSDP, 1 and 2 gloo ranks under torchrun, with ``device='cuda'`` mad
 - Gradient-accumulation fusion under Megatron-FSDP: with fp32 reduction megatron-core's layers
   raise in the first backward; with bf16 reduction an untied model's losses equal the unfused
   run's, while tied embeddings lose one of their two gradients (another loss from the second step).
+- One rank with MEGATRON_EXT_SHARD_ONE_RANK=1 (the GPU check's switch) runs stages 2-3 sharded as
+  stage 0 runs (the same gradient norm and losses), refused on megatron-core 0.16.
 """
 
 from __future__ import annotations
@@ -55,14 +57,15 @@ def fsdp_stages_or_skip(stages: str) -> str:
     return stages
 
 
-def run_worker(mode: str, stages: str, out, *extra: str, nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_worker(mode: str, stages: str, out, *extra: str, nproc: int = 2, timeout: int = 600,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """worker.py under torchrun: ``mode`` may name several modes, ``stages`` several stages
-    ("0,1,2,3"), each run in turn in one launch."""
+    ("0,1,2,3"), each run in turn in one launch; ``env``: variables added to its environment."""
     out.mkdir(parents=True, exist_ok=True)
     return run_session([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
                         "127.0.0.1", "--master-port", str(free_port()), str(WORKER), *mode.split(), "--stage",
                         fsdp_stages_or_skip(str(stages)), "--out", str(out), *extra],
-                       clean_env(OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1"), timeout)
+                       clean_env(OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", **(env or {})), timeout)
 
 
 def steps(losses: dict) -> dict[int, float]:
@@ -79,6 +82,9 @@ def every_stage(tmp_path_factory):
                                ("back", ("--only-reshard", "--reshard-from", str(root / "two")), 1)):
         proc = run_worker("resume", "0,1,2,3", root / name, *extra, nproc=nproc, timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        # Stage 1 hands megatron-core 0.19's DDP the layout Megatron-LM computes before the wrap
+        # (cuda_trainer.py distributed_optimizer_layout); without it rank 0 warns.
+        assert "full_param_layout not provided" not in proc.stdout + proc.stderr
     return root
 
 
@@ -225,3 +231,40 @@ def test_gradient_accumulation_fusion_under_megatron_fsdp_needs_bf16_reduction_a
     assert steps(result["fused_bf16_untied"]) == steps(result["unfused_bf16_untied"]), result
     fused, unfused = steps(result["fused_bf16"]), steps(result["unfused_bf16"])  # tied: a gradient is lost
     assert fused[1] == unfused[1] and abs(fused[2] - unfused[2]) > 1e-3, result
+
+
+def test_one_rank_keeps_megatron_fsdp_s_own_strategy_when_asked(tmp_path):
+    """MEGATRON_EXT_SHARD_ONE_RANK=1, the GPU check's switch (cuda_trainer.one_rank_strategy): one rank runs
+    stages 2-3 as ``optim_grads`` / ``optim_grads_params``, not ``no_shard``: the gradients reduce-scattered in
+    the dtype asked, stage 3 gathering each layer, the first step's gradient norm and every loss equal to stage
+    0's (no gradient added twice) and the sharded checkpoint resumed exactly. Where the release adds a one-rank
+    gradient into itself (megatron-core 0.16, this environment's pin) it is refused, naming why. (0.19.2: the
+    same test on Python 3.12, tests/test_other_python.py.)"""
+    from megatron_ext.training.cuda_trainer import ONE_RANK_DOUBLE_ADD, SHARD_ONE_RANK_ENV
+    from megatron_ext.training.model import installed_megatron_core
+
+    if fsdp_stages_or_skip("0,2") == "0":
+        pytest.skip("Megatron-FSDP does not run on this torch")
+    asked = {SHARD_ONE_RANK_ENV: "1"}
+    if installed_megatron_core() in ONE_RANK_DOUBLE_ADD:
+        proc = run_worker("precision", "2", tmp_path, nproc=1, env=asked)
+        assert proc.returncode != 0, proc.stdout[-2000:]
+        assert f"{SHARD_ONE_RANK_ENV}=1 at ZeRO stage 2 on one rank: megatron-core 0.16's Megatron-FSDP adds each " \
+               "reduced gradient into itself" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+        return
+    proc = run_worker("precision gathers resume", "0,2,3", tmp_path, nproc=1, env=asked)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    read = lambda name: json.loads((tmp_path / f"{name}.json").read_text())  # noqa: E731
+    base, base_losses = read("precision_z0"), steps(read("resume_z0")["uninterrupted"])
+    for stage, strategy in ((2, "optim_grads"), (3, "optim_grads_params")):
+        precision, resumed = read(f"precision_z{stage}"), read(f"resume_z{stage}")
+        for asked_dtype, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
+            got = precision[asked_dtype]
+            assert got["strategy"] == strategy and got["collectives"]["reduce_scatter"] == [dtype], precision
+            assert got["note"].endswith(f"; strategy {strategy}"), got  # the start line says which ran
+            assert got["grad_norm"] == pytest.approx(base[asked_dtype]["grad_norm"], rel=1e-6), (precision, base)
+        assert steps(resumed["uninterrupted"]) == pytest.approx(base_losses, rel=1e-6), (resumed, base_losses)
+        assert steps(resumed["resumed"]) == {s: steps(resumed["uninterrupted"])[s] for s in (4, 5, 6)}, resumed
+        assert {".metadata", "__0_0.distcp"} <= set(resumed["files"]), resumed  # fsdp_dtensor
+    assert read("gathers_z2")["default"]["gathers"] == [1, 1]  # optim_grads: once per step
+    assert min(read("gathers_z3")["default"]["gathers"]) > 1  # optim_grads_params: each layer's unit

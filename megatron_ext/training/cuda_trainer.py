@@ -10,7 +10,8 @@ megatron/core/optimizer/optimizer.py; the line numbers below are that tag's).
   data-parallel wrapper (training.py ~L1261); the DDP config is Megatron-LM's (~L1291-1322: fp32
   reduction, ``check_for_nan_in_grad`` on, ``bucket_size = max(4e7, 1e6 x dp)``); Megatron-FSDP
   gets no ``fsdp_unit_modules``, so the adapter's default applies (none for ``optim_grads``,
-  TransformerLayer for ``optim_grads_params``: mcore_fsdp_adapter.py ~L93-99).
+  TransformerLayer for ``optim_grads_params``: mcore_fsdp_adapter.py ~L93-99). One rank runs
+  stages 2-3 as ``no_shard`` unless ``MEGATRON_EXT_SHARD_ONE_RANK=1`` (:func:`one_rank_strategy`).
 - The step: stages 0-1 call the optimizer's ``step()`` (the chained optimizer computes the global
   norm once and clips by it, optimizer.py ~L1308-1340); stages 2-3 take its parts themselves
   (``prepare_grads``, ``get_grad_norm``, ``clip_grad_by_total_norm_fp32``,
@@ -32,11 +33,13 @@ import contextlib
 import dataclasses
 import math
 from pathlib import Path
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
 from megatron_ext.run_spec.checkpoints import ddp_bucket_elements
+from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import TrainingParams
 from megatron_ext.run_spec.zero import ZeroStage, strategy_for
 from megatron_ext.training import cuda_checkpoint
@@ -58,7 +61,10 @@ class CudaTrainer(Trainer):
 
     @property
     def gradients_note(self) -> str:
-        return describe_gradients(self.model.ddp_config, self.stage)
+        note = describe_gradients(self.model.ddp_config, self.stage)
+        if self.stage >= ZeroStage.GRADIENTS:  # one rank: no_shard, unless asked (one_rank_strategy)
+            note += f"; strategy {self.model.ddp_config.data_parallel_sharding_strategy}"
+        return note
 
     @property
     def _gathers_overlapped(self) -> bool:
@@ -237,29 +243,97 @@ def megatron_core_optimizer_config(t: TrainingParams, stage: int, bf16: bool):
     )
 
 
-def wrap_cuda(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams, device: torch.device) -> CudaTrainer:
-    """megatron-core DDP / distributed optimizer / Megatron-FSDP around ``module`` (on ``device``)."""
+def distributed_optimizer_layout(module: torch.nn.Module, ddp_config) -> dict:
+    """``full_param_layout`` for megatron-core's DDP with the distributed optimizer (stage 1), computed
+    before the wrap as Megatron-LM's ``wrap_model_chunks_with_ddp`` does (training.py L1630-1693 at
+    core_v0.19.0): ``DistributedOptimizer.compute_full_param_layout`` over the chunk's parameters
+    that take a gradient, the bucket size, and the intra-instance data-parallel group's size. DDP
+    computes the same itself when given none, with a warning on rank 0 ("full_param_layout not
+    provided", distributed_data_parallel.py ~L131-149 at 0.19.2). {} where DDP has no such
+    argument (megatron-core 0.16-0.18) or there is no distributed optimizer (stage 0)."""
+    import inspect
+
+    from megatron.core.distributed import DistributedDataParallel
+
+    if not ddp_config.use_distributed_optimizer or "full_param_layout" not in inspect.signature(
+            DistributedDataParallel.__init__).parameters:
+        return {}
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.utils import get_pg_size
+
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    dense, expert = getattr(groups, "intra_dp_cp", None), getattr(groups, "intra_expt_dp", None)
+    dense = dense if dense is not None else groups.dp_cp
+    expert = expert if expert is not None else getattr(groups, "expt_dp", None)
+    layout = DistributedOptimizer.compute_full_param_layout(
+        [p for p in module.parameters() if p.requires_grad], ddp_config.bucket_size, get_pg_size(dense), ddp_config,
+        expert_data_parallel_world_size=get_pg_size(expert))
+    return {"full_param_layout": layout}
+
+
+SHARD_ONE_RANK_ENV = "MEGATRON_EXT_SHARD_ONE_RANK"
+"""``1``: at one data-parallel rank, stages 2-3 keep Megatron-FSDP's own strategy (``optim_grads``,
+``optim_grads_params``: the reduce-scatter, per-layer unsharding at stage 3, the sharded buffers in
+the checkpoint) instead of ``no_shard``. The GPU check sets it where the release allows it
+(tests/gpu/gpu_check.py: one GPU runs the sharded path); refused on :data:`ONE_RANK_DOUBLE_ADD`."""
+
+ONE_RANK_DOUBLE_ADD = frozenset({(0, 16)})
+"""The megatron-core releases (major, minor) whose Megatron-FSDP, sharding at one rank, adds every
+reduced gradient bucket into itself: 0.16.0-0.16.1 reduce-scatter whenever the strategy is not
+``no_shard`` and then add the result to the local buffer (``local_grad += reduced_grad``,
+param_and_grad_buffer.py ~L3225-3257 at core_v0.16.1), which at one rank is the bucket just
+reduced, so the gradients double at every micro-batch (seen through the device shim: norm 12.2
+against stage 0's 6.1 with one micro-batch, 34.3 against 4.2 with four). 0.14-0.15 all-reduce in
+place where the buffer is not distributed (one rank: ~L2898 at core_v0.15.3); 0.17 on add only into
+a distributed buffer (~L3665-3682 at core_v0.17.0, ~L4104-4121 at core_v0.19.0)."""
+
+
+def shard_one_rank_asked(env: Mapping[str, str]) -> bool:
+    """Whether :data:`SHARD_ONE_RANK_ENV` asks for the stage's own strategy at one rank. Pure."""
+    return env.get(SHARD_ONE_RANK_ENV, "").strip() not in ("", "0")
+
+
+def one_rank_strategy(stage: int, world_size: int, release: tuple[int, int], shard_one_rank: bool) -> str | None:
+    """The Megatron-FSDP sharding strategy put in place of the stage's, or None (the stage's own).
+    One rank has nothing to shard: stages 2-3 run ``no_shard`` there (it reduces in place, the same
+    memory), unless ``shard_one_rank`` asks for the real strategy, a UserError on the releases of
+    :data:`ONE_RANK_DOUBLE_ADD`. Pure."""
+    if stage < ZeroStage.GRADIENTS or world_size > 1:
+        return None
+    if not shard_one_rank:
+        return "no_shard"
+    if release in ONE_RANK_DOUBLE_ADD:
+        raise UserError(f"{SHARD_ONE_RANK_ENV}=1 at ZeRO stage {stage} on one rank: megatron-core "
+                        f"{release[0]}.{release[1]}'s Megatron-FSDP adds each reduced gradient into itself at one "
+                        "rank (the gradients would double every micro-batch); unset it (one rank then runs "
+                        "no_shard), or use megatron-core 0.17 or later")
+    return None
+
+
+def wrap_cuda(module: torch.nn.Module, stage: ZeroStage, t: TrainingParams, device: torch.device,
+              shard_one_rank: bool = False) -> CudaTrainer:
+    """megatron-core DDP / distributed optimizer / Megatron-FSDP around ``module`` (on ``device``).
+    ``shard_one_rank``: :func:`one_rank_strategy`'s switch (the program reads
+    :data:`SHARD_ONE_RANK_ENV` at its edge, megatron_ext/pretrain.py)."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
+    from megatron_ext.training.model import installed_megatron_core
+
     config = module.config
     ddp_config = megatron_core_ddp_config(stage, t.grad_reduce_in_bf16, dist.get_world_size(),
                                           premul_sum=dist.get_backend() == "nccl")
-    if stage >= ZeroStage.GRADIENTS and dist.get_world_size() == 1:
-        # One rank has nothing to shard, and megatron-core 0.16.1's Megatron-FSDP then reduces every
-        # gradient bucket into itself: its unsharded buffer receives the reduce-scatter's copy on
-        # top (`local_grad += reduced_grad`, param_and_grad_buffer.py ~L3257; later releases add it
-        # only where the buffer is sharded), so the gradients double at every micro-batch (seen
-        # through the device shim: norm 12.2 against stage 0's 6.1 with one micro-batch, 34.3
-        # against 4.2 with four). `no_shard` reduces in place: the same memory at one rank.
-        ddp_config.data_parallel_sharding_strategy = "no_shard"
+    if strategy := one_rank_strategy(stage, dist.get_world_size(), installed_megatron_core(), shard_one_rank):
+        ddp_config.data_parallel_sharding_strategy = strategy
     wrapped = Float16Module(config, module) if config.bf16 else module
     if stage >= ZeroStage.GRADIENTS:
         from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
         model = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=wrapped, device=device)
     else:
-        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=wrapped)
+        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=wrapped,
+                                        **distributed_optimizer_layout(wrapped, ddp_config))
     optimizer = get_megatron_optimizer(megatron_core_optimizer_config(t, stage, config.bf16), [model])
     return CudaTrainer(model, module, optimizer, stage, t.clip_grad)

@@ -67,7 +67,7 @@ class RankEnv:
     omp_num_threads: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunInputs:
     """Everything checked before a process group exists."""
 
@@ -78,6 +78,9 @@ class RunInputs:
     paths: RunPaths
     wandb: WandbSettings | None = None
     """WANDB_PROJECT and friends (None: no W&B)."""
+    shard_one_rank: bool = False
+    """MEGATRON_EXT_SHARD_ONE_RANK=1: on GPUs at one data-parallel rank, stages 2-3 keep
+    Megatron-FSDP's own strategy (cuda_trainer.one_rank_strategy; the GPU check's switch)."""
 
 
 def learning_rate(t: TrainingParams, steps_done: int) -> float:
@@ -256,7 +259,8 @@ class Pretrain:
             from megatron_ext.training.cuda_trainer import wrap_cuda
             from megatron_ext.training.model import warm_up_fusions
 
-            self.trainer = wrap_cuda(module, ZeroStage(t.zero_stage), t, self.device)
+            self.trainer = wrap_cuda(module, ZeroStage(t.zero_stage), t, self.device,
+                                     shard_one_rank=self.inputs.shard_one_rank)
             warm_started = time.monotonic()  # before the first step's clock: out of step times and MFU
             warmed = warm_up_fusions(m, self.kernels, t.seq_length, t.micro_batch_size, self.vocab, torch.bfloat16,
                                      self.device)

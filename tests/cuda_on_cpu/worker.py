@@ -69,7 +69,7 @@ def batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
 def build(stage: int, units: str = "default", tied: bool = True, **training):
     from megatron_ext.run_spec.params import TrainingParams, load_model
     from megatron_ext.run_spec.zero import ZeroStage
-    from megatron_ext.training.cuda_trainer import wrap_cuda
+    from megatron_ext.training.cuda_trainer import shard_one_rank_asked, wrap_cuda
     from megatron_ext.training.model import (CPU_KERNELS, build_gpt_model, choose_kernels, installed_megatron_core,
                                              transformer_engine_version)
 
@@ -91,8 +91,9 @@ def build(stage: int, units: str = "default", tied: bool = True, **training):
     if DEVICE.type == "cuda":
         module.cuda()
     t = TrainingParams(**{"lr": 3e-3, "clip_grad": 1.0, "weight_decay": 0.01, **training})
+    shard_one_rank = shard_one_rank_asked(os.environ)  # as the program reads MEGATRON_EXT_SHARD_ONE_RANK
     if units == "default":
-        return wrap_cuda(module, ZeroStage(stage), t, DEVICE), t
+        return wrap_cuda(module, ZeroStage(stage), t, DEVICE, shard_one_rank), t
     from megatron.core.distributed.fsdp import mcore_fsdp_adapter  # what this project once passed at stages 2 and 3
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -103,7 +104,7 @@ def build(stage: int, units: str = "default", tied: bool = True, **training):
 
     mcore_fsdp_adapter.FullyShardedDataParallel.__init__ = with_layer_units
     try:
-        return wrap_cuda(module, ZeroStage(stage), t, DEVICE), t
+        return wrap_cuda(module, ZeroStage(stage), t, DEVICE, shard_one_rank), t
     finally:
         mcore_fsdp_adapter.FullyShardedDataParallel.__init__ = original
 
@@ -343,13 +344,16 @@ def precision(stage: int) -> dict:
     default) and with ``grad_reduce_in_bf16``: Megatron-FSDP's mixed-precision policy where the
     release has one, the dtype of the main gradients after a step's backward (each parameter's
     ``main_grad`` under DDP, Megatron-FSDP's gradient buffers), and the
-    dtypes the gradient collectives were given (the loss's own all-reduce aside: fp32)."""
+    dtypes the gradient collectives were given (the loss's own all-reduce aside: fp32), the first
+    step's gradient norm and Megatron-FSDP's sharding strategy (one rank: ``no_shard`` unless
+    MEGATRON_EXT_SHARD_ONE_RANK=1, cuda_trainer.one_rank_strategy)."""
     result = {}
     for name, bf16 in (("fp32", False), ("bf16", True)):
         trainer, t = build(stage, grad_reduce_in_bf16=bf16)
         policy = getattr(trainer.model, "mp_policy", None)
         log: list[tuple[str, str, int]] = []
         main_grads: set[str] = set()
+        norms: list[float] = []
         original_step = trainer.step
 
         def step_after_reading(lr, wd):  # after the last backward and the reduction it started
@@ -358,7 +362,9 @@ def precision(stage: int) -> dict:
             grads = ([g.main_grad_buffer for g in buffer.parameter_groups] if buffer is not None else
                      [getattr(p, "main_grad", None) for p in trainer.module.parameters()])
             main_grads.update(str(g.dtype).removeprefix("torch.") for g in grads if g is not None)
-            return original_step(lr, wd)
+            norm, skipped = original_step(lr, wd)
+            norms.append(norm)
+            return norm, skipped
 
         trainer.step = step_after_reading
         with counting_collectives(log, single_rank_groups=True):
@@ -368,6 +374,8 @@ def precision(stage: int) -> dict:
             if policy is not None else None,
             "note": trainer.gradients_note,
             "main_grads": sorted(main_grads),
+            "grad_norm": norms[0],
+            "strategy": getattr(trainer.model.ddp_config, "data_parallel_sharding_strategy", None),
             "collectives": {kind: sorted({dtype for k, dtype, _ in log if k == kind}) for kind in {k for k, _, _ in log}},
         }
     from megatron.core import package_info

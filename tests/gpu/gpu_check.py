@@ -1,41 +1,52 @@
 """The GPU check for a lent machine (one GPU): a preflight of seconds, then what matters most
 first, row by row, inside a time budget.
 
-    python3 tests/gpu/prepare_device_check.py   # here, first: the wheels into .whl/, the carry list, the command
-    bash tests/gpu/device_check.sh --megatron-core 0.19.2   # there: runs this file for that release
+    python3 tests/gpu/prepare_device_check.py   # here, first: the wheels into .whl/, the carry list, the kind, the commands
+    bash tests/gpu/device_check.sh --megatron-core 0.19.2 --only ROW,...   # there: runs this file for that release
     python3 tests/gpu/gpu_check.py --dry-run     # anywhere: the preflight's findings and the row plan
 
 ``--megatron-core VERSION`` is the release under test: the installed megatron-core when it is that
 release, else its carried wheel (``.whl/megatron_core-VERSION-cp312-*.whl``), installed into
 /tmp/gpu_check_site/VERSION; without the option, the installed one or the newest wheel carried. Every
-row's line names the release it ran (one process per release: device_check.sh runs them in turn).
+row's line names the release it ran (one process per release and device call: prepare_device_check.py
+prints one command per call, each fitting about 300 s).
 
 Preflight (before anything slow): python3 3.12 (the carried wheels'), torch with a CUDA device,
 megatron-core importable or its wheel in .whl/, the program's own imports (PyYAML, numpy, pydantic:
 installed from .whl/deps when missing), free disk, $OUT; every problem is printed at once and the
-check exits 2.
+check exits 2. Then, once megatron-core imports, the program itself answers two questions (one child
+process, :data:`PROGRAM_ANSWERS`): which transformer-engine megatron-core would use
+(``transformer_engine_version``, megatron-core's own HAVE_TE: the FP8 rows follow it, not a bare
+find_spec), and whether the release may shard at one rank (``cuda_trainer.ONE_RANK_DOUBLE_ADD``):
+where it may, MEGATRON_EXT_SHARD_ONE_RANK=1 is set for every row, so stages 2-3 run Megatron-FSDP's
+own strategies (the reduce-scatter, stage 3's per-layer unsharding, sharded buffers in the
+checkpoint); where not (0.16), one rank runs them as ``no_shard`` and the stage-3 rows, which would
+repeat stage 2's, are left out.
 
 Rows (each a process tree in its own session, killed as a group past its limit; each line is
-appended to $OUT/gpu_check-<release>.txt as it finishes, so a timeout keeps what was done):
+appended to $OUT/gpu_check-<release>.txt as it finishes, so a timeout keeps what was done; what a row
+keeps, its profile table, goes beside it):
 
-0. The gradient precision at stages 2 and 3 (tests/cuda_on_cpu/worker.py ``precision`` on the
-   GPU): fp32 main gradients and fp32 reduction unless bf16 reduction is asked, whatever the
-   release (Megatron-FSDP's own dtypes from 0.19).
-1. Qwen3-1.7B at full depth (28 layers, sequence 4096, micro batch 4, DP=1) under ZERO_STAGE 0-3,
-   BF16: TFLOP/s/GPU, MFU (against the dense peak it names), peak memory, last loss
-   (tests/gpu/test_gpu_stages.py); the same in FP8 at stages 0 and 2 where transformer-engine is
-   installed.
-2. The full-size checkpoint at stage 0 (megatron-core's torch_dist, fully parallel): its size, the
-   save and the load timed by the program's own lines.
-3. Resume at stages 1 and 3, then 0 and 2 (tests/cuda_on_cpu/worker.py on the GPU, NCCL, one
-   rank): PASS when every resumed loss is within RESUME_TOLERANCE of the run never stopped.
-4. A NaN loss at the second step, stages 0 and 2: PASS when the run stops, the update was not
-   applied and the message names rank 0.
-5. Megatron-FSDP's all-gathers and gradient norms per step at stage 2 (1 and 4 micro-batches).
+- ``precision``: the gradient precision at stages 2 and 3 (tests/cuda_on_cpu/worker.py on the GPU):
+  fp32 main gradients and fp32 reduction unless bf16 reduction is asked, whatever the release
+  (Megatron-FSDP's own dtypes from 0.19), reduce-scattered where one rank shards, and the first
+  step's gradient norm equal to stage 0's (no gradient added twice).
+- ``full-zS`` (``-fp8``): Qwen3-1.7B at full depth (28 layers, sequence 4096, micro batch 4, or 2 on a
+  GPU under 100 GiB, DP=1) under ZERO_STAGE S, BF16 or FP8 where megatron-core uses a
+  transformer-engine: TFLOP/s/GPU, MFU, peak memory, last loss, the strategy (tests/gpu/test_gpu_stages.py).
+- ``checkpoint-z0``: the full-size checkpoint at stage 0 (torch_dist, fully parallel): its size, the
+  save and the load timed by the program's own lines.
+- ``resume-zS``: resume after step 3 (worker.py on the GPU, NCCL, one rank): PASS when every resumed
+  loss is within RESUME_TOLERANCE of the run never stopped.
+- ``nan-zS``: a NaN loss at the second step: PASS when the run stops, the update was not applied and
+  the message names rank 0.
+- ``profile-z0``: stage 0 at full size with its last step under torch.profiler (tests/gpu/profile_step.py):
+  the step's time by kernel group (GEMM, attention, elementwise, optimizer, communication) into
+  $OUT/profile-z0-<release>.md, and the row of the steps before it.
 
-A row starts only if the budget left holds its estimate; ``--only`` runs the named rows (for a
-second, shorter run). What only this check shows, next to what the CPU tests show:
-docs/training-program.md#what-the-device-shim-cannot-show.
+A row starts only if the budget left (preflight and installs counted) holds its estimate
+(:data:`ROW_TIMINGS`); ``--only`` runs the named rows in that order. What only this check shows, next
+to what the CPU tests show: docs/training-program.md#what-the-device-shim-cannot-show.
 """
 
 from __future__ import annotations
@@ -51,29 +62,27 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "gpu"))
 
+from gpu_rows import Row, all_rows  # noqa: E402
 from prepare_device_check import WHEEL_GLOB, find_wheel, wheel_release  # noqa: E402
-from test_gpu_stages import (  # noqa: E402
-    HEADER, RUNNING, data_yaml, format_row, free_port, kill_group, pretrain_argv, run_in_own_group, run_stage,
-)
+from test_gpu_stages import RUNNING, format_header, kill_group, micro_batch_for  # noqa: E402
 
-WORKER = REPO / "tests" / "cuda_on_cpu" / "worker.py"
 SITE = Path("/tmp/gpu_check_site")
 """Each release's wheel installs into SITE/<version>, the carried dependencies into SITE/deps."""
 DEPS_DIR = ".whl/deps"
 """Wheels of the program's own imports for the GPU machine's Python (prepare_device_check.py)."""
-RESUME_TOLERANCE = 1e-3
-"""Relative: bf16 kernels on a GPU need not be bitwise deterministic; a wrong optimizer state
-shows as a jump of 1e-2 or more from the second resumed step on."""
-CHECKPOINT_DISK_GB = 30.0
-"""Qwen3-1.7B at stage 0: bf16 weights and fp32 main params and moments, ~24 GB."""
-DEFAULT_BUDGET_S = 450.0
+STOP_MARGIN_S = 40.0
+"""device_check.sh passes ``--budget-s`` its limit less this: the last row's overrun and the stop."""
+DEFAULT_BUDGET_S = 300.0 - STOP_MARGIN_S
+"""device_check.sh's default limit (300 s) less STOP_MARGIN_S."""
+SETUP_S = 20.0
+"""Before the first row: the preflight (torch's import, the device), the wheels' installs (a few
+seconds), the program's answers (one child importing megatron-core). Counted in the budget."""
 
 
 # -- preflight ------------------------------------------------------------------------------------
@@ -89,6 +98,8 @@ class Facts:
     megatron_core: str | None
     wheel: str | None
     transformer_engine: str | None
+    """Found by its distribution (seconds, nothing imported); the FP8 rows follow the program's own
+    answer once megatron-core imports (:func:`ask_program`)."""
     free_gb: float
     out_dir: str | None
     pip: bool = True
@@ -99,6 +110,8 @@ class Facts:
     """Wheels for them are carried (.whl/deps): a missing module is installed from there."""
     release: str | None = None
     """The megatron-core release under test (--megatron-core), or None: whatever is installed or carried."""
+    device_memory_gib: float | None = None
+    """The GPU's memory: the full rows' micro batch (test_gpu_stages.micro_batch_for)."""
 
 
 def preflight_problems(f: Facts) -> list[str]:
@@ -149,14 +162,16 @@ def _version(module: str, *distributions: str) -> str | None:
 
 def gather_facts(release: str | None = None) -> Facts:
     torch_version = _version("torch", "torch")
-    devices, name = 0, None
+    devices, name, memory = 0, None, None
     if torch_version:
         import torch
 
         devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
         name = torch.cuda.get_device_name(0) if devices else None
+        memory = torch.cuda.get_device_properties(0).total_memory / 2**30 if devices else None
     wheel = _wheel(release)
     return Facts(python=sys.version_info[:2], torch=torch_version, cuda_devices=devices, device_name=name,
+                 device_memory_gib=memory,
                  megatron_core=_version("megatron.core", "megatron-core", "megatron_core"), wheel=str(wheel) if wheel else None,
                  transformer_engine=_version("transformer_engine", "transformer-engine", "transformer_engine"),
                  free_gb=shutil.disk_usage(tempfile.gettempdir()).free / 1e9, out_dir=os.environ.get("OUT"),
@@ -191,143 +206,96 @@ def install_wheel(wheel: str) -> str:
     return _version("megatron.core", "megatron-core", "megatron_core") or "?"
 
 
-# -- rows -----------------------------------------------------------------------------------------
+PROGRAM_ANSWERS = """import json
+from megatron_ext.training.cuda_trainer import ONE_RANK_DOUBLE_ADD, SHARD_ONE_RANK_ENV
+from megatron_ext.training.model import installed_megatron_core, transformer_engine_version
+print(json.dumps({"transformer_engine": transformer_engine_version(), "switch": SHARD_ONE_RANK_ENV,
+                  "shards_one_rank": installed_megatron_core() not in ONE_RANK_DOUBLE_ADD}))
+"""
+"""The program's own answers, asked in a child (its imports stay out of this process)."""
+
 
 @dataclass(frozen=True)
-class Row:
-    name: str
-    estimate_s: float
-    """Expected wall time on an H200 (a row starts only if the budget left holds it)."""
-    run: Callable[[Path], str] = field(compare=False, repr=False)
-    """Writes under the folder it is given; returns its line (its own limit kills its process group)."""
+class ProgramAnswers:
+    transformer_engine: str | None
+    """``megatron_ext.training.model.transformer_engine_version()``: the transformer-engine megatron-core
+    would use (its own HAVE_TE), or None: the FP8 rows run where the program would run FP8."""
+    shards_one_rank: bool
+    """The release may keep Megatron-FSDP's own strategy at one rank (not ``cuda_trainer.ONE_RANK_DOUBLE_ADD``)."""
+    switch: str
+    """The variable that asks for it (``cuda_trainer.SHARD_ONE_RANK_ENV``)."""
 
 
-def plan_rows(rows: list[Row], budget_s: float, only: list[str] | None = None) -> tuple[list[Row], list[Row]]:
-    """(the rows expected to run, in order, by their estimates within ``budget_s``; the rows that
-    would be cut by the budget). ``only``: just those rows, in that order. While running, each row
-    is checked against the time actually left."""
+def ask_program() -> ProgramAnswers:
+    """:data:`PROGRAM_ANSWERS` under this Python and PYTHONPATH (the installs'); a failure is one
+    SystemExit with the child's last line."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", PROGRAM_ANSWERS], capture_output=True, text=True, cwd=REPO, env=env,
+                          timeout=180)
+    if proc.returncode != 0:
+        last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise SystemExit(f"error: the training program's modules do not import here: {last[0]}")
+    return ProgramAnswers(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+# -- the plan -------------------------------------------------------------------------------------
+
+def plan_rows(rows: list[Row], budget_s: float, only: list[str] | None = None,
+              setup_s: float = SETUP_S) -> tuple[list[Row], list[Row]]:
+    """(the rows expected to run, in order, by their estimates within ``budget_s`` after ``setup_s``;
+    the rows that would be cut by the budget). ``only``: just those rows, in that order (names not
+    among ``rows`` left out). While running, each row is checked against the time actually left."""
     by_name = {r.name: r for r in rows}
     chosen = [by_name[name] for name in only if name in by_name] if only else list(rows)
-    expected, spent = [], 0.0
-    for row in chosen:
-        if spent + row.estimate_s > budget_s:
+    spent, fitting = setup_s, 0
+    for cost in row_costs(chosen):
+        if spent + cost > budget_s:
             break
-        expected.append(row)
-        spent += row.estimate_s
-    return expected, chosen[len(expected):]
+        spent += cost
+        fitting += 1
+    return chosen[:fitting], chosen[fitting:]
 
 
-def worker(mode: str, stage: int | str, out: Path, limit_s: float) -> tuple[int, str]:
-    return run_in_own_group([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
-                             str(free_port()), str(WORKER), mode, "--stage", str(stage), "--out", str(out),
-                             "--device", "cuda"], limit_s, cwd=REPO)
+def row_cost(row: Row, warm: bool) -> float:
+    """Its estimate, with the fused kernels' compile unless an earlier row of the process paid it."""
+    return row.estimate_s + (0.0 if warm else row.warm_up_s)
 
 
-def resume_row(stage: int, out: Path, limit_s: float = 120) -> str:
-    code, tail = worker("resume", stage, out, limit_s)
-    path = out / f"resume_z{stage}.json"
-    if code or not path.exists():
-        return f"resume z{stage}: FAIL (exit {code}): {tail[-1200:]}"
-    r = json.loads(path.read_text())
-    steps = sorted(r["resumed"], key=int)
-    diffs = [abs(r["resumed"][s] - r["uninterrupted"][s]) / abs(r["uninterrupted"][s]) for s in steps]
-    verdict = "PASS" if max(diffs) <= RESUME_TOLERANCE else "FAIL"
-    resumed = ", ".join(f"{r['resumed'][s]:.5f}" for s in steps)
-    never = ", ".join(f"{r['uninterrupted'][s]:.5f}" for s in steps)
-    return (f"resume z{stage}: {verdict} (threshold {RESUME_TOLERANCE:g} relative): steps {', '.join(steps)} resumed "
-            f"{resumed} vs never stopped {never}, max difference {max(diffs):.2e}; files {', '.join(r['files'])}")
+def row_costs(rows: list[Row]) -> list[float]:
+    """Each row's expected seconds when run in that order (the first full-size start pays the compile)."""
+    costs, warm = [], False
+    for row in rows:
+        costs.append(row_cost(row, warm))
+        warm = warm or row.warm_up_s > 0
+    return costs
 
 
-def nan_row(stage: int, out: Path, limit_s: float = 90) -> str:
-    code, tail = worker("nan", stage, out, limit_s)
-    told = out / "nan_rank0.json"
-    if not told.exists():
-        return f"NaN z{stage}: FAIL (no answer, exit {code}): {tail[-1200:]}"
-    r = json.loads(told.read_text())
-    named = "Rank 0" in (r["error"] or "") or "rank(s) 0" in (r["error"] or "")
-    verdict = "PASS" if code != 0 and r.get("unchanged") and named else "FAIL"
-    return (f"NaN z{stage}: {verdict} (threshold: exit != 0, update not applied, rank 0 named): exit {code}, update "
-            f"applied: {'no' if r.get('unchanged') else 'YES'}; {(r['error'] or '')[:240]}")
+def planned_s(rows: list[Row], setup_s: float = SETUP_S) -> float:
+    """The expected wall time of ``rows`` in that order, the setup included."""
+    return setup_s + sum(row_costs(rows))
 
 
-def precision_row(out: Path, limit_s: float = 90) -> str:
-    """Stages 2 and 3: the gradient precision asked (fp32, then bf16 reduction) against what
-    megatron-core built and did (worker.py ``precision``)."""
-    code, tail = worker("precision", "2,3", out, limit_s)
-    verdicts = []
-    for stage in (2, 3):
-        path = out / f"precision_z{stage}.json"
-        if not path.exists():
-            return f"precision z2-z3: FAIL (exit {code}): {tail[-1200:]}"
-        r = json.loads(path.read_text())
-        for asked, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
-            got = r[asked]
-            # Sharded, the gradients are reduce-scattered; at DP=1 (no_shard) all-reduced, beside the loss's fp32.
-            reduced = got["collectives"].get("reduce_scatter") or got["collectives"].get("all_reduce", [])
-            ok = got["main_grads"] == [dtype] and dtype in reduced and got["policy"] in (
-                None, {"main_grads_dtype": dtype, "grad_comm_dtype": dtype})
-            verdicts.append(
-                f"z{stage} {asked}: {'PASS' if ok else 'FAIL'} (main gradients {'/'.join(got['main_grads'])}, "
-                f"reduced in {'/'.join(reduced) or 'nothing'}"
-                f"{', policy ' + got['policy']['main_grads_dtype'] + '/' + got['policy']['grad_comm_dtype'] if got['policy'] else ''})")
-    return "precision (threshold: what was asked, fp32 unless bf16 reduction): " + "; ".join(verdicts)
-
-
-def gathers_row(out: Path, limit_s: float = 90) -> str:
-    code, tail = worker("gathers", 2, out, limit_s)
-    path = out / "gathers_z2.json"
-    if code or not path.exists():
-        return f"gathers z2: FAIL (exit {code}): {tail[-1200:]}"
-    r = json.loads(path.read_text())
-    return (f"gathers z2 per step (1 / 4 micro-batches): default units {r['default']['gathers']}, TransformerLayer units "
-            f"{r['layers']['gathers']}; gradient norms {r['default']['norms']} (one rank runs no_shard: the gathers "
-            "are what it dispatches there; PASS when the norms are [1, 1])")
-
-
-def checkpoint_row(out: Path, limit_s: float = 240) -> str:
-    """Stage 0 at full size: 2 iterations and a save, then a start that loads it and trains one more."""
-    free = shutil.disk_usage(out).free / 1e9
-    if free < CHECKPOINT_DISK_GB:
-        return f"checkpoint z0: skipped ({free:.0f} GB free, {CHECKPOINT_DISK_GB:.0f} needed)"
-    env = {**os.environ, "ARTIFACT_ROOT": str(out)}
-    started = time.monotonic()
-    code, log = run_in_own_group(pretrain_argv(data_yaml(out, "ckpt_save", iters=2, micro=1, save_interval=2),
-                                               "gpu_ckpt", 0), limit_s, cwd=REPO, env=env)
-    saved = next((line for line in log.splitlines() if line.startswith("saved checkpoint")), None)
-    if code or saved is None:
-        return f"checkpoint z0: FAIL (save run, exit {code}): {log[-1200:]}"
-    folder = next((out / "runs" / "gpu_ckpt" / "checkpoints").glob("iter_*"))
-    size_gb = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 1e9
-    left = limit_s - (time.monotonic() - started)
-    code, log = run_in_own_group(pretrain_argv(data_yaml(out, "ckpt_load", iters=3, micro=1), "gpu_ckpt", 0), left,
-                                 cwd=REPO, env=env)
-    loaded = next((line for line in log.splitlines() if line.startswith("resuming from iteration")), None)
-    shutil.rmtree(folder, ignore_errors=True)
-    if code or loaded is None:
-        return f"checkpoint z0: FAIL (load run, exit {code}): {log[-1200:]}"
-    return f"checkpoint z0 ({size_gb:.1f} GB, torch_dist): {saved}; {loaded}"
-
-
-def all_rows(transformer_engine: bool) -> list[Row]:
-    rows = [Row("precision-z2-z3", 30, precision_row)]
-    rows += [Row(f"full-z{s}", 70 if s == 0 else 40, lambda out, s=s: format_row(run_stage(s, out))) for s in range(4)]
-    if transformer_engine:
-        rows += [Row(f"full-z{s}-fp8", 45, lambda out, s=s: format_row(run_stage(s, out, fp8="hybrid"))) for s in (0, 2)]
-    rows.append(Row("checkpoint-z0", 110, checkpoint_row))
-    rows += [Row(f"resume-z{s}", 35, lambda out, s=s: resume_row(s, out)) for s in (1, 3)]
-    rows += [Row(f"nan-z{s}", 25, lambda out, s=s: nan_row(s, out)) for s in (0, 2)]
-    rows += [Row(f"resume-z{s}", 35, lambda out, s=s: resume_row(s, out)) for s in (0, 2)]
-    rows.append(Row("gathers-z2", 30, gathers_row))
-    return rows
+def planned_rows(only: str, budget_s: float) -> tuple[list[str], list[str], float]:
+    """A prepared call's plan (prepare_device_check.py): the rows expected, those left to the time
+    left, the seconds expected; no transformer-engine (the lent image has none)."""
+    expected, cut = plan_rows(all_rows(False), budget_s, only.split(","))
+    return [r.name for r in expected], [r.name for r in cut], planned_s(expected)
 
 
 # -- the run --------------------------------------------------------------------------------------
+
+def describe_plan(expected: list[Row], cut: list[Row], budget_s: float) -> str:
+    rows = ", ".join(f"{r.name} ~{cost:.0f} s" for r, cost in zip(expected, row_costs(expected)))
+    return (f"plan: {len(expected)} rows expected in {planned_s(expected):.0f} s of the {budget_s:.0f} s budget "
+            f"(setup {SETUP_S:.0f} s, {rows})" + (f"; then, if time is left: {', '.join(r.name for r in cut)}" if cut else ""))
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--megatron-core", metavar="VERSION", help="the release under test: installed, or its carried wheel "
                    "(default: the installed one, else the newest carried)")
-    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="wall time for the rows (default %(default)s)")
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                   help="wall time for everything, setup included (default %(default)s)")
     p.add_argument("--only", help="comma list of row names to run (see --dry-run)")
     p.add_argument("--dry-run", action="store_true", help="print the preflight's findings and the row plan, run nothing")
     args = p.parse_args(argv)
@@ -335,19 +303,20 @@ def main(argv: list[str] | None = None) -> int:
     facts = gather_facts(args.megatron_core)
     problems = preflight_problems(facts)
     only = args.only.split(",") if args.only else None
-    expected, cut = plan_rows(all_rows(facts.transformer_engine is not None), args.budget_s, only)
-    rows = expected + cut
+    micro = micro_batch_for(facts.device_memory_gib)
     if only and (unknown := set(only) - {r.name for r in all_rows(True)}):
         problems.append(f"--only names unknown rows {sorted(unknown)}; see --dry-run")
     print(f"preflight: python {facts.python[0]}.{facts.python[1]}, torch {facts.torch}, {facts.cuda_devices} CUDA "
-          f"device(s) {facts.device_name or ''}, megatron-core {facts.megatron_core or 'not importable'}"
+          f"device(s) {facts.device_name or ''}"
+          f"{f' ({facts.device_memory_gib:.1f} GiB: micro batch {micro})' if facts.device_memory_gib else ''}, "
+          f"megatron-core {facts.megatron_core or 'not importable'}"
           f"{f' (wheel {Path(facts.wheel).name})' if facts.wheel and not facts.megatron_core else ''}, "
-          f"transformer-engine {facts.transformer_engine or 'none (no FP8 rows)'}, {facts.free_gb:.0f} GB free, "
-          f"OUT={facts.out_dir or '(unset: /tmp)'}", flush=True)
-    total = sum(r.estimate_s for r in expected)
-    print(f"plan: {len(expected)} rows expected in {total:.0f} s of the {args.budget_s:.0f} s budget: "
-          + ", ".join(f"{r.name} ~{r.estimate_s:.0f} s" for r in expected)
-          + (f"; then, if time is left: {', '.join(r.name for r in cut)}" if cut else ""), flush=True)
+          f"transformer-engine {facts.transformer_engine + ' found' if facts.transformer_engine else 'none'} (FP8 rows "
+          "only where megatron-core uses it), "
+          f"{facts.free_gb:.0f} GB free, OUT={facts.out_dir or '(unset: /tmp)'}", flush=True)
+    print(describe_plan(*plan_rows(all_rows(facts.transformer_engine is not None, True, micro), args.budget_s, only),
+                        args.budget_s) + " (before the program's answers, which may leave out FP8 and stage-3 rows)",
+          flush=True)
     if problems:
         for problem in problems:
             print(f"device check: missing: {problem}", file=sys.stderr, flush=True)
@@ -362,6 +331,12 @@ def main(argv: list[str] | None = None) -> int:
         release = install_wheel(facts.wheel)
         print(f"installed megatron-core {release} from {Path(facts.wheel).name} ({time.monotonic() - started:.0f} s)",
               flush=True)
+    answers = ask_program()
+    if answers.shards_one_rank:
+        os.environ[answers.switch] = "1"  # every row's program and worker: stages 2-3 keep their own strategy
+    rows = all_rows(answers.transformer_engine is not None, answers.shards_one_rank, micro)
+    names = {r.name for r in rows}
+    expected, cut = plan_rows(rows, args.budget_s, only)
     out_dir = Path(facts.out_dir or "/tmp")
     report = out_dir / f"gpu_check-{release}.txt"
     report.write_text("")
@@ -379,15 +354,22 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stopped)
     say(f"{facts.device_name}; megatron-core {release}; torch {facts.torch}; python {facts.python[0]}.{facts.python[1]}; "
-        f"transformer-engine {facts.transformer_engine or 'none'}")
-    if facts.transformer_engine is None:
-        say("FP8 rows: skipped: transformer-engine is not installed here")
-    say(HEADER)
-    skipped = []
+        f"transformer-engine {answers.transformer_engine or 'none'} (megatron-core's own check); micro batch {micro}"
+        f"{f' ({facts.device_memory_gib:.1f} GiB)' if facts.device_memory_gib else ''}")
+    say(f"stages 2-3 at one rank: Megatron-FSDP's own strategies ({answers.switch}=1)" if answers.shards_one_rank else
+        f"stages 2-3 at one rank: no_shard (megatron-core {release} adds a one-rank gradient twice when sharding: "
+        "cuda_trainer.ONE_RANK_DOUBLE_ADD); stage 3's rows would repeat stage 2's and are left out")
+    if answers.transformer_engine is None:
+        say("FP8 rows: skipped: megatron-core uses no transformer-engine here")
+    if dropped := [n for n in only or () if n not in names]:
+        say(f"not run on this release: {', '.join(dropped)}")
+    say(describe_plan(expected, cut, args.budget_s))
+    say(format_header(micro))
+    skipped, warm = [], False
     with tempfile.TemporaryDirectory() as d:
-        for row in rows:
+        for row in expected + cut:
             budget_left = args.budget_s - (time.monotonic() - started)
-            if budget_left < row.estimate_s:  # a smaller row after it may still fit
+            if budget_left < row_cost(row, warm):  # a smaller row after it may still fit
                 skipped.append(row.name)
                 continue
             row_dir = Path(d) / row.name
@@ -397,7 +379,11 @@ def main(argv: list[str] | None = None) -> int:
                 line = row.run(row_dir)
             except Exception as exc:  # a row's own failure is its line; the next row runs
                 line = f"{row.name}: FAIL ({type(exc).__name__}: {exc})"
-            say(f"{line}  [{row.name} {time.monotonic() - t0:.0f} s, megatron-core {release}]")
+            warm = warm or row.warm_up_s > 0
+            kept = [shutil.copyfile(f, out_dir / f"{row.name}-{release}{f.suffix}")
+                    for f in sorted((row_dir / "keep").glob("*")) if f.is_file()]
+            say(f"{line}  [{row.name} {time.monotonic() - t0:.0f} s, megatron-core {release}"
+                + (f"; kept {', '.join(Path(k).name for k in kept)}" if kept else "") + "]")
     if skipped:
         say(f"budget: {len(skipped)} row(s) not run, their estimates past the {args.budget_s:.0f} s budget: "
             f"{', '.join(skipped)}")

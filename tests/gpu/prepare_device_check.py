@@ -11,9 +11,10 @@ checkout, ``shared/wheels`` in it), copy them into ``.whl/`` in the checkout, fe
 the program's own imports for that Python (DEPENDENCIES, into ``.whl/deps``: ``pip download``
 from this machine's registry, once; ``--no-download`` to skip), make git ignore ``.whl/`` through
 ``.git/info/exclude`` (this clone's own ignore list: a ``.gitignore`` entry would be committed, and
-a folder ignored either way travels only when carried), and print the carry list and the one
-command to run there. A missing megatron-core wheel is one message and exit 2. Side effects:
-``.whl/`` and the exclude file.
+a folder ignored either way travels only when carried), and print the carry list, the machine
+kind to ask for (:data:`KIND`) and one command per device call (:data:`CALLS`, each with its rows'
+planned seconds), most valuable first. A missing megatron-core wheel is one message and exit 2.
+Side effects: ``.whl/`` and the exclude file.
 """
 
 from __future__ import annotations
@@ -35,18 +36,44 @@ DEPENDENCIES = ("pydantic", "numpy")
 """The program's imports the lent machine's image lacks or may lack (its README: it has PyYAML)."""
 PIP_TARGET = ("--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp", "--platform",
               "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64")
-ROWS = {"0.16.1": "precision-z2-z3,full-z0,full-z2,resume-z1,nan-z2",
-        "0.19.2": "precision-z2-z3,full-z0,full-z2,full-z3,full-z1,resume-z2,nan-z0,resume-z3"}
-"""Each release's rows, most valuable first: 0.19.2's gradient precision (its Megatron-FSDP's own
-dtypes) and every stage; for 0.16.1 what differs from 0.19.2 in the code it runs."""
-LIMITS_S = {"0.16.1": 250, "0.19.2": 310}
-"""Each release's wall-time limit in the one command (its rows' budget is 40 s less: device_check.sh),
-together under a device call's 600 s with room for the machine's start in a 15-minute lease. On
-2026-12-04 (one H200, bare machine) a row took: precision 32-40 s, full-z0 77-86 s on a fresh
-machine (the compile of the fused kernels), 34 s after, the other full rows 35-37 s, resume
-29-43 s, NaN 18-21 s; installing a wheel and the dependencies a few seconds."""
-COMMAND = "; ".join(f"DEVICE_CHECK_LIMIT_S={LIMITS_S[r]} bash tests/gpu/device_check.sh --megatron-core {r} --only {ROWS[r]}"
-                    for r in RELEASES)
+
+
+@dataclass(frozen=True)
+class DeviceCall:
+    """One device call: one release's rows, most valuable first, under one wall-time limit."""
+
+    release: str
+    rows: str
+    """Comma list, in the order they run (gpu_check.py --only)."""
+    limit_s: int
+    """DEVICE_CHECK_LIMIT_S (the rows' budget, setup included, is 40 s less: device_check.sh)."""
+    why: str
+
+    @property
+    def command(self) -> str:
+        return (f"DEVICE_CHECK_LIMIT_S={self.limit_s} bash tests/gpu/device_check.sh --megatron-core {self.release} "
+                f"--only {self.rows}")
+
+
+CALLS = (
+    DeviceCall("0.19.2", "precision,full-z3,full-z2,resume-z3,nan-z2,resume-z2,full-z0-fp8,full-z2-fp8", 300,
+               "the sharded path at one rank: the reduce-scatter's dtype, stage 3's per-layer unsharding at full "
+               "size, the sharded checkpoint resumed, the NaN check on sharded gradients"),
+    DeviceCall("0.16.1", "checkpoint-z0,resume-z1,nan-z2,profile-z0,precision", 300,
+               "the pin: the full-size checkpoint saved and loaded, stage 1's resume, then a profiled stage-0 step"),
+)
+"""The prepared device calls, in order. A lease holds 15 minutes of device time, the machine's start
+(minutes) included: call 1, then call 2, or call 1 again if it failed. On 2026-12-04 (one H200, bare
+machine) a row took: precision 32-40 s, full-z0 77-86 s on a fresh machine (the compile of the fused
+kernels), 34 s after, the other full rows 35-37 s, resume 29-43 s, NaN 18-21 s; installing a wheel
+and the dependencies a few seconds (gpu_rows.ROW_TIMINGS). Left out, as they would repeat a run of
+the same code: 0.16.1's stage-3 rows (one rank runs stages 2 and 3 alike as no_shard there),
+0.19.2's stage 0-1 rows (the switch leaves them as they were measured on 2026-12-04), and the
+stage-2 gathers row (the device shim counts the same dispatches on CPU)."""
+KIND = "nvidia-h200"
+"""The device tool's kind for the full rows: they peaked at 84.78 GiB (91.0 GB) with micro batch 4,
+over an H100's 78 GiB; on a GPU under 100 GiB the check runs micro batch 2 (test_gpu_stages.micro_batch_for),
+rows that do not compare with the H200's."""
 TREE_LIMIT_BYTES = 64 * 2**20
 """What travels to a lent machine at most (its README)."""
 
@@ -164,7 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"what travels: {size / 2**20:.1f} MiB of the {TREE_LIMIT_BYTES // 2**20} MiB a call may send"
           + ("" if size <= TREE_LIMIT_BYTES else ": too much, ignore or remove large untracked files first"))
     print(f"carry: {json.dumps([CARRY])}")
-    print(f"command: {COMMAND}")
+    print(f"kind: {KIND} (the full rows peak at 84.78 GiB with micro batch 4; under 100 GiB the check runs micro "
+          "batch 2)")
+    from gpu_check import STOP_MARGIN_S, planned_rows  # the row estimates (it imports this file: here, not above)
+
+    for number, call in enumerate(CALLS, 1):
+        _, cut, seconds = planned_rows(call.rows, call.limit_s - STOP_MARGIN_S)
+        print(f"command {number} (megatron-core {call.release}: {call.why}; {seconds:.0f} s planned of its "
+              f"{call.limit_s} s limit" + (f", then if time is left {', '.join(cut)}" if cut else "") + "): "
+              + call.command)
     return 0 if size <= TREE_LIMIT_BYTES else 2
 
 

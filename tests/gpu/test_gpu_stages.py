@@ -4,15 +4,17 @@
 
 Skipped without CUDA (CI has none). Each stage runs this project's program (megatron_ext.pretrain
 under torchrun, one process) on Megatron's mock data for ITERS iterations of one micro batch of
-MICRO_BATCH sequences, and its row gives TFLOP/s/GPU and MFU (medians after the first two
-iterations; MFU against the dense BF16 peak, FP8 runs too), peak CUDA memory, the last loss, and
-the first iteration's time with the fused-kernel warm-up that precedes it (out of the medians).
-At data-parallel size 1 nothing is sharded: stage 1's distributed optimizer holds the whole
-state, stages 2-3 run Megatron-FSDP's ``no_shard`` (cuda_trainer.wrap_cuda says why), so the
-rows' memory is about the same and the sharded memory comes from the planner (plan_memory.sh);
-their speed is each mode's single-GPU cost, with no data-parallel traffic overlapped or paid.
-A row that fails or runs past STAGE_TIMEOUT_S is reported as such (its process group killed) and
-the next one runs.
+MICRO_BATCH sequences (:func:`micro_batch_for`: 2 on a GPU of less than 100 GiB), and its row
+gives TFLOP/s/GPU and MFU (medians after the first two iterations; MFU against the dense BF16
+peak, FP8 runs too), peak CUDA memory, the last loss, the first iteration's time with the
+fused-kernel warm-up that precedes it (out of the medians), and the program's gradients line
+(stages 2-3: Megatron-FSDP's strategy). At data-parallel size 1 nothing is sharded across
+ranks: stage 1's distributed optimizer holds the whole state, stages 2-3 run Megatron-FSDP's
+``no_shard`` unless MEGATRON_EXT_SHARD_ONE_RANK=1 keeps their own strategy (the GPU check sets it
+where the release allows: cuda_trainer.one_rank_strategy), so the rows' memory is about the same
+and the sharded memory comes from the planner (plan_memory.sh); their speed is each mode's
+single-GPU cost, with no data-parallel traffic overlapped or paid. A row that fails or runs past
+STAGE_TIMEOUT_S is reported as such (its process group killed) and the next one runs.
 """
 
 from __future__ import annotations
@@ -34,8 +36,18 @@ sys.path.insert(0, str(REPO))
 ITERS = 6
 MICRO_BATCH = 4
 """Qwen3-1.7B at sequence 4096 on one H200: 31 GB of model states at stage 0 plus ~48 GB of
-activations (the planner's figures), the data set qwen3_1p7b_gbs2048's micro batch."""
+activations (the planner's figures), the data set qwen3_1p7b_gbs2048's micro batch; it peaked at
+84.78 GiB (91.0 GB) at every stage on 2026-12-04."""
+SMALL_GPU_MICRO_BATCH = 2
+MICRO_BATCH_MEMORY_GIB = 100.0
+"""A GPU with less memory (an H100's 79 GiB) runs micro batch SMALL_GPU_MICRO_BATCH: about 25 GiB of
+activations less."""
 STAGE_TIMEOUT_S = 150
+
+
+def micro_batch_for(memory_gib: float | None) -> int:
+    """The full rows' micro batch on a GPU of ``memory_gib`` (None: unknown, the H200's)."""
+    return SMALL_GPU_MICRO_BATCH if memory_gib is not None and memory_gib < MICRO_BATCH_MEMORY_GIB else MICRO_BATCH
 
 
 def cuda_available() -> bool:
@@ -91,36 +103,50 @@ def data_yaml(root: Path, name: str, *, iters: int, micro: int, fp8: str | None 
     return path
 
 
-def pretrain_argv(data: Path, run: str, stage: int, train_iters: int | None = None) -> list[str]:
+PROGRAM = ("-m", "megatron_ext.pretrain")
+"""What torchrun runs: the program (tests/gpu/profile_step.py puts a profiler around one of its steps)."""
+
+
+def pretrain_argv(data: Path, run: str, stage: int, train_iters: int | None = None,
+                  program: tuple[str, ...] = PROGRAM) -> list[str]:
     return ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port()),
-             "-m", "megatron_ext.pretrain", "--model", "qwen3_1p7b", "--data", str(data), "--run-name", run,
+             *program, "--model", "qwen3_1p7b", "--data", str(data), "--run-name", run,
              "--zero-stage", str(stage)] + (["--train-iters", str(train_iters)] if train_iters else []))
 
 
-def run_stage(stage: int, root: Path, fp8: str | None = None, timeout_s: float = STAGE_TIMEOUT_S) -> dict:
+def run_stage(stage: int, root: Path, fp8: str | None = None, timeout_s: float = STAGE_TIMEOUT_S,
+              micro: int = MICRO_BATCH, iters: int = ITERS, program: tuple[str, ...] = PROGRAM,
+              skip_last: int = 0) -> dict:
+    """One stage's row; ``skip_last``: iterations at the end left out of the medians (a profiled one)."""
     from megatron_ext.run_spec.iteration_log import read_metrics
 
     run = f"gpu_z{stage}" + (f"_{fp8}" if fp8 else "")
-    data = data_yaml(root, run, iters=ITERS, micro=MICRO_BATCH, fp8=fp8)
-    code, out = run_in_own_group(pretrain_argv(data, run, stage), timeout_s, cwd=REPO,
+    data = data_yaml(root, run, iters=iters, micro=micro, fp8=fp8)
+    code, out = run_in_own_group(pretrain_argv(data, run, stage, program=program), timeout_s, cwd=REPO,
                                  env={**os.environ, "ARTIFACT_ROOT": str(root)})
     row = {"stage": stage, "precision": fp8 or "bf16"}
     if code != 0:
         return {**row, "error": out[-1500:]}
-    kernels = next((line for line in out.splitlines() if line.startswith("kernels:")), "")
-    peak = next((line for line in out.splitlines() if line.startswith(("MFU against", "no MFU"))), "")
-    warm_up = next((line for line in out.splitlines() if line.startswith("fused kernels compiled")), "no warm-up line")
+
+    def line(*starts: str, default: str = "") -> str:
+        return next((text for text in out.splitlines() if text.startswith(starts)), default)
+
     every = read_metrics(root / "runs" / run / "metrics.jsonl")
-    records = every[2:]
+    records = every[2:len(every) - skip_last]
     last = records[-1]
-    return {**row, "first_s": every[0].step_time_s, "warm_up": warm_up,
+    return {**row, "first_s": every[0].step_time_s, "warm_up": line("fused kernels compiled", default="no warm-up line"),
             "tflops": statistics.median(r.tflops_per_gpu for r in records),
             "mfu": statistics.median(r.mfu for r in records) if last.mfu is not None else None,
-            "peak_gib": last.cuda_peak_allocated_bytes / 2**30, "loss": last.lm_loss, "kernels": kernels, "peak": peak}
+            "peak_gib": last.cuda_peak_allocated_bytes / 2**30, "loss": last.lm_loss, "kernels": line("kernels:"),
+            "peak": line("MFU against", "no MFU"), "gradients": line("gradients:")}
 
 
-HEADER = (f"Qwen3-1.7B, 28 layers, seq 4096, micro batch {MICRO_BATCH}, DP=1 (speed = each mode's single-GPU cost)\n"
-          f"{'stage':>5} {'prec':>6} {'TFLOP/s/GPU':>11} {'MFU':>6} {'peak GiB':>9} {'last loss':>10}")
+def format_header(micro: int = MICRO_BATCH) -> str:
+    return (f"Qwen3-1.7B, 28 layers, seq 4096, micro batch {micro}, DP=1 (speed = each mode's single-GPU cost)\n"
+            f"{'stage':>5} {'prec':>6} {'TFLOP/s/GPU':>11} {'MFU':>6} {'peak GiB':>9} {'last loss':>10}")
+
+
+HEADER = format_header()
 
 
 def format_row(r: dict) -> str:
@@ -129,21 +155,24 @@ def format_row(r: dict) -> str:
     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
     return (f"{r['stage']:>5} {r['precision']:>6} {r['tflops']:>11.1f} {mfu:>6} {r['peak_gib']:>9.2f} {r['loss']:>10.4f}  "
             f"first iteration {r.get('first_s', float('nan')):.2f} s after: {r.get('warm_up', '-')}; {r['peak']}; "
-            f"{r['kernels']}")
+            f"{r['kernels']}" + (f"; {r['gradients']}" if r.get("gradients") else ""))
 
 
 def run_stages(root: Path) -> list[dict]:
     """Every stage in turn, each row printed as soon as it is known."""
-    print(HEADER, flush=True)
+    import torch
+
+    micro = micro_batch_for(torch.cuda.get_device_properties(0).total_memory / 2**30)
+    print(format_header(micro), flush=True)
     rows = []
     for stage in range(4):
-        rows.append(run_stage(stage, root))
+        rows.append(run_stage(stage, root, micro=micro))
         print(format_row(rows[-1]), flush=True)
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    return "\n".join([HEADER, *map(format_row, rows)])
+    return "\n".join(map(format_row, rows))
 
 
 @pytest.mark.gpu
