@@ -132,6 +132,8 @@ class Supervisor:
         self._main_at = time.monotonic()
         """The main thread's last step (:meth:`_alive`)."""
         self._verify_said = float("-inf")
+        self._verify_read: dict[int, int] = {}
+        """Node 0's checksum pass before an attempt: bytes read per checkpoint (iteration)."""
         self._signalled_save: str | None = None
         self.ended_by: Decision | None = None
         """Node 0's decision that the run ends before the attempt this node is joining."""
@@ -432,8 +434,13 @@ class Supervisor:
                 point = self._wait(float("inf"), lambda: self.board.read_resume_point(self.attempt), RunState.RESTARTING)
                 return point or ResumePoint(None, False, refused="stopped on request")
             self.heartbeat.doing = "choosing the checkpoint to resume from"
+            self.beat(self.heartbeat.state or RunState.RUNNING)  # the record (and its thread) before the pass
+            self._verify_read, began = {}, time.monotonic()
             try:
                 point, damaged = resume_point.choose(self.paths.checkpoints_dir, choice.init_checkpoint, self._verifying)
+                if self._verify_read:
+                    self.say(f"read {sum(self._verify_read.values()) / 1e9:.1f} GB of {len(self._verify_read)} "
+                             f"checkpoint(s) through in {time.monotonic() - began:.0f} s")
                 resume_point.take(point, damaged, self.paths.checkpoints_dir)
             except (OSError, UserError) as exc:
                 point = ResumePoint(None, False, refused=f"could not choose the checkpoint to resume from: {exc}")
@@ -448,9 +455,10 @@ class Supervisor:
         self.heartbeat.doing = (f"verifying the checkpoint of iteration {iteration} before choosing it: "
                                 f"{done / 1e9:.1f} of {total / 1e9:.1f} GB read")
         now = time.monotonic()
-        if now - self._verify_said >= CHECK_SAY_S or done >= total:
+        if now - self._verify_said >= CHECK_SAY_S:
             self._verify_said = now
             self.say(self.heartbeat.doing)
+        self._verify_read[iteration] = done
 
     def run_attempt(self, point: ResumePoint | None = None) -> AttemptEnd:
         checkpoint = self._latest_checkpoint() if point is None else point.iteration
