@@ -527,3 +527,14 @@ def test_megatron_fsdp_gradient_dtypes_import_as_one_reduction_dtype(main, comm,
     assert [n in not_imported for n in names] == [listed, listed], not_imported
     if listed:
         assert "training.grad_reduce_in_bf16" in not_imported[names[0]].reason
+
+
+def test_a_user_s_own_background_saves_are_kept():
+    """--async-save was dropped as the launcher's business, and a user who moved from their scripts lost
+    background saves without a word: it is training.async_save now (rendered back with Megatron-LM's
+    worker flags, tests/test_megatron_lm.py); without it, Megatron-LM's default, synchronous saves."""
+    kept = import_texts(MINIMAL + "--save-interval 100 --async-save --use-persistent-ckpt-worker\n")
+    assert kept.training["async_save"] is True and "--async-save" not in {n.flag for n in kept.not_imported}
+    worker = next(n for n in kept.not_imported if n.flag == "--use-persistent-ckpt-worker")
+    assert worker.kind == LAUNCHER, worker
+    assert import_texts(MINIMAL).training["async_save"] is False

@@ -819,3 +819,21 @@ def test_megatron_fsdp_reduces_gradients_in_fp32_as_this_program_does(tag, versi
         else:
             assert not set(names) & set(given), args
     assert all(n in flags for n in names) == (version >= (0, 17)), version
+
+
+@per_release
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_saves_go_to_the_background_where_the_stage_and_release_allow(tag, version, flags, stage):
+    """training.async_save (the default) renders --async-save with the persistent worker (without it
+    Megatron-LM turns async saving off again) at stages 0-1, whose torch_dist is the one format its async
+    save supports, and --async-strategy mcore where the release has the flag (its default, nvrx, needs
+    nvidia-resiliency-ext); nothing at stages 2-3, without saves, or with async_save: false. A user's own
+    --async-save is imported into the field (tests/test_import_megatron_args.py)."""
+    expected = (["--async-save", "--use-persistent-ckpt-worker"]
+                + (["--async-strategy", "mcore"] if "--async-strategy" in flags else [])) if stage < 2 else []
+    for fields, wanted in (({"save_interval": 5}, expected), ({"save_interval": 0}, []),
+                           ({"save_interval": 5, "async_save": False}, [])):
+        args = render(stage=stage, version=version, known=flags, params=lm_params(stage=stage, **fields)).args
+        check_flags(args, flags, tag)
+        given = [a for a in args if a in ("--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore")]
+        assert given == wanted, (fields, given)

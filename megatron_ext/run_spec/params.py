@@ -207,6 +207,13 @@ class TrainingParams:
     checkpoint exists resumes from the latest one."""
     keep_checkpoints: int = 2
     """Checkpoints kept on disk (the newest ones); older ones are removed after each save."""
+    async_save: bool = True
+    """ENGINE=megatron-lm at stages 0-1: each save written in the background (Megatron-LM's
+    ``--async-save`` with its persistent checkpoint worker, ``--async-strategy mcore`` where the
+    release has the flag; torch_dist only, Megatron-LM's own limit), training waiting only for the
+    copy to host memory; Megatron-LM moves its tracker once every rank's write has finished and
+    finalizes a save in flight before it exits. false: synchronous saves. This program's own
+    engine saves synchronously whatever this says."""
     zero_stage: int = 0
     """ZeRO stage 0-3 (ZERO_STAGE in the environment overrides it)."""
     engine: EngineName = MEGATRON_CORE.name

@@ -26,7 +26,8 @@ TORCHRUN_FLAGS = {"--nproc_per_node", "--nproc-per-node", "--nnodes", "--node_ra
                   "--tee", "--local_addr", "--local-addr"}
 TORCHRUN_REASON = "the launcher runs torchrun itself (HOSTS, NNODES, NPROC_PER_NODE, MASTER_ADDR, MASTER_PORT)"
 _LAUNCHER_REASONS = {
-    ("--save", "--load", "--ckpt-format", "--use-dist-ckpt", "--auto-detect-ckpt-format", "--async-save"):
+    ("--save", "--load", "--ckpt-format", "--use-dist-ckpt", "--auto-detect-ckpt-format", "--use-persistent-ckpt-worker",
+     "--async-strategy"):
         "checkpoints live under $ARTIFACT_ROOT/<run>/checkpoints (training.save_interval, keep_checkpoints)",
     ("--tensorboard-dir", "--data-cache-path", "--log-throughput"):
         "the launcher sets the run's paths and logging under $ARTIFACT_ROOT/<run>",

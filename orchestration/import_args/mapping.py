@@ -239,6 +239,13 @@ def _training(r: FlagReader) -> dict[str, Any]:
     t["save_interval"] = save if save is not None else 0
     if save is None:
         r.comments["training.save_interval"] = "no --save-interval in the files: no periodic checkpoints"
+    # a user's own background saves kept: rendered back with Megatron-LM's worker flags where the stage
+    # and the release allow it (orchestration/megatron_lm/render.py async_save_flags)
+    t["async_save"] = r.switch("--async-save")
+    if t["async_save"]:
+        r.converted("--async-save")
+    else:
+        r.comments["training.async_save"] = "Megatron-LM default: synchronous saves (no --async-save in the files)"
     t["zero_stage"] = _zero_stage(r)
     return t
 

@@ -212,6 +212,7 @@ def logging_and_checkpoint_flags(p: RunParams, paths: RunPaths, wandb: WandbSett
         *wandb_flags(wandb, paths, known),
         "--data-cache-path", str(paths.data_cache_dir / "megatron_lm_index"),
         *(["--save", str(paths.checkpoints_dir), "--save-interval", str(t.save_interval)] if t.save_interval else []),
+        *async_save_flags(p, known),
         *(load_flags(paths) if load else []),
         *init_flags(p),
         *flight_recorder_flags(paths, known),
@@ -238,6 +239,22 @@ def integrity_flags(stage: int, known: Collection[str] = ()) -> list[str]:
     core_v0.19.0): each save writes ``integrity.json``, the SHA-256 of every file, and each load
     checks it. Node 0 adds it to an attempt whose checkpoint has one (orchestration/node/resume_point.py)."""
     return ["--verify-integrity"] if "--verify-integrity" in known and stage < 2 else []
+
+
+def async_save_flags(p: RunParams, known: Collection[str] = ()) -> list[str]:
+    """``training.async_save`` where the run saves, the stage saves torch_dist (stages 0-1: Megatron-LM's
+    async save supports that format only, training_config.py L516-517 at core_v0.19.0) and the
+    checkout has the flags: ``--async-save --use-persistent-ckpt-worker`` (without the worker
+    Megatron-LM turns async saving off again, arguments.py L1138-1144 at core_v0.16.1, L1740-1746
+    at core_v0.19.0), and ``--async-strategy mcore`` where the release has it (0.17.1 and later:
+    the default, nvrx, needs nvidia-resiliency-ext). Its train() finalizes every save in flight
+    before it returns (training.py L1514, L4120 at core_v0.19.0), so a save on a stop request is
+    whole before the rank exits 0."""
+    t = p.training
+    if not (t.async_save and t.save_interval and t.zero_stage < 2 and "--async-save" in known
+            and "--use-persistent-ckpt-worker" in known):
+        return []
+    return ["--async-save", "--use-persistent-ckpt-worker", *(["--async-strategy", "mcore"] if "--async-strategy" in known else [])]
 
 
 def init_flags(p: RunParams) -> list[str]:
