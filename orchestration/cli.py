@@ -1,8 +1,9 @@
-"""``python -m orchestration``: start, stop, status, rejoin, train, submit, compare, sweep, plan-memory, preflight.
+"""``python -m orchestration``: start, stop, status, logs, rejoin, train, submit, compare, sweep, plan-memory, preflight.
 
     python -m orchestration start gpt_smoke smoke demo              # every node in HOSTS/HOSTFILE
     python -m orchestration start gpt_smoke smoke demo --this-node  # this node only (NODE_RANK)
     python -m orchestration status demo
+    python -m orchestration logs demo --since 10m --follow          # every node's log merged, each line named
     python -m orchestration stop demo                               # DRY_RUN=1: what it would signal
     python -m orchestration rejoin demo 1                           # node 1 back (NNODES=MIN:MAX)
     python -m orchestration train gpt2 gpt2_smoke                   # foreground, this node
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -55,6 +57,7 @@ from orchestration.node.run_state import HEARTBEAT_S
 from orchestration.node.wire import DEFAULT_STOP_GRACE_S, StopPreview, encode_payload, node_label, stop_command
 from orchestration.runner import control, rejoin
 from orchestration.runner.export import export_argv, run_export
+from orchestration.runner.node_logs import NodeProblem, plan_logs, read_logs
 from orchestration.runner.nodes import nodes_to_start, this_node
 from orchestration.runner.preflight import Problem
 from orchestration.runner.start import (PlannedStart, follow_until_ended, log_size, plan_settled_start, run_checks,
@@ -372,6 +375,30 @@ def cmd_status(args, launch: LaunchEnv) -> int:
     return EXIT_OK if report.ok else EXIT_NODE_FAILED
 
 
+def cmd_logs(args, launch: LaunchEnv) -> int:
+    """``logs RUN [-f] [--node N] [--rank R] [--since T] [--grep P] [-n N] [--via-nodes]``: every node's
+    log merged in time order (orchestration/runner/node_logs.py); DRY_RUN=1: where each is read."""
+    require_run(launch, args.run)
+    plan = plan_logs(launch, args.run, node=args.node, rank=args.rank, since=args.since, grep=args.grep, lines=args.lines,
+                     follow=args.follow, via_nodes=args.via_nodes)
+    if launch.dry_run:
+        print("\n".join(plan.to_json_lines()), flush=True)
+        return EXIT_OK
+    failed = False
+    try:
+        for item in read_logs(launch, plan):
+            if isinstance(item, NodeProblem):
+                failed = True
+                print(f"error: {item.describe()}", file=sys.stderr, flush=True)
+            else:
+                print(item, flush=args.follow)
+    except KeyboardInterrupt:  # the way out of --follow
+        pass
+    except BrokenPipeError:  # | head: nothing more to print, and nothing at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_NODE_FAILED if failed else EXIT_OK
+
+
 def describe_attempts(report: control.StatusReport) -> list[str]:
     """``attempt 3 of 4``, on how many of the nodes, and why each earlier attempt ended (and which
     nodes it lost)."""
@@ -561,6 +588,22 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run")
     status.add_argument("--this-node", action="store_true")
     status.add_argument("--json", action="store_true", help="one JSON object per node")
+    logs = sub.add_parser("logs", help="every node's log merged in time order, each line named [node host rank], "
+                                       "lines many ranks print alike shown once")
+    logs.add_argument("run")
+    logs.add_argument("-f", "--follow", action="store_true", help="go on printing as the logs grow, until the run has "
+                      "ended (or Ctrl-C); starts with the last 20 lines unless -n or --since says otherwise")
+    logs.add_argument("--node", type=int, help="this node's log only")
+    logs.add_argument("--rank", type=int, help="the lines that name this global rank only (torch's [rankN]:, error: rank "
+                      "N:); lines that name no rank are left out")
+    logs.add_argument("--since", help="from this time on: a span back from now (30s, 10m, 2h, 1d) or a time in the "
+                      "nodes' local time (2026-12-06 08:20, 08:20 for today)")
+    logs.add_argument("--grep", metavar="PATTERN", help="the lines whose text matches this regular expression")
+    logs.add_argument("-n", "--lines", type=int, help="the last N lines (of what the filters keep; read back from "
+                      "each log's end)")
+    logs.add_argument("--via-nodes", action="store_true", help="read each log on its node over its transport (ssh, "
+                      "docker exec, srun), not through the shared file system (which may show another node's lines "
+                      "up to a minute late)")
     back = sub.add_parser("rejoin", help="bring a node back to a run that went on without it (NNODES=MIN:MAX): node 0 "
                                          "takes it at its next restart; DRY_RUN=1: the checks and what it would send")
     back.add_argument("run")
@@ -637,7 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = {"start": cmd_start, "stop": cmd_stop, "rejoin": cmd_rejoin, "status": cmd_status, "train": cmd_train,
+COMMANDS = {"start": cmd_start, "stop": cmd_stop, "rejoin": cmd_rejoin, "status": cmd_status, "logs": cmd_logs, "train": cmd_train,
             "preflight": cmd_preflight, "submit": cmd_submit, "compare": cmd_compare, "sweep": cmd_sweep, "plan-memory": cmd_plan_memory,
             "import-megatron-args": cmd_import_megatron_args, "export-hf": cmd_export, "export-megatron-lm": cmd_export,
             "check-checkpoints": cmd_check_checkpoints}

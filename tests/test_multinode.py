@@ -331,6 +331,22 @@ def test_a_slow_rank_on_node_1_is_named_and_a_killed_one_stops_both_nodes(artifa
         states = [json.loads(l)["state"] for l in status.stdout.splitlines()]
         assert states == ["failed", "failed"], status.stdout
         assert "run failed: node 1 (node1) failed" in run_script("status_training.sh", run, env=env).stdout
+        # [issue 56: the merged log; its rules in tests/test_logs.py] node 1's clock runs 30 s ahead, yet each
+        # step's line of node 1 sits beside node 0's; both nodes, node 1's failed torchrun and the shared lines named.
+        merged = run_script("logs_training.sh", run, env=env)
+        assert merged.returncode == 0, merged.stderr
+        lines = merged.stdout.splitlines()
+        place: dict[tuple[str, int], int] = {}
+        for i, line in enumerate(lines):
+            if "] iteration " in line:
+                place.setdefault((line.split()[0], int(line.split("] iteration", 1)[1].split("/")[0])), i)
+        both = [k for n, k in place if n == "[node0" and ("[node1", k) in place]
+        assert len(both) >= 2 and all(abs(place["[node0", k] - place["[node1", k]) <= 8 for k in both), merged.stdout[-3000:]
+        assert "[nodes 0-1 supervisor] attempt 1 of 1: starting torchrun" in lines, merged.stdout[:3000]
+        assert any(l.startswith("[node1 node1 torchrun] E") and "failed (exitcode: -9)" in l for l in lines), merged.stdout[-3000:]
+        over = run_script("logs_training.sh", run, "--via-nodes", "--node", "1", "-n", "20", env=env)  # read on node 1 over ssh
+        assert over.returncode == 0 and over.stdout.count("\n") >= 1 and all(
+            l.startswith("[node1 node1 ") for l in over.stdout.splitlines()), over.stdout + over.stderr
     finally:
         run_script("stop_multinode_training.sh", run, env=env)
     assert tagged_pids(run) == []
