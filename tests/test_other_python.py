@@ -8,7 +8,10 @@ Skipped where that environment does not exist, except with ``CI=true``, where th
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +22,7 @@ pytestmark = pytest.mark.slow
 VENV_PYTHON = REPO / ".venv-py312" / "bin" / "python"
 
 
-def test_training_tests_on_python_312_with_megatron_core_019(tmp_path):
+def test_training_tests_on_python_312_with_megatron_core_019():
     if not VENV_PYTHON.exists():
         if os.environ.get("CI") == "true":
             pytest.fail(f"{VENV_PYTHON} is missing: .ci/run builds it with .ci/py312_env.sh")
@@ -31,7 +34,21 @@ def test_training_tests_on_python_312_with_megatron_core_019(tmp_path):
     assert python == "3.12" and release.startswith("0.19.2"), versions.stdout + versions.stderr  # 0.18+ appends a git sha
     env = clean_env(PYTHONPATH=str(REPO))
     env.pop("VIRTUAL_ENV", None)
-    proc = subprocess.run([str(VENV_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    # A short folder of its own, not this test's tmp_path: the inner session's TMPDIR lies under it
+    # (conftest.py session_tmpdir), and megatron-core's checkpoint writer starts a multiprocessing
+    # Manager, whose AF_UNIX socket (TMPDIR/pymp-*/listener-*) must fit in 107 bytes; under a fresh
+    # clone's pytest folders it did not, and the Manager's process died (EOFError in rank 0).
+    basetemp = Path(tempfile.mkdtemp(prefix="py312-", dir="/tmp"))
+    try:
+        proc = _run_inner(env, basetemp)
+    finally:
+        shutil.rmtree(basetemp, ignore_errors=True)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout.splitlines()[-1] and "failed" not in proc.stdout.splitlines()[-1]
+
+
+def _run_inner(env: dict[str, str], basetemp: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(VENV_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "tests/test_training.py", "tests/test_cuda_path.py", "tests/test_cuda_trainer_on_cpu.py",
                            # megatron-core's side only (stages 0 and 3 of the Qwen3 shape, the jit fuser, the CUDA
                            # path's construction): the bad-input tests check the launcher and the params (no
@@ -42,7 +59,5 @@ def test_training_tests_on_python_312_with_megatron_core_019(tmp_path):
                            # and one rank's own Megatron-FSDP strategy (the GPU check's switch: refused on 0.16).
                            "-k", "not 4_processes and not bad_input and not unknown_yaml_key and not two_processes "
                                  "and not tensorboard and (not cuda_trainer_on_cpu or fp32_unless or one_rank_keeps)",
-                           "--basetemp", str(tmp_path / "py312")], cwd=REPO, env=env, capture_output=True, text=True,
+                           "--basetemp", str(basetemp / "py312")], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout.splitlines()[-1] and "failed" not in proc.stdout.splitlines()[-1]
