@@ -215,6 +215,17 @@ def test_node_0_picks_megatron_lm_s_newest_checkpoint_that_verifies(tmp_path):
     assert {it for it, _, _ in told} == {9} and told[-1][1] == sum(
         p.stat().st_size for p in (save / "iter_0000009").iterdir() if p.name != "integrity.json") and told[-1][2] == sizes
     assert [done for _, done, _ in told] == sorted(done for _, done, _ in told)
+    # the supervisor's view of the same pass: the step under way each chunk, the log once, the summary
+    from orchestration.node.resume_point import PassProgress
+
+    doing, said = [], []
+    tracked = PassProgress(tell=doing.append, say=said.append, say_every_s=3600.0)
+    assert tracked.summary() is None
+    for seen in told:
+        tracked(*seen)
+    assert doing[-1] == f"verifying the checkpoint of iteration 9 before choosing it: 0.0 of {sizes / 1e9:.1f} GB read"
+    assert said == doing[:1] and len(doing) == len(told)
+    assert tracked.summary().startswith("read 0.0 GB of 1 checkpoint(s) through in ")
     assert point.describe().startswith("the checkpoint of iteration 9 is damaged (__0_0.distcp: other bytes (SHA-256 ")
     assert point.describe().endswith("moved aside as iter_0000009.damaged; Megatron-LM loads the checkpoint of "
                                      "iteration 6 (without --verify-integrity)")

@@ -256,6 +256,17 @@ def checkpoint_bytes_on_disk(checkpoint: Path) -> int:
     return sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
 
 
+def _counting(progress: Callable[[int, int, int], None], iteration: int, total: int) -> Progress:
+    """A chunk's bytes added up, handed on as (iteration, bytes read so far, the folder's bytes)."""
+    done = 0
+
+    def told(n: int) -> None:
+        nonlocal done
+        done += n
+        progress(iteration, done, total)
+    return told
+
+
 def newest_verified(checkpoints: Sequence[tuple[int, Path]],
                     progress: Callable[[int, int, int], None] | None = None
                     ) -> tuple[CheckpointHealth | None, tuple[CheckpointHealth, ...]]:
@@ -265,13 +276,7 @@ def newest_verified(checkpoints: Sequence[tuple[int, Path]],
     told (iteration, bytes read, its folder's bytes) as it reads."""
     damaged: list[CheckpointHealth] = []
     for iteration, path in sorted(checkpoints, reverse=True):
-        told = None
-        if progress is not None:
-            total, done = checkpoint_bytes_on_disk(path), [0]
-
-            def told(n: int, iteration=iteration, total=total, done=done) -> None:
-                done[0] += n
-                progress(iteration, done[0], total)
+        told = _counting(progress, iteration, checkpoint_bytes_on_disk(path)) if progress is not None else None
         h = health(path, iteration, progress=told)
         if h.state != "damaged":
             return h, tuple(damaged)

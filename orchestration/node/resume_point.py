@@ -19,7 +19,8 @@ release, a foreign init checkpoint).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -49,6 +50,37 @@ class ResumePoint:
         where = f"the checkpoint of iteration {self.iteration}" if self.iteration is not None else "no checkpoint of its own"
         return "; ".join((*self.passed_over,
                           f"Megatron-LM loads {where} ({'with' if self.verify else 'without'} --verify-integrity)"))
+
+
+@dataclass(kw_only=True)
+class PassProgress:
+    """How far node 0's checksum pass before an attempt has read (:func:`choose`'s ``progress``):
+    each call hands ``tell`` the step under way (the supervisor's heartbeat record, which a start
+    waiting on the node follows and names) and, every ``say_every_s``, ``say`` (the node's log)."""
+
+    tell: Callable[[str], None]
+    say: Callable[[str], None]
+    say_every_s: float
+    read: dict[int, int] = field(default_factory=dict, init=False)
+    """Bytes read so far, per checkpoint (iteration)."""
+    began: float = field(default_factory=time.monotonic, init=False)
+    _said: float = field(default=float("-inf"), init=False)
+
+    def __call__(self, iteration: int, done: int, total: int) -> None:
+        doing = f"verifying the checkpoint of iteration {iteration} before choosing it: {done / 1e9:.1f} of {total / 1e9:.1f} GB read"
+        self.tell(doing)
+        self.read[iteration] = done
+        now = time.monotonic()
+        if now - self._said >= self.say_every_s:
+            self._said = now
+            self.say(doing)
+
+    def summary(self) -> str | None:
+        """What the pass read, and how long it took (None: it read nothing)."""
+        if not self.read:
+            return None
+        return (f"read {sum(self.read.values()) / 1e9:.1f} GB of {len(self.read)} checkpoint(s) through in "
+                f"{time.monotonic() - self.began:.0f} s")
 
 
 def choose(checkpoints_dir: Path, init_checkpoint: str = "",

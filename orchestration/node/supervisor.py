@@ -131,9 +131,6 @@ class Supervisor:
         """Its record (the pid file's content, kept here: stopping it reads nothing from the share)."""
         self._main_at = time.monotonic()
         """The main thread's last step (:meth:`_alive`)."""
-        self._verify_said = float("-inf")
-        self._verify_read: dict[int, int] = {}
-        """Node 0's checksum pass before an attempt: bytes read per checkpoint (iteration)."""
         self._signalled_save: str | None = None
         self.ended_by: Decision | None = None
         """Node 0's decision that the run ends before the attempt this node is joining."""
@@ -435,12 +432,11 @@ class Supervisor:
                 return point or ResumePoint(None, False, refused="stopped on request")
             self.heartbeat.doing = "choosing the checkpoint to resume from"
             self.beat(self.heartbeat.state or RunState.RUNNING)  # the record (and its thread) before the pass
-            self._verify_read, began = {}, time.monotonic()
+            progress = resume_point.PassProgress(tell=self._tell_doing, say=self.say, say_every_s=CHECK_SAY_S)
             try:
-                point, damaged = resume_point.choose(self.paths.checkpoints_dir, choice.init_checkpoint, self._verifying)
-                if self._verify_read:
-                    self.say(f"read {sum(self._verify_read.values()) / 1e9:.1f} GB of {len(self._verify_read)} "
-                             f"checkpoint(s) through in {time.monotonic() - began:.0f} s")
+                point, damaged = resume_point.choose(self.paths.checkpoints_dir, choice.init_checkpoint, progress)
+                if summary := progress.summary():
+                    self.say(summary)
                 resume_point.take(point, damaged, self.paths.checkpoints_dir)
             except (OSError, UserError) as exc:
                 point = ResumePoint(None, False, refused=f"could not choose the checkpoint to resume from: {exc}")
@@ -449,16 +445,9 @@ class Supervisor:
         finally:
             self.heartbeat.doing = ""
 
-    def _verifying(self, iteration: int, done: int, total: int) -> None:
-        """Node 0's checksum pass before it chooses, as far as it has read: in the heartbeat record
-        (which a start waiting on this node follows and names) and, every CHECK_SAY_S, in the log."""
-        self.heartbeat.doing = (f"verifying the checkpoint of iteration {iteration} before choosing it: "
-                                f"{done / 1e9:.1f} of {total / 1e9:.1f} GB read")
-        now = time.monotonic()
-        if now - self._verify_said >= CHECK_SAY_S:
-            self._verify_said = now
-            self.say(self.heartbeat.doing)
-        self._verify_read[iteration] = done
+    def _tell_doing(self, doing: str) -> None:
+        """The step under way before torchrun, in the heartbeat record's next write."""
+        self.heartbeat.doing = doing
 
     def run_attempt(self, point: ResumePoint | None = None) -> AttemptEnd:
         checkpoint = self._latest_checkpoint() if point is None else point.iteration
