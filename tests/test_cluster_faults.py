@@ -16,11 +16,13 @@ failure, not a skip."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 
@@ -91,19 +93,37 @@ def test_node_0_cut_off_ends_node_1s_part_within_node_lost_s_naming_node_0(clust
     wait_for(lambda: not tagged_pids(run), 60, what="nothing of the run left")
 
 
+@contextlib.contextmanager
+def node_1s_share_broken(cluster, run: str, env: dict, artifact_root: Path, tmp_path: Path,
+                         break_share: Callable[[object], int], limit_s: float) -> Iterator[tuple[float, str]]:
+    """A long run trained to iteration 3 on both nodes, then ``break_share(node 1)`` (the cluster's
+    ``lose_share`` or ``hang_share``): yields the seconds until every process of the run had ended
+    and node 0's failure text. After, node 1 mended (its sshfs client gone, its sshd and mount
+    namespace anew) and the run stopped."""
+    try:
+        start_long_run(run, env, artifact_root, tmp_path, 3)
+        break_share(cluster.nodes[1])
+        broken_at = time.monotonic()
+        wait_for(lambda: not tagged_pids(run), limit_s, interval_s=0.2, what="every process of the run to end")
+        ended_s = time.monotonic() - broken_at
+        yield ended_s, (artifact_root / "run_state" / f"{run}_failure.txt").read_text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # a hung client killed; a lost one is gone already
+            cluster.lose_share(cluster.nodes[1])
+        cluster.kill_sshd(cluster.nodes[1])  # its sessions and their broken mount go with its mount namespace
+        cluster.start_sshd(cluster.nodes[1])
+        cluster.wait_for_ssh(cluster.nodes[1])
+        run_script("stop_multinode_training.sh", run, env=env)
+    wait_for(lambda: not tagged_pids(run), 60, what="nothing of the run left")
+
+
 def test_node_1s_share_lost_ends_the_run_naming_node_1_and_the_file_system(cluster, env, artifact_root, tmp_path):
     """Node 1's sshfs client killed at iteration 3: every process of the run ends; node 0 records
     node 1's cause (the artifact root unreachable, with the error), though its own ranks' "Connection
     closed by peer" may have been claimed first; node 1 leaves the run (the ledger says it cannot go
     on); status, asked on node 0 alone, shows it."""
     run = "cf_share"
-    try:
-        start_long_run(run, env, artifact_root, tmp_path, 3)
-        cluster.lose_share(cluster.nodes[1])
-        lost_at = time.monotonic()
-        wait_for(lambda: not tagged_pids(run), 120, interval_s=0.2, what="every process of the run to end")
-        ended_s = time.monotonic() - lost_at
-        failure = (artifact_root / "run_state" / f"{run}_failure.txt").read_text()
+    with node_1s_share_broken(cluster, run, env, artifact_root, tmp_path, cluster.lose_share, 120) as (ended_s, failure):
         assert failure.startswith(f"node 1 (node1): the artifact root {artifact_root} is unreachable: [Errno 107] "), failure
         ledger = json.loads((artifact_root / "run_state" / f"{run}_attempts.json").read_text())
         assert ledger[-1]["state"] == "failed" and "node 1 (node1) cannot go on" in ledger[-1]["reason"], ledger
@@ -111,12 +131,6 @@ def test_node_1s_share_lost_ends_the_run_naming_node_1_and_the_file_system(clust
         status = run_script("status_training.sh", run, env={**env, "HOSTS": "node0"}).stdout
         assert "the artifact root" in status and "node 1 (node1)" in status, status
         print(f"every process of the run ended {ended_s:.1f} s after node 1's share was lost")
-    finally:
-        cluster.kill_sshd(cluster.nodes[1])  # its sessions and their broken mount go with its mount namespace
-        cluster.start_sshd(cluster.nodes[1])
-        cluster.wait_for_ssh(cluster.nodes[1])
-        run_script("stop_multinode_training.sh", run, env=env)
-    wait_for(lambda: not tagged_pids(run), 60, what="nothing of the run left")
 
 
 def test_node_1s_share_hung_ends_the_run_naming_node_1_and_the_file_system(cluster, env, artifact_root, tmp_path):
@@ -125,23 +139,10 @@ def test_node_1s_share_hung_ends_the_run_naming_node_1_and_the_file_system(clust
     node's part ends, by its main thread or, stuck on the share, by its beat thread; every process
     of the run ends, and node 0 records node 1's cause."""
     run = "cf_hung"
-    try:
-        start_long_run(run, env, artifact_root, tmp_path, 3)
-        cluster.hang_share(cluster.nodes[1])
-        hung_at = time.monotonic()
-        wait_for(lambda: not tagged_pids(run), 180, interval_s=0.2, what="every process of the run to end")
-        ended_s = time.monotonic() - hung_at
-        failure = (artifact_root / "run_state" / f"{run}_failure.txt").read_text()
+    with node_1s_share_broken(cluster, run, env, artifact_root, tmp_path, cluster.hang_share, 180) as (ended_s, failure):
         assert failure.startswith(f"node 1 (node1): the artifact root {artifact_root} is unreachable: "), failure
         assert exit_record(artifact_root, run, 0)["state"] == "failed"
         print(f"every process of the run ended {ended_s:.1f} s after node 1's share hung (node_lost_s {NODE_LOST_S})")
-    finally:
-        cluster.lose_share(cluster.nodes[1])
-        cluster.kill_sshd(cluster.nodes[1])
-        cluster.start_sshd(cluster.nodes[1])
-        cluster.wait_for_ssh(cluster.nodes[1])
-        run_script("stop_multinode_training.sh", run, env=env)
-    wait_for(lambda: not tagged_pids(run), 60, what="nothing of the run left")
 
 
 def test_a_stop_held_past_node_lost_s_takes_no_node_for_lost(cluster, env, artifact_root, tmp_path):
