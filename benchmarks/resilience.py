@@ -168,7 +168,7 @@ def checksum_cost(root: Path, data: str) -> list[tuple[float, float, int]]:
     wait(lambda: not tagged_pids(run), 600)
     text = (root / "logs" / f"{run}_node0.log").read_text()
     out = []
-    for m in re.finditer(r"saved checkpoint at iteration \d+ to (\S+) in ([\d.]+) s \(checksums ([\d.]+) s of it\)", text):
+    for m in re.finditer(r"saved checkpoint at iteration \d+ to (\S+) in ([\d.]+) s \(checksums ([\d.]+) s of it", text):
         folder = Path(m.group(1))
         size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
         out.append((float(m.group(2)), float(m.group(3)), size))

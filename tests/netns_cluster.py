@@ -312,6 +312,19 @@ class NamespaceCluster:
         _sh("ip", "netns", "exec", node.namespace, "tc", "qdisc", "replace", "dev", self.interface, "root", "tbf",
             "rate", rate, "burst", "64kb", "latency", "400ms")
 
+    def throttle_share(self, node: Node, rate: str) -> None:
+        """The node's traffic to the file server alone held to ``rate`` (an htb qdisc whose class for
+        the server's address has that rate; the rest, training's traffic included, a class of
+        10 Gbit/s; this kernel has htb and u32, not prio, tbf's ``handle`` or netem): slow storage on
+        a fast network."""
+        netns = ("ip", "netns", "exec", node.namespace, "tc")
+        dev = ("dev", self.interface)
+        _sh(*netns, "qdisc", "replace", *dev, "root", "handle", "1:", "htb", "default", "20")
+        _sh(*netns, "class", "add", *dev, "parent", "1:", "classid", "1:10", "htb", "rate", rate, "ceil", rate)
+        _sh(*netns, "class", "add", *dev, "parent", "1:", "classid", "1:20", "htb", "rate", "10gbit")
+        _sh(*netns, "filter", "add", *dev, "parent", "1:", "protocol", "ip", "u32", "match", "ip", "dst",
+            f"{self.file_server.address}/32", "flowid", "1:10")
+
     def unthrottle(self, node: Node) -> None:
         _sh("ip", "netns", "exec", node.namespace, "tc", "qdisc", "del", "dev", self.interface, "root", check=False)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -232,3 +233,50 @@ def test_another_data_parallel_size_reshards_stage_3_and_refuses_stage_1(referen
         expected = expected_for(3)
         for it in range(saved + 1, ITERS + 1):
             assert abs(losses[it] - expected[it]) <= 1e-3 * abs(expected[it]), (it, losses[it], expected[it])
+
+
+def test_a_save_in_the_background_lets_training_go_on_and_a_kill_during_it_resumes_from_the_one_before(
+        reference, resume_env, artifact_root, cluster):
+    """Stage 3 with ``training.async_save`` (the default). After the first checkpoint node 1's
+    link to the file server alone is held to 2 Mbit/s: its 7 MB part of the next checkpoint takes
+    about 30 s to write, about 80 steps of this model. That is the user's case scaled: a node's
+    112 GB share of a Qwen3-32B checkpoint at 1 GB/s takes two minutes, through which steps of
+    seconds go on. Training goes past iteration 12 while iteration 10's checkpoint is still a
+    ``.iter_0000010.saving-*`` folder without node 1's checksums and ``latest`` names 5; node 1's
+    rank is then SIGKILLed in the middle of its write. With MAX_RESTARTS=1 the run restarts from
+    iteration 5 (the save was never committed), every loss within 1e-6 of the run never stopped,
+    and nothing of the partial folder is left at the end."""
+    stage = 3
+    data, expected_for = reference
+    expected = expected_for(stage)
+    run = "background_save_z3"
+    env = {**resume_env, "ZERO_STAGE": str(stage), "MAX_RESTARTS": "1"}
+    checkpoints = artifact_root / "runs" / run / "checkpoints"
+    log = artifact_root / "logs" / f"{run}_node0.log"
+    start = run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=env)
+    assert start.returncode == 0, start.stdout + start.stderr
+    try:
+        wait_for(lambda: latest_iteration(checkpoints), 240, interval_s=0.1, what="the first checkpoint")
+        cluster.throttle_share(cluster.nodes[1], "2mbit")
+        assert latest_iteration(checkpoints) == SAVE_EVERY, "the first checkpoint came too late: raise ITERS"
+
+        def writing_while_training() -> bool:
+            folders = list(checkpoints.glob(f".iter_{2 * SAVE_EVERY:07d}.saving-*"))
+            return bool(folders) and re.search(r"iteration\s+12/", log.read_text(errors="replace")) is not None
+        wait_for(writing_while_training, 120, interval_s=0.1, what="iteration 12 while iteration 10 is written")
+        folder = next(checkpoints.glob(f".iter_{2 * SAVE_EVERY:07d}.saving-*"))
+        assert not (folder / "checksums" / "rank1.json").exists() and latest_iteration(checkpoints) == SAVE_EVERY
+        (node1_rank,) = worker_pids(run, 1).values()
+        os.kill(node1_rank, signal.SIGKILL)
+    finally:
+        cluster.unthrottle(cluster.nodes[1])
+    wait_for(lambda: not tagged_pids(run), 300, what="the restarted run to finish")
+    text = log.read_text()
+    assert f"resuming from iteration {SAVE_EVERY} (" in text, text[-3000:]
+    losses = losses_from_log(log)
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    for it in range(1, ITERS + 1):
+        assert abs(losses[it] - expected[it]) <= 1e-6 * abs(expected[it]), (it, losses[it], expected[it])
+    assert re.search(r"saved checkpoint at iteration 5 to \S+ in [\d.]+ s \(checksums [\d.]+ s of it; "
+                     r"training waited [\d.]+ s\)", text), text[-3000:]
+    assert sorted(p.name for p in checkpoints.glob("*iter_*")) == ["iter_0000015", "iter_0000020"]  # no partial folder

@@ -208,12 +208,15 @@ class TrainingParams:
     keep_checkpoints: int = 2
     """Checkpoints kept on disk (the newest ones); older ones are removed after each save."""
     async_save: bool = True
-    """ENGINE=megatron-lm at stages 0-1: each save written in the background (Megatron-LM's
-    ``--async-save`` with its persistent checkpoint worker, ``--async-strategy mcore`` where the
-    release has the flag; torch_dist only, Megatron-LM's own limit), training waiting only for the
-    copy to host memory; Megatron-LM moves its tracker once every rank's write has finished and
-    finalizes a save in flight before it exits. false: synchronous saves. This program's own
-    engine saves synchronously whatever this says."""
+    """Each save written in the background, training waiting only for the state's copy to host
+    memory. This program: torch.distributed.checkpoint's ``async_save`` (CPU) or megatron-core's
+    asynchronous torch_dist save with its persistent worker (CUDA stages 0-1; CUDA stages 2-3 save
+    synchronously, as Megatron-LM saves fsdp_dtensor), the
+    checksums from the writer's thread, committed (renamed into place, ``latest`` moved) at the
+    first step after every rank's part is on disk; the last save of a run and a save on request
+    are waited for. ENGINE=megatron-lm at stages 0-1: ``--async-save`` with its persistent
+    checkpoint worker, ``--async-strategy mcore`` where the release has the flag (torch_dist only,
+    Megatron-LM's own limit). false: synchronous saves (docs/faults.md, "Checkpoints and resume")."""
     zero_stage: int = 0
     """ZeRO stage 0-3 (ZERO_STAGE in the environment overrides it)."""
     engine: EngineName = MEGATRON_CORE.name

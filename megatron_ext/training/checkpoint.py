@@ -40,27 +40,28 @@ Side effects: the checkpoint files; collectives (all ranks call save and load).
 
 from __future__ import annotations
 
-import errno
+import copy
 import json
 import os
 import re
 import shutil
+import threading
 import time
 import warnings
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from megatron_ext.host.devices import Device
 from megatron_ext.run_spec.checkpoints import LATEST, CheckpointMeta, iteration_dir_name, read_meta
 from megatron_ext.run_spec.checksums import (CHECKSUMS_DIR, DAMAGED_SUFFIX, files_written_by, list_checkpoints,
                                              moved_aside_note, none_verifies_fix, record_files, verify_writers)
 from megatron_ext.run_spec.errors import FINAL, UserError
 from megatron_ext.host.json_files import read_json, write_text_atomic
 from megatron_ext.run_spec.shared_fs import SHARED_FS_LAG_S, NotVisibleHere, wait_for_files
+from megatron_ext.training.background_save import DiskFull, Writing, every_rank_done, in_background
 
 
 def rng_state() -> dict:
@@ -91,43 +92,13 @@ def _point_latest(checkpoints_dir: Path, iteration: int) -> None:
     write_text_atomic(checkpoints_dir / LATEST, iteration_dir_name(iteration))
 
 
-def _any_rank(flag: bool) -> bool:
-    """Whether ``flag`` holds on any rank (a collective: every rank calls it)."""
-    on_cuda = dist.get_backend() == "nccl"
-    t = torch.tensor([int(flag)], device=Device.of(on_cuda).value)  # cuda: the current device
-    dist.all_reduce(t)
-    return bool(t.item())
-
-
-def disk_full(exc: BaseException) -> bool:
-    """ENOSPC or EDQUOT, raised here or inside torch.distributed.checkpoint's CheckpointException
-    (which carries every failed rank's exception as text)."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    failures = getattr(exc, "failures", None)  # CheckpointException: rank -> (exception, traceback)
-    if isinstance(failures, dict) and any(isinstance(f, tuple) and f and disk_full(f[0]) for f in failures.values()):
-        return True
-    text = str(exc)
-    return "No space left on device" in text or "Disk quota exceeded" in text
-
-
 def _folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
 
-def _collective_step(what: Callable[[], None], checkpoints_dir: Path, target: Path) -> None:
-    """Run this rank's part of a save; if the disk is full on any rank, every rank ends the save
-    together: rank 0 removes the partial folder (``latest`` stays on the previous checkpoint) and
-    every rank raises one UserError with the numbers."""
-    failure = None
-    try:
-        what()
-    except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is a BaseException
-        if not disk_full(exc):
-            raise
-        failure = exc
-    if not _any_rank(failure is not None):
-        return
+def _end_full_disk(checkpoints_dir: Path, target: Path) -> UserError:
+    """Every rank, together, once a save met a full disk on any rank: rank 0 removes the partial
+    folder (``latest`` stays on the previous checkpoint); the one error, with the numbers."""
     written = _folder_bytes(target)
     dist.barrier()  # every rank has measured the folder before rank 0 removes it
     if dist.get_rank() == 0:
@@ -139,66 +110,137 @@ def _collective_step(what: Callable[[], None], checkpoints_dir: Path, target: Pa
     needs = (f"a checkpoint needs {need / 1e9:.2f} GB" if need else
              f"a checkpoint needs more than the {written / 1e9:.2f} GB written before the disk filled")
     kept = f"latest stays at {previous[-1].name}" if previous else "no checkpoint was kept"
-    raise UserError(f"disk full: {checkpoints_dir.resolve()}, {free / 1e9:.2f} GB free, {needs} ({FINAL}, so the "
-                    f"run ends); the partial {target.name} was removed, {kept}; free space, keep fewer checkpoints "
-                    f"(training.keep_checkpoints) or put them elsewhere (CHECKPOINT_ROOT)")
+    return UserError(f"disk full: {checkpoints_dir.resolve()}, {free / 1e9:.2f} GB free, {needs} ({FINAL}, so the "
+                     f"run ends); the partial {target.name} was removed, {kept}; free space, keep fewer checkpoints "
+                     f"(training.keep_checkpoints) or put them elsewhere (CHECKPOINT_ROOT)")
 
 
-def save(trainer, checkpoints_dir: Path, meta: CheckpointMeta, keep: int) -> tuple[Path, float]:
-    """Every rank writes its part and records the checksums of the files it wrote (rank 0 also
-    meta.json); then rank 0 renames the folder into place and writes, last, the ``latest`` marker.
-    The folder, and this rank's seconds spent on checksums."""
+@dataclass(kw_only=True)
+class PendingSave:
+    """One save under way: every rank's part of the state written (in the background or not), then
+    each rank's own file and checksums, then rank 0 renames the folder into place and moves
+    ``latest``. :meth:`finished` is a collective every rank calls at the same steps."""
+
+    checkpoints_dir: Path
+    target: Path
+    final: Path
+    meta: CheckpointMeta
+    keep: int
+    token: str
+    background: bool
+    state: Writing
+    own_file: dict
+    """This rank's RNG states and rank-local optimizer state, copied when the save began."""
+    started: float
+    waited_s: float
+    """What training waited for: the copy to host memory (the whole save when synchronous)."""
+    checksums: Future | None = None
+    checksum_s: float = 0.0
+
+    def finished(self, blocking: bool) -> bool:
+        """Every rank: move the save on as far as it goes without waiting (``blocking``: to its end).
+        True once rank 0 has committed it. A full disk on any rank ends the run with one UserError."""
+        started = time.monotonic()
+        try:
+            if self.checksums is None:
+                if not self.state.finished(blocking):
+                    return False
+                self.checksums = in_background(self._own_file_and_checksums, self.background)
+            if not every_rank_done(self.checksums, blocking):
+                return False
+        except DiskFull:
+            raise _end_full_disk(self.checkpoints_dir, self.target) from None
+        finally:
+            if blocking:
+                self.waited_s += time.monotonic() - started
+        if dist.get_rank() == 0:
+            _commit(self.checkpoints_dir, self.target, self.final, self.meta.iteration, self.token, self.keep)
+        return True
+
+    def _own_file_and_checksums(self) -> None:
+        rank = dist.get_rank()
+        torch.save(self.own_file, self.target / f"rank{rank}.pt")
+        if rank == 0:
+            (self.target / "meta.json").write_text(self.meta.to_json())
+        # What this rank wrote, found by name and read back on its own node while in its page
+        # cache: no listing of a folder the other nodes write into (a shared file system shows
+        # their names late), no other node's files over the network.
+        started = time.monotonic()
+        record_files(self.target, files_written_by(self.target, rank), rank)
+        self.checksum_s = time.monotonic() - started
+
+
+def _commit(checkpoints_dir: Path, target: Path, final: Path, iteration: int, token: str, keep: int) -> None:
+    """Rank 0, once every rank's part and checksums are on disk: the folder into place, then
+    ``latest``, then older checkpoints out of the way (renamed now, removed in the background, as
+    Megatron-LM removes them in a thread of their own)."""
+    if final.exists():  # an incomplete earlier attempt at this iteration: aside, then gone
+        aside = checkpoints_dir / f".{final.name}.replaced-{token}"
+        os.replace(final, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    os.replace(target, final)
+    _point_latest(checkpoints_dir, iteration)
+    _prune(checkpoints_dir, keep, token)
+
+
+def begin_save(trainer, checkpoints_dir: Path, meta: CheckpointMeta, keep: int, background: bool) -> PendingSave:
+    """Every rank: start a save of iteration ``meta.iteration``. Training waits only for the state's
+    copy to host memory when ``background`` (torch.distributed.checkpoint's stager, megatron-core's
+    preload to its checkpoint worker); the rest is :meth:`PendingSave.finished`'s."""
     final = checkpoints_dir / iteration_dir_name(meta.iteration)
     rank = dist.get_rank()
     # Every rank writes into a folder of a name no node has looked up before, renamed into place by
     # rank 0 once complete: a shared file system caches names (sshfs 20 s, NFS up to 60 s), so a
     # folder removed and made again under the same name (an earlier attempt's incomplete save at
     # this iteration) can stay missing on another node for that long.
+    started = time.monotonic()
     token = [os.urandom(4).hex() if rank == 0 else None]
     dist.broadcast_object_list(token, src=0)
     target = checkpoints_dir / f".{final.name}.saving-{token[0]}"
     if rank == 0:
         target.mkdir(parents=True)
     dist.barrier()
+    with trainer.synced_parameters():
+        state = trainer.begin_save_state(target, background)
+    own_file = {"rng": rng_state(), "optimizer": copy.deepcopy(trainer.rank_local_state())}
+    return PendingSave(checkpoints_dir=checkpoints_dir, target=target, final=final, meta=meta, keep=keep,
+                       token=token[0], background=background, state=state, own_file=own_file, started=started,
+                       waited_s=time.monotonic() - started)
 
-    def write_state() -> None:
-        with trainer.synced_parameters():
-            trainer.save_state(target)
-        torch.save({"rng": rng_state(), "optimizer": trainer.rank_local_state()}, target / f"rank{rank}.pt")
 
-    _collective_step(write_state, checkpoints_dir, target)
-    dist.barrier()  # every shard is on disk before the checkpoint is declared complete
-
-    def write_meta_and_checksums() -> None:
-        if rank == 0:
-            (target / "meta.json").write_text(meta.to_json())
-        # What this rank wrote, found by name and read back on its own node while in its page
-        # cache: no listing of a folder the other nodes write into (a shared file system shows
-        # their names late), no other node's files over the network.
-        record_files(target, files_written_by(target, rank), rank)
-
-    started = time.monotonic()
-    _collective_step(write_meta_and_checksums, checkpoints_dir, target)
-    checksum_s = time.monotonic() - started
+def save(trainer, checkpoints_dir: Path, meta: CheckpointMeta, keep: int, background: bool = False) -> PendingSave:
+    """Every rank: a whole save, returned once rank 0 has committed it (``background``: the state
+    still written by the background writers, and waited for)."""
+    pending = begin_save(trainer, checkpoints_dir, meta, keep, background)
+    pending.finished(blocking=True)
     dist.barrier()
-    if rank == 0:
-        if final.exists():  # an incomplete earlier attempt at this iteration: aside, then gone
-            aside = checkpoints_dir / f".{final.name}.replaced-{token[0]}"
-            os.replace(final, aside)
-            shutil.rmtree(aside, ignore_errors=True)
-        os.replace(target, final)
-        _point_latest(checkpoints_dir, meta.iteration)
-        _prune(checkpoints_dir, keep)
-    dist.barrier()
-    return final, checksum_s
+    return pending
 
 
-def _prune(checkpoints_dir: Path, keep: int) -> None:
-    """The newest ``keep`` complete checkpoints stay; older ones go, and so does what a save that
-    crashed left in its own folder (``.iter_N.saving-*``: no save runs beside this one)."""
+def _prune(checkpoints_dir: Path, keep: int, token: str) -> None:
+    """The newest ``keep`` complete checkpoints stay; older ones are renamed aside at once (O(1): a
+    later listing no longer sees them) and removed in a thread, with what a save that crashed left
+    in its own folder (``.iter_N.saving-*``: no other save runs beside this one) and what an earlier
+    removal left (``.iter_N.pruning-*``)."""
     saved = [p for _, p in _complete(checkpoints_dir)]
-    for old in [*saved[:-keep], *checkpoints_dir.glob(".iter_*.saving-*"), *checkpoints_dir.glob(".iter_*.replaced-*")]:
-        shutil.rmtree(old, ignore_errors=True)
+    for old in saved[:-keep]:
+        os.replace(old, checkpoints_dir / f".{old.name}.pruning-{token}")
+    leftovers = [*checkpoints_dir.glob(".iter_*.saving-*"), *checkpoints_dir.glob(".iter_*.replaced-*"),
+                 *checkpoints_dir.glob(".iter_*.pruning-*")]
+    removal = threading.Thread(target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in leftovers],
+                               name="checkpoint-prune", daemon=True)
+    removal.start()
+    _REMOVALS.append(removal)
+
+
+_REMOVALS: list[threading.Thread] = []
+
+
+def wait_for_removals() -> None:
+    """At the end of a run: older checkpoints' removal done (a process ended during it leaves a
+    ``.iter_N.pruning-*`` folder, which the next save's prune removes)."""
+    while _REMOVALS:
+        _REMOVALS.pop().join()
 
 
 @dataclass(frozen=True)

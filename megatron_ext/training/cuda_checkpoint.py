@@ -44,10 +44,12 @@ Side effects: the checkpoint files, collectives over the data-parallel group.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from megatron_ext.training.background_save import DiskFull, disk_full
 from megatron_ext.training.megatron_core_apis import (
     distributed_optimizer_sharding_type, serializable_content_metadata, with_fsdp_shards_in_place,
 )
@@ -98,6 +100,69 @@ def save_torch_dist(trainer, directory: Path) -> None:
     strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), _dp_group())
     dist_checkpointing.save(torch_dist_state(trainer, metadata, loading=False), str(directory), strategy,
                             **serializable_content_metadata(dist_checkpointing.save, metadata))
+
+
+def begin_torch_dist_save(trainer, directory: Path) -> QueuedWriting:
+    """Every rank: Megatron-LM's torch_dist save with ``--async-save --use-persistent-ckpt-worker``
+    (checkpointing.py ~L573-641: ``dist_checkpointing.save(..., async_sharded_save=True)``, then a
+    barrier; ~L791-792 ``schedule_async_save``; training/async_utils.py: one ``AsyncCallsQueue(persistent=True)``
+    per process). The state is copied to host memory before this returns (the request's preload);
+    the files are written by megatron-core's checkpoint worker process."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    metadata = torch_dist_metadata(trainer.optimizers)
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), _dp_group())
+    request = dist_checkpointing.save(torch_dist_state(trainer, metadata, loading=False), str(directory), strategy,
+                                      async_sharded_save=True,
+                                      **serializable_content_metadata(dist_checkpointing.save, metadata))
+    torch.distributed.barrier()
+    queue = async_calls_queue()
+    queue.schedule_async_request(request)
+    return QueuedWriting(queue)
+
+
+ASYNC_CALLS: list = []
+"""The process's one megatron-core AsyncCallsQueue, made at the first background save (the device
+shim on CPU puts megatron-core's forking caller here first: the persistent worker is spawned
+without the shim and sets a CUDA device, ``async_utils.py`` ``async_loop``)."""
+
+
+def async_calls_queue():
+    """The process's megatron-core AsyncCallsQueue with its persistent worker (Megatron-LM's
+    ``init_persistent_async_worker``)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    if not ASYNC_CALLS:
+        ASYNC_CALLS.append(AsyncCallsQueue(persistent=True))
+    return ASYNC_CALLS[0]
+
+
+def close_async_calls_queue() -> None:
+    """At the end of a run: what is still queued finalized, the worker ended (Megatron-LM's
+    ``maybe_finalize_async_save(blocking=True, terminate=True)``, training.py ~L3012)."""
+    while ASYNC_CALLS:
+        ASYNC_CALLS.pop().close()
+
+
+@dataclass(frozen=True)
+class QueuedWriting:
+    """A torch_dist save in megatron-core's checkpoint worker."""
+
+    queue: object
+
+    def finished(self, blocking: bool) -> bool:
+        """megatron-core's own check and finalization (training.py ~L2694
+        ``maybe_finalize_async_save(blocking=False)`` at every step): an all-reduce of its writers'
+        states, then its finalize functions (the coordinator's metadata). A failed write raises on
+        every rank; a full disk as :class:`DiskFull`."""
+        try:
+            return bool(self.queue.maybe_finalize_async_calls(blocking, no_dist=False))
+        except BaseException as exc:  # megatron-core's CheckpointException is a BaseException
+            if disk_full(exc):
+                raise DiskFull(str(exc)) from exc
+            raise
 
 
 def load_torch_dist(trainer, directory: Path) -> None:

@@ -43,6 +43,7 @@ from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import TrainingParams
 from megatron_ext.run_spec.zero import ZeroStage, strategy_for
 from megatron_ext.training import cuda_checkpoint
+from megatron_ext.training.background_save import Writing
 from megatron_ext.training.megatron_core_apis import with_fsdp_shards_in_place
 from megatron_ext.training.trainers import NonFiniteGradients, Trainer, name_non_finite_ranks
 
@@ -161,6 +162,16 @@ class CudaTrainer(Trainer):
             cuda_checkpoint.save_fsdp_dtensor(self, directory)
         else:
             cuda_checkpoint.save_torch_dist(self, directory)
+
+    def begin_save_state(self, directory: Path, background: bool) -> Writing:
+        """Stages 0-1 in the background: megatron-core's own asynchronous torch_dist save, as
+        Megatron-LM's ``--async-save``. Stages 2-3 are written before training goes on, as
+        Megatron-LM writes fsdp_dtensor (its ``--async-save`` is torch_dist's alone):
+        torch.distributed.checkpoint's stager cannot copy Megatron-FSDP's state ("Attempted to call
+        copy_() on an invalid python storage", found through the device shim on 0.16.1)."""
+        if background and self.stage < ZeroStage.GRADIENTS:
+            return cuda_checkpoint.begin_torch_dist_save(self, directory)
+        return super().begin_save_state(directory, background=False)
 
     def load_state(self, directory: Path) -> None:
         if self.stage >= ZeroStage.GRADIENTS:

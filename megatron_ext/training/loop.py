@@ -25,6 +25,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,9 @@ from megatron_ext.training.busy_clock import busy_clock
 from megatron_ext.training.manual_gc import ManualGc
 from megatron_ext.training.progress import ProgressReporter, SaveRequest
 from megatron_ext.training.trainers import NonFiniteGradients
+
+if TYPE_CHECKING:
+    from megatron_ext.training.checkpoint import PendingSave
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,6 +169,8 @@ class Pretrain:
         self.device = torch.device("cuda", self.ranks.local_rank) if self.on_cuda else torch.device("cpu")
         self.progress = ProgressReporter(self.ranks.progress_dir, self.ranks.rank, self.ranks.local_rank, self.ranks.attempt)
         self.save_request = SaveRequest(self.progress.enabled)
+        self.pending_save: PendingSave | None = None
+        """The save still being written in the background (training.async_save), if any."""
         self.gc = ManualGc(self.t.manual_gc, self.t.manual_gc_interval)
         self.busy_clock = busy_clock(self.on_cuda)
         self.busy_intervals: list[BusyInterval] = []
@@ -467,19 +473,52 @@ class Pretrain:
                   f"loaded in {time.monotonic() - started:.1f} s)" + (f"; {note}" if note else ""), flush=True)
         return meta.iteration
 
-    def save_checkpoint(self, iteration: int) -> None:
-        """Model, optimizer, schedule and data position, RNG (see training/checkpoint.py)."""
+    def save_checkpoint(self, iteration: int, wait: bool) -> None:
+        """Model, optimizer, schedule and data position, RNG (see training/checkpoint.py). With
+        training.async_save the files are written in the background and committed at a later step
+        (:meth:`finish_save`); ``wait``: committed before this returns (the last save of a run, a
+        save on request before it ends)."""
         from megatron_ext.training import checkpoint
 
         t = self.t
+        if self.pending_save is not None:  # Megatron-LM warns the same and finalizes before it saves again
+            if self.ranks.rank == 0:
+                print(f"warning: the checkpoint of iteration {self.pending_save.meta.iteration} was still being "
+                      f"written when the next save began: training waits for it; a longer training.save_interval "
+                      f"leaves it the time", flush=True)
+            self.finish_save(blocking=True)
         meta = CheckpointMeta(iteration=iteration, consumed_samples=iteration * t.global_batch_size,
                               world_size=self.ranks.world_size, zero_stage=t.zero_stage,
                               global_batch_size=t.global_batch_size, device=Device.of(self.on_cuda))
-        started = time.monotonic()
-        target, checksum_s = checkpoint.save(self.trainer, self.paths.checkpoints_dir, meta, t.keep_checkpoints)
+        self.pending_save = checkpoint.begin_save(self.trainer, self.paths.checkpoints_dir, meta, t.keep_checkpoints,
+                                                  background=t.async_save)
+        if wait or not t.async_save:
+            self.finish_save(blocking=True)
+
+    def finish_save(self, blocking: bool) -> None:
+        """Every rank, at the same steps: commit the save under way once every rank's part is on
+        disk (``blocking``: wait for that). Rank 0 says what it cost: the save's whole time and what
+        training waited for."""
+        pending = self.pending_save
+        if pending is None or not pending.finished(blocking):
+            return
+        self.pending_save = None
         if self.ranks.rank == 0:
-            print(f"saved checkpoint at iteration {iteration} to {target} in {time.monotonic() - started:.1f} s "
-                  f"(checksums {checksum_s:.2f} s of it)", flush=True)
+            print(f"saved checkpoint at iteration {pending.meta.iteration} to {pending.final} in "
+                  f"{time.monotonic() - pending.started:.1f} s (checksums {pending.checksum_s:.2f} s of it; "
+                  f"training waited {pending.waited_s:.2f} s)", flush=True)
+
+    def close_writers(self) -> None:
+        """At the end of a run (every save committed by then): the background writers ended, older
+        checkpoints' removal done."""
+        from megatron_ext.training import background_save, checkpoint
+
+        background_save.close()
+        checkpoint.wait_for_removals()
+        if self.on_cuda:
+            from megatron_ext.training import cuda_checkpoint
+
+            cuda_checkpoint.close_async_calls_queue()
 
     # -- the whole run --------------------------------------------------------------------------
     def _logs_at(self, iteration: int) -> bool:
@@ -518,6 +557,7 @@ class Pretrain:
                 interval.advanced += 1
             interval.iterations += 1
             self.gc.after_step(iteration)
+            self.finish_save(blocking=False)  # Megatron-LM: maybe_finalize_async_save(blocking=False) each step
             last = iteration == t.train_iters
             valid_loss = None
             if t.eval_iters and ((t.eval_interval and iteration % t.eval_interval == 0) or last):
@@ -527,15 +567,16 @@ class Pretrain:
                     print(f" validation loss at iteration {iteration} | lm loss value: {valid_loss:.6E} |", flush=True)
             if t.save_interval and (iteration % t.save_interval == 0 or last):
                 self.progress.phase("checkpoint", iteration)
-                self.save_checkpoint(iteration)
+                self.save_checkpoint(iteration, wait=last)
                 saved_at = iteration
             if logs:
                 self.log(iteration, interval, grad_norm, valid_loss, time.time() - start)
                 interval = _Interval()
             if not last and self.save_request.agreed():  # every rank, the same step: save here and end
+                self.progress.phase("checkpoint", iteration)
                 if saved_at != iteration:
-                    self.progress.phase("checkpoint", iteration)
-                    self.save_checkpoint(iteration)
+                    self.save_checkpoint(iteration, wait=True)
+                self.finish_save(blocking=True)
                 if interval.iterations:
                     self.log(iteration, interval, grad_norm, valid_loss, time.time() - start)
                 preempted = True
@@ -555,6 +596,7 @@ class Pretrain:
         if self.wandb:
             self.wandb.close()
         self.gc.stop()
+        self.close_writers()
         dist.barrier()
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from megatron_ext.run_spec.params import TrainingParams
 from megatron_ext.run_spec.zero import ZeroStage
+from megatron_ext.training.background_save import FutureWriting, Writing, checkpoint_group, in_background
 
 
 class NonFiniteGradients(RuntimeError):
@@ -134,7 +135,22 @@ class Trainer(abc.ABC):
         says otherwise (megatron-core's torch_dist format on CUDA at stages 0-1)."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self.checkpoint_state(), checkpoint_id=str(directory))
+        dcp.save(self.state_to_write(), checkpoint_id=str(directory))
+
+    def begin_save_state(self, directory: Path, background: bool) -> Writing:
+        """Start :meth:`save_state` (a collective). ``background``: torch.distributed.checkpoint's
+        ``async_save`` copies :meth:`state_to_write` to host memory now and writes it from a thread,
+        its collectives on a gloo group of their own (training/background_save.py)."""
+        if not background:
+            return FutureWriting(in_background(lambda: self.save_state(directory), background=False))
+        import torch.distributed.checkpoint as dcp
+
+        return FutureWriting(dcp.async_save(self.state_to_write(), checkpoint_id=str(directory),
+                                            process_group=checkpoint_group()))
+
+    def state_to_write(self) -> dict:
+        """What :meth:`save_state` writes with torch.distributed.checkpoint."""
+        return self.checkpoint_state()
 
     def load_state(self, directory: Path) -> None:
         """Read what :meth:`save_state` wrote, at this or another data-parallel size where the

@@ -172,10 +172,11 @@ def every_rank(value):
 
 
 def resume(args, stage: int, suffix: str = "") -> dict:
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
     from megatron_ext.run_spec.checkpoints import CheckpointMeta, iteration_dir_name
-    from megatron_ext.training import checkpoint
+    from megatron_ext.training import checkpoint, cuda_checkpoint
 
     world = dist.get_world_size()
     result: dict = {}
@@ -190,7 +191,12 @@ def resume(args, stage: int, suffix: str = "") -> dict:
             inner = trainer.optimizer.optimizer
             result["without_state"] = every_rank(sum(1 for g in inner.param_groups for p in g["params"]
                                                      if not inner.state.get(p)))
-        checkpoint.save(trainer, checkpoints, meta, keep=2)
+        # Stages 0 and 2 in the background (megatron-core's asynchronous torch_dist save in its
+        # persistent worker; torch.distributed.checkpoint's async_save), 1 and 3 synchronously.
+        if not cuda_checkpoint.ASYNC_CALLS:  # megatron-core's forking caller: it keeps this shim, which its
+            # persistent worker (spawned, setting a CUDA device first) has not
+            cuda_checkpoint.ASYNC_CALLS.append(AsyncCallsQueue(persistent=False))
+        checkpoint.save(trainer, checkpoints, meta, keep=2, background=stage % 2 == 0)
         result["uninterrupted"].update({s: train_step(trainer, t, s) for s in after})
         result["files"] = sorted(f.name for f in (checkpoints / iteration_dir_name(args.save_at)).iterdir())
         if world > 1:
