@@ -42,6 +42,7 @@ from megatron_ext.run_spec.zero import parse_stages
 from orchestration.analysis.checkpoint_health import (check_run_checkpoints, format_checkpoint_line,
                                                       format_checkpoint_report, moved_aside)
 from orchestration.analysis.compare import DEFAULT_WARMUP_ITERATIONS, compare_runs
+from orchestration.analysis.goodput import format_goodput_line, read_goodput
 from orchestration.analysis.memory_plan import (DEFAULT_BUS_BANDWIDTH_GBS, DEFAULT_DEVICE, DEFAULT_HEADROOM, DEVICES,
                                                 MemoryRequest, plan_memory_request)
 from orchestration.analysis.comparison_files import comparison_name, describe_files, write_comparison
@@ -63,6 +64,9 @@ from orchestration.runner.preflight import Problem
 from orchestration.runner.start import (PlannedStart, follow_until_ended, log_size, plan_settled_start, run_checks,
                                         start_run)
 from orchestration.runner.submit import plan_submit, requeue_after_save, submit_batch
+from orchestration.runner import submit_kubernetes as kubernetes
+from orchestration.cluster.kubernetes import (DEFAULT_MAX_RESTARTS, DEFAULT_TERMINATION_GRACE_S, KubernetesRequest,
+                                               describe as describe_submission, parse_rdma)
 from orchestration.runner.sweep import SweepResult, check_sweep, plan_sweep, run_sweep, stage_run_name
 
 log = logging.getLogger("orchestration")
@@ -293,6 +297,14 @@ def print_stop(outcome: control.StopOutcome) -> None:
 
 
 def cmd_stop(args, launch: LaunchEnv) -> int:
+    submitted = kubernetes.submission_of(launch, args.run, args.this_node)
+    if submitted:  # its pods save on SIGTERM: a deletion is a stop --save (node/pod.py)
+        outcome = kubernetes.stop_submission(launch, submitted, dry_run=launch.dry_run)
+        print(f"would run: {shlex.join(outcome.argv)}" if outcome.dry_run else
+              f"{describe_submission(submitted)} of run {args.run}: deleted; every pod was asked to save at its next step "
+              "(SIGTERM) and has ended" if outcome.ok else
+              f"error: {shlex.join(outcome.argv)} failed: {outcome.output}", flush=True)
+        return EXIT_OK if outcome.ok else EXIT_NODE_FAILED
     if args.save and not launch.dry_run:
         end = control.save_and_wait(launch, args.run, args.this_node, args.save_timeout_s)
         print(f"run {args.run}: " + (end.describe() if end else
@@ -307,6 +319,8 @@ def cmd_rejoin(args, launch: LaunchEnv) -> int:
     require_run(launch, args.run)
     planned = rejoin.plan_rejoin(launch, args.run, args.node_rank, args.host)
     label = node_label(args.node_rank, planned.plan.host)
+    if planned.out:
+        note(f"{label} was {planned.out}")
     if launch.dry_run:
         note(f"attempt {planned.attempt} of run {args.run} runs on node(s) {', '.join(map(str, planned.nodes))}; "
              f"{label} would be sent its plan with rejoin set (one JSON line below)")
@@ -336,11 +350,14 @@ def require_run(launch: LaunchEnv, run: str) -> RunPaths:
 def cmd_status(args, launch: LaunchEnv) -> int:
     if not args.this_node:
         require_run(launch, args.run)
-    report = control.collect_status(launch, args.run, args.this_node)
+    submitted = kubernetes.submission_of(launch, args.run, args.this_node)
+    report = kubernetes.collect_status(launch, args.run) if submitted else control.collect_status(launch, args.run, args.this_node)
+    if submitted and not args.json:
+        print(f"{describe_submission(submitted)}:\n" + "\n".join(kubernetes.kubectl_view(launch, submitted)), flush=True)
     if report.job:
         print(f"slurm job {report.job}: {report.job_state}" if not args.json else
               json_line({"slurm_job": report.job, "state": report.job_state}), flush=True)
-    if (report.job or backend_for(launch).records_only) and not args.json:  # read here from the records each node writes, not asked
+    if (report.job or submitted or backend_for(launch).records_only) and not args.json:  # the records each node writes, read here
         print(f"(the nodes as their records under {launch.artifact_root / 'run_state'} show them here; a shared "
               "file system may show another node's record up to a minute late)", flush=True)
         beats = ", ".join(f"node{r.node_rank} {r.value.beat}" for r in report.nodes if r.ok and r.value.beat is not None)
@@ -363,6 +380,9 @@ def cmd_status(args, launch: LaunchEnv) -> int:
         print(f"{p.node_rank:<5} {p.host:<16} {p.state.value:<11} {p.pid or '-':>8} {it:>11} {tps:>10}  {p.last_line}")
     for line in describe_attempts(report):
         print(line)
+    goodput = read_goodput(RunPaths(launch.artifact_root, args.run))  # the ledger and node 0's lines (docs/faults.md#goodput)
+    if goodput is not None:
+        print(format_goodput_line(goodput))
     slow = next((r.value.slow_ranks for r in report.nodes if r.ok and r.value.slow_ranks), None)
     if slow:
         print(slow)
@@ -419,7 +439,8 @@ def describe_attempts(report: control.StatusReport) -> list[str]:
                       f"{r.checkpoint_at_end if r.checkpoint_at_end is not None else '-'})"
         lost = f"; lost node(s) {names(r.lost)}" if r.lost else ""
         joined = f"; node(s) {names(r.joined)} back" if r.joined else ""
-        lines.append(f"  attempt {r.attempt} {r.state or 'ended'}{checkpoints}{joined}{lost}: {r.reason}")
+        left_out = f"; {r.exclusion}" if r.exclusion else ""  # the evidence against a node: who was left out, or why not
+        lines.append(f"  attempt {r.attempt} {r.state or 'ended'}{checkpoints}{joined}{lost}{left_out}: {r.reason}")
     return lines
 
 
@@ -430,7 +451,11 @@ def json_line(value) -> str:
 # -- submit ---------------------------------------------------------------------------------------
 
 def cmd_submit(args, launch: LaunchEnv) -> int:
-    """sbatch a batch script that runs the start inside the job (srun transport) and waits for it."""
+    """sbatch a batch script that runs the start inside the job (srun transport) and waits for it;
+    with --kubernetes, the run as a JobSet (:func:`cmd_submit_kubernetes`)."""
+    check_submit_options(args)
+    if args.kubernetes:
+        return cmd_submit_kubernetes(args, launch)
     plan = plan_submit(launch, args.model, args.data, args.run, args.nodes, args.gpus_per_node, args.time,
                        args.partition, args.account, args.signal_ahead_s)
     if launch.dry_run:
@@ -441,6 +466,52 @@ def cmd_submit(args, launch: LaunchEnv) -> int:
     r = plan.request
     print(f"submitted slurm job {job} for run {args.run}: {r.nodes} node(s) x {r.nproc_per_node} processes; batch script "
           f"{plan.script_path}; status: status_training.sh {args.run}; stop: {stop_command(args.run, True)}", flush=True)
+    return EXIT_OK
+
+
+KUBERNETES_OPTIONS = ("image", "namespace", "volume_claim", "queue", "rdma", "max_restarts", "termination_grace_s", "shm_size",
+                      "exclusive_topology", "secret", "trainjob", "python", "workdir", "apply")
+SLURM_OPTIONS = ("time", "partition", "account", "signal_ahead_s")
+
+
+def check_submit_options(args) -> None:
+    """Slurm's options with --kubernetes, or Kubernetes' without it: one error naming them."""
+    defaults = {"max_restarts": DEFAULT_MAX_RESTARTS, "termination_grace_s": DEFAULT_TERMINATION_GRACE_S,
+                "signal_ahead_s": slurm.DEFAULT_SIGNAL_AHEAD_S}
+    wrong = [name for name in (SLURM_OPTIONS if args.kubernetes else KUBERNETES_OPTIONS)
+             if getattr(args, name) not in (None, False, defaults.get(name))]
+    if wrong:
+        flags = ", ".join("--" + name.replace("_", "-") for name in wrong)
+        raise UserError(f"{flags} {'are' if len(wrong) > 1 else 'is'} for "
+                        + ("a Slurm batch job, not --kubernetes; leave them out" if args.kubernetes else
+                           "--kubernetes; add --kubernetes, or leave them out for a Slurm batch job"))
+
+
+def cmd_submit_kubernetes(args, launch: LaunchEnv) -> int:
+    """``submit MODEL DATA RUN --kubernetes --image I --volume-claim C ...``: the run's node plans as a
+    JobSet (or a TrainJob); printed, or with --apply applied through kubectl (DRY_RUN=1: printed only)."""
+    request = KubernetesRequest(image=args.image or "", volume_claim=args.volume_claim or "", namespace=args.namespace,
+                                queue=args.queue, gpus_per_node=args.gpus_per_node or 0, rdma_resource=parse_rdma(args.rdma),
+                                max_restarts=args.max_restarts, termination_grace_s=args.termination_grace_s,
+                                shm_size=args.shm_size, exclusive_topology=args.exclusive_topology, secret_name=args.secret,
+                                trainjob=args.trainjob)
+    apply = args.apply and not launch.dry_run
+    planned = kubernetes.plan_kubernetes(launch, args.model, args.data, args.run, request, args.nodes, args.python,
+                                         args.workdir, apply=apply)
+    for text in planned.notes:
+        note(text)
+    manifest = planned.manifest
+    if not apply:
+        print(manifest.to_yaml(), end="", flush=True)
+        note(f"{'DRY_RUN=1: ' if launch.dry_run else ''}nothing applied or written; --apply runs kubectl apply -f - with "
+             "this manifest" + (f" (and the Secret {manifest.secret_name} before it)" if manifest.secret_name else ""))
+        return EXIT_OK
+    submission, notes = kubernetes.apply_kubernetes(launch, planned)
+    for text in notes:
+        note(text)
+    print(f"applied {describe_submission(submission)} for run {args.run}: {len(planned.plan.nodes)} pod(s) x "
+          f"{planned.launch.nproc_per_node} processes; status: status_training.sh {args.run}; stop (every pod saves "
+          f"first): {stop_command(args.run, True)}", flush=True)
     return EXIT_OK
 
 
@@ -611,8 +682,9 @@ def build_parser() -> argparse.ArgumentParser:
     back.add_argument("--host", help="a replacement machine in the node's place (default: the host the start recorded)")
     train = sub.add_parser("train", help="train in the foreground on this node (torchrun with a fixed node rank)")
     train.add_argument("model"), train.add_argument("data"), train.add_argument("run", nargs="?")
-    submit = sub.add_parser("submit", help="sbatch a job that runs MODEL DATA RUN on its nodes and waits for it; "
-                                           "DRY_RUN=1: print the batch script")
+    submit = sub.add_parser("submit", help="sbatch a job that runs MODEL DATA RUN on its nodes and waits for it, or "
+                                           "with --kubernetes render it as a JobSet; DRY_RUN=1: print the batch script "
+                                           "or the manifest")
     submit.add_argument("model"), submit.add_argument("data"), submit.add_argument("run")
     submit.add_argument("--nodes", type=int, help="nodes (default NNODES, 1)")
     submit.add_argument("--gpus-per-node", type=int, help="GPUs (and processes) per node (default: CPUs, NPROC_PER_NODE)")
@@ -622,6 +694,28 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--signal-ahead-s", type=int, default=slurm.DEFAULT_SIGNAL_AHEAD_S,
                         help=f"save this long before the time limit and requeue (default {slurm.DEFAULT_SIGNAL_AHEAD_S}; "
                              "0: no save, no requeue)")
+    k8s = submit.add_argument_group("Kubernetes (docs/kubernetes.md)")
+    k8s.add_argument("--kubernetes", action="store_true", help="render the run as a JobSet of --nodes pods (printed; "
+                     "--apply: kubectl apply)")
+    k8s.add_argument("--image", help="the container image with this project (required)")
+    k8s.add_argument("--volume-claim", help="a ReadWriteMany PersistentVolumeClaim, mounted at ARTIFACT_ROOT (required)")
+    k8s.add_argument("--namespace", help="default: kubectl's context's")
+    k8s.add_argument("--queue", help="Kueue LocalQueue (label kueue.x-k8s.io/queue-name)")
+    k8s.add_argument("--rdma", metavar="RESOURCE=COUNT", help="an RDMA device resource per pod, e.g. rdma/ib=1")
+    k8s.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS, help="JobSet failurePolicy.maxRestarts: "
+                     f"recreations of every pod after one ended failed (default {DEFAULT_MAX_RESTARTS})")
+    k8s.add_argument("--termination-grace-s", type=int, default=DEFAULT_TERMINATION_GRACE_S, help="the pods' "
+                     "terminationGracePeriodSeconds: SIGTERM saves at the next step, SIGKILL after this (default "
+                     f"{DEFAULT_TERMINATION_GRACE_S})")
+    k8s.add_argument("--shm-size", help="sizeLimit of the memory-backed /dev/shm (e.g. 64Gi; default: none)")
+    k8s.add_argument("--exclusive-topology", metavar="NODE_LABEL", help="every pod in one domain of this node label, "
+                     "alone there (alpha.jobset.sigs.k8s.io/exclusive-topology)")
+    k8s.add_argument("--secret", help="the Secret the secret variables are read from (default <name>-secrets)")
+    k8s.add_argument("--trainjob", metavar="RUNTIME", help="a Kubeflow Trainer v2 TrainJob on this "
+                     "ClusterTrainingRuntime instead of a JobSet")
+    k8s.add_argument("--python", help="the image's interpreter (default: this launcher's)")
+    k8s.add_argument("--workdir", help="this project's directory in the image (default: this one's)")
+    k8s.add_argument("--apply", action="store_true", help="kubectl apply -f - the manifest (and the Secret first)")
     preflight = sub.add_parser("preflight", help="the start's checks on every node, nothing started")
     preflight.add_argument("model"), preflight.add_argument("data"), preflight.add_argument("run")
     preflight.add_argument("--this-node", action="store_true")

@@ -121,6 +121,9 @@ class LaunchEnv:
     """RECORD_SILENCE_S: how long a node's heartbeat record may stay the same before a start waiting
     on the records (inside a Slurm allocation) takes its supervisor as gone (None: the production
     value, orchestration/runner/record_beats.py ``RECORD_SILENCE_S``, which allows for NFS's cache)."""
+    restart_exclude: bool = True
+    """RESTART_EXCLUDE (default 1): a restart under NNODES=MIN:MAX leaves out the node the evidence
+    names (orchestration/node/exclusion.py); 0: every restart keeps every node."""
     log_level: str = "INFO"
     """LOG_LEVEL (or ``--verbose``: DEBUG): how much the launcher says on standard error."""
     environ: dict[str, str] = field(default_factory=dict, repr=False)
@@ -281,6 +284,7 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: 
         megatron_device_arch_text=_text(env, "MEGATRON_DEVICE_ARCH"),
         log_level=read_log_level(env),
         allow_slow_links=env.get("ALLOW_SLOW_LINKS", "").strip() not in ("", "0", "false", "no"),
+        restart_exclude=_switch(env, "RESTART_EXCLUDE", True),
         link_test_s=_seconds(env, "LINK_TEST_S", 0.1, 60.0),
         record_silence_s=_seconds(env, "RECORD_SILENCE_S", 5.0, 3600.0, example=76),
         environ=dict(env),
@@ -325,6 +329,16 @@ def _seconds(env: Mapping[str, str], name: str, low: float, high: float, example
     if not low <= value <= high:  # nan fails too
         raise UserError(f"{name}={text!r} must be seconds between {low:g} and {high:g}; e.g. {name}={example:g}")
     return value
+
+
+def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """A variable that turns something on (1, true, yes, on) or off (0, false, no, off); ``default`` where unset."""
+    text = env.get(name, "").strip().lower()
+    if not text:
+        return default
+    if text not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise UserError(f"{name}={env[name]!r} must be 0 or 1 (off or on; default {int(default)})")
+    return text in ("1", "true", "yes", "on")
 
 
 def _text(env: Mapping[str, str], name: str) -> str | None:

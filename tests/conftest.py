@@ -43,7 +43,7 @@ def pytest_sessionstart(session) -> None:
 
 
 LONGEST_FIRST = ("test_multinode.py", "test_megatron_lm_loop.py", "test_resume.py", "test_resilience.py", "test_slurm.py",
-                 "test_cluster_faults.py",
+                 "test_cluster_faults.py", "test_exclusion.py",
                  "test_cuda_trainer_on_cpu.py", "test_engines_agree.py", "test_other_python.py", "test_fsdp_dtensor_layout.py",
                  "test_training.py", "test_shared_fs.py",
                  "test_compare.py", "test_megatron_lm.py", "test_launcher_single_node.py", "test_hf_checkpoints.py",

@@ -283,7 +283,8 @@ def test_dry_run_prints_the_plan_and_one_json_line_per_node_and_starts_nothing(t
     assert [(l["node_rank"], l["host"]) for l in lines] == [(0, "node0"), (1, "node1")]
     assert set(lines[0]) == {"run", "run_id", "node_rank", "host", "argv", "env", "unset", "cwd", "log_path", "pid_path",
                              "engine", "resilience", "first_attempt", "save_signal", "secret_names", "per_attempt",
-                             "resets_run_state", "resume_args", "checkpoint_choice", "hosts", "first_members", "rejoin"}
+                             "resets_run_state", "resume_args", "checkpoint_choice", "hosts", "first_members", "rejoin",
+                             "restart_exclude"}
     # Secrets are named, never shown: the plan says which variables the ranks get, not their values.
     assert lines[0]["secret_names"] == ["HF_TOKEN", "WANDB_API_KEY"] and lines[0]["env"]["WANDB_PROJECT"] == "p"
     assert key not in proc.stdout + proc.stderr and token not in proc.stdout + proc.stderr

@@ -8,8 +8,9 @@ stand in for NCCL: what this cannot show is said there and in docs/megatron-lm.m
   and the loss status and compare read for Megatron-LM's second line after a start is that
   iteration's own (TensorBoard's), not Megatron-LM's printed mean of the first two.
 - A SIGKILLed rank is restarted (MAX_RESTARTS) from latest_checkpointed_iteration.txt; a SIGSTOPped
-  rank is a hang the watchdog finds and dumps; a start after that resumes; ``stop --save`` saves at
-  the next step through --exit-signal-handler; nothing is left.
+  rank is a hang the watchdog finds and dumps; status's goodput puts each one's cost in its part
+  from Megatron-LM's own iteration lines; a start after that resumes; ``stop --save`` saves at the
+  next step through --exit-signal-handler; nothing is left.
 - Megatron-LM core_v0.19.0 on Python 3.12 (megatron-core 0.19.2's environment): every stage trains
   through the launcher with the same loss over 6 iterations, status and compare read it; its dataset
   helpers are built for the ranks' Python before the start (its own Makefile took a cpython-311
@@ -31,6 +32,7 @@ import json
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,7 @@ from megatron_ext.run_spec.engines import MEGATRON_LM
 from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.run_spec.iteration_log import parse_log
 
+from test_resilience import assert_goodput_of_two_faults
 from conftest import VENV_312_PYTHON, clean_env, free_port, megatron_lm_env, newest_megatron_lm, run_script, tagged_pids, wait_for
 
 pytestmark = pytest.mark.slow
@@ -215,6 +218,7 @@ def test_restart_hang_stop_save_and_resume(release_env, artifact_root, tmp_path,
     assert "--load" not in argv  # nothing to load yet (an empty --load changes Megatron-FSDP's training)
     wait_for(lambda: (latest_iteration(checkpoints) or 0) >= 3 and _rank_pid(run, 1), 300, what="a first checkpoint")
     os.kill(_rank_pid(run, 1), signal.SIGKILL)
+    killed_at = time.time()  # this machine is node 0: the ledger's and the log's clock
     wait_for(lambda: "attempt 2 of 2: starting torchrun (the ranks resume from the checkpoint" in log.read_text(), 120,
              what="the restart")
     record = wait_for(lambda: (r := json.loads((artifact_root / "run_state" / f"{run}_node0.pid").read_text()))["argv"] != argv
@@ -231,7 +235,11 @@ def test_restart_hang_stop_save_and_resume(release_env, artifact_root, tmp_path,
     assert f"] at iteration {resumed_at}" in log.read_text()
     stopped = _rank_pid(run, 1)
     os.kill(stopped, signal.SIGSTOP)
+    stopped_at = time.time()
     wait_for(lambda: not tagged_pids(run), 300, what="the hang to be found and the run ended")
+    # [issue 56: goodput] from Megatron-LM's own lines: the crash and the hang each in its part, as timed here
+    shown = run_script("status_training.sh", run, env=env).stdout
+    assert_goodput_of_two_faults(shown, artifact_root, run, "2", killed_at, stopped_at, log.read_text())
     failure = (artifact_root / "run_state" / f"{run}_failure.txt").read_text()
     assert failure.startswith("node 0 hung: rank 1 (node 0) stopped (process state T"), failure
     dump = next((artifact_root / "runs" / run / "hangs").glob("*/node0_rank1.txt")).read_text()

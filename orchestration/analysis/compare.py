@@ -6,7 +6,8 @@ Reads each run's ``metrics.jsonl`` (this project's program) or, for Megatron-LM 
 iteration lines of its node logs, and its resolved parameters (``<run>_params.yaml``: engine,
 nodes, processes, the model for the memory plan). Speed is the median over the iterations after
 the warm-up ones; ratios and loss differences are against the first run named that has records,
-measured in the same table; "plan" columns come from :mod:`orchestration.analysis.memory_plan` (fp32 AdamW
+measured in the same table; the goodput columns from the attempts ledger and the iteration lines
+(:mod:`orchestration.analysis.goodput`); "plan" columns come from :mod:`orchestration.analysis.memory_plan` (fp32 AdamW
 for CPU runs, Megatron's bf16 figures for GPU runs). Pure apart from reading those files; the
 files a comparison writes (PNG, JSON, CSV) are :mod:`orchestration.analysis.comparison_files`'s.
 """
@@ -24,6 +25,7 @@ from megatron_ext.run_spec.engines import MEGATRON_CORE, MEGATRON_LM, engine_nam
 from megatron_ext.run_spec.iteration_log import IterationRecord, read_metrics
 from megatron_ext.run_spec.resolved import ResolvedRun, read_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
+from orchestration.analysis.goodput import Goodput, read_goodput
 from orchestration.analysis.memory_plan import plan_for_run
 from orchestration.node.run_state import RunState
 
@@ -94,6 +96,15 @@ class RunSummary:
     the planned iterations (still running, or ended early)."""
     reason: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    wall_clock_s: float | None = None
+    """Node 0's clock, the attempts ledger's first start to its end (orchestration/analysis/goodput.py); None
+    without a ledger."""
+    goodput: float | None = None
+    """Productive step time over ``wall_clock_s`` (0-1)."""
+    goodput_parts: dict[str, float] = field(default_factory=dict)
+    """Seconds of ``wall_clock_s`` by part (productive, then each loss: goodput.Part), adding up to it."""
+    goodput_attempts: tuple[tuple[int, float | None], ...] = ()
+    """(attempt, its goodput) of every attempt in the ledger."""
 
     @property
     def memory_bytes(self) -> int | None:
@@ -129,9 +140,10 @@ def _median(values: list[float]) -> float | None:
 
 
 def summarize(run: str, records: list[IterationRecord], resolved: ResolvedRun | None = None,
-              warmup: int = DEFAULT_WARMUP_ITERATIONS, outcome: RunOutcome | None = None) -> RunSummary:
+              warmup: int = DEFAULT_WARMUP_ITERATIONS, outcome: RunOutcome | None = None,
+              goodput: Goodput | None = None) -> RunSummary:
     """One run's row. Without records only a failed or stopped ``outcome`` is a row; else it is
-    a UserError saying the run has no metrics."""
+    a UserError saying the run has no metrics. ``goodput``: its breakdown (goodput.py), when it has a ledger."""
     if not records and (outcome is None or outcome.status == RunState.FINISHED):
         raise UserError(f"run {run!r} has no metrics yet (no metrics.jsonl and no iteration lines in its node logs); "
                         "start it and wait for its first iteration, or check ARTIFACT_ROOT")
@@ -185,6 +197,9 @@ def summarize(run: str, records: list[IterationRecord], resolved: ResolvedRun | 
         planned_model_state_bytes=planned_states, planned_peak_bytes=planned_peak,
         losses=tuple((r.iteration, r.lm_loss) for r in records),
         tokens_per_s_series=tuple((r.iteration, r.tokens_per_s) for r in records), status=status, reason=reason,
+        wall_clock_s=goodput.wall_s if goodput else None, goodput=goodput.goodput if goodput else None,
+        goodput_parts=dict(goodput.parts) if goodput else {},
+        goodput_attempts=tuple((a.attempt, a.goodput) for a in goodput.attempts) if goodput else (),
     )
 
 
@@ -194,7 +209,8 @@ def compare_runs(root: Path, runs: list[str], warmup: int = DEFAULT_WARMUP_ITERA
     out = []
     for run in runs:
         paths = RunPaths(root, run)
-        out.append(summarize(run, run_records(paths), read_resolved(paths.params_path), warmup, outcomes.get(run)))
+        out.append(summarize(run, run_records(paths), read_resolved(paths.params_path), warmup, outcomes.get(run),
+                             read_goodput(paths)))
     return out
 
 

@@ -32,7 +32,7 @@ CSV_COLUMNS = (
     "train_iters", "status", "reason", "warmup_iterations", "step_time_s", "tokens_per_s", "tokens_per_s_ratio",
     "tflops_per_gpu", "mfu", "model_state_bytes", "planned_model_state_bytes", "peak_memory_bytes", "planned_peak_bytes",
     "peak_memory_ratio", "peak_memory_per_rank", "peak_rss_bytes", "first_loss", "last_loss", "max_loss_diff_abs",
-    "max_loss_diff_rel",
+    "max_loss_diff_rel", "wall_clock_s", "goodput",
 )
 
 

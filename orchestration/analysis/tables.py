@@ -10,6 +10,7 @@ Pure: data in (:class:`~orchestration.analysis.memory_plan.MemoryPlan`,
 from __future__ import annotations
 
 from orchestration.analysis.compare import DEFAULT_WARMUP_ITERATIONS, MB, RunSummary, base_run, loss_difference, ratio
+from orchestration.analysis.goodput import FAULTS, Part, format_duration, format_losses
 from orchestration.analysis.memory_plan import DEFAULT_BUS_BANDWIDTH_GBS, GB, MemoryPlan
 
 
@@ -132,14 +133,35 @@ def _mb(value: int | None) -> str:
     return "-" if value is None else f"{value / MB:,.1f}"
 
 
+def _largest_loss(r: RunSummary) -> str:
+    losses = [(s, p) for p, s in r.goodput_parts.items() if p != Part.PRODUCTIVE.value and s > 0]
+    if not losses:
+        return "-"
+    s, p = max(losses)
+    return f"{p} {format_duration(s)}"
+
+
+def format_goodput_note(r: RunSummary) -> str | None:
+    """``goodput of RUN: 71.2% of 3m05.3s; startup 14.2s, hang 12.5s, ...; by attempt 1: 80%, 2: 65%``, for
+    a run with a fault or more than one attempt (the others' largest loss is in the table)."""
+    faulted = any(r.goodput_parts.get(p.value, 0.0) > 0 for p in FAULTS) or len(r.goodput_attempts) > 1
+    if r.goodput is None or r.wall_clock_s is None or not faulted:
+        return None
+    losses = format_losses(r.goodput_parts)
+    attempts = ", ".join(f"{a}: {g:.0%}" if g is not None else f"{a}: -" for a, g in r.goodput_attempts)
+    return f"goodput of {r.run}: {r.goodput:.1%} of {format_duration(r.wall_clock_s)}; {losses}; by attempt {attempts}"
+
+
 def format_comparison(rows: list[RunSummary]) -> str:
     """One table: engine, stage, nodes x processes, iterations, medians after the warm-up,
     TFLOP/s, MFU, memory per rank with the plan next to it, final loss, the largest loss
-    difference from the first run, ratios to it; reasons for failures below."""
+    difference from the first run, ratios to it, the wall clock, goodput and its largest loss;
+    reasons for failures below, then the goodput of the runs with faults, part by part."""
     base = base_run(rows)
     warmup = rows[0].warmup_iterations if rows else DEFAULT_WARMUP_ITERATIONS
     header = ["run", "engine", "stage", "nodes x procs", "iters", "step ms", "tokens/s", "x", "TFLOP/s/GPU", "MFU",
-              "states MB/rank", "plan", "peak MB/rank", "plan", "x", "final loss", "max |dloss|", "status"]
+              "states MB/rank", "plan", "peak MB/rank", "plan", "x", "final loss", "max |dloss|", "wall", "goodput",
+              "largest loss", "status"]
     body, notes = [], []
     for r in rows:
         shape = f"{r.nnodes} x {r.nproc_per_node}" if r.nnodes else f"? x ? ({r.world_size})"
@@ -155,7 +177,9 @@ def format_comparison(rows: list[RunSummary]) -> str:
             _num(r.tflops_per_gpu, ".4f" if (r.tflops_per_gpu or 0) < 10 else ".1f"), _num(r.mfu and 100 * r.mfu, ".1f"),
             _mb(r.model_state_bytes), _mb(r.planned_model_state_bytes), _mb(r.peak_memory_bytes), _mb(r.planned_peak_bytes),
             _num(ratio(r.peak_memory_bytes, base and base.peak_memory_bytes), ".2f"), _num(r.last_loss, ".4f"),
-            "base" if r is base else (f"{diff.max_abs:.1e}" if diff else "-"), status,
+            "base" if r is base else (f"{diff.max_abs:.1e}" if diff else "-"),
+            format_duration(r.wall_clock_s) if r.wall_clock_s is not None else "-", _num(r.goodput and 100 * r.goodput, ".1f"),
+            _largest_loss(r), status,
         ])
     steady = f"iterations after the first {warmup} (warm-up)"
     lines = [
@@ -164,9 +188,14 @@ def format_comparison(rows: list[RunSummary]) -> str:
         "memory per rank in MB (1e6 bytes), the largest over ranks: states = model states between steps (CPU), "
         "peak = peak model states (CPU) or peak CUDA allocation (GPU); plan = orchestration/analysis/memory_plan.py "
         "(GPU: states + activation estimate)",
+        "wall = node 0's clock from the run's first start (its attempts ledger); goodput (%) = productive step time / wall; "
+        "largest loss = the largest other part (status_training.sh RUN shows every part; docs/faults.md#goodput)",
         "",
         *format_rows(header, body),
     ]
     if notes:
         lines += ["", *notes]
+    goodput = [n for n in map(format_goodput_note, rows) if n]
+    if goodput:
+        lines += ["", *goodput]
     return "\n".join(lines)

@@ -16,6 +16,7 @@ reach any child), and the job-id file under the artifact root.
 from __future__ import annotations
 
 import shlex
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -162,11 +163,7 @@ def recorded_job(paths: RunPaths) -> str | None:
 
 def job_state(job_id: str) -> str:
     """PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ... or UNKNOWN (Slurm forgot the job)."""
-    proc = run_slurm(["scontrol", "show", "job", "-o", job_id])
-    for word in proc.stdout.split():
-        if word.startswith("JobState="):
-            return word.split("=", 1)[1]
-    return "UNKNOWN"
+    return job_field(job_id, "JobState") or "UNKNOWN"
 
 
 def cancel(job_id: str, timeout_s: float = 90) -> str:
@@ -180,11 +177,58 @@ def cancel(job_id: str, timeout_s: float = 90) -> str:
     return state
 
 
-def requeue(job_id: str) -> str | None:
-    """``scontrol requeue``: the job goes back to the queue and runs its batch script again (its
-    start resumes from the latest checkpoint). None when Slurm took it, else Slurm's message."""
-    proc = run_slurm(["scontrol", "requeue", job_id])
-    return None if proc.returncode == 0 else (proc.stderr or proc.stdout).strip()
+@dataclass(frozen=True)
+class RequeuePlan:
+    """How a batch job goes back to the queue: ``scontrol requeue``; or, to leave nodes out of its
+    next run (``--exclude``), requeued held, those nodes added to its excluded nodes, released. A
+    job's excluded nodes can be changed only while it is pending, and from inside the job: hence
+    held, so that Slurm cannot start it again on the same nodes in between."""
+
+    job_id: str
+    exclude: tuple[str, ...] = ()
+    """The hosts its next run leaves out (its ``ExcNodeList`` from now on, with those it had)."""
+    commands: tuple[tuple[str, ...], ...] = ()
+
+
+def plan_requeue(job_id: str, exclude: Sequence[str] = (), excluded_before: str | None = None) -> RequeuePlan:
+    """The commands that requeue ``job_id`` leaving out ``exclude`` on top of ``excluded_before``
+    (the job's ExcNodeList, a host list as Slurm prints it, e.g. ``g[01-02]``). Pure."""
+    if not exclude:
+        return RequeuePlan(job_id, (), (("scontrol", "requeue", job_id),))
+    before = [] if excluded_before in (None, "", "(null)") else [excluded_before]
+    hosts = ",".join([*before, *sorted(set(exclude))])
+    return RequeuePlan(job_id, tuple(sorted(set(exclude))), (
+        ("scontrol", "requeuehold", job_id),
+        ("scontrol", "update", f"JobId={job_id}", f"ExcNodeList={hosts}"),
+        ("scontrol", "release", job_id)))
+
+
+def job_field(job_id: str, name: str) -> str | None:
+    """One field of ``scontrol show job -o`` (``ExcNodeList``, ``JobState``, ...), or None."""
+    proc = run_slurm(["scontrol", "show", "job", "-o", job_id])
+    for word in proc.stdout.split():
+        if word.startswith(f"{name}="):
+            return word.split("=", 1)[1]
+    return None
+
+
+def requeue(plan: RequeuePlan) -> str | None:
+    """Run the plan: the job goes back to the queue and runs its batch script again (its start
+    resumes from the latest checkpoint), on other nodes than those left out. None when Slurm took
+    every command, else the failing command and Slurm's message (a job left held is released).
+    Requeued, Slurm ends the job's processes, the caller's too when it runs inside the job (SIGTERM,
+    then SIGKILL after KillWait): SIGTERM is ignored until the commands are done."""
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        for argv in plan.commands:
+            proc = run_slurm(list(argv))
+            if proc.returncode:
+                if argv[1] == "update":  # held: let it run again, with the nodes it had
+                    run_slurm(["scontrol", "release", plan.job_id])
+                return f"{' '.join(argv)} failed: {(proc.stderr or proc.stdout).strip()}"
+        return None
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def cancel_step(step: str) -> bool:

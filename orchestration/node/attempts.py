@@ -9,7 +9,8 @@ ready and node 0 names the attempt's nodes. All of that goes through the store
 (orchestration/node/board.py), never through files. The ledger (``<run>_attempts.json``, written
 by node 0 alone: orchestration/node/run_state.py) keeps every attempt for ``status``. A requeued
 Slurm job continues the ledger (and the breaker's count); any other start begins it anew.
-This module is the data and the pure decision.
+This module is the data and the pure decision; which node a restart leaves out on the evidence
+against it is orchestration/node/exclusion.py's.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ class AttemptEnd:
     leaves: bool = False
     """This node cannot go on (its share of the artifact root is gone, or its supervisor failed): it
     ends after this attempt, whatever node 0 decides for the others."""
+    health: tuple[str, ...] = ()
+    """The hardware faults this node's GPU health check found after an attempt that did not finish
+    (Xid, ECC, NVLink, InfiniBand: orchestration/node/gpu_health.py), one line each: evidence against
+    the node (orchestration/node/exclusion.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,7 +83,13 @@ class Decision:
     restarts: int = 0
     """Restarts of this start counted against MAX_RESTARTS, this one included (a rejoin's is not)."""
     rejoins: int = 0
-    """Restarts of this start made for nodes to rejoin, this one included."""
+    """Restarts of this start made for nodes to rejoin or to leave out a slow one, this one included."""
+    excluded: tuple[int, ...] = ()
+    """Nodes the next attempt leaves out on the evidence against them (orchestration/node/exclusion.py):
+    each ends its part of the run, ``left out``."""
+    exclusion: str = ""
+    """Who is left out and why, and evidence not acted on (node 0 named; RESTART_EXCLUDE=0): the
+    ledger's and the log's words."""
 
     @property
     def next_attempt(self) -> int | None:

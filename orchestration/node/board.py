@@ -21,6 +21,8 @@ Keys, under the start's run id (a new start never reads an old one's):
     a<K>/ready/<node>    a node ready for attempt K
     a<K>/roster          node 0: the nodes attempt K runs on
     a<K>/rejoin          node 0: the nodes back for the next attempt (attempt K saves and ends for them)
+    a<K>/exclude         node 0: the node the next attempt leaves out, and why (attempt K saves and
+                         ends for it: a slow node, orchestration/node/exclusion.py)
     join/<node>          a node brought back (``rejoin``) counts its requests for a place
     join/<node>/<N>      node 0's answer to request N: the attempt after whose end it is taken
                          (N is that supervisor's incarnation)
@@ -45,6 +47,7 @@ from typing import Callable, Iterable, Protocol, Sequence, TypeVar
 
 from megatron_ext.run_spec.convert import structure, unstructure
 from orchestration.node.attempts import AttemptEnd, Decision, HangClaim
+from orchestration.node.exclusion import Exclusion
 from orchestration.node.resume_point import ResumePoint
 from orchestration.node.watchdog import Hang, RankReport
 from orchestration.node.wire import coordination_port
@@ -321,6 +324,15 @@ class Board:
     def rejoin(self, attempt: int) -> tuple[int, ...] | None:
         raw = self._get(f"a{attempt}/rejoin")
         return tuple(json.loads(raw)) if raw else None
+
+    # -- a node left out on the evidence against it ---------------------------------------------------
+    def claim_exclusion(self, attempt: int, leaving: Exclusion) -> None:
+        """Node 0: attempt ``attempt`` saves and ends so that the next one leaves ``leaving.nodes`` out."""
+        self._claim(f"a{attempt}/exclude", json.dumps(unstructure(leaving)))
+
+    def exclusion(self, attempt: int) -> Exclusion | None:
+        raw = self._get(f"a{attempt}/exclude")
+        return structure(Exclusion, json.loads(raw)) if raw else None
 
     # -- a save request ----------------------------------------------------------------------------
     def request_save(self, why: str) -> None:

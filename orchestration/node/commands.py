@@ -3,10 +3,11 @@
     python -m orchestration node-status --request '{"target": {"run": "demo", "node_rank": 0, "host": "localhost",
         "artifact_root": "/shared/runs"}}'
 
-Called locally, over ssh, through ``docker exec`` or as an srun task by the launcher, with
-everything it needs in its one typed request (orchestration/node/wire.py: the run and node, or a
-node's whole :class:`~orchestration.node.wire.NodePlan`): it reads no launcher variable. :func:`main` is
-the one dispatcher of every node command and the node side's only reader of its environment
+Called locally, over ssh, through ``docker exec`` or as an srun task by the launcher, or as a
+Kubernetes pod's main process (``node-pod``: orchestration/node/pod.py), with everything it needs
+in its one typed request (orchestration/node/wire.py: the run and node, or a node's whole
+:class:`~orchestration.node.wire.NodePlan`): it reads no launcher variable. :func:`main` is the
+one dispatcher of every node command and the node side's only reader of its environment
 (:class:`NodeEnv`: the variables handed on to torchrun, Slurm's task variables, the GPUs it shows)
 and of its standard input (``node-start``: the values of the plan's secret variables, one JSON
 line, put into the supervisor's environment only). Each command prints one JSON line: its payload
@@ -34,6 +35,7 @@ from megatron_ext.run_spec.resilience import SLOW_RANK_CLEARED, SLOW_RANK_WARNIN
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
 from orchestration.node import processes
 from orchestration.node.failure import failure_reason
+from orchestration.node.pod import run_pod
 from orchestration.node.run_state import (RunState, read_exit, read_failure, read_heartbeat,
                                           read_pid_file, reset_node_files, reset_run_files, tail, wait_until_started,
                                           write_plan_file)
@@ -304,8 +306,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_node_parser().parse_args(argv)
     configure_node_logging(os.environ.get("LOG_LEVEL", ""))
-    if args.command == "node-supervise":
-        code = node_supervise(args.plan_file, read_node_env(os.environ))
+    if args.command in ("node-supervise", "node-pod"):
+        node = read_node_env(os.environ)
+        code = node_supervise(args.plan_file, node) if args.command == "node-supervise" else \
+            run_pod(args.plan_dir, node.environ, sys.executable)
         logging.shutdown()
         sys.stdout.flush()
         # A store call still out (node 0 cut off) sits in torch's C++ in a daemon thread: no

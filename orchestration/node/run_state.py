@@ -61,6 +61,10 @@ class RunState(str, enum.Enum):
     LOST = "lost"
     """A node left out of the run after its machine or its supervisor was gone (NNODES=MIN:MAX): the
     others went on without it."""
+    LEFT_OUT = "left out"
+    """A node node 0 left out of the run on the evidence against it (NNODES=MIN:MAX; a hang's
+    suspect twice in a row, its GPU health, a slow rank: orchestration/node/exclusion.py): its part
+    ended, the others went on without it; ``rejoin`` brings it back."""
 
     def __str__(self) -> str:
         return self.value
@@ -308,6 +312,13 @@ class AttemptRecord:
     """Nodes lost during the attempt (left out from the next one on)."""
     joined: tuple[int, ...] = ()
     """Nodes that came back at this attempt's start (lost earlier, brought back: ``rejoin``)."""
+    suspects: tuple[int, ...] = ()
+    """Nodes the attempt's evidence named as its cause (a hang's suspects, the node whose own failure
+    ended it): the same node in attempts in a row is left out (orchestration/node/exclusion.py)."""
+    excluded: tuple[int, ...] = ()
+    """Nodes left out after this attempt on the evidence against them (left out from the next one on)."""
+    exclusion: str = ""
+    """Why, and evidence not acted on (node 0 named, RESTART_EXCLUDE=0): node 0's words."""
 
     @property
     def made_progress(self) -> bool:
@@ -340,13 +351,28 @@ def begin_attempt(paths: RunPaths, attempt: int, run_id: str, checkpoint: int | 
 
 
 def end_attempt(paths: RunPaths, attempt: int, state: RunState, reason: str, checkpoint: int | None,
-                lost: Sequence[int] = ()) -> list[AttemptRecord]:
-    """Node 0: attempt ``attempt`` ended so (``lost``: nodes lost in it); the ledger as it now stands."""
+                lost: Sequence[int] = (), suspects: Sequence[int] = (), excluded: Sequence[int] = (),
+                exclusion: str = "") -> list[AttemptRecord]:
+    """Node 0: attempt ``attempt`` ended so (``lost``: nodes lost in it; ``suspects``: the nodes its
+    evidence named; ``excluded``: left out after it, ``exclusion`` why); the ledger as it now stands."""
     records = [replace(r, ended_at=time.time(), state=state, reason=reason, checkpoint_at_end=checkpoint,
-                       lost=tuple(lost) or r.lost)
+                       lost=tuple(lost) or r.lost, suspects=tuple(suspects) or r.suspects,
+                       excluded=tuple(excluded) or r.excluded, exclusion=exclusion or r.exclusion)
                if r.attempt == attempt else r for r in read_ledger(paths)]
     write_ledger(paths, records)
     return records
+
+
+def left_out_nodes(this_start: Sequence[AttemptRecord]) -> dict[int, str]:
+    """The nodes a start's attempts went on without and did not take back (left out on the
+    evidence against them, or lost), each with why: what ``rejoin`` says and a requeued Slurm job
+    excludes (``--exclude``)."""
+    out: dict[int, str] = {}
+    for record in this_start:
+        out = {n: why for n, why in out.items() if n not in record.nodes}
+        out.update({n: f"lost in attempt {record.attempt}" for n in record.lost})
+        out.update({n: f"left out after attempt {record.attempt}: {record.exclusion}" for n in record.excluded})
+    return out
 
 
 def first_attempt(paths: RunPaths, continue_ledger: bool) -> int:

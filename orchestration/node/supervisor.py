@@ -33,7 +33,10 @@ moving aside a damaged one, and every node names it (orchestration/node/resume_p
 program's ranks pick their own). After every attempt each node puts how it ended on the board and
 node 0 decides for all (orchestration/node/attempts.py): the run's end (finished, preempted,
 stopped, failed, hung, gave up), or a restart after a backoff from the latest complete checkpoint,
-on which nodes; every node follows that decision, whatever its own end was. Whatever goes wrong in
+on which nodes (under NNODES=MIN:MAX without a node the evidence names: its GPU health after the
+attempt, a hang's suspect or the failing node twice in a row, a rank slow for two windows, for
+which node 0 has every rank save first; orchestration/node/exclusion.py); every node follows that
+decision, whatever its own end was, and a node left out ends its part. Whatever goes wrong in
 a supervisor itself, its torchrun and ranks are stopped and the cause is put on the board. The
 node's final state goes to ``<run>_node<N>.exit.json``.
 Side effects: processes, the run_state files, the node log, the node-local progress directory.
@@ -42,6 +45,8 @@ Side effects: processes, the run_state files, the node log, the node-local progr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -53,15 +58,17 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from megatron_ext.run_spec.checkpoints import latest_iteration
+from megatron_ext.run_spec.convert import structure
 from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, UserError
 from megatron_ext.run_spec.engines import engine_named
-from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED
+from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED, IterationRecord
 from megatron_ext.run_spec.resilience import PROGRESS_DIR_ENV, ResilienceParams, read_progress
 from megatron_ext.run_spec.run_paths import RunPaths
-from orchestration.node import attempts, processes, resume_point
+from orchestration.node import attempts, exclusion, processes, resume_point
 from orchestration.node.attempts import AttemptEnd, Decision, Evidence
 from orchestration.node.board import Board, BoardUnreachable, open_stores
 from orchestration.node.failure import describe_returncode, failure_summary, follows_a_peer
+from orchestration.node.gpu_health import read_gpu_health
 from orchestration.node.liveness import Liveness
 from orchestration.node.records import HeartbeatRecord, RecordKeeper
 from orchestration.node.resume_point import ResumePoint
@@ -89,6 +96,8 @@ ENDED_PHASES = ("done", "preempted")
 its handlers: SIGUSR1 would kill it)."""
 SAVED = (RunState.FINISHED, RunState.PREEMPTED)
 """How an attempt ends on a node when nothing failed."""
+SLOW_CHECK_S = 5.0
+"""How often node 0 looks at rank 0's metrics for a slow node to leave out (orchestration/node/exclusion.py)."""
 
 
 class Supervisor:
@@ -136,6 +145,8 @@ class Supervisor:
         """Node 0's decision that the run ends before the attempt this node is joining."""
         self._recorded_failure: int | None = None
         self._hang_seen: float | None = None
+        self._slow_checked, self._slow_said, self._attempt_started_at = 0.0, "", 0.0
+        """Node 0's look at rank 0's metrics for a slow node (:meth:`_leaving_request`)."""
         self._root = str(plan.artifact_root)
         """This run's processes carry it (another run of the same name may use another root here)."""
 
@@ -263,6 +274,41 @@ class Supervisor:
         back = self.board.rejoin(self.attempt)
         return (f"{attempts.node_names(back, self.plan.hosts)} back: a checkpoint now, then attempt {self.attempt + 1} "
                 f"on {len(self.members) + len(back)} of {self.nnodes} nodes") if back else None
+
+    def _leaving_request(self) -> str | None:
+        """While a node may be left out (NNODES=MIN:MAX with more than MIN nodes, RESTART_EXCLUDE),
+        node 0 looks at rank 0's metrics every SLOW_CHECK_S for a slow node worth leaving out
+        (exclusion.py) and claims the attempt's exclusion of it: every node then asks its ranks to
+        save and end, and the next attempt runs without it. The reason, once claimed."""
+        if not (self.plan.restart_exclude and self.policy.min_nodes and len(self.members) > self.policy.min_nodes):
+            return None
+        if self.leader and time.monotonic() >= self._slow_checked + SLOW_CHECK_S:
+            self._slow_checked = time.monotonic()
+            charges = exclusion.slow_charges(self._metrics_since(self._attempt_started_at), self.policy.slow_rank_window_s,
+                                             self.members, self.nproc)
+            leaving = exclusion.choose_exclusion(charges, self.members, self.policy.min_nodes, True, self.plan.hosts)
+            if leaving.nodes:
+                self.board.claim_exclusion(self.attempt, leaving)
+            elif leaving.said != self._slow_said:  # node 0 slow, or MIN reached: said once
+                self._slow_said = leaving.said
+                if leaving.said:
+                    self.say(leaving.said)
+        leaving = self.board.exclusion(self.attempt)
+        return f"{leaving.said}: a checkpoint now, then attempt {self.attempt + 1} without it" if leaving else None
+
+    def _metrics_since(self, since: float) -> list[IterationRecord]:
+        """Rank 0's metrics records (on this machine: node 0's) written since ``since`` (this
+        machine's clock, as the records'), from the file's last 256 KB."""
+        text = self.records.keep("reading the metrics", lambda: tail(self.paths.metrics_path, 1000, 262144), "")
+        records = []
+        for line in text.splitlines():
+            try:
+                record = structure(IterationRecord, json.loads(line))
+            except ValueError:  # the first line cut by the tail, a line being written
+                continue
+            if record.time >= since:
+                records.append(record)
+        return records
 
     def _wait(self, seconds: float, done: Callable[[], object], state: RunState, beat: bool = True,
               until_stop: bool = True) -> object:
@@ -451,6 +497,7 @@ class Supervisor:
 
     def run_attempt(self, point: ResumePoint | None = None) -> AttemptEnd:
         checkpoint = self._latest_checkpoint() if point is None else point.iteration
+        self._attempt_started_at, self._slow_checked = time.time(), time.monotonic()
         if self.leader:
             self.records.keep("writing the ledger", lambda: begin_attempt(
                 self.paths, self.attempt, self.plan.run_id, checkpoint, self.members, self.joined))
@@ -475,7 +522,7 @@ class Supervisor:
                 if self.records.failing_s() > self.policy.node_lost_s and not self.stopping:
                     return self._leave(proc)
                 if not self.stopping:
-                    why = saving or self._save_request() or self._rejoin_request()
+                    why = saving or self._save_request() or self._rejoin_request() or self._leaving_request()
                     if why:
                         if saving is None:
                             self.say(f"save requested ({why})")
@@ -531,6 +578,14 @@ class Supervisor:
                                f"saved a checkpoint for {attempts.node_names(back, self.plan.hosts)} to come back"
                                if rejoin.restart else rejoin.reason, checkpoint)
             return self._publish(rejoin)
+        leaving = self.board.exclusion(self.attempt) if not back and not self.stopping and not self.board.save_request() else None
+        planned = exclusion.decide_leaving(self.attempt, ends, leaving, self.restarts, self.rejoins, checkpoint) if leaving else None
+        if planned is not None:  # every node saved so that a slow node is left out (or one reached its last iteration)
+            self._close_ledger(RunState.PREEMPTED if planned.restart else planned.state,
+                               f"saved a checkpoint to go on without {attempts.node_names(leaving.nodes, self.plan.hosts)}"
+                               if planned.restart else planned.reason, checkpoint, excluded=planned.excluded,
+                               exclusion=planned.exclusion)
+            return self._publish(planned)
         if self.stopping:
             ends[self.rank] = AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.STOPPED,
                                          reason="stopped on request", requested=True)
@@ -547,29 +602,62 @@ class Supervisor:
             self._record_failure(chosen)  # a node's own cause, stronger than what the others made of it
         failure = chosen.splitlines()[0] if chosen else end.reason
         cause = RunState.HUNG if " hung: " in failure else RunState.FAILED
-        self._close_ledger(cause if chosen else end.state, failure, checkpoint)
+        suspects = self._suspects(cause == RunState.HUNG and chosen is not None, chosen, ends)
+        self._close_ledger(cause if chosen else end.state, failure, checkpoint, suspects=suspects)
         ledger = self.records.keep("reading the ledger", lambda: read_ledger(self.paths), [])
         back = self.board.join_requests(self.absent) if self.policy.min_nodes else {}
         decision = attempts.decide(self.attempt, ends, ledger, self.policy, self.restarts, cause, failure, self.plan.hosts,
                                    joiners=sorted(back), rejoins_so_far=self.rejoins)
+        decision = self._exclude(decision, ends, ledger)
         if not decision.restart:  # the ledger's last word is how the run ended
             self._close_ledger(decision.state, decision.reason, checkpoint, lost=decision.lost)
         if decision.restart:  # the next attempt starts without this one's failure (kept beside the ledger)
-            if decision.lost:
-                self._close_ledger(cause, f"{failure}; the run goes on with {len(decision.members)} of {self.nnodes} nodes",
-                                   checkpoint, lost=decision.lost)
+            if decision.lost or decision.excluded or decision.exclusion:
+                going = f"; the run goes on with {len(decision.members)} of {self.nnodes} nodes" \
+                    if decision.lost or decision.excluded else ""
+                self._close_ledger(cause, failure + going, checkpoint, lost=decision.lost, excluded=decision.excluded,
+                                   exclusion=decision.exclusion)
             self.records.keep("moving the failure record aside", self._set_failure_aside)
         return self._publish(decision)
+
+    def _suspects(self, hung: bool, failure: str | None, ends: Mapping[int, AttemptEnd | None]) -> tuple[int, ...]:
+        """Node 0: the nodes this attempt's evidence names (exclusion.py): a hang's suspects, named
+        from every node's report on the board as the failure was; else the failure's own node."""
+        suspects = find_suspects([r for n in self.members for r in self.board.read_report(self.attempt, n) or []]) \
+            if hung else None
+        return exclusion.suspect_nodes(hung, suspects, ends, failure)
+
+    def _exclude(self, decision: Decision, ends: Mapping[int, AttemptEnd | None], ledger: list) -> Decision:
+        """Node 0: a restart without the nodes the evidence names (their GPU health after this attempt,
+        the same node named by attempts in a row: exclusion.py), where the policy leaves them out."""
+        if not decision.restart:
+            return decision
+        charges = [*exclusion.health_charges(ends), *exclusion.failed_attempts_charges(ledger, self.plan.run_id)]
+        return exclusion.apply_exclusion(decision, exclusion.choose_exclusion(
+            charges, decision.members, self.policy.min_nodes, self.plan.restart_exclude, self.plan.hosts))
+
+    def _with_health(self, end: AttemptEnd) -> AttemptEnd:
+        """An attempt that did not finish here: this node's GPU health check (a GPU node's: a
+        hardware fault it finds is evidence against the node, exclusion.py), in its end."""
+        if end.state in SAVED or end.requested or self.stopping:
+            return end
+        self._alive(120.0)  # a few commands, each under gpu_health's timeout: not stuck
+        found = exclusion.hardware_findings(read_gpu_health())
+        if found:
+            self.say(f"GPU health after attempt {self.attempt}: " + "; ".join(f"{f.gpu}: {f.what}" for f in found))
+        return dataclasses.replace(end, health=tuple(f"{f.gpu}: {f.what}" for f in found)) if found else end
 
     def _set_failure_aside(self) -> None:
         if self.paths.failure_file.exists():  # node 0's own record: it alone writes and moves it
             os.replace(self.paths.failure_file, self.paths.attempt_file(self.attempt, "failure.txt"))
         clear_failure(self.paths)
 
-    def _close_ledger(self, state: RunState, reason: str, checkpoint: int | None, lost: tuple[int, ...] = ()) -> None:
-        """Node 0: this attempt's entry in the ledger (what ended it, the checkpoint it reached)."""
+    def _close_ledger(self, state: RunState, reason: str, checkpoint: int | None, lost: tuple[int, ...] = (),
+                      **evidence) -> None:
+        """Node 0: this attempt's entry in the ledger (what ended it, the checkpoint it reached;
+        ``evidence``: its suspects, the nodes left out after it and why)."""
         self.records.keep("writing the ledger", lambda: end_attempt(self.paths, self.attempt, state, reason, checkpoint,
-                                                                    lost=lost))
+                                                                    lost=lost, **evidence))
 
     def _publish(self, decision: Decision) -> Decision:
         """Node 0: the decision on the board, and the nodes it takes back told so (and watched in
@@ -713,13 +801,17 @@ class Supervisor:
             if point is not None and point.refused:
                 return self.finish(RunState.STOPPED, "stopped on request") if self.stopping else \
                     self.finish(RunState.FAILED, point.refused)
-            end = self.run_attempt(point)
+            end = self._with_health(self.run_attempt(point))
             self.board.write_end(end)
             decision = self.decide(end)
             if end.leaves:  # whatever node 0 decided for the others, this node cannot go on
                 return self.finish(RunState.FAILED, end.reason)
             if not decision.restart:
                 return self.finish(decision.state, decision.reason)
+            if self.rank in decision.excluded:  # its ranks are stopped: it leaves, until a rejoin brings it back
+                return self.finish(RunState.LEFT_OUT, f"left out of the run by node 0 after attempt {self.attempt}: "
+                                   f"{decision.exclusion}; rejoin_multinode_training.sh {self.plan.run} {self.rank} "
+                                   "brings it back")
             if not self._follow(decision):
                 return self.finish(*self._between_attempts_end())
 

@@ -340,6 +340,9 @@ class Suspects:
     why: str
     others: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    named: bool = True
+    """Whether the evidence singles the ranks out (False: no rank reported, or every rank waits alike,
+    which names no node: orchestration/node/exclusion.py)."""
 
 
 def find_suspects(reports: list[RankReport]) -> Suspects:
@@ -347,7 +350,7 @@ def find_suspects(reports: list[RankReport]) -> Suspects:
     stack is outside any collective while others wait in one; else ranks behind the others'
     iteration; else the rank(s) that went silent first."""
     if not reports:
-        return Suspects((), "no rank reported")
+        return Suspects((), "no rank reported", named=False)
     stopped = [r for r in reports if r.process_state == "T"]
     if stopped:
         return Suspects(tuple(stopped), "stopped (process state T: SIGSTOP, a job-control stop or a debugger)",
@@ -380,7 +383,7 @@ def find_suspects(reports: list[RankReport]) -> Suspects:
             return Suspects(tuple(silent), "silent first (silent the longest when the hang was claimed)",
                             _others(reports, silent))
     return Suspects(tuple(reports), "every rank waits alike: no single suspect (a collective that never completes, e.g. a "
-                                    "network fault)")
+                                    "network fault)", named=False)
 
 
 def _others(reports: list[RankReport], suspects: list[RankReport]) -> str:

@@ -44,7 +44,7 @@ RUN_ID_TAG = "LAUNCHER_RUN_ID"
 NODE_TAG = "LAUNCHER_NODE_RANK"
 DEFAULT_STOP_GRACE_S = 40.0
 """torchrun forwards SIGTERM to its workers and waits 30 s before SIGKILL; allow for that."""
-NODE_COMMANDS = ("node-start", "node-supervise", "node-stop", "node-save", "node-status", "node-check", "node-linktest")
+NODE_COMMANDS = ("node-start", "node-supervise", "node-pod", "node-stop", "node-save", "node-status", "node-check", "node-linktest")
 
 
 def node_label(node_rank: int, host: str) -> str:
@@ -121,6 +121,9 @@ class NodePlan:
     """This node comes back to the run going on without it (NNODES=MIN:MAX; ``rejoin``): its
     supervisor asks node 0 for a place and waits, ``joining``, for the next restart, instead of
     starting an attempt of its own."""
+    restart_exclude: bool = True
+    """Node 0 leaves out of the next attempt a node the evidence names (NNODES=MIN:MAX:
+    orchestration/node/exclusion.py); RESTART_EXCLUDE=0: every restart keeps every node."""
 
     def attempt_argv(self, has_checkpoint: bool, members: Sequence[int] | None = None,
                      point: ResumePoint | None = None) -> tuple[str, ...]:
@@ -291,7 +294,7 @@ class LinktestRequest:
 
 NODE_REQUESTS: dict[str, type] = {"node-start": NodePlan, "node-check": NodeCheckRequest, "node-stop": StopRequest,
                                   "node-save": SaveRequest, "node-status": StatusRequest, "node-linktest": LinktestRequest}
-"""Each node command (but ``node-supervise``, which reads a plan file) and its request."""
+"""Each node command (but ``node-supervise`` and ``node-pod``, which read plan files) and its request."""
 
 
 @dataclass(frozen=True)
@@ -391,11 +394,22 @@ def supervise_argv(python: str, plan_file: str) -> list[str]:
     return [python, "-m", "orchestration", "node-supervise", "--plan-file", plan_file]
 
 
+PACKED_PLANS = "plans.json.gz"
+"""A Kubernetes run's plans when they would not fit one ConfigMap readable: every node's, a gzipped JSON list."""
+
+
+def pod_argv(python: str, plan_dir: str) -> list[str]:
+    """A Kubernetes pod's command: its node's supervisor for the plan ``plan_dir/node<JOB_COMPLETION_INDEX>.json``
+    (or that entry of :data:`PACKED_PLANS`: orchestration/node/pod.py)."""
+    return [python, "-m", "orchestration", "node-pod", "--plan-dir", plan_dir]
+
+
 def build_node_parser() -> argparse.ArgumentParser:
     """The node side's parser: each node command's one argument, its request as JSON."""
     parser = argparse.ArgumentParser(prog="python -m orchestration", description="node commands (sent by the launcher)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("node-supervise").add_argument("--plan-file", required=True)
+    sub.add_parser("node-pod").add_argument("--plan-dir", required=True)
     for name, request in NODE_REQUESTS.items():
         sub.add_parser(name).add_argument("--request", required=True, help=f"the {request.__name__} as JSON (node/wire.py)")
     return parser

@@ -211,8 +211,9 @@ def wait_until_ended(launch: LaunchEnv, run: str, nodes: Nodes, seq_length: int 
 
 def end_exit_code(states: Iterable[RunState | None]) -> int:
     """A waited-for run's exit code: 0 finished everywhere, 3 saved and ended on request
-    (preempted), 93 the restart breaker gave up, else 1."""
-    states = set(states)
+    (preempted), 93 the restart breaker gave up, else 1. A node left out on the evidence against it
+    (never node 0) ended its part early: the run's end is the others'."""
+    states = set(states) - {RunState.LEFT_OUT}
     if states == {RunState.FINISHED}:
         return EXIT_OK
     if states == {RunState.PREEMPTED}:

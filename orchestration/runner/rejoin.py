@@ -10,7 +10,9 @@ plan file its first start left under the artifact root) goes back to its host wi
 ``rejoin`` set, through the backend every node command takes (ssh, ``docker exec``); its
 supervisor asks node 0 for a place over the run's coordination store, every node saves a
 checkpoint at the next step, and the next attempt runs on the nodes of the run again with the
-same global batch. :func:`plan_rejoin` checks and plans (the dry run stops there, every refusal
+same global batch. A node node 0 left out on the evidence against it (orchestration/node/exclusion.py:
+a hang's suspect twice in a row, its GPU health, a slow rank) comes back the same way, once mended;
+the plan says why it was out. :func:`plan_rejoin` checks and plans (the dry run stops there, every refusal
 one UserError); :func:`rejoin_node` sends it. Side effects: the status call to node 0, the node
 command.
 """
@@ -27,7 +29,7 @@ from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.cluster.backends import backend_for
 from orchestration.cluster.fanout import NodeResult
 from orchestration.launch_env import LaunchEnv
-from orchestration.node.run_state import RunState, read_ledger
+from orchestration.node.run_state import RunState, left_out_nodes, read_ledger
 from orchestration.node.wire import NodeCall, NodePlan, NodeStarted, decode_payload, start_call
 from orchestration.runner.control import node_statuses
 
@@ -44,6 +46,8 @@ class RejoinPlan:
     """The attempt going on without the node."""
     nodes: tuple[int, ...]
     """The nodes it runs on."""
+    out: str = ""
+    """Why the run went on without the node (lost, or left out on the evidence against it), as the ledger says."""
 
 
 def plan_rejoin(launch: LaunchEnv, run: str, node_rank: int, host: str | None = None) -> RejoinPlan:
@@ -88,7 +92,8 @@ def plan_rejoin(launch: LaunchEnv, run: str, node_rank: int, host: str | None = 
                         + ("missing or torn" if plan is None else f"of another start ({plan.run_id})")
                         + f": start run {run!r} again instead (the latest checkpoint resumes)")
     plan = dataclasses.replace(plan, rejoin=True, host=host or plan.host)
-    return RejoinPlan(plan, start_call(plan, launch.secrets), current.attempt, current.nodes)
+    return RejoinPlan(plan, start_call(plan, launch.secrets), current.attempt, current.nodes,
+                      left_out_nodes(this_start).get(node_rank, ""))
 
 
 def rejoin_node(launch: LaunchEnv, planned: RejoinPlan) -> NodeResult[NodeStarted]:

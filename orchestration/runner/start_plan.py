@@ -425,7 +425,7 @@ def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeRep
             secret_names=tuple(sorted(launch.secrets)), resets_run_state=rank == 0,
             per_attempt={**PER_ATTEMPT, **(PER_ATTEMPT_ELASTIC if params.training.resilience.min_nodes else {})},
             resume_args=program.resume_args, checkpoint_choice=program.checkpoint_choice, hosts=tuple(launch.hosts),
-            first_members=first_members,
+            first_members=first_members, restart_exclude=launch.restart_exclude,
         ))
     runtime = RunRuntime(
         run=inputs.run, run_id=inputs.run_id, engine=program.engine, nnodes=launch.nnodes,

@@ -17,11 +17,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.resolved import read_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.cluster import slurm
 from orchestration.launch_env import LaunchEnv
+from orchestration.node.run_state import AttemptRecord, left_out_nodes, read_ledger
 from orchestration.node.wire import stop_command
 from orchestration.runner.start_plan import plan_start, read_start_inputs
 
@@ -57,7 +60,9 @@ def plan_submit(launch: LaunchEnv, model: str, data: str, run: str, nodes: int |
     slurm.check_partition(request.partition)
     check_secrets_exported(launch)
     env = {**launch.forwarded, "ARTIFACT_ROOT": str(launch.artifact_root), "NPROC_PER_NODE": str(nproc),
-           "NNODES": str(nodes), **({"ZERO_STAGE": str(launch.zero_stage)} if launch.zero_stage is not None else {}),
+           "NNODES": f"{launch.min_nodes}:{nodes}" if launch.min_nodes is not None else str(nodes),
+           **({"RESTART_EXCLUDE": "0"} if not launch.restart_exclude else {}),
+           **({"ZERO_STAGE": str(launch.zero_stage)} if launch.zero_stage is not None else {}),
            **({"ENGINE": launch.overrides.engine} if launch.overrides.engine else {}),
            **({"MASTER_PORT": str(launch.master_port)} if launch.master_port_explicit else {})}
     script = slurm.render_batch_script(model, data, run, request, launch.python, launch.cwd, env,
@@ -88,9 +93,31 @@ def submit_batch(launch: LaunchEnv, plan: BatchPlan) -> str:
     return job
 
 
+def requeue_exclusions(this_start: Sequence[AttemptRecord], hosts: Sequence[str], enabled: bool) -> dict[str, str]:
+    """The hosts a requeued job leaves out (``--exclude``), each with why: the nodes the start went on
+    without and did not take back (left out on the evidence against them, or lost:
+    orchestration/node/exclusion.py), never node 0's; none with RESTART_EXCLUDE=0. Pure."""
+    left = left_out_nodes(this_start) if enabled else {}
+    return {hosts[n]: f"node {n} ({hosts[n]}) {why}" for n, why in sorted(left.items()) if 0 < n < len(hosts)}
+
+
+def plan_requeue_after_save(launch: LaunchEnv, run: str, excluded_before: str | None = None) -> tuple[slurm.RequeuePlan, dict[str, str]]:
+    """The requeue of this batch job (``launch.slurm_job_id``) after its save, leaving out the hosts
+    its start went on without (:func:`requeue_exclusions`, from the ledger), with why for each."""
+    paths = RunPaths(launch.artifact_root, run)
+    resolved = read_resolved(paths.params_path)
+    this_start = [r for r in read_ledger(paths) if resolved is not None and r.run_id == resolved.runtime.run_id]
+    out = requeue_exclusions(this_start, resolved.runtime.hosts if resolved else (), launch.restart_exclude)
+    return slurm.plan_requeue(launch.slurm_job_id, list(out), excluded_before), out
+
+
 def requeue_after_save(launch: LaunchEnv, run: str) -> str:
     """Inside a batch job that saved on SIGUSR1 (its time limit or a preemption): requeue it, so that
-    it starts again and resumes from that checkpoint. What happened, in one line."""
-    refused = slurm.requeue(launch.slurm_job_id)
-    return (f"run {run}: checkpoint saved; " + (f"slurm job {launch.slurm_job_id} requeued: it starts again and resumes "
-            "there" if refused is None else f"scontrol requeue {launch.slurm_job_id} failed: {refused}"))
+    it starts again and resumes from that checkpoint, without the nodes the run left out. What
+    happened, in one line."""
+    job = launch.slurm_job_id
+    plan, why = plan_requeue_after_save(launch, run, slurm.job_field(job, "ExcNodeList") if launch.restart_exclude else None)
+    refused = slurm.requeue(plan)
+    without = f" without {', '.join(plan.exclude)} (--exclude: {'; '.join(why.values())})" if plan.exclude else ""
+    return (f"run {run}: checkpoint saved; " + (f"slurm job {job} requeued{without}: it starts again and resumes there"
+                                                if refused is None else f"requeueing slurm job {job}: {refused}"))
