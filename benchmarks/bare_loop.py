@@ -62,7 +62,7 @@ def main() -> None:
         start = time.time()
         opt.zero_grad(set_to_none=True)
         for micro in range(accumulation):
-            b = global_batch_slice(train, it * t.global_batch_size, t.global_batch_size, rank, dp, t.micro_batch_size, micro)
+            b = global_batch_slice(train, it * t.global_batch_size, rank, dp, t.micro_batch_size, micro)
             ctx = ddp.no_sync() if micro < accumulation - 1 else torch.enable_grad()
             with ctx:
                 losses = ddp(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])

@@ -107,7 +107,7 @@ def kill_pids(pids) -> None:
             pass
 
 
-def interrupted(signum, frame) -> None:
+def interrupted(signum, _frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 

@@ -158,7 +158,7 @@ def summarize(log: list[list], d: int) -> dict:
     return {"passed": dict(passed), "calls": dict(calls), "ring": ring, "small": small}
 
 
-def table(result: dict, args) -> str:
+def table(result: dict) -> str:
     sys.path.insert(0, str(REPO))
     from orchestration.analysis.memory_plan import dp_traffic_bytes
 
@@ -239,7 +239,7 @@ def main() -> None:
             result.update(json.loads(out.read_text()))
     if args.json:
         Path(args.json).write_text(json.dumps(result))
-    print(table(result, args))
+    print(table(result))
 
 
 if __name__ == "__main__":

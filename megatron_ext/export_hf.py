@@ -198,7 +198,7 @@ def check_out(out: Path, force: bool) -> None:
         raise UserError(f"{out} exists and is not empty; choose another directory or pass --force to replace it")
 
 
-def write_atomically(out: Path, force: bool, write: Callable[[Path], list[str]]) -> list[str]:
+def write_atomically(out: Path, write: Callable[[Path], list[str]]) -> list[str]:
     """``write`` fills a folder beside ``out``, which is then renamed into place (replacing ``out``):
     a failed export leaves nothing half-written."""
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
@@ -239,7 +239,7 @@ def export(paths: RunPaths, out: Path, iteration: int | None = None, force: bool
                 written.append(file)
         return written
 
-    written = write_atomically(out, force, write)
+    written = write_atomically(out, write)
     source = f"{name} of run {paths.run}" + (f" ({run.engine.tag}'s)" if run.engine.tag else "")
     return [f"exported {source} ({kind}, {dtype}, vocabulary {vocab}"
             + (f", {padded - vocab} padded rows dropped" if padded > vocab else "") + f") to {out}: "

@@ -40,7 +40,7 @@ def export(paths: RunPaths, out: Path, iteration: int | None = None, force: bool
     module.to(dtype)
     module.load_state_dict(weights, strict=False)  # read_model_weights named every tensor the model has
     step = int(checkpoint.name.removeprefix("iter_"))
-    written = write_atomically(out, force, lambda tmp: [str(write_megatron_lm_checkpoint(module, tmp, step).relative_to(tmp))])
+    written = write_atomically(out, lambda tmp: [str(write_megatron_lm_checkpoint(module, tmp, step).relative_to(tmp))])
     return [f"exported {checkpoint.name} of run {paths.run} ({run.params.model.name}, {str(dtype).removeprefix('torch.')}, "
             f"vocabulary {run.vocab} padded to {run.padded}) as a Megatron-LM checkpoint to {out}: {written[0]} and "
             f"latest_checkpointed_iteration.txt; start Megatron-LM from it with --pretrained-checkpoint {out} "

@@ -35,7 +35,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def __init__(self, name: str, then: Callable[[object], None]):
         self.name, self.then = name, then
 
-    def find_spec(self, name, path=None, target=None):
+    def find_spec(self, name, path=None, target=None):  # noqa: ARG002 (the interface's signature)
         if name != self.name:
             return None
         if self in sys.meta_path:

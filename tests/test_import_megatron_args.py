@@ -90,7 +90,7 @@ def rendered(p, tmp_path: Path, bf16: bool):
         path = str(tmp_path / "tokenizer")
     prepared = PreparedData(prefixes=p.data.paths, weights=p.data.weights, tokenizer_type=tok.type, tokenizer_path=path,
                             vocab_size=tok.vocab_size, eod=0)
-    args = (model_flags(p, prepared) + data_flags(p, prepared) + training_flags(p, bf16)
+    args = (model_flags(p) + data_flags(p, prepared) + training_flags(p, bf16)
             + logging_and_checkpoint_flags(p, RunPaths(tmp_path, "r")))
     out = {flag: norm(values) for flag, values in split_flags(args)}
     if tok.type == "huggingface":

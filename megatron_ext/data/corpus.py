@@ -34,7 +34,7 @@ def _stdlib_sources(stdlib: Path) -> list[Path]:
     """Every ``.py`` file of the standard library, sorted; never descends into site-packages
     (whose contents change under a running pip) or tests."""
     found = []
-    for dirpath, dirnames, filenames in os.walk(stdlib, onerror=lambda err: None):
+    for dirpath, dirnames, filenames in os.walk(stdlib, onerror=lambda _err: None):
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith((".", "~"))]
         found += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
     return sorted(found)

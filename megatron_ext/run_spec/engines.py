@@ -75,7 +75,7 @@ class MegatronLM(Engine):
         """The second line after each start (:data:`MEGATRON_LM_STARTS`) is that interval's own mean."""
         return parse_log(text, seq_length, world_size, zero_stage, starts=MEGATRON_LM_STARTS)
 
-    def reshard_refusal(self, stage: int, device: Device) -> str | None:
+    def reshard_refusal(self, stage: int, device: Device) -> str | None:  # noqa: ARG002 (the interface's signature)
         if stage != 0:
             return ("Megatron-LM's checkpoints are resharded here at stage 0 only (stage 1 cannot resume without apex "
                     "or transformer-engine, stages 2-3 cannot save: see docs/megatron-lm.md)")

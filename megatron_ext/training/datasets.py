@@ -57,7 +57,7 @@ def build_datasets(
     return train, valid
 
 
-def global_batch_slice(dataset, start_sample: int, global_batch: int, dp_rank: int, dp_size: int,
+def global_batch_slice(dataset, start_sample: int, dp_rank: int, dp_size: int,
                        micro_batch: int, micro_step: int) -> dict[str, torch.Tensor]:
     """One micro-batch for ``dp_rank``: the same samples in the same order whatever the stage.
 

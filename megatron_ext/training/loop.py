@@ -319,7 +319,7 @@ class Pretrain:
         from megatron_ext.training.datasets import global_batch_slice
 
         t = self.t
-        batch = global_batch_slice(dataset, first_sample, t.global_batch_size, self.ranks.rank, self.ranks.world_size,
+        batch = global_batch_slice(dataset, first_sample, self.ranks.rank, self.ranks.world_size,
                                    t.micro_batch_size, micro_step)
         if self.on_cuda:
             batch = {k: v.pin_memory() if v is not None else None for k, v in batch.items()}

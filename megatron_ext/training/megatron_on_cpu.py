@@ -59,7 +59,7 @@ class CpuRNGStatesTracker(mp_random.CudaRNGStatesTracker):
 class CpuMemoryBuffer(GlobalMemoryBuffer):
     """megatron's GlobalMemoryBuffer, allocating on the CPU."""
 
-    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):  # noqa: ARG002 (the interface's signature)
         required = math.prod(tensor_shape)
         buf = self.buffer.get((name, dtype))
         if buf is None or buf.numel() < required:

@@ -119,7 +119,7 @@ class SaveRequest:
         if enabled:
             signal.signal(self.SIGNAL, self._on_signal)
 
-    def _on_signal(self, signum, frame) -> None:
+    def _on_signal(self, _signum, _frame) -> None:
         self.received = True
 
     def open_group(self, on_cuda: bool) -> None:

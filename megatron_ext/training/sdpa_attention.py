@@ -32,7 +32,7 @@ class SdpaAttention(MegatronModule):
     """``DotProductAttention``'s interface: query [sq, b, np, hn], key/value [sk, b, ng, hn] ->
     context [sq, b, np * hn]."""
 
-    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,  # noqa: ARG002 (the interface's signature)
                  attention_dropout: float | None = None, softmax_scale: float | None = None, **_unused):
         super().__init__(config=config)
         self.attn_mask_type = attn_mask_type

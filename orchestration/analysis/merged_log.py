@@ -295,12 +295,12 @@ class LineFilter:
     since: float | None = None
     """Keys from this one on (seconds since the epoch)."""
 
-    def keeps(self, who: str, rank: int | None, text: str) -> bool:
+    def keeps(self, rank: int | None, text: str) -> bool:
         """Whether a line of that source and text may pass (its time aside)."""
         return (self.rank is None or rank == self.rank) and (self.pattern is None or self.pattern.search(text) is not None)
 
     def __call__(self, line: LogLine) -> bool:
-        return (self.since is None or line.key >= self.since) and self.keeps(line.who, line.rank, line.text)
+        return (self.since is None or line.key >= self.since) and self.keeps(line.rank, line.text)
 
     @property
     def selects(self) -> bool:

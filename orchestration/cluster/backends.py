@@ -76,7 +76,7 @@ class Backend:
     records_only: ClassVar[bool] = False
     """A status is read from the nodes' records on the shared file system, not asked of each node."""
 
-    def in_process(self, host: str) -> bool:
+    def in_process(self, host: str) -> bool:  # noqa: ARG002 (the interface's signature)
         """The node command for ``host`` runs in the launcher's own process."""
         return False
 
@@ -96,7 +96,7 @@ class Backend:
             if p.node_rank not in first:
                 write_plan_file(paths, p.node_rank, p.to_json())
         return self.call(launch, [(p.node_rank, p.host) for p in plans if p.node_rank in first],
-                         lambda rank, host: start_call(by_rank[rank], launch.secrets), NodeStarted)
+                         lambda rank, host: start_call(by_rank[rank], launch.secrets), NodeStarted)  # noqa: ARG005 (the interface's signature)
 
     def status(self, launch: LaunchEnv, run: str, nodes: Nodes, seq_length: int | None) -> list[NodeResult[NodeStatus]]:
         """Every node's status, asked of each node."""
@@ -122,10 +122,10 @@ class ThisMachine(Backend):
     name: ClassVar[str] = "this machine"
     caller_sets_env: ClassVar[bool] = True
 
-    def in_process(self, host: str) -> bool:
+    def in_process(self, host: str) -> bool:  # noqa: ARG002 (the interface's signature)
         return True
 
-    def plan(self, host: str, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdin: bool = False) -> list[str]:
+    def plan(self, host: str, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdin: bool = False) -> list[str]:  # noqa: ARG002 (the interface's signature)
         return list(argv)
 
 
@@ -141,7 +141,7 @@ class Ssh(Backend):
     def in_process(self, host: str) -> bool:
         return host in LOCAL_HOSTS
 
-    def plan(self, host: str, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdin: bool = False) -> list[str]:
+    def plan(self, host: str, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdin: bool = False) -> list[str]:  # noqa: ARG002 (the interface's signature)
         return list(argv) if self.in_process(host) else ssh_argv(self.options, host, remote_shell_command(argv, env, cwd))
 
 
@@ -222,7 +222,7 @@ class Srun(Backend):
                 cancelled.append((r.node_rank, r.host, record.slurm_step))
         return results, tuple(cancelled)
 
-    def poll_s(self, nodes: Nodes) -> float:
+    def poll_s(self, nodes: Nodes) -> float:  # noqa: ARG002 (the interface's signature)
         return LOCAL_POLL_S
 
 

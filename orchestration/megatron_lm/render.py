@@ -84,7 +84,7 @@ class MegatronLMRender:
     """What makes Megatron-LM's ranks save and end (its --exit-signal-handler listens for it)."""
 
 
-def model_flags(p: RunParams, prepared: PreparedData) -> list[str]:
+def model_flags(p: RunParams) -> list[str]:
     m, t = p.model, p.training
     flags = [
         "--num-layers", str(m.num_layers),
@@ -337,7 +337,7 @@ def render_pretrain_gpt(p: RunParams, prepared: PreparedData, paths: RunPaths, v
     stage = p.training.zero_stage
     signal_flags, save_signal = exit_signal_flags(known)
     args = (
-        model_flags(p, prepared)
+        model_flags(p)
         + data_flags(p, prepared)
         + training_flags(p, kernels.gpus)
         + kernel_flags(kernels, p)

@@ -89,7 +89,7 @@ def _answer(status: str, message: str, times: int = 1) -> int:
     return 0
 
 
-def _check(checkout: str, world_size: int, device_arch: int, checks: list[dict], build_tokenizer: bool = True) -> int:
+def _check(checkout: str, _world_size: int, device_arch: int, checks: list[dict], build_tokenizer: bool = True) -> int:
     """One answer per check ({"argv", "env" or none: this process's}), Megatron-LM imported once."""
     def parser_error(self, message):  # argparse would print usage and exit; keep its message
         raise ValueError(f"{self.prog}: error: {message}")

@@ -99,7 +99,7 @@ class Pod:
     def say(self, text: str) -> None:
         log.info("[pod] %s %s", self.label, text)
 
-    def _on_sigterm(self, signum, frame) -> None:
+    def _on_sigterm(self, _signum, _frame) -> None:
         self.save_asked = True  # passed on at the next poll, once the supervisor has its handler
 
     def start(self) -> None:

@@ -152,10 +152,10 @@ class Supervisor:
 
     # -- small steps --------------------------------------------------------------------------
 
-    def _on_sigterm(self, signum, frame) -> None:
+    def _on_sigterm(self, _signum, _frame) -> None:
         self.stopping = True  # torchrun, in the same process group, got the signal too
 
-    def _on_sigusr1(self, signum, frame) -> None:
+    def _on_sigusr1(self, _signum, _frame) -> None:
         self._signalled_save = f"SIGUSR1 to node {self.rank}'s supervisor"  # passed on at the next poll
 
     def say(self, text: str) -> None:
@@ -405,7 +405,7 @@ class Supervisor:
         self.proc = None
         return AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=state, reason=reason, **more)
 
-    def _end(self, proc: subprocess.Popen, code: int, saving: bool) -> AttemptEnd:
+    def _end(self, code: int, saving: bool) -> AttemptEnd:
         if code == 0:
             self._sweep()  # what a rank started may outlive it by a moment (a resource tracker cleaning up)
             if saving and self._preempted():
@@ -460,7 +460,7 @@ class Supervisor:
             # clock from when it saw the claim (a node that cannot dump, or is gone).
             reports = {n: self.board.read_report(self.attempt, n) for n in self.members}
             if all(r is not None for r in reports.values()) or time.monotonic() - self._hang_seen > HANG_REPORT_WAIT_S:
-                self._claim_failure(hang_summary(self.paths, self.attempt, claim, reports, self.plan))
+                self._claim_failure(hang_summary(self.paths, self.attempt, claim, reports))
         return reported
 
     def resume_point(self) -> ResumePoint | None:
@@ -517,7 +517,7 @@ class Supervisor:
             self._alive()
             code = proc.poll()
             if code is not None:
-                return self._end(proc, code, saving is not None)
+                return self._end(code, saving is not None)
             try:
                 if self.records.failing_s() > self.policy.node_lost_s and not self.stopping:
                     return self._leave(proc)
@@ -863,7 +863,7 @@ class Supervisor:
         return None
 
 
-def hang_summary(paths: RunPaths, attempt: int, claim: attempts.HangClaim, reports: dict, plan: NodePlan) -> str:
+def hang_summary(paths: RunPaths, attempt: int, claim: attempts.HangClaim, reports: dict) -> str:
     """The failure file of a hung attempt: who (the suspects), where, for how long, the collective
     the ranks hung in (torch's flight-recorder analyser: node/flight_recorder.py), and the dumps."""
     everyone = [r for rs in reports.values() if rs for r in rs]

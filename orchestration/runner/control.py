@@ -237,9 +237,9 @@ class SaveSignal:
     sent: bool = False
 
     def install(self) -> None:
-        signal.signal(signal.SIGUSR1, lambda signum, frame: setattr(self, "received", True))
+        signal.signal(signal.SIGUSR1, lambda *_: setattr(self, "received", True))
 
-    def poll(self, statuses: Statuses | None = None, elapsed_s: float = 0.0) -> None:
+    def poll(self, statuses: Statuses | None = None, elapsed_s: float = 0.0) -> None:  # noqa: ARG002 (the interface's signature)
         if not self.received and self.mark is not None and self.mark.exists():
             self.received = True
         if self.received and not self.sent:  # asked again at the next poll until a supervisor has it

@@ -100,4 +100,4 @@ def rejoin_node(launch: LaunchEnv, planned: RejoinPlan) -> NodeResult[NodeStarte
     """Send the node its plan: its supervisor runs, ``joining``, once the answer comes back."""
     plan = planned.plan
     node = [(plan.node_rank, plan.host)]
-    return backend_for(launch, node).call(launch, node, lambda rank, host: planned.call, NodeStarted)[0]
+    return backend_for(launch, node).call(launch, node, lambda *_: planned.call, NodeStarted)[0]

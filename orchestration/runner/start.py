@@ -131,7 +131,7 @@ def follow_until_ended(launch: LaunchEnv, plan: StartPlan, out: TextIO, log_offs
     log_path, nodes = Path(node.log_path), [(node.node_rank, node.host)]
     state = {"position": log_offset, "signal": None, "stopped": False}
 
-    def copy_new(statuses=None, elapsed_s: float = 0.0) -> None:
+    def copy_new(statuses=None, elapsed_s: float = 0.0) -> None:  # noqa: ARG001 (the interface's signature)
         try:
             with open(log_path, "rb") as fh:
                 fh.seek(state["position"])
@@ -148,7 +148,7 @@ def follow_until_ended(launch: LaunchEnv, plan: StartPlan, out: TextIO, log_offs
             out.flush()
             backend_for(launch, nodes).stop(launch, plan.run, nodes)
 
-    def on_signal(signum, frame) -> None:
+    def on_signal(signum, _frame) -> None:
         state["signal"] = state["signal"] or signal.Signals(signum).name
 
     handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}

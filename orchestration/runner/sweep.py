@@ -179,7 +179,7 @@ def check_stage_arguments(launch: LaunchEnv, model: str, data: str, prefix: str,
     return verdicts
 
 
-def _raise_stopped(signum, frame):
+def _raise_stopped(signum, _frame):
     raise SweepStopped(f"signal {signal.Signals(signum).name}")
 
 
@@ -213,7 +213,7 @@ class Sweep:
         """Until the stage's run has ended on every node (control.wait_until_ended), with a progress
         line at every poll and the sweep's stop request checked there; a node that answers no status
         for UNREACHABLE_S gets the stage stopped."""
-        def on_poll(statuses: Statuses, elapsed_s: float) -> None:
+        def on_poll(statuses: Statuses, elapsed_s: float) -> None:  # noqa: ARG001 (the interface's signature)
             known = [s for s in statuses.values() if s is not None]
             last = max((s.last_iteration or 0 for s in known), default=0)
             self._check_stop_request(stage, run, f"at iteration {last}/{train_iters}")
