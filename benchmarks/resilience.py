@@ -49,6 +49,7 @@ sys.path.insert(0, str(REPO))
 
 from conftest import clean_env, free_port, last_iteration, tagged_pids, write_data_set  # noqa: E402
 from megatron_ext.run_spec.iteration_log import parse_log, read_metrics  # noqa: E402
+from megatron_ext.run_spec.resilience import Phase  # noqa: E402
 from megatron_ext.host.procfs import process_environ  # noqa: E402
 
 
@@ -104,7 +105,7 @@ def _per_step_work_rank() -> None:
     flag, n = SaveRequest(True), 2000
     started = time.perf_counter()
     for i in range(n):
-        reporter.phase("step", i)
+        reporter.phase(Phase.STEP, i)
         reporter.step_done(0.1)
     write_us = 1e6 * (time.perf_counter() - started) / n
     dist.barrier()

@@ -18,6 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from conftest import free_port
+from megatron_ext.run_spec.resilience import Phase
 from orchestration.node.attempts import AttemptEnd, Decision, Evidence, choose_failure
 from orchestration.node.board import Board, BoardUnreachable, DeadlineStore, MemoryStore, open_stores
 from orchestration.node.liveness import Liveness
@@ -68,7 +69,7 @@ def test_the_first_failure_and_the_first_hang_win(stores):
     assert not node0.claim_failure(1, "node 0 failed: connection closed")
     assert node0.failure(1) == node1.failure(1) == "node 1 failed: rank 3\nlast lines"
     assert node0.failure(2) is None  # each attempt has its own
-    hang = Hang(node_rank=1, rank=3, phase="forward", iteration=7, elapsed_s=40.0, limit_s=30.0,
+    hang = Hang(node_rank=1, rank=3, phase=Phase.STEP, iteration=7, elapsed_s=40.0, limit_s=30.0,
                 detail="rank 3 in forward for 40 s")
     assert node1.claim_hang(1, hang, claimed_at=5.0) and not node0.claim_hang(1, hang, claimed_at=6.0)
     assert node0.hang_claim(1).claimed_at == 5.0

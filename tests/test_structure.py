@@ -333,6 +333,36 @@ BACKEND_CHOICE = ("use_srun", "container_name", "ssh_opts")
 """What picks a backend: read by orchestration/cluster/backends.py alone (and set by launch_env.py)."""
 
 
+PHASE_NAMES = {"prepare", "setup", "step", "eval", "checkpoint", "done", "preempted"}
+"""megatron_ext/run_spec/resilience.py's Phase, spelled there alone."""
+
+
+def test_no_rank_phase_spelled_outside_its_enum():
+    """A rank's phase is ``Phase`` (resilience.py): never a string given to ``.phase(...)`` or
+    ``phase=``, nor compared with something's ``.phase`` (the literals that once stood in loop.py,
+    supervisor.py and the watchdog)."""
+    found = []
+
+    def literal(node) -> bool:
+        values = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else \
+            [node.body, node.orelse] if isinstance(node, ast.IfExp) else [node]
+        return any(isinstance(v, ast.Constant) and v.value in PHASE_NAMES for v in values)
+
+    for rel, tree in _project_files().items():
+        if rel == "megatron_ext/run_spec/resilience.py":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "phase" and any(map(literal, node.args)):
+                found.append(f"{rel}:{node.lineno} .phase({ast.unparse(node.args[0])})")
+            if isinstance(node, ast.Call):
+                found += [f"{rel}:{node.lineno} phase={ast.unparse(k.value)}" for k in node.keywords
+                          if k.arg == "phase" and literal(k.value)]
+            if isinstance(node, ast.Compare) and any(getattr(n, "attr", None) == "phase" for n in (node.left, *node.comparators)) \
+                    and any(literal(n) for n in (node.left, *node.comparators)):
+                found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    assert not found, f"use megatron_ext.run_spec.resilience.Phase: {found}"
+
+
 def test_one_class_per_backend_and_steps_that_run_themselves():
     """This machine, ssh, docker exec and srun are one class each with plan, start, status and stop,
     and nothing else branches on how nodes are reached; a start's steps are objects that execute

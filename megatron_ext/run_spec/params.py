@@ -211,7 +211,7 @@ class TrainingParams:
     """Each save written in the background, training waiting only for the state's copy to host
     memory. This program: torch.distributed.checkpoint's ``async_save`` (CPU) or megatron-core's
     asynchronous torch_dist save with its persistent worker (CUDA stages 0-1; CUDA stages 2-3 save
-    synchronously, as Megatron-LM saves fsdp_dtensor), the
+    synchronously: torch.distributed.checkpoint's stager cannot copy Megatron-FSDP's state), the
     checksums from the writer's thread, committed (renamed into place, ``latest`` moved) at the
     first step after every rank's part is on disk; the last save of a run and a save on request
     are waited for. ENGINE=megatron-lm at stages 0-1: ``--async-save`` with its persistent

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import asdict, dataclass, fields, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Mapping
 
@@ -24,9 +25,21 @@ from megatron_ext.run_spec.convert import structure
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.host.json_files import write_text_atomic
 
-PHASES = ("prepare", "setup", "step", "eval", "checkpoint", "done", "preempted")
-"""What a rank is doing: preparing data (no limit: a large corpus takes as long as it takes), setting
-up (process group, model, datasets, resume), an optimizer step, a validation pass, a save, ended."""
+class Phase(StrEnum):
+    """What a rank is doing: preparing data (no limit: a large corpus takes as long as it takes), setting
+    up (process group, model, datasets, resume), an optimizer step, a validation pass, a save, ended."""
+
+    PREPARE = "prepare"
+    SETUP = "setup"
+    STEP = "step"
+    EVAL = "eval"
+    CHECKPOINT = "checkpoint"
+    DONE = "done"
+    PREEMPTED = "preempted"
+
+
+ENDED_PHASES = (Phase.DONE, Phase.PREEMPTED)
+"""A rank past its last step (it has no signal handler left)."""
 RECENT_STEPS = 20
 """How many recent steps the learned step limit looks at."""
 PROGRESS_DIR_ENV = "LAUNCHER_PROGRESS_DIR"
@@ -169,8 +182,7 @@ class RankProgress:
     """The supervisor's attempt this process belongs to (1 = the first)."""
     iteration: int
     """The optimizer step being worked on (in ``step``), or the last one done."""
-    phase: str
-    """One of :data:`PHASES`."""
+    phase: Phase
     phase_started_at: float
     """time.time() when the phase began."""
     steps_done: int = 0
@@ -201,13 +213,13 @@ def read_progress(directory: Path) -> dict[int, RankProgress]:
 
 def phase_limit_s(p: RankProgress, r: ResilienceParams) -> float | None:
     """How long ``p``'s current phase may last before the rank counts as hung; None = no limit."""
-    if p.phase in ("prepare", "done", "preempted"):
+    if p.phase in (Phase.PREPARE, *ENDED_PHASES):
         return None
-    if p.phase == "setup" or (p.phase == "step" and p.steps_done < r.hang_warmup_steps):
+    if p.phase == Phase.SETUP or (p.phase == Phase.STEP and p.steps_done < r.hang_warmup_steps):
         return r.hang_setup_s
-    if p.phase == "checkpoint":
+    if p.phase == Phase.CHECKPOINT:
         return r.hang_checkpoint_s
-    if p.phase == "eval":
+    if p.phase == Phase.EVAL:
         return r.hang_eval_s
     return max(r.hang_step_floor_s, r.hang_step_factor * (p.slowest_recent_step_s or 0.0))
 

@@ -74,10 +74,10 @@ def every_rank_done(work: Future, blocking: bool) -> bool:
     exception there and :class:`WriteFailedElsewhere` on the others."""
     if blocking:
         wait([work])
-    error = work.exception() if work.done() else None
+    done = work.done()  # read once: a failure between two reads would report "done, no error"
+    error = work.exception() if done else None
     code = 0 if error is None else 1 if disk_full(error) else 2
-    on_cuda = dist.get_backend() == "nccl"
-    t = torch.tensor([int(not work.done()), code], device=Device.of(on_cuda).value)  # cuda: the current device
+    t = _tensor([int(not done), code])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     running, worst = (int(v) for v in t.tolist())
     if running:
@@ -89,6 +89,25 @@ def every_rank_done(work: Future, blocking: bool) -> bool:
     if worst == 1:
         raise DiskFull(str(error) if error is not None else "on another rank")
     return True
+
+
+def _tensor(values: list[int]) -> torch.Tensor:
+    on_cuda = dist.get_backend() == "nccl"
+    return torch.tensor(values, device=Device.of(on_cuda).value)  # cuda: the current device
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (a collective)."""
+    t = _tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def first_rank_says(flag: bool) -> bool:
+    """Rank 0's ``flag`` on every rank (a collective)."""
+    t = _tensor([int(flag)])
+    dist.broadcast(t, 0)
+    return bool(t.item())
 
 
 class Writing(Protocol):

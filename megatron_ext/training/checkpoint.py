@@ -202,7 +202,7 @@ def begin_save(trainer, checkpoints_dir: Path, meta: CheckpointMeta, keep: int, 
     dist.barrier()
     with trainer.synced_parameters():
         state = trainer.begin_save_state(target, background)
-    own_file = {"rng": rng_state(), "optimizer": copy.deepcopy(trainer.rank_local_state())}
+    own_file = copy.deepcopy({"rng": rng_state(), "optimizer": trainer.rank_local_state()})  # not the live objects
     return PendingSave(checkpoints_dir=checkpoints_dir, target=target, final=final, meta=meta, keep=keep,
                        token=token[0], background=background, state=state, own_file=own_file, started=started,
                        waited_s=time.monotonic() - started)

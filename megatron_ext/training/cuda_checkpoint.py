@@ -44,14 +44,15 @@ Side effects: the checkpoint files, collectives over the data-parallel group.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from megatron_ext.training.background_save import DiskFull, disk_full
+from megatron_ext.training.background_save import DiskFull, any_rank, disk_full, first_rank_says
 from megatron_ext.training.megatron_core_apis import (
-    distributed_optimizer_sharding_type, serializable_content_metadata, with_fsdp_shards_in_place,
+    distributed_optimizer_sharding_type, mcore_async_strategy, serializable_content_metadata, with_fsdp_shards_in_place,
 )
 
 FSDP_DTENSOR_METADATA = {"distrib_optim_sharding_type": "fsdp_dtensor", "singleton_local_shards": False,
@@ -115,7 +116,7 @@ def begin_torch_dist_save(trainer, directory: Path) -> QueuedWriting:
     metadata = torch_dist_metadata(trainer.optimizers)
     strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), _dp_group())
     request = dist_checkpointing.save(torch_dist_state(trainer, metadata, loading=False), str(directory), strategy,
-                                      async_sharded_save=True,
+                                      async_sharded_save=True, **mcore_async_strategy(dist_checkpointing.save),
                                       **serializable_content_metadata(dist_checkpointing.save, metadata))
     torch.distributed.barrier()
     queue = async_calls_queue()
@@ -139,11 +140,22 @@ def async_calls_queue():
     return ASYNC_CALLS[0]
 
 
-def close_async_calls_queue() -> None:
+def close_async_calls_queue(abort: bool = False) -> None:
     """At the end of a run: what is still queued finalized, the worker ended (Megatron-LM's
-    ``maybe_finalize_async_save(blocking=True, terminate=True)``, training.py ~L3012)."""
+    ``maybe_finalize_async_save(blocking=True, terminate=True)``, training.py ~L3012). ``abort``
+    (a rank that raised): the worker killed, what it was writing left unfinished (Megatron-LM's
+    ``reset_persistent_async_worker``: on core_v0.16.1 the worker is not a daemon, and Python's exit
+    would wait for it forever)."""
     while ASYNC_CALLS:
-        ASYNC_CALLS.pop().close()
+        ASYNC_CALLS.pop().close(abort=abort)
+
+
+def _worker_alive(queue) -> bool:
+    """Whether the queue's persistent worker process (if it has one yet) is alive: 0.16's
+    ``persistent_caller.process``, 0.17+'s ``_persistent_process``."""
+    caller = getattr(queue, "persistent_caller", None)
+    process = getattr(caller, "process", None) or getattr(caller, "_persistent_process", None)
+    return process is None or process.is_alive()
 
 
 @dataclass(frozen=True)
@@ -155,14 +167,25 @@ class QueuedWriting:
     def finished(self, blocking: bool) -> bool:
         """megatron-core's own check and finalization (training.py ~L2694
         ``maybe_finalize_async_save(blocking=False)`` at every step): an all-reduce of its writers'
-        states, then its finalize functions (the coordinator's metadata). A failed write raises on
-        every rank; a full disk as :class:`DiskFull`."""
-        try:
-            return bool(self.queue.maybe_finalize_async_calls(blocking, no_dist=False))
-        except BaseException as exc:  # megatron-core's CheckpointException is a BaseException
-            if disk_full(exc):
-                raise DiskFull(str(exc)) from exc
-            raise
+        states, then its finalize functions (the coordinator's metadata), polled until done when
+        ``blocking``. A worker that died on any rank (its write never reports: megatron-core would
+        wait for it forever) ends the save on every rank; a failed write raises on every rank, a full
+        disk as :class:`DiskFull` on every rank (rank 0's verdict: megatron-core gives the failures
+        to the coordinator alone)."""
+        while True:
+            if any_rank(not _worker_alive(self.queue)):
+                raise RuntimeError("megatron-core's checkpoint worker process died during a background save "
+                                   "(its log or the kernel's, e.g. the out-of-memory killer, says why)")
+            try:
+                if self.queue.maybe_finalize_async_calls(False, no_dist=False):
+                    return True
+            except BaseException as exc:  # megatron-core's CheckpointException is a BaseException
+                if first_rank_says(disk_full(exc)):
+                    raise DiskFull(str(exc)) from exc
+                raise
+            if not blocking:
+                return False
+            time.sleep(0.1)
 
 
 def load_torch_dist(trainer, directory: Path) -> None:

@@ -41,7 +41,7 @@ from megatron_ext.run_spec.iteration_log import (
 from megatron_ext.run_spec.checkpoints import CheckpointMeta, check_resumable, read_meta
 from megatron_ext.run_spec.hf_config import hf_model_type
 from megatron_ext.run_spec.params import COLLECTIVE_TIMEOUT_S, BatchGeometry, RunParams, TrainingParams
-from megatron_ext.run_spec.resilience import (PERSIST_SHARE, SLOW_RANK_CLEARED, BusyInterval, describe_slow_ranks,
+from megatron_ext.run_spec.resilience import (PERSIST_SHARE, Phase, SLOW_RANK_CLEARED, BusyInterval, describe_slow_ranks,
                                              slow_ranks, still_slow, window_of)
 from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.run_spec.wandb_run import WandbSettings
@@ -232,12 +232,12 @@ class Pretrain:
         from megatron_ext.training.trainers import wrap_cpu
 
         m, t = self.params.model, self.t
-        self.progress.phase("prepare")  # as long as a corpus takes: no limit
+        self.progress.phase(Phase.PREPARE)  # as long as a corpus takes: no limit
         # Rank 0 prepares and tells the others over the network (training/agreement.py): no lock,
         # no file polled, no cache key computed on another node.
         self.prepared = agree_on_data(self.params.data, self.paths.data_cache_dir, self.ranks.rank,
                                       say=print if self.ranks.local_rank == 0 else None)
-        self.progress.phase("setup")
+        self.progress.phase(Phase.SETUP)
         # Rank 0 reads `latest` and lists the checkpoints, every rank takes its choice: whether to
         # start from the initial weights below and, in resume(), which checkpoint to load.
         self.resume_choice = agree_on_resume(self.paths.checkpoints_dir)
@@ -508,17 +508,19 @@ class Pretrain:
                   f"{time.monotonic() - pending.started:.1f} s (checksums {pending.checksum_s:.2f} s of it; "
                   f"training waited {pending.waited_s:.2f} s)", flush=True)
 
-    def close_writers(self) -> None:
+    def close_writers(self, abort: bool = False) -> None:
         """At the end of a run (every save committed by then): the background writers ended, older
-        checkpoints' removal done."""
+        checkpoints' removal done. ``abort`` (the run raised): megatron-core's worker killed, so that
+        the process can exit (a save under way stays an unfinished ``.iter_N.saving-*`` folder)."""
         from megatron_ext.training import background_save, checkpoint
 
-        background_save.close()
-        checkpoint.wait_for_removals()
         if self.on_cuda:
             from megatron_ext.training import cuda_checkpoint
 
-            cuda_checkpoint.close_async_calls_queue()
+            cuda_checkpoint.close_async_calls_queue(abort)
+        if not abort:
+            background_save.close()
+            checkpoint.wait_for_removals()
 
     # -- the whole run --------------------------------------------------------------------------
     def _logs_at(self, iteration: int) -> bool:
@@ -526,9 +528,18 @@ class Pretrain:
                 or iteration == self.t.train_iters)
 
     def run(self) -> None:
+        """:meth:`train`; a rank that raises leaves no checkpoint worker behind to hold its exit."""
+        try:
+            self.train()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the run's own error is the one to say
+                self.close_writers(abort=True)
+            raise
+
+    def train(self) -> None:
         from megatron.core import parallel_state
 
-        self.progress.phase("setup")
+        self.progress.phase(Phase.SETUP)
         self.set_up()
         self.build()
         t = self.t
@@ -539,7 +550,7 @@ class Pretrain:
         preempted = False
         for iteration in range(self.start_iteration + 1, t.train_iters + 1):
             logs = self._logs_at(iteration)
-            self.progress.phase("step", iteration)
+            self.progress.phase(Phase.STEP, iteration)
             step_start = time.time()
             with (self.trainer.first_iteration() if iteration == self.start_iteration + 1 else contextlib.nullcontext(),
                   self.busy_clock.counting()):
@@ -561,19 +572,19 @@ class Pretrain:
             last = iteration == t.train_iters
             valid_loss = None
             if t.eval_iters and ((t.eval_interval and iteration % t.eval_interval == 0) or last):
-                self.progress.phase("eval", iteration)
+                self.progress.phase(Phase.EVAL, iteration)
                 valid_loss = self.evaluate()
                 if self.ranks.local_rank == 0:
                     print(f" validation loss at iteration {iteration} | lm loss value: {valid_loss:.6E} |", flush=True)
             if t.save_interval and (iteration % t.save_interval == 0 or last):
-                self.progress.phase("checkpoint", iteration)
+                self.progress.phase(Phase.CHECKPOINT, iteration)
                 self.save_checkpoint(iteration, wait=last)
                 saved_at = iteration
             if logs:
                 self.log(iteration, interval, grad_norm, valid_loss, time.time() - start)
                 interval = _Interval()
             if not last and self.save_request.agreed():  # every rank, the same step: save here and end
-                self.progress.phase("checkpoint", iteration)
+                self.progress.phase(Phase.CHECKPOINT, iteration)
                 if saved_at != iteration:
                     self.save_checkpoint(iteration, wait=True)
                 self.finish_save(blocking=True)
@@ -581,7 +592,7 @@ class Pretrain:
                     self.log(iteration, interval, grad_norm, valid_loss, time.time() - start)
                 preempted = True
                 break
-        self.progress.phase("preempted" if preempted else "done")
+        self.progress.phase(Phase.PREEMPTED if preempted else Phase.DONE)
         if self.ranks.local_rank == 0:
             if preempted:
                 print(f"preempted: saved a checkpoint at iteration {self.progress.iteration} of {t.train_iters} and ended "

@@ -68,6 +68,14 @@ def serializable_content_metadata(save, metadata: dict) -> dict:
     return {"content_metadata": {k: v for k, v in metadata.items() if k != "dp_cp_group"}}
 
 
+def mcore_async_strategy(save) -> dict:
+    """``{"async_strategy": "mcore"}`` for ``dist_checkpointing.save`` where it takes one: from
+    core_v0.17 its default is ``"nvrx"``, which needs nvidia-resiliency-ext and schedules on that
+    package's own queue (serialization.py ~L311 at 0.17.1); Megatron-LM passes ``--async-strategy``
+    (checkpointing.py ~L835 at core_v0.19.0), which this project renders as ``mcore``."""
+    return {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(save).parameters else {}
+
+
 def megatron_fsdp_incompatibility() -> str | None:
     """Why this megatron-core's Megatron-FSDP cannot run on this torch, or None."""
     from torch.distributed.device_mesh import _mesh_resources

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.host.json_files import write_text_atomic
-from megatron_ext.run_spec.resilience import DUMP_REQUEST, RECENT_STEPS, RankProgress, write_progress
+from megatron_ext.run_spec.resilience import DUMP_REQUEST, RECENT_STEPS, Phase, RankProgress, write_progress
 
 FLIGHT_RECORDER_POLL_S = 0.5
 DUMP_FLIGHT_RECORDER = getattr(torch._C._distributed_c10d, "_dump_fr_trace_json", None)
@@ -68,7 +68,7 @@ class ProgressReporter:
     def enabled(self) -> bool:
         return self.directory is not None
 
-    def phase(self, name: str, iteration: int | None = None) -> None:
+    def phase(self, name: Phase, iteration: int | None = None) -> None:
         if iteration is not None:
             self.iteration = iteration
         if self.directory is None:

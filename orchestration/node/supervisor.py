@@ -62,7 +62,7 @@ from megatron_ext.run_spec.convert import structure
 from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, UserError
 from megatron_ext.run_spec.engines import engine_named
 from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED, IterationRecord
-from megatron_ext.run_spec.resilience import PROGRESS_DIR_ENV, ResilienceParams, read_progress
+from megatron_ext.run_spec.resilience import ENDED_PHASES, PROGRESS_DIR_ENV, Phase, ResilienceParams, read_progress
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.node import attempts, exclusion, processes, resume_point
 from orchestration.node.attempts import AttemptEnd, Decision, Evidence
@@ -91,9 +91,6 @@ HUNG_STOP_GRACE_S = 10.0
 """A hung attempt's stop: its ranks are sent SIGCONT, then torchrun SIGTERM; this long before SIGKILL."""
 PREEMPTED_LINE = "exiting program after receiving"
 """Megatron-LM's line after a signal-triggered save (its exit code is 0, as for a finished run)."""
-ENDED_PHASES = ("done", "preempted")
-"""Phases after a rank's last step: a save request is not forwarded to it (it may be tearing down
-its handlers: SIGUSR1 would kill it)."""
 SAVED = (RunState.FINISHED, RunState.PREEMPTED)
 """How an attempt ends on a node when nothing failed."""
 SLOW_CHECK_S = 5.0
@@ -390,7 +387,7 @@ class Supervisor:
 
     def _preempted(self) -> bool:
         """The ranks ended after saving on request (this program's progress, or Megatron-LM's line)."""
-        if any(p.phase == "preempted" for p in read_progress(self.progress_dir).values()):
+        if any(p.phase == Phase.PREEMPTED for p in read_progress(self.progress_dir).values()):
             return True
         return PREEMPTED_LINE in self._log_tail(40)
 

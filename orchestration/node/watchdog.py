@@ -29,7 +29,7 @@ from pathlib import Path
 from megatron_ext.run_spec.convert import unstructure
 from megatron_ext.run_spec.engines import Engine
 from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED
-from megatron_ext.run_spec.resilience import DUMP_REQUEST, RankProgress, ResilienceParams, phase_limit_s, read_progress
+from megatron_ext.run_spec.resilience import DUMP_REQUEST, Phase, RankProgress, ResilienceParams, phase_limit_s, read_progress
 from orchestration.node.processes import parent_pid, process_environ, process_start_time, tagged_processes
 from megatron_ext.host.json_files import write_json_atomic
 from orchestration.node.run_state import tail
@@ -55,7 +55,7 @@ class Hang:
     node_rank: int
     rank: int | None
     """The global rank (None: a local rank that never reported)."""
-    phase: str
+    phase: Phase
     iteration: int
     elapsed_s: float
     limit_s: float
@@ -92,7 +92,7 @@ class Watchdog:
             p = reports.get(rank)
             if p is None:
                 if now - self.started_at > self.params.hang_setup_s:
-                    return Hang(node_rank=self.node_rank, rank=rank, phase="setup", iteration=0, elapsed_s=now - self.started_at,
+                    return Hang(node_rank=self.node_rank, rank=rank, phase=Phase.SETUP, iteration=0, elapsed_s=now - self.started_at,
                                 limit_s=self.params.hang_setup_s, detail=f"rank {rank} never reported since torchrun started")
                 continue
             limit = phase_limit_s(p, self.params)
@@ -116,7 +116,7 @@ class Watchdog:
         records, _ = self.engine.parse_log(text)
         if not records:
             if now - self.started_at > self.params.hang_setup_s:
-                return Hang(node_rank=self.node_rank, rank=None, phase="setup", iteration=0, elapsed_s=now - self.started_at,
+                return Hang(node_rank=self.node_rank, rank=None, phase=Phase.SETUP, iteration=0, elapsed_s=now - self.started_at,
                             limit_s=self.params.hang_setup_s,
                             detail=f"no iteration line {now - self.started_at:.0f} s after torchrun started "
                             f"(limit {self.params.hang_setup_s:.0f} s)")
@@ -134,7 +134,7 @@ class Watchdog:
         else:
             limit = self.params.hang_setup_s
         if now - self._log_seen_at > limit:
-            return Hang(node_rank=self.node_rank, rank=None, phase="checkpoint" if saving else "step", iteration=last,
+            return Hang(node_rank=self.node_rank, rank=None, phase=Phase.CHECKPOINT if saving else Phase.STEP, iteration=last,
                         elapsed_s=now - self._log_seen_at, limit_s=limit,
                         detail=f"no iteration line after iteration {last} for {now - self._log_seen_at:.0f} s (limit {limit:.0f} s)")
         return None
@@ -152,7 +152,7 @@ class RankReport:
     pid: int | None
     process_state: str
     """From /proc: R running, S sleeping, D disk, T stopped (SIGSTOP / a debugger), Z zombie, gone."""
-    phase: str | None
+    phase: Phase | None
     iteration: int | None
     phase_elapsed_s: float | None
     """How long the rank had been silent (in its phase, without a report) when this node saw the

@@ -191,8 +191,8 @@ def resume(args, stage: int, suffix: str = "") -> dict:
             inner = trainer.optimizer.optimizer
             result["without_state"] = every_rank(sum(1 for g in inner.param_groups for p in g["params"]
                                                      if not inner.state.get(p)))
-        # Stages 0 and 2 in the background (megatron-core's asynchronous torch_dist save in its
-        # persistent worker; torch.distributed.checkpoint's async_save), 1 and 3 synchronously.
+        # Stage 0 in the background (megatron-core's asynchronous torch_dist save; stage 2 asks for
+        # it and is written synchronously, as the trainer writes stages 2-3), 1 and 3 synchronously.
         if not cuda_checkpoint.ASYNC_CALLS:  # megatron-core's forking caller: it keeps this shim, which its
             # persistent worker (spawned, setting a CUDA device first) has not
             cuda_checkpoint.ASYNC_CALLS.append(AsyncCallsQueue(persistent=False))
