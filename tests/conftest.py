@@ -43,7 +43,7 @@ def pytest_sessionstart(session) -> None:
 
 
 LONGEST_FIRST = ("test_multinode.py", "test_megatron_lm_loop.py", "test_resume.py", "test_resilience.py", "test_slurm.py",
-                 "test_cluster_faults.py", "test_exclusion.py",
+                 "test_cluster_faults.py", "test_exclusion.py", "test_kubernetes.py",
                  "test_cuda_trainer_on_cpu.py", "test_engines_agree.py", "test_other_python.py", "test_fsdp_dtensor_layout.py",
                  "test_training.py", "test_shared_fs.py",
                  "test_compare.py", "test_megatron_lm.py", "test_launcher_single_node.py", "test_hf_checkpoints.py",
@@ -52,7 +52,7 @@ LONGEST_FIRST = ("test_multinode.py", "test_megatron_lm_loop.py", "test_resume.p
 the README's ``-n 2 --dist loadgroup --no-loadscope-reorder`` hands the modules to its two workers
 in this order (without the last flag pytest-xdist would order them by their number of tests), so
 the two finish close together; the pure modules come last and fill the gaps."""
-SAME_WORKER = {"test_resilience.py": "unattended", "test_slurm.py": "unattended"}
+SAME_WORKER = {"test_resilience.py": "unattended", "test_slurm.py": "unattended", "test_kubernetes.py": "unattended"}
 """Modules that share a session fixture (``unattended``: one reference run) go to one worker."""
 
 
