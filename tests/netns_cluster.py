@@ -67,6 +67,15 @@ class Node:
     sshd_config: Path
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` exists and has not ended (a zombie has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
+
+
 def _free_subnet(start: int) -> str:
     """The first 10.213.N (N from ``start``) no interface of this machine has an address in: two
     clusters may be up at once (the suite's two workers)."""
@@ -273,7 +282,10 @@ class NamespaceCluster:
                      and Path(f"/proc/{c}/comm").read_text().strip().startswith("sshd")]
         return out
 
-    def kill_sshd(self, node: Node) -> list[int]:
+    def kill_sshd(self, node: Node, timeout_s: float = 30.0) -> list[int]:
+        """The node's sshd and its sessions SIGKILLed, and gone: a session blocked on a broken share
+        ends only once its call returns, and holds port 22 until then (the next sshd's bind failed
+        with "Address already in use" on a loaded machine)."""
         pids = self.sshd_pids(node)
         for pid in pids:
             try:
@@ -281,6 +293,9 @@ class NamespaceCluster:
             except ProcessLookupError:
                 pass
         node.sshd_pid_file.unlink(missing_ok=True)
+        deadline = time.monotonic() + timeout_s
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
         return pids
 
     def namespace_pids(self, node: Node) -> list[int]:

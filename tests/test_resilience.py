@@ -53,7 +53,7 @@ def test_decide_restarts_gives_up_and_ends():
     ends = {0: _end(0, RunState.STOPPED), 1: _end(1)}
     progressed = [_record(1, None, 50)]
     d = decide(1, ends, progressed, POLICY, 0, RunState.FAILED, "node 1 failed")
-    assert d.restart and d.next_attempt == 2 and d.backoff_s == POLICY.restart_backoff_s
+    assert d.restart and d.backoff_s == POLICY.restart_backoff_s
     assert d.reason == "restarting as attempt 2 in 5 s: node 1 failed"
     stuck = [_record(1, None, 50), _record(2, 50, 50), _record(3, 50, 50)]
     gave_up = decide(3, ends, stuck, POLICY, 2, RunState.HUNG, "node 1 hung: ...")

@@ -39,14 +39,15 @@ ITERS = 20
 SAVE_EVERY = 5
 
 
-def write_resume_data_set(path) -> str:
+def write_resume_data_set(path, training: str = "") -> str:
     """gpt_smoke-sized schedule with checkpoints; a fixed global batch, so another data-parallel
-    size can resume it (8: 2 ranks x 2 micro-batches of 2, or 4 ranks x 1)."""
+    size can resume it (8: 2 ranks x 2 micro-batches of 2, or 4 ranks x 1); ``training``: more of
+    its lines (indented)."""
     path.write_text(
         "data:\n  source: embedded\n  split: \"95,5,0\"\n  tokenizer: {type: sentencepiece, vocab_size: 2048}\n"
         f"training:\n  seq_length: 128\n  micro_batch_size: 2\n  global_batch_size: 8\n  train_iters: {ITERS}\n"
         f"  lr: 3.0e-3\n  min_lr: 3.0e-4\n  lr_warmup_iters: 3\n  weight_decay: 0.01\n  eval_iters: 0\n"
-        f"  save_interval: {SAVE_EVERY}\n  keep_checkpoints: 2\n"
+        f"  save_interval: {SAVE_EVERY}\n  keep_checkpoints: 2\n" + training
     )
     return str(path)
 
@@ -236,8 +237,9 @@ def test_another_data_parallel_size_reshards_stage_3_and_refuses_stage_1(referen
 
 
 def test_a_save_in_the_background_lets_training_go_on_and_a_kill_during_it_resumes_from_the_one_before(
-        reference, resume_env, artifact_root, cluster):
-    """Stage 3 with ``training.async_save`` (the default). After the first checkpoint node 1's
+        reference, resume_env, artifact_root, cluster, tmp_path):
+    """Stage 3 with ``training.async_save: true`` (on CPU too: the default writes in the background on
+    GPUs only; the same data set otherwise, so the run never stopped is the reference). After the first checkpoint node 1's
     link to the file server alone is held to 2 Mbit/s: its 7 MB part of the next checkpoint takes
     about 30 s to write, about 80 steps of this model. That is the user's case scaled: a node's
     112 GB share of a Qwen3-32B checkpoint at 1 GB/s takes two minutes, through which steps of
@@ -249,6 +251,7 @@ def test_a_save_in_the_background_lets_training_go_on_and_a_kill_during_it_resum
     stage = 3
     data, expected_for = reference
     expected = expected_for(stage)
+    data = write_resume_data_set(tmp_path / "background.yaml", "  async_save: true\n")
     run = "background_save_z3"
     env = {**resume_env, "ZERO_STAGE": str(stage), "MAX_RESTARTS": "1"}
     checkpoints = artifact_root / "runs" / run / "checkpoints"

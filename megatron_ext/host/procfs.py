@@ -18,26 +18,28 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def process_start_time(pid: int) -> int | None:
-    """When ``pid`` started, in clock ticks since boot (/proc/PID/stat field 22); None when it is gone."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat from field 3 (the state) on, None when the process is gone. The command name
+    (field 2) may hold spaces and parentheses: the split is after the last ')'."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
-    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = stat[stat.rindex(")") + 2:].split()
-    if fields[0] == "Z":  # a zombie has ended
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def process_start_time(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (/proc/PID/stat field 22); None when it is gone."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] == "Z":  # a zombie has ended
         return None
     return int(fields[19])
 
 
 def parent_pid(pid: int) -> int | None:
     """The parent of ``pid`` (/proc/PID/stat field 4), None when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    return int(stat[stat.rindex(")") + 2:].split()[1])
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[1])
 
 
 def process_environ(pid: int) -> dict[str, str]:

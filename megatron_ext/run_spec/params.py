@@ -207,16 +207,22 @@ class TrainingParams:
     checkpoint exists resumes from the latest one."""
     keep_checkpoints: int = 2
     """Checkpoints kept on disk (the newest ones); older ones are removed after each save."""
-    async_save: bool = True
+    async_save: bool | Literal["gpu"] = "gpu"
     """Each save written in the background, training waiting only for the state's copy to host
-    memory. This program: torch.distributed.checkpoint's ``async_save`` (CPU) or megatron-core's
-    asynchronous torch_dist save with its persistent worker (CUDA stages 0-1; CUDA stages 2-3 save
-    synchronously: torch.distributed.checkpoint's stager cannot copy Megatron-FSDP's state), the
-    checksums from the writer's thread, committed (renamed into place, ``latest`` moved) at the
-    first step after every rank's part is on disk; the last save of a run and a save on request
-    are waited for. ENGINE=megatron-lm at stages 0-1: ``--async-save`` with its persistent
+    memory. This program: megatron-core's asynchronous torch_dist save with its persistent worker
+    (CUDA stages 0-1; stages 2-3 save synchronously: torch.distributed.checkpoint's stager cannot
+    copy Megatron-FSDP's state) or, on CPU, torch.distributed.checkpoint's ``async_save`` in a
+    thread; the checksums from the writer, committed (renamed into place, ``latest`` moved) at the
+    first step after every rank's part is on disk; the last save of a run and a save on request are
+    waited for. ``gpu`` (the default): in the background on GPUs, before training goes on on CPU,
+    where the writer takes the ranks' cores (measured slower overall: benchmarks/results.md); true:
+    on CPU too. ENGINE=megatron-lm at stages 0-1 (true or gpu): ``--async-save`` with its persistent
     checkpoint worker, ``--async-strategy mcore`` where the release has the flag (torch_dist only,
     Megatron-LM's own limit). false: synchronous saves (docs/faults.md, "Checkpoints and resume")."""
+
+    def saves_in_background(self, on_cuda: bool) -> bool:
+        """Whether this program writes a save in the background (:attr:`async_save`) on this device."""
+        return self.async_save is True or (self.async_save == "gpu" and on_cuda)
     zero_stage: int = 0
     """ZeRO stage 0-3 (ZERO_STAGE in the environment overrides it)."""
     engine: EngineName = MEGATRON_CORE.name

@@ -490,9 +490,10 @@ class Pretrain:
         meta = CheckpointMeta(iteration=iteration, consumed_samples=iteration * t.global_batch_size,
                               world_size=self.ranks.world_size, zero_stage=t.zero_stage,
                               global_batch_size=t.global_batch_size, device=Device.of(self.on_cuda))
+        background = t.saves_in_background(self.on_cuda)
         self.pending_save = checkpoint.begin_save(self.trainer, self.paths.checkpoints_dir, meta, t.keep_checkpoints,
-                                                  background=t.async_save)
-        if wait or not t.async_save:
+                                                  background=background)
+        if wait or not background:
             self.finish_save(blocking=True)
 
     def finish_save(self, blocking: bool) -> None:

@@ -22,7 +22,6 @@ from typing import Mapping, Sequence
 from megatron_ext.run_spec.errors import FINAL
 from megatron_ext.run_spec.resilience import ResilienceParams
 from orchestration.node.run_state import AttemptRecord, RunState
-from orchestration.node.watchdog import Hang
 
 
 class Evidence(enum.IntEnum):
@@ -90,19 +89,6 @@ class Decision:
     exclusion: str = ""
     """Who is left out and why, and evidence not acted on (node 0 named; RESTART_EXCLUDE=0): the
     ledger's and the log's words."""
-
-    @property
-    def next_attempt(self) -> int | None:
-        return self.attempt + 1 if self.restart else None
-
-
-@dataclass(frozen=True)
-class HangClaim(Hang):
-    """The first node whose watchdog found a rank past its limit in an attempt (its
-    :class:`~orchestration.node.watchdog.Hang`, and when it was claimed, by its own clock: shown,
-    never compared)."""
-
-    claimed_at: float
 
 
 # -- the decision (pure) ----------------------------------------------------------------------------

@@ -46,7 +46,7 @@ import time
 from typing import Callable, Iterable, Protocol, Sequence, TypeVar
 
 from megatron_ext.run_spec.convert import structure, unstructure
-from orchestration.node.attempts import AttemptEnd, Decision, HangClaim
+from orchestration.node.attempts import AttemptEnd, Decision
 from orchestration.node.exclusion import Exclusion
 from orchestration.node.resume_point import ResumePoint
 from orchestration.node.watchdog import Hang, RankReport
@@ -240,12 +240,13 @@ class Board:
         """The attempt's first failure, whole (its first line says what failed first)."""
         return self._get(f"a{attempt}/failure")
 
-    def claim_hang(self, attempt: int, hang: Hang, claimed_at: float) -> bool:
-        return self._claim(f"a{attempt}/hang", json.dumps({**unstructure(hang), "claimed_at": claimed_at}))
+    def claim_hang(self, attempt: int, hang: Hang) -> bool:
+        """The first node whose watchdog found a rank past its limit in the attempt claims it."""
+        return self._claim(f"a{attempt}/hang", json.dumps(unstructure(hang)))
 
-    def hang_claim(self, attempt: int) -> HangClaim | None:
+    def hang_claim(self, attempt: int) -> Hang | None:
         raw = self._get(f"a{attempt}/hang")
-        return structure(HangClaim, json.loads(raw)) if raw else None
+        return structure(Hang, json.loads(raw)) if raw else None
 
     def write_report(self, attempt: int, reports: Sequence[RankReport]) -> None:
         """This node's ranks once a hang is claimed (their dumps are files beside, for people)."""

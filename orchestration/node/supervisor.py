@@ -77,7 +77,7 @@ from orchestration.node.run_state import (HEARTBEAT_S, RECORD_WRITE_S, NodeExit,
 from orchestration.node.run_state import begin_attempt, end_attempt, read_ledger, write_pid_file
 from orchestration.node.wire import NodePlan, decode_payload
 from orchestration.node.flight_recorder import StuckCollective, read_flight_recorders, stuck_collective
-from orchestration.node.watchdog import Watchdog, dump_node, find_suspects, worker_pids
+from orchestration.node.watchdog import Hang, Watchdog, dump_node, find_suspects, worker_pids
 
 log = logging.getLogger(__name__)
 
@@ -440,7 +440,7 @@ class Supervisor:
         claim = self.board.hang_claim(self.attempt)
         if claim is None:
             found = watchdog.check(time.time())  # this machine's clock against its own ranks' reports
-            if found is not None and self.board.claim_hang(self.attempt, found, time.time()):
+            if found is not None and self.board.claim_hang(self.attempt, found):
                 self.say(f"hang: {found.detail}; dumping every rank's stack")
             return reported
         if self._hang_seen is None:
@@ -860,7 +860,7 @@ class Supervisor:
         return None
 
 
-def hang_summary(paths: RunPaths, attempt: int, claim: attempts.HangClaim, reports: dict) -> str:
+def hang_summary(paths: RunPaths, attempt: int, claim: Hang, reports: dict) -> str:
     """The failure file of a hung attempt: who (the suspects), where, for how long, the collective
     the ranks hung in (torch's flight-recorder analyser: node/flight_recorder.py), and the dumps."""
     everyone = [r for rs in reports.values() if rs for r in rs]

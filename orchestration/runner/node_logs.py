@@ -239,7 +239,7 @@ class Window:
 
 
 def find_window(source: LogSource, size: int, last: Chunk | None, lines: int | None, since: float | None,
-                offset_s: float, keeps: Callable[[str, int | None, str], bool]) -> Window:
+                offset_s: float, keeps: Callable[[int | None, str], bool]) -> Window:
     """Back from ``size``, block by block (``last``: the end already read), to the line where the
     window starts: the ``lines``-th line from the end that ``keeps`` takes, or the last line older
     than ``since`` (its key seeds the next ones'); the log's start otherwise."""
@@ -278,7 +278,7 @@ def find_window(source: LogSource, size: int, last: Chunk | None, lines: int | N
                 if t is not None and t - offset_s < since:
                     window.start = start
                     return window
-            if lines is not None and keeps(who, rank, text):
+            if lines is not None and keeps(rank, text):
                 count += 1
                 if count >= lines:
                     window.start = start
