@@ -279,12 +279,13 @@ def test_the_busy_clock_counts_sleep_as_waiting_and_a_gap_as_busy(monkeypatch):
         helper.join()
 
     waiting = sampled(lambda: threading.Event().wait(0.6))
-    assert [s for s, _, _ in waiting].count("S") >= len(waiting) - 2, waiting  # the main thread (not the sampler), but at the edges
+    edges = 4  # starting and joining the work: up to two samples at each end see the main thread run
+    assert [s for s, _, _ in waiting].count("S") >= len(waiting) - edges, waiting  # the main thread (not the sampler)
     assert all(cpu < IDLE_CPU_SHARE * elapsed for state, elapsed, cpu in waiting if state == "S"), waiting  # idle
     running = sampled(compute)  # running or runnable; asleep at times on the GIL the sampler holds
     assert "R" in {s for s, _, _ in running} and sum(cpu for _, _, cpu in running) > 0.1, running
     computing = sampled(helped)
-    assert [s for s, _, _ in computing].count("S") >= len(computing) - 2, computing
+    assert [s for s, _, _ in computing].count("S") >= len(computing) - edges, computing
     assert sum(cpu for _, _, cpu in computing) > 0.1, computing  # the helper's CPU is the process's
 
 
