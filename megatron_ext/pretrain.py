@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        eager_jit_fuser()  # the same decision as the loop's on_cuda, before megatron-core is imported
+        eager_jit_fuser()  # device_paths.device_path's decision, before megatron-core is imported
     from megatron_ext.training.trainers import NonFiniteGradients
 
     try:

@@ -1,4 +1,4 @@
-"""``python -m orchestration``: the launcher's commands (orchestration/cli.py), and the node
+"""``python -m orchestration``: the launcher's commands (orchestration/cli/), and the node
 commands the launcher sends (``node-*``: orchestration/node/commands.py, which loads nothing of
 the launcher side)."""
 

@@ -22,6 +22,7 @@ from conftest import free_port
 from megatron_ext.run_spec.resilience import Phase
 from orchestration.node.attempts import AttemptEnd, Decision, Evidence, choose_failure
 from orchestration.node.board import Board, BoardUnreachable, DeadlineStore, MemoryStore, open_stores
+from orchestration.node.failure import Failure, FailureKind
 from orchestration.node.liveness import Liveness
 from orchestration.node.wire import coordination_port
 from orchestration.node.run_state import RunState
@@ -66,9 +67,10 @@ class Clock:
 def test_the_first_failure_and_the_first_hang_win(stores):
     node0, node1 = (Board(s, rank) for rank, s in enumerate(stores))
     assert node0.failure(1) is None
-    assert node1.claim_failure(1, "node 1 failed: rank 3\nlast lines")
-    assert not node0.claim_failure(1, "node 0 failed: connection closed")
-    assert node0.failure(1) == node1.failure(1) == "node 1 failed: rank 3\nlast lines"
+    failed = Failure(FailureKind.FAILED, 1, "node 1 failed: rank 3\nlast lines", rank=3)
+    assert node1.claim_failure(1, failed)
+    assert not node0.claim_failure(1, Failure(FailureKind.LOST, 1, "node 1 lost: ...\n"))
+    assert node0.failure(1) == node1.failure(1) == failed and failed.summary == "node 1 failed: rank 3"
     assert node0.failure(2) is None  # each attempt has its own
     hang = Hang(node_rank=1, rank=3, phase=Phase.STEP, iteration=7, elapsed_s=40.0, limit_s=30.0,
                 detail="rank 3 in forward for 40 s")
@@ -81,8 +83,8 @@ def test_the_first_failure_and_the_first_hang_win(stores):
 
 def test_ends_decisions_ready_and_roster_cross(stores):
     node0, node1 = (Board(s, rank) for rank, s in enumerate(stores))
-    end = AttemptEnd(node_rank=1, attempt=2, state=RunState.FAILED, reason="torchrun exit code 1", failure="whole\ntext",
-                     evidence=Evidence.RANK)
+    end = AttemptEnd(node_rank=1, attempt=2, state=RunState.FAILED, reason="torchrun exit code 1",
+                     failure=Failure(FailureKind.FAILED, 1, "whole\ntext"), evidence=Evidence.RANK)
     node1.write_end(end)
     assert node0.read_end(2, 1) == end and node0.read_end(2, 0) is None
     decision = Decision(attempt=2, restart=True, state=RunState.RESTARTING, reason="restart", backoff_s=1.0, members=(0, 1), lost=())
@@ -246,14 +248,16 @@ def test_node_0_records_the_failure_with_the_strongest_evidence():
     before it; a rank's own error beats a consequence; a hang's summary (no end carries it) stands
     against a consequence."""
     def end(rank, failure, evidence):
-        return AttemptEnd(node_rank=rank, attempt=1, state=RunState.FAILED, reason=failure, failure=failure, evidence=evidence)
+        return AttemptEnd(node_rank=rank, attempt=1, state=RunState.FAILED, reason=failure.summary, failure=failure,
+                          evidence=evidence)
 
-    peer = "node 0 (a) failed: rank 0: RuntimeError: Connection closed by peer"
-    share = "node 1 (b): the artifact root /x is unreachable: [Errno 107] Transport endpoint is not connected"
+    peer = Failure(FailureKind.FAILED, 0, "node 0 (a) failed: rank 0: RuntimeError: Connection closed by peer")
+    share = Failure(FailureKind.ROOT_UNREACHABLE, 1, "node 1 (b): the artifact root /x is unreachable: [Errno 107] ...")
     ends = {0: end(0, peer, Evidence.CONSEQUENCE), 1: end(1, share, Evidence.NODE)}
     assert choose_failure(peer, ends) == share
-    ends = {0: end(0, peer, Evidence.CONSEQUENCE), 1: end(1, "node 1 (b) failed: rank 1: ValueError: x", Evidence.RANK)}
-    assert choose_failure(peer, ends) == "node 1 (b) failed: rank 1: ValueError: x"
-    hang = "node 1 hung: rank 3 stopped"
+    own = Failure(FailureKind.FAILED, 1, "node 1 (b) failed: rank 1: ValueError: x", rank=1)
+    ends = {0: end(0, peer, Evidence.CONSEQUENCE), 1: end(1, own, Evidence.RANK)}
+    assert choose_failure(peer, ends) == own
+    hang = Failure(FailureKind.HUNG, 1, "node 1 hung: rank 3 stopped", rank=3)
     assert choose_failure(hang, {0: end(0, peer, Evidence.CONSEQUENCE), 1: None}) == hang
     assert choose_failure(None, {0: None}) is None

@@ -240,10 +240,11 @@ def test_node_0_picks_megatron_lm_s_newest_checkpoint_that_verifies(tmp_path):
 
 
 def test_an_attempt_names_node_0_s_choice():
-    from orchestration.node.wire import CheckpointChoice, NodePlan
+    from orchestration.node.wire import CheckpointChoice, NodePlan, torchrun_argv
 
-    plan = NodePlan(run="r", run_id="r-1", node_rank=1, host="n1",
-                    argv=("torchrun", "--nnodes", "2", "--node-rank", "1", "pretrain_gpt.py"), env={}, unset=(),
+    rendezvous = dict(nnodes=2, nproc_per_node=1, master_addr="n0", master_port=6000)
+    plan = NodePlan(run="r", run_id="r-1", node_rank=1, host="n1", **rendezvous,
+                    argv=torchrun_argv("python", ("pretrain_gpt.py",), node_rank=1, **rendezvous), env={}, unset=(),
                     cwd=".", log_path="log", pid_path="pid", resume_args=("--load", "/c"),
                     checkpoint_choice=CheckpointChoice(integrity_args=("--verify-integrity",)))
     assert plan.attempt_argv(True, None, ResumePoint(6, False))[-4:] == ("--load", "/c", "--ckpt-step", "6")

@@ -295,7 +295,9 @@ def test_the_failure_line_names_the_first_cause_whichever_rank_it_was_on():
         "rank 0: ModuleNotFoundError: No module named 'megatron.core.datasets.helpers_cpp' (torchrun: rank 1: "), reason
     from orchestration.node.failure import failure_summary
 
-    first = failure_summary(0, "node0", 1, DEAD_WORLD_LOG).splitlines()[0]
+    failure = failure_summary(0, "node0", 1, DEAD_WORLD_LOG)
+    assert (failure.kind, failure.node, failure.rank) == ("failed", 0, 1)  # torchrun's root cause: rank 1 exited first
+    first = failure.summary
     assert first == ("node 0 (node0) failed: torchrun exit code 1; rank 1 exited first; the cause, on rank 0: "
                      "ModuleNotFoundError: No module named 'megatron.core.datasets.helpers_cpp'"), first
     # The other way round (the peer's error printed first): still the import error.

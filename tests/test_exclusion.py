@@ -28,6 +28,7 @@ from orchestration.node import exclusion
 from orchestration.node.attempts import AttemptEnd, Decision, Evidence, decide
 from orchestration.node.board import Board, MemoryStore
 from orchestration.node.exclusion import Charge, Exclusion, choose_exclusion
+from orchestration.node.failure import Failure, FailureKind
 from orchestration.node.gpu_health import GpuHealth, gpu_bus_ids, nvidia_smi_findings, xid_findings
 from orchestration.node.run_state import AttemptRecord, RunState, begin_attempt, end_attempt, left_out_nodes, read_ledger
 from orchestration.node.watchdog import RankReport, find_suspects
@@ -51,17 +52,18 @@ def _report(rank: int, node: int, state="S") -> RankReport:
 # -- the evidence ---------------------------------------------------------------------------------------
 
 def test_a_hang_names_its_suspects_node_and_a_failure_its_own_node_not_the_peers():
-    stopped = find_suspects([_report(0, 0), _report(1, 0), _report(2, 1), _report(3, 1, "T")])
-    assert exclusion.suspect_nodes(True, stopped, {}, None) == (1,)
-    alike = find_suspects([_report(0, 0), _report(1, 1)])  # every rank waits in a collective: no one singled out
-    assert not alike.named and exclusion.suspect_nodes(True, alike, {}, None) == ()
-    own = AttemptEnd(node_rank=2, attempt=1, state=RunState.FAILED, reason="r", failure="node 2 failed: rank 5\n",
-                     evidence=Evidence.RANK)
-    peer = AttemptEnd(node_rank=1, attempt=1, state=RunState.FAILED, reason="r", failure="Connection closed by peer\n",
-                      evidence=Evidence.CONSEQUENCE)
+    hang = Failure(FailureKind.HUNG, 1, "node 1 hung: rank 3 stopped\n", rank=3)
+    stopped = [_report(0, 0), _report(1, 0), _report(2, 1), _report(3, 1, "T")]
+    assert exclusion.suspect_nodes(hang, stopped, {}) == (1,)
+    alike = [_report(0, 0), _report(1, 1)]  # every rank waits in a collective: no one singled out
+    assert not find_suspects(alike).named and exclusion.suspect_nodes(hang, alike, {}) == ()
+    own = AttemptEnd(node_rank=2, attempt=1, state=RunState.FAILED, reason="r", evidence=Evidence.RANK,
+                     failure=Failure(FailureKind.FAILED, 2, "node 2 failed: rank 5\n", rank=5))
+    peer = AttemptEnd(node_rank=1, attempt=1, state=RunState.FAILED, reason="r", evidence=Evidence.CONSEQUENCE,
+                      failure=Failure(FailureKind.FAILED, 1, "Connection closed by peer\n"))
     ends = {0: None, 1: peer, 2: own}
-    assert exclusion.suspect_nodes(False, None, ends, own.failure) == (2,)
-    assert exclusion.suspect_nodes(False, None, ends, peer.failure) == ()  # a consequence names no one
+    assert exclusion.suspect_nodes(own.failure, stopped, ends) == (2,)  # not a hang: the reports name no one
+    assert exclusion.suspect_nodes(peer.failure, [], ends) == ()  # a consequence names no one
 
 
 def test_the_same_node_named_by_two_attempts_in_a_row_of_this_start_is_charged():

@@ -394,7 +394,7 @@ def test_the_shipped_flag_table_is_megatron_lm_core_v0_16_1s():
 def _run_command(argv, tmp_path, **env):
     args = cli.build_parser().parse_args(["import-megatron-args", *argv])
     launch = read_launch_env(env, 0, None, sys.executable, str(tmp_path))
-    return cli.cmd_import_megatron_args(args, launch)
+    return cli.run_command(args, launch)
 
 
 def test_the_command_refuses_to_overwrite_and_dry_run_writes_nothing(tmp_path, capsys):

@@ -281,7 +281,8 @@ def test_dry_run_prints_the_plan_and_one_json_line_per_node_and_starts_nothing(t
     assert header["plan"]["settled"] is False  # node0 and node1 do not resolve here: nobody answered
     assert "did not answer the preflight" in proc.stderr
     assert [(l["node_rank"], l["host"]) for l in lines] == [(0, "node0"), (1, "node1")]
-    assert set(lines[0]) == {"run", "run_id", "node_rank", "host", "argv", "env", "unset", "cwd", "log_path", "pid_path",
+    assert set(lines[0]) == {"run", "run_id", "node_rank", "host", "nnodes", "nproc_per_node", "master_addr", "master_port",
+                             "argv", "env", "unset", "cwd", "log_path", "pid_path",
                              "engine", "resilience", "first_attempt", "save_signal", "secret_names", "per_attempt",
                              "resets_run_state", "resume_args", "checkpoint_choice", "hosts", "first_members", "rejoin",
                              "restart_exclude"}
@@ -290,6 +291,7 @@ def test_dry_run_prints_the_plan_and_one_json_line_per_node_and_starts_nothing(t
     assert key not in proc.stdout + proc.stderr and token not in proc.stdout + proc.stderr
     assert lines[0]["resilience"]["max_restarts"] == 0 and lines[0]["first_attempt"] == 1
     argv = lines[1]["argv"]
+    assert (lines[1]["nnodes"], lines[1]["env"]["NNODES"], argv[argv.index("--nnodes") + 1]) == (2, "2", "2")  # one value
     assert argv[argv.index("--zero-stage") + 1] == "3" and lines[1]["env"]["GLOO_SOCKET_IFNAME"] == "eth0"
     assert lines[1]["env"]["ARTIFACT_ROOT"] == str(tmp_path) and lines[1]["unset"] == ["CUDA_DEVICE_MAX_CONNECTIONS"]
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written, the preflight's token removed
@@ -356,7 +358,7 @@ def test_a_heartbeat_record_that_stops_changing_ends_its_node_after_the_margin()
     stopped at 7 (its supervisor SIGKILLed); node 1 is alive until its counter has been still for
     the margin, then failed with the reason, and the wait's end is a failure."""
     from orchestration.node.run_state import Heartbeat, RunState
-    from orchestration.runner.control import RunEnd, end_exit_code
+    from orchestration.runner.control import RunEnd
     from orchestration.runner.record_beats import RecordBeats
 
     beats = RecordBeats(run_id="start2", since=100.0, silence_s=90.0)
@@ -371,7 +373,7 @@ def test_a_heartbeat_record_that_stops_changing_ends_its_node_after_the_margin()
                               "(killed, e.g. by the out-of-memory killer), or its machine or its share is gone")
     end = RunEnd({1: judged[1]}, silent=silent)
     assert end.describe().startswith("node1 failed; node 1's supervisor has not updated its record for 192 s")
-    assert end_exit_code(end.states) == 1
+    assert end.exit_code == 1
 
 
 def test_only_this_start_s_record_is_a_sign_of_life():

@@ -796,7 +796,7 @@ Root Cause (first observed failure):
 
 
 def test_a_megatron_lm_rank_s_error_is_the_failure_s_reason():
-    first = failure_summary(0, "n0", 1, MEGATRON_LM_RANK_ERROR).splitlines()[0]
+    first = failure_summary(0, "n0", 1, MEGATRON_LM_RANK_ERROR).summary
     assert first == ("node 0 (n0) failed: torchrun exit code 1; rank 1: NameError: name 'TESpecProvider' is not "
                      "defined. Did you mean: 'LocalSpecProvider'?")
 

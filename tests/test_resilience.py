@@ -133,15 +133,17 @@ def test_a_node_brought_back_is_taken_at_the_next_restart_and_not_counted():
 
 
 def test_an_attempt_on_fewer_nodes_runs_the_plan_on_those():
-    from orchestration.node.wire import NodePlan
+    from orchestration.node.wire import NodePlan, torchrun_argv
 
-    plan = NodePlan(run="r", run_id="r-1", node_rank=2, host="c", argv=("python", "-m", "torch.distributed.run", "--nnodes", "3",
-                                        "--node-rank", "2", "--nproc-per-node", "2", "-m", "megatron_ext.pretrain"),
+    rendezvous = dict(nnodes=3, nproc_per_node=2, master_addr="a", master_port=6000)
+    plan = NodePlan(run="r", run_id="r-1", node_rank=2, host="c", **rendezvous,
+                    argv=torchrun_argv("python", ("-m", "megatron_ext.pretrain"), node_rank=2, **rendezvous),
                     env={"NNODES": "3", "NODE_RANK": "2", "LAUNCHER_ATTEMPT": "1"}, unset=(), cwd="/", log_path="l", pid_path="p",
                     per_attempt={"LAUNCHER_ATTEMPT": "..."}, resume_args=("--load", "/ckpt"))
     argv = plan.attempt_argv(True, (0, 2))
-    assert argv[argv.index("--nnodes") + 1] == "2" and argv[argv.index("--node-rank") + 1] == "1"
-    assert argv[-2:] == ("--load", "/ckpt") and plan.attempt_argv(False) == plan.argv
+    assert argv == (*torchrun_argv("python", ("-m", "megatron_ext.pretrain"), **{**rendezvous, "nnodes": 2}, node_rank=1),
+                    "--load", "/ckpt")
+    assert plan.attempt_argv(False) == plan.argv and plan.attempt_argv(False, (0, 1, 2)) == plan.argv
     env = plan.process_environment({}, 3, (0, 2))
     assert (env["NNODES"], env["NODE_RANK"], env["LAUNCHER_ATTEMPT"]) == ("2", "1", "3")
 

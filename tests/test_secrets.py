@@ -62,8 +62,8 @@ def test_a_start_names_secrets_and_sends_their_values_on_standard_input_only(tmp
 
 
 def test_the_node_takes_the_values_from_its_standard_input_or_its_own_environment():
-    plan = NodePlan(run="r", run_id="r-1", node_rank=1, host="n1", argv=("torchrun",), env={}, unset=(), cwd="/", log_path="l",
-                    pid_path="p", secret_names=("HF_TOKEN", "WANDB_API_KEY"))
+    plan = NodePlan(run="r", run_id="r-1", node_rank=1, host="n1", nnodes=2, nproc_per_node=1, master_addr="n0", master_port=6000,
+                    argv=("torchrun",), env={}, unset=(), cwd="/", log_path="l", pid_path="p", secret_names=("HF_TOKEN", "WANDB_API_KEY"))
     line = '{"secrets": {"HF_TOKEN": "t1", "WANDB_API_KEY": "k1", "EXTRA_KEY": "x"}}\n'
     assert receive_secrets(plan, line, {}) == {"HF_TOKEN": "t1", "WANDB_API_KEY": "k1"}
     assert receive_secrets(plan, "", {"HF_TOKEN": "t2", "WANDB_API_KEY": "k2"}) == {"HF_TOKEN": "t2", "WANDB_API_KEY": "k2"}

@@ -32,14 +32,12 @@ def _arrays(id_lists: Iterable[list[int]], dtype: str) -> list[np.ndarray]:
     return [np.asarray(ids, dtype=dtype) for ids in id_lists]
 
 
-class _Identified:
-    """megatron-core's dataset cache keys read ``unique_identifiers`` off the tokenizer."""
-
-    def _identify(self, path: str | None, **options) -> None:
-        self.unique_identifiers = {"class": type(self).__name__, "tokenizer_path": [str(path)], **options}
+def _identifiers(tokenizer, path: str | Path | None, **options) -> dict:
+    """The tokenizer's ``unique_identifiers``, which megatron-core's dataset cache keys read off it."""
+    return {"class": type(tokenizer).__name__, "tokenizer_path": [str(path)], **options}
 
 
-class SentencePieceTokenizer(_Identified):
+class SentencePieceTokenizer:
     def __init__(self, model_path: str | Path):
         import sentencepiece
 
@@ -50,7 +48,7 @@ class SentencePieceTokenizer(_Identified):
         self.vocab_size = self._sp.get_piece_size()
         self.eod = self._sp.eos_id()
         self.pad = -1
-        self._identify(model_path)
+        self.unique_identifiers = _identifiers(self, model_path)
 
     def tokenize(self, text: str) -> list[int]:
         return self._sp.encode(text)
@@ -105,7 +103,7 @@ def configured_token(directory: Path, key: str) -> str | None:
     return None
 
 
-class HuggingFaceTokenizer(_Identified):
+class HuggingFaceTokenizer:
     """A Hugging Face fast tokenizer (``tokenizer.json``) through the ``tokenizers`` package, as
     Megatron-LM's default tokenizer system (``megatron.core.tokenizers``, core_v0.16) uses it:
     text -> tokens without special tokens (``tokenizer.tokenize`` + ``convert_tokens_to_ids``), the
@@ -142,7 +140,7 @@ class HuggingFaceTokenizer(_Identified):
             )
         self.eod = eod
         self.pad = -1
-        self._identify(json_path)
+        self.unique_identifiers = _identifiers(self, json_path)
 
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -160,7 +158,7 @@ class HuggingFaceTokenizer(_Identified):
         return self._tok.decode(ids)
 
 
-class NullTokenizer(_Identified):
+class NullTokenizer:
     """Megatron-LM's NullTokenizer: ids are the text's integers; eod = vocab_size."""
 
     def __init__(self, vocab_size: int):
@@ -168,7 +166,7 @@ class NullTokenizer(_Identified):
         self.vocab_size = vocab_size + 1
         self.eod = vocab_size
         self.pad = -1
-        self._identify(None, vocab_size=vocab_size)
+        self.unique_identifiers = _identifiers(self, None, vocab_size=vocab_size)
 
     def tokenize(self, text: str) -> list[int]:
         return [int(x) for x in text.split()]

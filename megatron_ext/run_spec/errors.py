@@ -19,6 +19,19 @@ it again to resume."""
 EXIT_GAVE_UP = 93
 """The restart breaker ended the run: attempts in a row made no progress. Requeueing it would loop
 (NVIDIA's fault-tolerance launcher uses the same code for "do not requeue")."""
+EXIT_STOPPED = 130
+"""A launcher command waiting on a run was stopped: a sweep (Ctrl-C, SIGTERM, or stop PREFIX), or
+``train`` by Ctrl-C."""
+
+
+class Outcome:
+    """A launcher result whose ``ok`` decides its command's exit code: 0, else :data:`EXIT_NODE_FAILED`."""
+
+    ok: bool
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_OK if self.ok else EXIT_NODE_FAILED
 
 
 FINAL = "a restart would meet the same"

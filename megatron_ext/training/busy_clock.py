@@ -139,6 +139,3 @@ class EventBusyClock:
         self.events = []
         return total
 
-
-def busy_clock(cuda: bool) -> SampledBusyClock | EventBusyClock:
-    return EventBusyClock() if cuda else SampledBusyClock()

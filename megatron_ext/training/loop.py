@@ -2,10 +2,11 @@
 
     torchrun --nproc-per-node 2 -m megatron_ext.pretrain --model gpt_smoke --data smoke
 
-:class:`Pretrain` takes everything resolved before a process group exists (:class:`RunInputs`)
-and runs it: :meth:`Pretrain.set_up` (device, process group, megatron's parallel state, seeds),
-:meth:`Pretrain.build` (the data and the resume point, both decided by rank 0 and told to every rank
-over the network: training/agreement.py; model, trainer for the ZeRO stage, datasets), :meth:`Pretrain.train_step`
+:class:`Pretrain` takes everything resolved before a process group exists (:class:`RunInputs`; its
+device path, chosen once: training/device_paths.py) and runs it: :meth:`Pretrain.set_up` (process
+group, megatron's parallel state, seeds), :meth:`Pretrain.build` (the data and the resume point, both
+decided by rank 0 and told to every rank over the network: training/agreement.py; model, trainer for
+the ZeRO stage, datasets: one :class:`Built`, handed to the steps), :meth:`Pretrain.train_step`
 (micro-batches with gradient accumulation, clip, optimizer step), :meth:`Pretrain.log` (at log
 intervals only: one collective gathers the loss and every rank's memory figures; rank 0 writes
 the metrics record and TensorBoard, the last rank W&B when WANDB_PROJECT is set, every node's local
@@ -23,6 +24,7 @@ import math
 import os
 import socket
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,10 +32,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megatron_ext.host.devices import Device
 from megatron_ext.run_spec.errors import UserError
-from megatron_ext.run_spec.flops import (bf16_share_under_fp8, describe_mfu_peak, flops_per_token, padded_vocab_size,
-                                         peak_tflops_for, tflops_per_gpu)
+from megatron_ext.run_spec.flops import flops_per_token, padded_vocab_size, tflops_per_gpu
 from megatron_ext.run_spec.fp8 import fp8_config_fields, fp8_problem
 from megatron_ext.run_spec.iteration_log import (
     IterationRecord, MetricsWriter, format_iteration_line, format_progress_line,
@@ -45,14 +45,17 @@ from megatron_ext.run_spec.resilience import (PERSIST_SHARE, Phase, SLOW_RANK_CL
                                              slow_ranks, still_slow, window_of)
 from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.run_spec.wandb_run import WandbSettings
-from megatron_ext.run_spec.zero import ZeroStage
-from megatron_ext.training.busy_clock import busy_clock
+from megatron_ext.training.device_paths import device_path
 from megatron_ext.training.manual_gc import ManualGc
 from megatron_ext.training.progress import ProgressReporter, SaveRequest
-from megatron_ext.training.trainers import NonFiniteGradients
+from megatron_ext.training.trainers import NonFiniteGradients, Trainer
 
 if TYPE_CHECKING:
-    from megatron_ext.training.checkpoint import PendingSave
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+    from torch.utils.tensorboard import SummaryWriter
+
+    from megatron_ext.training.checkpoint import PendingSave, ResumeChoice
+    from megatron_ext.training.wandb_log import WandbWriter
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,19 +163,38 @@ class _Interval:
     """Skipped iterations whose loss was NaN or infinite (Megatron's "number of nan iterations")."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Built:
+    """What :meth:`Pretrain.build` makes once the process group exists, handed to the steps that use
+    it (as Megatron-LM's ``train`` and ``train_step`` take the model, optimizer and data iterators)."""
+
+    trainer: Trainer
+    train_ds: GPTDataset
+    valid_ds: GPTDataset
+    start_iteration: int
+    """The iteration of the checkpoint resumed (0: a fresh start)."""
+    flops_per_iteration: float
+    writer: MetricsWriter | None
+    """Rank 0's (the TensorBoard events' too; W&B's: the last rank's, where set)."""
+    tensorboard: SummaryWriter | None
+    wandb: WandbWriter | None
+
+
 class Pretrain:
     def __init__(self, inputs: RunInputs):
         self.inputs = inputs
         self.params, self.geometry, self.ranks, self.paths = inputs.params, inputs.geometry, inputs.ranks, inputs.paths
-        self.t = self.params.training
-        self.on_cuda = torch.cuda.is_available()
-        self.device = torch.device("cuda", self.ranks.local_rank) if self.on_cuda else torch.device("cpu")
-        self.progress = ProgressReporter(self.ranks.progress_dir, self.ranks.rank, self.ranks.local_rank, self.ranks.attempt)
+        self.t, r = self.params.training, inputs.ranks
+        self.device_path = device_path(r.local_rank, cpu_threads(r.omp_num_threads, os.cpu_count(), r.local_world_size))
+        self.progress = ProgressReporter(r.progress_dir, r.rank, r.local_rank, r.attempt)
         self.save_request = SaveRequest(self.progress.enabled)
         self.pending_save: PendingSave | None = None
         """The save still being written in the background (training.async_save), if any."""
+        self.prefetched: tuple[tuple, Future] | None = None
+        """The next micro-batch, read on the reader's thread (the CUDA path): (dataset, first sample, micro step), its read."""
+        self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")  # no thread until the first read
         self.gc = ManualGc(self.t.manual_gc, self.t.manual_gc_interval)
-        self.busy_clock = busy_clock(self.on_cuda)
+        self.busy_clock = self.device_path.busy_clock()
         self.busy_intervals: list[BusyInterval] = []
         """Every rank's busy time, one entry per log interval after a start's first, the last
         training.resilience.slow_rank_window_s seconds of them."""
@@ -180,138 +202,92 @@ class Pretrain:
         self.slow_for_s: dict[int, float] = {}
         """Seconds of steps each rank over the ratio has stayed so (named at PERSIST_SHARE of the window)."""
         self.rank_hosts: list[str] | None = None
-        self.warm_up_note: str | None = None
-        """The fused kernels compiled before the first step (CUDA): what and how long."""
 
     # -- set up ---------------------------------------------------------------------------------
     def set_up(self) -> None:
-        """Process group (NCCL or gloo), megatron's TP=1/PP=1 parallel state, RNG, threads."""
-        from megatron.core import parallel_state
-
-        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S[Device.of(self.on_cuda)])
-        if self.on_cuda:
-            torch.cuda.set_device(self.ranks.local_rank)
-        self.check_fp8()  # before any process group: every rank refuses alike, rank 0 says why
-        if self.on_cuda:
-            dist.init_process_group("nccl", device_id=self.device, timeout=timeout)
-        else:
-            dist.init_process_group("gloo", timeout=timeout)
-        # On CPU the world group is gloo already: no second set of gloo groups.
-        parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=self.on_cuda)
-        self.save_request.open_group(self.on_cuda)
-        if self.on_cuda:
-            from megatron.core import tensor_parallel
-
-            tensor_parallel.model_parallel_cuda_manual_seed(self.t.seed)
-        else:
-            from megatron_ext.training.megatron_on_cpu import install_megatron_on_cpu
-
-            install_megatron_on_cpu(self.t.seed)
-            threads = cpu_threads(self.ranks.omp_num_threads, os.cpu_count(), self.ranks.local_world_size)
-            if threads is not None:
-                torch.set_num_threads(threads)
-        torch.manual_seed(self.t.seed)
-
-    def check_fp8(self) -> None:
-        """training.fp8 needs transformer-engine and FP8 tensor cores (run_spec/fp8.py)."""
+        """Process group (NCCL or gloo), megatron's TP=1/PP=1 parallel state, RNG (the device and
+        threads: chosen when constructed, training/device_paths.py)."""
         from megatron_ext.training.model import transformer_engine_version
 
-        capability = torch.cuda.get_device_capability(self.device) if self.on_cuda else None
-        problem = fp8_problem(self.t.fp8, transformer_engine_version() if self.t.fp8 else None, capability)
-        if problem:
+        # training.fp8 needs transformer-engine and FP8 tensor cores (run_spec/fp8.py): checked before any
+        # process group, every rank refuses alike, rank 0 says why
+        if problem := fp8_problem(self.t.fp8, transformer_engine_version() if self.t.fp8 else None, self.device_path.capability):
             raise UserError(problem)
+        self.device_path.join(datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S[self.device_path.kind]), self.t.seed)
+        self.save_request.open_group(self.device_path.on_cuda)
+        torch.manual_seed(self.t.seed)
 
     # -- build ----------------------------------------------------------------------------------
-    def build(self) -> None:
-        """Data, the model, its trainer for the ZeRO stage, the datasets, the FLOPs per step."""
+    def build(self) -> Built:
+        """Data, the model, its trainer for the ZeRO stage, the datasets, the FLOPs per step, the resume point."""
         from megatron_ext.training.agreement import agree_on_data, agree_on_resume
         from megatron_ext.training.datasets import build_datasets
         from megatron_ext.training.model import (build_gpt_model, choose_kernels, installed_megatron_core, model_vocab_size,
                                                  transformer_engine_version)
         from megatron_ext.training.hf_weights import load_hf_weights, restrict_logits
-        from megatron_ext.training.trainers import wrap_cpu
 
-        m, t = self.params.model, self.t
+        m, t, on = self.params.model, self.t, self.device_path
         self.progress.phase(Phase.PREPARE)  # as long as a corpus takes: no limit
         # Rank 0 prepares and tells the others over the network (training/agreement.py): no lock,
         # no file polled, no cache key computed on another node.
-        self.prepared = agree_on_data(self.params.data, self.paths.data_cache_dir, self.ranks.rank,
-                                      say=print if self.ranks.local_rank == 0 else None)
+        prepared = agree_on_data(self.params.data, self.paths.data_cache_dir, self.ranks.rank,
+                                 say=print if self.ranks.local_rank == 0 else None)
         self.progress.phase(Phase.SETUP)
         # Rank 0 reads `latest` and lists the checkpoints, every rank takes its choice: whether to
         # start from the initial weights below and, in resume(), which checkpoint to load.
-        self.resume_choice = agree_on_resume(self.paths.checkpoints_dir)
-        resuming = bool(self.resume_choice.candidates)
-        self.real_vocab = model_vocab_size(m, self.prepared.vocab_size)
-        self.vocab = padded_vocab_size(self.real_vocab, m.make_vocab_size_divisible_by)
-        self.kernels = choose_kernels(self.on_cuda, transformer_engine_version(), t.zero_stage,
-                                      grad_reduce_in_bf16=t.grad_reduce_in_bf16, tied_embeddings=m.tie_embeddings,
-                                      megatron_core=installed_megatron_core())
-        module = build_gpt_model(m, self.vocab, t.seq_length, params_dtype=torch.bfloat16 if self.on_cuda else torch.float32,
-                                 kernels=self.kernels,
+        resume_choice = agree_on_resume(self.paths.checkpoints_dir)
+        resuming = bool(resume_choice.candidates)
+        real_vocab = model_vocab_size(m, prepared.vocab_size)
+        vocab = padded_vocab_size(real_vocab, m.make_vocab_size_divisible_by)
+        kernels = choose_kernels(on.on_cuda, transformer_engine_version(), t.zero_stage, grad_reduce_in_bf16=t.grad_reduce_in_bf16,
+                                 tied_embeddings=m.tie_embeddings, megatron_core=installed_megatron_core())
+        module = build_gpt_model(m, vocab, t.seq_length, params_dtype=on.params_dtype, kernels=kernels,
                                  **fp8_config_fields(t.fp8, t.fp8_amax_history_len, t.fp8_amax_compute_algo))
-        restrict_logits(module, self.real_vocab, self.vocab)  # the loss over the real vocabulary (hf_weights.py)
+        restrict_logits(module, real_vocab, vocab)  # the loss over the real vocabulary (hf_weights.py)
         if m.hf_checkpoint and t.init == "pretrained" and not resuming:
-            load_hf_weights(module, m, hf_model_type(m), self.vocab)  # before any wrapper, on every rank
+            load_hf_weights(module, m, hf_model_type(m), vocab)  # before any wrapper, on every rank
             if self.ranks.rank == 0:
                 print(f"initialised from the Hugging Face weights in {m.hf_checkpoint}", flush=True)
         if t.init_checkpoint and not resuming:
             from megatron_ext.training.megatron_lm_weights import load_init_checkpoint
 
             load_init_checkpoint(module, t.init_checkpoint, m.name, announce=self.ranks.rank == 0)  # every rank
-        if self.on_cuda:
-            module.cuda()
-        if self.on_cuda:
-            from megatron_ext.training.cuda_trainer import wrap_cuda
-            from megatron_ext.training.model import warm_up_fusions
-
-            self.trainer = wrap_cuda(module, ZeroStage(t.zero_stage), t, self.device,
-                                     shard_one_rank=self.inputs.shard_one_rank)
-            warm_started = time.monotonic()  # before the first step's clock: out of step times and MFU
-            warmed = warm_up_fusions(m, self.kernels, t.seq_length, t.micro_batch_size, self.vocab, torch.bfloat16,
-                                     self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)  # the warm-up's logits are no step's peak
-            self.warm_up_note = (f"fused kernels compiled before the first step in {time.monotonic() - warm_started:.1f} s: "
-                                 f"{', '.join(warmed)}" if warmed else None)
-        else:
-            self.trainer = wrap_cpu(module, ZeroStage(t.zero_stage), t)
+        trainer, warm_up_note = on.wrap(module, t, m=m, kernels=kernels, vocab=vocab, shard_one_rank=self.inputs.shard_one_rank)
         if self.ranks.rank == 0:
             print(f"building the dataset index (megatron-core's GPTDataset: {t.train_iters * t.global_batch_size:,} "
                   f"training samples of {t.seq_length} tokens; cached under {self.paths.data_cache_dir / 'index'}, "
                   "so later starts reuse it)", flush=True)
         index_started = time.monotonic()
-        self.train_ds, self.valid_ds = build_datasets(
-            self.prepared, self.params.data, t.seq_length, t.seed,
+        train_ds, valid_ds = build_datasets(
+            prepared, self.params.data, t.seq_length, t.seed,
             num_train_samples=t.train_iters * t.global_batch_size,
             num_valid_samples=max(1, t.eval_iters) * t.global_batch_size,  # every validation pass reads the same batches
             cache_dir=self.paths.data_cache_dir / "index",
         )
         if self.ranks.rank == 0:
             print(f"dataset index ready in {time.monotonic() - index_started:.1f} s", flush=True)
-        self.flops_per_iteration = flops_per_token(m, t.seq_length, self.vocab) * t.global_batch_size * t.seq_length
-        device_name = torch.cuda.get_device_name(self.device) if self.on_cuda else None
-        self.peak_tflops = peak_tflops_for(device_name) if self.on_cuda else None
-        bf16_share = bf16_share_under_fp8(m, t.seq_length, self.vocab) if t.fp8 else None
-        self.mfu_note = describe_mfu_peak(device_name, bf16_share) if self.on_cuda else "no MFU on CPU"
-        self.start_iteration = self.resume()
-        self.writer = MetricsWriter(self.paths.metrics_path, self.start_iteration) if self.ranks.rank == 0 else None
-        self.tensorboard = open_tensorboard(self.paths.tensorboard_dir, self.start_iteration) if self.ranks.rank == 0 else None
-        self.wandb = None
+        start = self.resume(trainer, resume_choice)
+        writer = MetricsWriter(self.paths.metrics_path, start) if self.ranks.rank == 0 else None
+        tensorboard = open_tensorboard(self.paths.tensorboard_dir, start) if self.ranks.rank == 0 else None
+        wandb = None
         if self.inputs.wandb:  # the last rank, as Megatron-LM (see training/wandb_log.py)
             from megatron_ext.training.wandb_log import open_wandb_on
 
-            self.wandb = open_wandb_on(self.inputs.wandb, self.paths, self.params, self.ranks.rank,
-                                       self.ranks.world_size, self.geometry.accumulation_steps)
+            wandb = open_wandb_on(self.inputs.wandb, self.paths, self.params, self.ranks.rank, self.ranks.world_size,
+                                  self.geometry.accumulation_steps)
         if self.ranks.rank == 0:
             print(
                 f"run {self.paths.run}: model {m.name} data {self.params.data_set} | world size {self.ranks.world_size} "
-                f"| ZERO_STAGE={t.zero_stage} | {'cuda/nccl/bf16' if self.on_cuda else 'cpu/gloo/fp32'} "
-                f"| vocab {self.vocab} | {self.geometry.describe()}\nkernels: {self.kernels.describe()}"
+                f"| ZERO_STAGE={t.zero_stage} | {on.kind}/{on.backend}/{on.precision} "
+                f"| vocab {vocab} | {self.geometry.describe()}\nkernels: {kernels.describe()}"
                 + (f", fp8 {t.fp8}" if t.fp8 else "")
-                + (f"\n{self.trainer.gradients_note}" if self.trainer.gradients_note else "")
-                + (f"\n{self.warm_up_note}" if self.warm_up_note else "") + f"\n{self.mfu_note}",
+                + (f"\n{trainer.gradients_note}" if trainer.gradients_note else "")
+                + (f"\n{warm_up_note}" if warm_up_note else "") + f"\n{on.mfu_note(m, t, vocab)}",
                 flush=True,
             )
+        return Built(trainer=trainer, train_ds=train_ds, valid_ds=valid_ds, start_iteration=start,
+                     flops_per_iteration=flops_per_token(m, t.seq_length, vocab) * t.global_batch_size * t.seq_length,
+                     writer=writer, tensorboard=tensorboard, wandb=wandb)
 
     # -- one step -------------------------------------------------------------------------------
     def _read(self, dataset, first_sample: int, micro_step: int) -> dict[str, torch.Tensor | None]:
@@ -321,7 +297,7 @@ class Pretrain:
         t = self.t
         batch = global_batch_slice(dataset, first_sample, self.ranks.rank, self.ranks.world_size,
                                    t.micro_batch_size, micro_step)
-        if self.on_cuda:
+        if self.device_path.reads_ahead:
             batch = {k: v.pin_memory() if v is not None else None for k, v in batch.items()}
         return batch
 
@@ -329,41 +305,38 @@ class Pretrain:
         """This micro-batch on the device; on CUDA the one after it (``then``: first sample, micro
         step) is read on a background thread meanwhile."""
         key = (id(dataset), first_sample, micro_step)
-        pending, self._pending = getattr(self, "_pending", None), None
+        pending, self.prefetched = self.prefetched, None
         batch = pending[1].result() if pending and pending[0] == key else self._read(dataset, first_sample, micro_step)
-        if self.on_cuda and then is not None:
-            if not hasattr(self, "_reader"):
-                from concurrent.futures import ThreadPoolExecutor
+        if self.device_path.reads_ahead and then is not None:
+            self.prefetched = ((id(dataset), *then), self.reader.submit(self._read, dataset, *then))
+        return {k: v.to(self.device_path.device, non_blocking=True) if v is not None else None for k, v in batch.items()}
 
-                self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
-            self._pending = ((id(dataset), *then), self._reader.submit(self._read, dataset, *then))
-        return {k: v.to(self.device, non_blocking=True) if v is not None else None for k, v in batch.items()}
-
-    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        losses = self.trainer.model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    @staticmethod
+    def _loss(trainer: Trainer, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        losses = trainer.model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
         mask = batch["loss_mask"]
         return (losses.float() * mask).sum() / mask.sum().clamp(min=1)
 
-    def train_step(self, iteration: int, sample_memory: bool) -> tuple[torch.Tensor, float, bool]:
+    def train_step(self, built: Built, iteration: int, sample_memory: bool) -> tuple[torch.Tensor, float, bool]:
         """One optimizer step: (this rank's mean micro-batch loss, tensor; grad norm; skipped)."""
-        accumulation = self.geometry.accumulation_steps
+        accumulation, trainer = self.geometry.accumulation_steps, built.trainer
         lr = learning_rate(self.t, iteration - 1)
-        self.trainer.zero_grad()
-        loss_sum = torch.zeros(1, device=self.device)
+        trainer.zero_grad()
+        loss_sum = torch.zeros(1, device=self.device_path.device)
         first = (iteration - 1) * self.t.global_batch_size
         try:
             for micro in range(accumulation):
                 then = (first, micro + 1) if micro + 1 < accumulation else (first + self.t.global_batch_size, 0)
-                with self.trainer.sync_context(micro == accumulation - 1):
-                    batch = self._batch(self.train_ds, first, micro, then)
+                with trainer.sync_context(micro == accumulation - 1):
+                    batch = self._batch(built.train_ds, first, micro, then)
                     with self.busy_clock.compute():
-                        loss = self._loss(batch)
+                        loss = self._loss(trainer, batch)
                         if micro == 0 and sample_memory:
-                            self.trainer.sample_memory()
+                            trainer.sample_memory()
                         (loss / accumulation).backward()
                 loss_sum += loss.detach() / accumulation
-            self.trainer.last_loss = loss_sum
-            grad_norm, skipped = self.trainer.step(lr, self.t.weight_decay)
+            trainer.last_loss = loss_sum
+            grad_norm, skipped = trainer.step(lr, self.t.weight_decay)
         except RuntimeError as exc:  # megatron-core DDP's own bucket check names this rank (rerun_state_machine.py)
             if isinstance(exc, NonFiniteGradients) or "Unexpected result" not in str(exc):
                 raise
@@ -372,54 +345,54 @@ class Pretrain:
         return loss_sum, grad_norm, skipped
 
     # -- log ------------------------------------------------------------------------------------
-    def log(self, iteration: int, interval: _Interval, grad_norm: float, valid_loss: float | None,
+    def log(self, built: Built, iteration: int, interval: _Interval, grad_norm: float, valid_loss: float | None,
             elapsed_s: float) -> None:
         """One collective (all ranks): the interval's loss, every rank's busy time and memory
         figures (and once, every rank's host name)."""
-        memory = self.trainer.memory_values()
+        memory = built.trainer.memory_values()
         loss_sum = float(interval.loss_sum.item()) if interval.loss_sum is not None else 0.0
         busy_s = self.busy_clock.take()
-        mine = torch.tensor([loss_sum, busy_s, *map(float, memory)], dtype=torch.float64, device=self.device)
+        mine = torch.tensor([loss_sum, busy_s, *map(float, memory)], dtype=torch.float64, device=self.device_path.device)
         gathered = [torch.zeros_like(mine) for _ in range(self.ranks.world_size)]
         dist.all_gather(gathered, mine)
         if self.rank_hosts is None:
             self.rank_hosts = [""] * self.ranks.world_size
             dist.all_gather_object(self.rank_hosts, socket.gethostname())
-        if self.ranks.local_rank != 0 and self.wandb is None:  # every node's log shows the iterations; rank 0
+        if self.ranks.local_rank != 0 and built.wandb is None:  # every node's log shows the iterations; rank 0
             return  # writes metrics and TensorBoard, the last rank W&B
         t, world = self.t, self.ranks.world_size
         rows = [g.tolist() for g in gathered]
         busy = [r[1] for r in rows]
-        self.note_slow_ranks(iteration, BusyInterval(interval.iterations, interval.step_s, tuple(busy)))
+        self.note_slow_ranks(iteration, built.start_iteration, BusyInterval(interval.iterations, interval.step_s, tuple(busy)))
         lm_loss = sum(r[0] for r in rows) / (world * max(1, interval.advanced))
         step_s = interval.step_s / interval.iterations
-        tflops = tflops_per_gpu(self.flops_per_iteration, step_s, world)
+        tflops = tflops_per_gpu(built.flops_per_iteration, step_s, world)
         record = IterationRecord(
             iteration=iteration, train_iters=t.train_iters, consumed_samples=iteration * t.global_batch_size,
             lm_loss=lm_loss, lr=learning_rate(t, iteration), grad_norm=grad_norm, step_time_s=step_s,
             skipped_iterations=interval.skipped, nan_iterations=interval.nan,
             tokens_per_s=t.global_batch_size * t.seq_length / step_s, tflops_per_gpu=tflops,
             global_batch_size=t.global_batch_size, world_size=world, zero_stage=t.zero_stage,
-            mfu=tflops / self.peak_tflops if self.peak_tflops else None, valid_loss=valid_loss, time=time.time(),
+            mfu=tflops / peak if (peak := self.device_path.peak_tflops) else None, valid_loss=valid_loss, time=time.time(),
             busy_s_per_rank=[b / max(1, interval.iterations) for b in busy], slow_ranks=list(self.slow) if world > 1 else None,
-            **self.trainer.memory_columns([[int(v) for v in r[2:]] for r in rows]),
+            **built.trainer.memory_columns([[int(v) for v in r[2:]] for r in rows]),
         )
-        if self.writer:
-            self.writer.write(record)
-        if self.tensorboard:
-            write_tensorboard(self.tensorboard, record)
-        if self.wandb:
-            self.wandb.write(iteration, record_scalars(record))
+        if built.writer:
+            built.writer.write(record)
+        if built.tensorboard:
+            write_tensorboard(built.tensorboard, record)
+        if built.wandb:
+            built.wandb.write(iteration, record_scalars(record))
         if self.ranks.local_rank == 0:
             print(format_iteration_line(record), flush=True)
             print(format_progress_line(record, elapsed_s), flush=True)
 
-    def note_slow_ranks(self, iteration: int, interval: BusyInterval) -> None:
+    def note_slow_ranks(self, iteration: int, start_iteration: int, interval: BusyInterval) -> None:
         """Rank 0 names the ranks slower than the others (training.resilience.slow_rank_ratio and
         _window_s; run_spec/resilience.py) once they have stayed so for PERSIST_SHARE of the window,
         and says when they catch up. A start's first interval (allocation, first collectives) is not
         counted."""
-        if iteration == self.start_iteration + 1 or self.ranks.world_size < 2:
+        if iteration == start_iteration + 1 or self.ranks.world_size < 2:
             return
         r = self.t.resilience
         self.busy_intervals = window_of(self.busy_intervals + [interval], r.slow_rank_window_s)
@@ -436,24 +409,24 @@ class Pretrain:
                       flush=True)
         self.slow = named
 
-    def evaluate(self) -> float:
-        t, accumulation = self.t, self.geometry.accumulation_steps
-        self.trainer.model.eval()
-        total = torch.zeros(1, device=self.device)
-        with self.gc.around_evaluation(), torch.no_grad(), self.trainer.synced_parameters():
+    def evaluate(self, built: Built) -> float:
+        t, accumulation, trainer = self.t, self.geometry.accumulation_steps, built.trainer
+        trainer.model.eval()
+        total = torch.zeros(1, device=self.device_path.device)
+        with self.gc.around_evaluation(), torch.no_grad(), trainer.synced_parameters():
             for i in range(t.eval_iters):
                 for micro in range(accumulation):
-                    total += self._loss(self._batch(self.valid_ds, i * t.global_batch_size, micro)).detach() / accumulation
+                    total += self._loss(trainer, self._batch(built.valid_ds, i * t.global_batch_size, micro)).detach() / accumulation
         dist.all_reduce(total)
-        self.trainer.release_unsharded()
-        self.trainer.model.train()
+        trainer.release_unsharded()
+        trainer.model.train()
         return float(total) / (self.ranks.world_size * t.eval_iters)
 
-    def resume(self) -> int:
+    def resume(self, trainer: Trainer, choice: ResumeChoice) -> int:
         """Load the checkpoint rank 0 chose (:meth:`build`), if any: the iteration it holds (0 = fresh start)."""
         from megatron_ext.training import checkpoint
 
-        where, choice = self.paths.checkpoints_dir, self.resume_choice
+        where = self.paths.checkpoints_dir
         if not choice.candidates:
             return 0
         t = self.t
@@ -461,9 +434,9 @@ class Pretrain:
         latest, skipped = checkpoint.newest_verified(where, choice)
         verified_s = time.monotonic() - started
         note = check_resumable(read_meta(where, latest), self.ranks.world_size, t.zero_stage, t.global_batch_size,
-                               Device.of(self.on_cuda), where)
+                               self.device_path.kind, where)
         started = time.monotonic()
-        meta = checkpoint.load(self.trainer, where, latest)
+        meta = checkpoint.load(trainer, where, latest)
         if self.ranks.rank == 0:
             for line in (*choice.notes, *skipped):
                 print(f"warning: {line}", flush=True)
@@ -473,7 +446,7 @@ class Pretrain:
                   f"loaded in {time.monotonic() - started:.1f} s)" + (f"; {note}" if note else ""), flush=True)
         return meta.iteration
 
-    def save_checkpoint(self, iteration: int, wait: bool) -> None:
+    def save_checkpoint(self, trainer: Trainer, iteration: int, wait: bool) -> None:
         """Model, optimizer, schedule and data position, RNG (see training/checkpoint.py). With
         training.async_save the files are written in the background and committed at a later step
         (:meth:`finish_save`); ``wait``: committed before this returns (the last save of a run, a
@@ -489,9 +462,9 @@ class Pretrain:
             self.finish_save(blocking=True)
         meta = CheckpointMeta(iteration=iteration, consumed_samples=iteration * t.global_batch_size,
                               world_size=self.ranks.world_size, zero_stage=t.zero_stage,
-                              global_batch_size=t.global_batch_size, device=Device.of(self.on_cuda))
-        background = t.saves_in_background(self.on_cuda)
-        self.pending_save = checkpoint.begin_save(self.trainer, self.paths.checkpoints_dir, meta, t.keep_checkpoints,
+                              global_batch_size=t.global_batch_size, device=self.device_path.kind)
+        background = t.saves_in_background(self.device_path.on_cuda)
+        self.pending_save = checkpoint.begin_save(trainer, self.paths.checkpoints_dir, meta, t.keep_checkpoints,
                                                   background=background)
         if wait or not background:
             self.finish_save(blocking=True)
@@ -513,21 +486,14 @@ class Pretrain:
         """At the end of a run (every save committed by then): the background writers ended, older
         checkpoints' removal done. ``abort`` (the run raised): megatron-core's worker killed, so that
         the process can exit (a save under way stays an unfinished ``.iter_N.saving-*`` folder)."""
-        from megatron_ext.training import background_save, checkpoint
+        from megatron_ext.training import background_save, checkpoint, cuda_checkpoint
 
-        if self.on_cuda:
-            from megatron_ext.training import cuda_checkpoint
-
-            cuda_checkpoint.close_async_calls_queue(abort)
+        cuda_checkpoint.close_async_calls_queue(abort)  # megatron-core's save worker (the CUDA trainer's; none on CPU)
         if not abort:
             background_save.close()
             checkpoint.wait_for_removals()
 
     # -- the whole run --------------------------------------------------------------------------
-    def _logs_at(self, iteration: int) -> bool:
-        return (iteration == self.start_iteration + 1 or iteration % self.t.log_interval == 0
-                or iteration == self.t.train_iters)
-
     def run(self) -> None:
         """:meth:`train`; a rank that raises leaves no checkpoint worker behind to hold its exit."""
         try:
@@ -542,22 +508,21 @@ class Pretrain:
 
         self.progress.phase(Phase.SETUP)
         self.set_up()
-        self.build()
-        t = self.t
+        built = self.build()
+        t, first = self.t, built.start_iteration + 1
         self.gc.start()
         start = time.time()
         interval = _Interval()
         saved_at = None
         preempted = False
-        for iteration in range(self.start_iteration + 1, t.train_iters + 1):
-            logs = self._logs_at(iteration)
+        for iteration in range(first, t.train_iters + 1):
+            logs = iteration == first or iteration % t.log_interval == 0 or iteration == t.train_iters
             self.progress.phase(Phase.STEP, iteration)
             step_start = time.time()
-            with (self.trainer.first_iteration() if iteration == self.start_iteration + 1 else contextlib.nullcontext(),
-                  self.busy_clock.counting()):
-                loss, grad_norm, skipped = self.train_step(iteration, sample_memory=logs)
-            if self.on_cuda and logs:  # the step's time, at log intervals only (Megatron-LM: train_sync_interval)
-                torch.cuda.synchronize()
+            with built.trainer.first_iteration() if iteration == first else contextlib.nullcontext(), self.busy_clock.counting():
+                loss, grad_norm, skipped = self.train_step(built, iteration, sample_memory=logs)
+            if logs:  # the step's time, at log intervals only (Megatron-LM: train_sync_interval); nothing to wait for on CPU
+                self.device_path.synchronize()
             step_s = time.time() - step_start
             self.progress.step_done(step_s)
             interval.step_s += step_s
@@ -574,23 +539,23 @@ class Pretrain:
             valid_loss = None
             if t.eval_iters and ((t.eval_interval and iteration % t.eval_interval == 0) or last):
                 self.progress.phase(Phase.EVAL, iteration)
-                valid_loss = self.evaluate()
+                valid_loss = self.evaluate(built)
                 if self.ranks.local_rank == 0:
                     print(f" validation loss at iteration {iteration} | lm loss value: {valid_loss:.6E} |", flush=True)
             if t.save_interval and (iteration % t.save_interval == 0 or last):
                 self.progress.phase(Phase.CHECKPOINT, iteration)
-                self.save_checkpoint(iteration, wait=last)
+                self.save_checkpoint(built.trainer, iteration, wait=last)
                 saved_at = iteration
             if logs:
-                self.log(iteration, interval, grad_norm, valid_loss, time.time() - start)
+                self.log(built, iteration, interval, grad_norm, valid_loss, time.time() - start)
                 interval = _Interval()
             if not last and self.save_request.agreed():  # every rank, the same step: save here and end
                 self.progress.phase(Phase.CHECKPOINT, iteration)
                 if saved_at != iteration:
-                    self.save_checkpoint(iteration, wait=True)
+                    self.save_checkpoint(built.trainer, iteration, wait=True)
                 self.finish_save(blocking=True)
                 if interval.iterations:
-                    self.log(iteration, interval, grad_norm, valid_loss, time.time() - start)
+                    self.log(built, iteration, interval, grad_norm, valid_loss, time.time() - start)
                 preempted = True
                 break
         self.progress.phase(Phase.PREEMPTED if preempted else Phase.DONE)
@@ -601,12 +566,9 @@ class Pretrain:
             else:
                 print(f"done: {t.train_iters} iterations in {time.time() - start:.1f}s; metrics {self.paths.metrics_path}",
                       flush=True)
-        if self.writer:
-            self.writer.close()
-        if self.tensorboard:
-            self.tensorboard.close()
-        if self.wandb:
-            self.wandb.close()
+        for writer in (built.writer, built.tensorboard, built.wandb):
+            if writer:
+                writer.close()
         self.gc.stop()
         self.close_writers()
         dist.barrier()

@@ -12,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_ext.run_spec.checksums import DAMAGED_SUFFIX, CheckpointHealth, health, list_checkpoints
+from megatron_ext.run_spec.errors import Outcome
 from megatron_ext.run_spec.run_paths import RunPaths
 
 
 @dataclass(frozen=True)
-class CheckpointReport:
+class CheckpointReport(Outcome):
     run: str
     folder: str
     checkpoints: tuple[CheckpointHealth, ...]
@@ -25,6 +26,11 @@ class CheckpointReport:
     def loadable(self) -> CheckpointHealth | None:
         """The newest checkpoint a start would resume from (not damaged)."""
         return next((h for h in reversed(self.checkpoints) if h.state != "damaged"), None)
+
+    @property
+    def ok(self) -> bool:
+        """No checkpoint yet, or one a start resumes from."""
+        return self.loadable is not None or not self.checkpoints
 
 
 def check_run_checkpoints(paths: RunPaths, sizes_only: bool = False) -> CheckpointReport:

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import ClassVar, Mapping, Sequence
 
 from megatron_ext.host.json_files import SETTLE_S, SHARE_CACHE_S
-from megatron_ext.run_spec.resilience import ResilienceParams
 from megatron_ext.run_spec.resolved import read_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.cluster import slurm
@@ -232,9 +231,8 @@ def srun_start_timeout_s(plan: NodePlan) -> float:
     store and (Megatron-LM) waiting for node 0's choice of checkpoint (``join_s`` each, their own
     deadlines), then the pid file seen here through the share (SHARE_CACHE_S), and
     SRUN_START_SLACK_S. A node that fails sooner says so (its exit record, or the step's end)."""
-    join_s = decode_payload(ResilienceParams, plan.resilience).join_s
     waits = 2 if plan.checkpoint_choice is not None else 1
-    return SETTLE_S + waits * join_s + SHARE_CACHE_S + SRUN_START_SLACK_S
+    return SETTLE_S + waits * plan.resilience.join_s + SHARE_CACHE_S + SRUN_START_SLACK_S
 
 
 def backend_for(launch: LaunchEnv, nodes: Nodes = ()) -> Backend:

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Generic, Mapping, Protocol, Sequence, TypeVar
 
+from megatron_ext.run_spec.errors import Outcome
 from orchestration.launch_env import LaunchEnv
 from orchestration.node.local import answer_here
 from orchestration.node.wire import NodeCall, decode_payload, node_label
@@ -41,7 +42,7 @@ class Route(Protocol):
 
 
 @dataclass(frozen=True, kw_only=True)
-class NodeResult(Generic[T]):
+class NodeResult(Outcome, Generic[T]):
     node_rank: int
     host: str
     argv: list[str]

@@ -194,7 +194,7 @@ def container_environment(plans: Sequence[NodePlan], secret_name: str | None) ->
     tags = {RUN_TAG, RUN_ID_TAG, NODE_TAG, "NODE_RANK", *plans[0].per_attempt}
     env: list[dict] = [{"name": "NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}}}]
     env += [{"name": k, "value": v} for k, v in sorted(common.items()) if k not in tags]
-    env += [{"name": "COORDINATION_PORT", "value": str(coordination_port(int(plans[0].env["MASTER_PORT"])))}]
+    env += [{"name": "COORDINATION_PORT", "value": str(coordination_port(plans[0].master_port))}]
     env += [{"name": k, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": k}}} for k in plans[0].secret_names]
     return env
 
@@ -223,7 +223,7 @@ def pod_spec(request: KubernetesRequest, name: str, plans: Sequence[NodePlan], p
     """The pod template's spec, alike for every pod: the node's supervisor with its plan, the
     devices, the volumes and SIGTERM's grace."""
     first = plans[0]
-    port = int(first.env["MASTER_PORT"])
+    port = first.master_port
     limits: dict[str, Any] = {}
     if request.gpus_per_node:
         limits[GPU_RESOURCE] = request.gpus_per_node

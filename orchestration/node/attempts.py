@@ -21,6 +21,7 @@ from typing import Mapping, Sequence
 
 from megatron_ext.run_spec.errors import FINAL
 from megatron_ext.run_spec.resilience import ResilienceParams
+from orchestration.node.failure import Failure
 from orchestration.node.run_state import AttemptRecord, RunState
 
 
@@ -50,8 +51,8 @@ class AttemptEnd:
     reason: str
     requested: bool = False
     """Stopped because someone asked (stop, Ctrl-C): no restart."""
-    failure: str | None = None
-    """This node's own failure, whole (the failure file's text), when it had one."""
+    failure: Failure | None = None
+    """This node's own failure, when it had one."""
     evidence: Evidence = Evidence.NONE
     """How much ``failure`` says (node 0 records the strongest of the attempt)."""
     leaves: bool = False
@@ -98,7 +99,7 @@ def node_names(nodes: Sequence[int], hosts: Sequence[str]) -> str:
     return ", ".join(f"node {r}" + (f" ({hosts[r]})" if r < len(hosts) else "") for r in nodes)
 
 
-def choose_failure(first: str | None, ends: Mapping[int, AttemptEnd | None]) -> str | None:
+def choose_failure(first: Failure | None, ends: Mapping[int, AttemptEnd | None]) -> Failure | None:
     """The attempt's failure as node 0 records it: the board's first claim (what stopped every
     node), unless a node's own failure carries stronger evidence (a node whose share went away
     beats the peers' "Connection closed by peer" that followed, whichever was claimed first). A

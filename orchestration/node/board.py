@@ -9,8 +9,8 @@ Keys, under the start's run id (a new start never reads an old one's):
 
     beat/<node>/<inc>    each supervisor's beat, and ``exit/<node>/<inc>`` when it ends
                          (orchestration/node/liveness.py: its own thread, its own connection)
-    a<K>/failure         the attempt's first failure (compare_set: the first writer wins): it
-                         stops every node; node 0 records the one the evidence names
+    a<K>/failure         the attempt's first Failure (kind, node, rank, text; compare_set: the first
+                         writer wins): it stops every node; node 0 records the one the evidence names
     a<K>/hang            the attempt's hang claim (compare_set)
     a<K>/report/<node>   each node's report of its ranks once a hang is claimed (their state,
                          progress and stacks' verdicts; the dumps themselves are files for people)
@@ -48,6 +48,7 @@ from typing import Callable, Iterable, Protocol, Sequence, TypeVar
 from megatron_ext.run_spec.convert import structure, unstructure
 from orchestration.node.attempts import AttemptEnd, Decision
 from orchestration.node.exclusion import Exclusion
+from orchestration.node.failure import Failure
 from orchestration.node.resume_point import ResumePoint
 from orchestration.node.watchdog import Hang, RankReport
 from orchestration.node.wire import coordination_port
@@ -222,6 +223,10 @@ class Board:
         value = self.store.compare_set(key, ABSENT, ABSENT).decode()
         return None if value == ABSENT else value
 
+    def _read(self, key: str, cls: type[T]) -> T | None:
+        raw = self._get(key)
+        return structure(cls, json.loads(raw)) if raw else None
+
     def _claim(self, key: str, value: str) -> bool:
         """``value`` set under ``key`` unless a value is there already: whether this one won."""
         return self.store.compare_set(key, "", value).decode() == value
@@ -232,50 +237,44 @@ class Board:
         self.store.set(exit_key(self.rank, incarnation), "1")
 
     # -- one attempt's agreements ------------------------------------------------------------------
-    def claim_failure(self, attempt: int, text: str) -> bool:
+    def claim_failure(self, attempt: int, failure: Failure) -> bool:
         """The attempt's first failure, unless another node's came first."""
-        return self._claim(f"a{attempt}/failure", text)
+        return self._claim(f"a{attempt}/failure", json.dumps(unstructure(failure)))
 
-    def failure(self, attempt: int) -> str | None:
-        """The attempt's first failure, whole (its first line says what failed first)."""
-        return self._get(f"a{attempt}/failure")
+    def failure(self, attempt: int) -> Failure | None:
+        return self._read(f"a{attempt}/failure", Failure)
 
     def claim_hang(self, attempt: int, hang: Hang) -> bool:
         """The first node whose watchdog found a rank past its limit in the attempt claims it."""
         return self._claim(f"a{attempt}/hang", json.dumps(unstructure(hang)))
 
     def hang_claim(self, attempt: int) -> Hang | None:
-        raw = self._get(f"a{attempt}/hang")
-        return structure(Hang, json.loads(raw)) if raw else None
+        return self._read(f"a{attempt}/hang", Hang)
 
     def write_report(self, attempt: int, reports: Sequence[RankReport]) -> None:
         """This node's ranks once a hang is claimed (their dumps are files beside, for people)."""
         self.store.set(f"a{attempt}/report/{self.rank}", json.dumps(unstructure(list(reports))))
 
     def read_report(self, attempt: int, node_rank: int) -> list[RankReport] | None:
-        raw = self._get(f"a{attempt}/report/{node_rank}")
-        return structure(list[RankReport], json.loads(raw)) if raw else None
+        return self._read(f"a{attempt}/report/{node_rank}", list[RankReport])
 
     def write_end(self, end: AttemptEnd) -> None:
         self.store.set(f"a{end.attempt}/end/{end.node_rank}", json.dumps(unstructure(end)))
 
     def read_end(self, attempt: int, node_rank: int) -> AttemptEnd | None:
-        raw = self._get(f"a{attempt}/end/{node_rank}")
-        return structure(AttemptEnd, json.loads(raw)) if raw else None
+        return self._read(f"a{attempt}/end/{node_rank}", AttemptEnd)
 
     def write_decision(self, decision: Decision) -> None:
         self.store.set(f"a{decision.attempt}/decision", json.dumps(unstructure(decision)))
 
     def read_decision(self, attempt: int) -> Decision | None:
-        raw = self._get(f"a{attempt}/decision")
-        return structure(Decision, json.loads(raw)) if raw else None
+        return self._read(f"a{attempt}/decision", Decision)
 
     def write_resume_point(self, attempt: int, point: ResumePoint) -> None:
         self.store.set(f"a{attempt}/resume", json.dumps(unstructure(point)))
 
     def read_resume_point(self, attempt: int) -> ResumePoint | None:
-        raw = self._get(f"a{attempt}/resume")
-        return structure(ResumePoint, json.loads(raw)) if raw else None
+        return self._read(f"a{attempt}/resume", ResumePoint)
 
     def mark_ready(self, attempt: int) -> None:
         self.store.set(f"a{attempt}/ready/{self.rank}", "1")
@@ -332,8 +331,7 @@ class Board:
         self._claim(f"a{attempt}/exclude", json.dumps(unstructure(leaving)))
 
     def exclusion(self, attempt: int) -> Exclusion | None:
-        raw = self._get(f"a{attempt}/exclude")
-        return structure(Exclusion, json.loads(raw)) if raw else None
+        return self._read(f"a{attempt}/exclude", Exclusion)
 
     # -- a save request ----------------------------------------------------------------------------
     def request_save(self, why: str) -> None:

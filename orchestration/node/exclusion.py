@@ -43,9 +43,10 @@ from typing import Mapping, Sequence
 
 from megatron_ext.run_spec.iteration_log import IterationRecord
 from orchestration.node.attempts import AttemptEnd, Decision, Evidence, node_names
+from orchestration.node.failure import Failure, FailureKind
 from orchestration.node.gpu_health import APPLICATION_XIDS, GpuFinding, GpuHealth
 from orchestration.node.run_state import AttemptRecord, RunState
-from orchestration.node.watchdog import Suspects
+from orchestration.node.watchdog import RankReport, find_suspects
 
 FAILED_IN_A_ROW = 2
 """A node named by the evidence of this many attempts in a row (of one start) is left out."""
@@ -84,12 +85,13 @@ class Exclusion:
 
 # -- the evidence, from what node 0 has (pure) -------------------------------------------------------
 
-def suspect_nodes(hung: bool, suspects: Suspects | None, ends: Mapping[int, AttemptEnd | None], failure: str | None) -> tuple[int, ...]:
-    """The nodes this attempt's evidence names: a hang's suspects' nodes (none where every rank
-    waits alike), else the node whose own failure (a rank's, or the node's) is the one recorded
-    (``failure``, whole), not a peer's consequence of it."""
-    if hung:
-        return tuple(sorted({r.node_rank for r in suspects.ranks})) if suspects is not None and suspects.named else ()
+def suspect_nodes(failure: Failure | None, reports: list[RankReport], ends: Mapping[int, AttemptEnd | None]) -> tuple[int, ...]:
+    """The nodes this attempt's evidence names: a hang's suspects' nodes, from every node's ``reports``
+    (none where every rank waits alike), else the node whose own failure (a rank's, or the node's)
+    is the one recorded (``failure``), not a peer's consequence of it."""
+    if failure is not None and failure.kind == FailureKind.HUNG:
+        suspects = find_suspects(reports)
+        return tuple(sorted({r.node_rank for r in suspects.ranks})) if suspects.named else ()
     return tuple(sorted(end.node_rank for end in ends.values() if end is not None and failure and end.failure == failure
                         and end.evidence >= Evidence.RANK))
 

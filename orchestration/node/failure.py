@@ -6,7 +6,7 @@ torchrun ends a failed run with a summary whose ``Root Cause (first observed fai
 names the rank, its exit code and, for a signal, ``Signal 9 (SIGKILL) received by PID ...``.
 :func:`root_cause` reads that block; :func:`failure_reason` weighs it against the program's own
 ``error:`` lines and the exceptions the ranks printed (the sweep's and status's reason);
-:func:`failure_summary` is the failure file's text (the supervisor's). Pure.
+:func:`failure_summary` is a failed torchrun's :class:`Failure` (its kind decides, its text is the failure file). Pure.
 """
 
 from __future__ import annotations
@@ -14,12 +14,41 @@ from __future__ import annotations
 import re
 import signal
 from dataclasses import dataclass
+from enum import StrEnum
 
 _RANK_PREFIX = re.compile(r"^\[(?:default)?rank(\d+)\]:\s*")
 _EXCEPTION = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt))(?::\s*(.*))?$")
 _ROOT_FIELD = re.compile(r"^\s*(rank|exitcode|traceback)\s*:\s*(.*)$")
 ROOT_CAUSE = "Root Cause (first observed failure):"
 REASON_MAX_CHARS = 300
+
+
+class FailureKind(StrEnum):
+    """What failed, as the supervisor that claimed an attempt's failure knew it."""
+
+    FAILED = "failed"  # a node's torchrun exited with an error (failure_summary)
+    HUNG = "hung"  # a rank past its phase's limit: the hang protocol's verdict (supervisor.py's hang_summary)
+    LOST = "lost"  # node 0 heard nothing from a node for node_lost_s
+    DID_NOT_JOIN = "did-not-join"  # nodes not ready for the next attempt within join_s
+    ROOT_UNREACHABLE = "root-unreachable"  # a node's artifact root stopped answering: the node cannot go on
+    SUPERVISOR = "supervisor"  # a supervisor's own error: its node cannot go on
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An attempt's failure as the board keeps it (orchestration/node/board.py) and node 0 records its text."""
+
+    kind: FailureKind
+    node: int
+    """The node it names first (the failed, hung, lost or missing one; the one that claimed it)."""
+    text: str
+    """The failure file's text, whole: the first line says what failed first (status shows it)."""
+    rank: int | None = None
+    """The rank it names first, where it names one."""
+
+    @property
+    def summary(self) -> str:
+        return self.text.partition("\n")[0]
 
 
 @dataclass(frozen=True)
@@ -176,8 +205,8 @@ def describe_returncode(code: int) -> tuple[int | None, str | None]:
     return code, None
 
 
-def failure_summary(node_rank: int, host: str, code: int, log_tail: str, excerpt_lines: int = 25) -> str:
-    """The failure file's text: node, rank (torchrun's root cause), exit and, where the log says it
+def failure_summary(node_rank: int, host: str, code: int, log_tail: str, excerpt_lines: int = 25) -> Failure:
+    """A failed torchrun's failure, its text: node, rank (torchrun's root cause), exit and, where the log says it
     (a rank's exception, a program error line, a signal), why — all on the first line, which status
     and the supervisors show; then the log's last ``excerpt_lines`` lines."""
     exit_code, sig = describe_returncode(code)
@@ -190,5 +219,5 @@ def failure_summary(node_rank: int, host: str, code: int, log_tail: str, excerpt
         why = (f": {_cut(r.text)}" if r.rank is None  # the cause was on another rank than the one that exited first
                else f" exited first; the cause, on {_cut(f'rank {r.rank}: {r.text}')}")
     excerpt = "\n".join(log_tail.splitlines()[-excerpt_lines:])
-    return (f"node {node_rank} ({host}) failed: torchrun {what}; {rank}{why}\n"
-            f"--- last lines of node {node_rank}'s log ---\n{excerpt}\n")
+    return Failure(FailureKind.FAILED, node_rank, f"node {node_rank} ({host}) failed: torchrun {what}; {rank}{why}\n"
+                   f"--- last lines of node {node_rank}'s log ---\n{excerpt}\n", cause.rank if cause else None)

@@ -62,12 +62,12 @@ from megatron_ext.run_spec.convert import structure
 from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, UserError
 from megatron_ext.run_spec.engines import engine_named
 from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED, IterationRecord
-from megatron_ext.run_spec.resilience import ENDED_PHASES, PROGRESS_DIR_ENV, Phase, ResilienceParams, read_progress
+from megatron_ext.run_spec.resilience import ENDED_PHASES, PROGRESS_DIR_ENV, Phase, read_progress
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.node import attempts, exclusion, processes, resume_point
 from orchestration.node.attempts import AttemptEnd, Decision, Evidence
 from orchestration.node.board import Board, BoardUnreachable, open_stores
-from orchestration.node.failure import describe_returncode, failure_summary, follows_a_peer
+from orchestration.node.failure import Failure, FailureKind, describe_returncode, failure_summary, follows_a_peer
 from orchestration.node.gpu_health import read_gpu_health
 from orchestration.node.liveness import Liveness
 from orchestration.node.records import HeartbeatRecord, RecordKeeper
@@ -75,7 +75,7 @@ from orchestration.node.resume_point import ResumePoint
 from orchestration.node.run_state import (HEARTBEAT_S, RECORD_WRITE_S, NodeExit, PidRecord, RunState, clear_failure, tail, write_exit,
                                           write_failure, write_heartbeat)
 from orchestration.node.run_state import begin_attempt, end_attempt, read_ledger, write_pid_file
-from orchestration.node.wire import NodePlan, decode_payload
+from orchestration.node.wire import NodePlan
 from orchestration.node.flight_recorder import StuckCollective, read_flight_recorders, stuck_collective
 from orchestration.node.watchdog import Hang, Watchdog, dump_node, find_suspects, worker_pids
 
@@ -103,9 +103,7 @@ class Supervisor:
         """``node_env``: the node's own environment (the plan's goes on top); ``slurm_step``:
         JOB.STEP when this supervisor is a task of the start's srun step."""
         self.paths = RunPaths(plan.artifact_root, plan.run)
-        self.nnodes, self.rank = plan.nnodes, plan.node_rank
-        self.policy: ResilienceParams = decode_payload(ResilienceParams, plan.resilience)
-        self.nproc = int(plan.env.get("NPROC_PER_NODE", "1"))
+        self.nnodes, self.rank, self.policy = plan.nnodes, plan.node_rank, plan.resilience
         self.leader = self.rank == 0
         self.stopping = False
         self.attempt = plan.first_attempt
@@ -195,11 +193,12 @@ class Supervisor:
         if self.records.failing_s() <= 2 * self.policy.node_lost_s or now - self._main_at <= self.policy.node_lost_s:
             return
         cause = self.records.cause() + " (the supervisor, stuck on it, ended by its beat thread)"
+        failure = Failure(FailureKind.ROOT_UNREACHABLE, self.rank, cause + "\n")
         board = Board(self.liveness.store, self.rank)  # this thread's own connection
         try:
-            board.claim_failure(self.attempt, cause + "\n")
+            board.claim_failure(self.attempt, failure)
             board.write_end(AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.FAILED, reason=cause,
-                                       failure=cause + "\n", evidence=Evidence.NODE, leaves=True))
+                                       failure=failure, evidence=Evidence.NODE, leaves=True))
             if self.leader:
                 board.write_decision(Decision(attempt=self.attempt, restart=False, state=RunState.FAILED, reason=cause))
             board.mark_exited(self.incarnation)
@@ -226,24 +225,23 @@ class Supervisor:
             return None
         return next((rank for rank in self.members if rank in lost), None)
 
-    def _failure(self) -> str | None:
-        """The attempt's first failure (its first line), from the board; node 0 keeps its record,
+    def _failure(self) -> Failure | None:
+        """The attempt's first failure, from the board; node 0 keeps its record (its text),
         ``run_state/<run>_failure.txt``, of which it is the only writer."""
-        text = self.board.failure(self.attempt)
-        if text is None:
-            return None
-        if self.leader and self._recorded_failure != self.attempt:
-            self._record_failure(text)
-        return text.splitlines()[0] if text.strip() else text
+        failure = self.board.failure(self.attempt)
+        if failure is not None and self.leader and self._recorded_failure != self.attempt:
+            self._record_failure(failure)
+        return failure
 
-    def _record_failure(self, text: str) -> None:
-        self.records.keep("writing the failure record", lambda: write_failure(self.paths, text))
+    def _record_failure(self, failure: Failure) -> None:
+        self.records.keep("writing the failure record", lambda: write_failure(self.paths, failure.text))
         self._recorded_failure = self.attempt
 
-    def _claim_failure(self, text: str) -> bool:
-        won = self.board.claim_failure(self.attempt, text)
+    def _claim_failure(self, failure: Failure) -> Failure:
+        """``failure`` claimed on the board as the attempt's (unless another node's came first)."""
+        self.board.claim_failure(self.attempt, failure)
         self._failure()  # node 0 records it at once
-        return won
+        return failure
 
     def _save_request(self) -> str | None:
         """A save asked of this run: by SIGUSR1 to this supervisor (``stop --save``, the batch
@@ -282,7 +280,7 @@ class Supervisor:
         if self.leader and time.monotonic() >= self._slow_checked + SLOW_CHECK_S:
             self._slow_checked = time.monotonic()
             charges = exclusion.slow_charges(self._metrics_since(self._attempt_started_at), self.policy.slow_rank_window_s,
-                                             self.members, self.nproc)
+                                             self.members, self.plan.nproc_per_node)
             leaving = exclusion.choose_exclusion(charges, self.members, self.policy.min_nodes, True, self.plan.hosts)
             if leaving.nodes:
                 self.board.claim_exclusion(self.attempt, leaving)
@@ -414,24 +412,24 @@ class Supervisor:
                 self.heartbeat.write()  # the share's probe: its loss is the cause, not what the ranks made of it
                 if self.records.failing_since is not None:
                     return self._leave(None)
-                text = failure_summary(self.rank, self.plan.host, code, self._log_tail(400, max_bytes=262144),
-                                       LOG_TAIL_LINES)
-                self._claim_failure(text)
+                failure = failure_summary(self.rank, self.plan.host, code, self._log_tail(400, max_bytes=262144),
+                                          LOG_TAIL_LINES)
+                self._claim_failure(failure)
         finally:
             self._sweep()
         if stopping:
             return self._ended(RunState.STOPPED, "stopped on request", requested=True)
-        evidence = Evidence.CONSEQUENCE if follows_a_peer(text.splitlines()[0]) else Evidence.RANK
-        return self._ended(RunState.FAILED, text.splitlines()[0], failure=text, evidence=evidence)
+        evidence = Evidence.CONSEQUENCE if follows_a_peer(failure.summary) else Evidence.RANK
+        return self._ended(RunState.FAILED, failure.summary, failure=failure, evidence=evidence)
 
     def _leave(self, proc: subprocess.Popen | None) -> AttemptEnd:
         """The share has not answered for node_lost_s (or failed as torchrun failed): this node's
         part ends with that cause, claimed on the board (the others stop, and node 0 records it)."""
         cause = self.records.cause()
-        self._claim_failure(cause + "\n")  # first: the stop below logs, and a log on a share that hangs waits for ever
-        if proc is not None and proc.poll() is None:
+        failure = self._claim_failure(Failure(FailureKind.ROOT_UNREACHABLE, self.rank, cause + "\n"))
+        if proc is not None and proc.poll() is None:  # after the claim: a log line on a share that hangs waits for ever
             self._stop_torchrun(proc, cause)
-        return self._ended(RunState.FAILED, cause, failure=cause + "\n", evidence=Evidence.NODE, leaves=True)
+        return self._ended(RunState.FAILED, cause, failure=failure, evidence=Evidence.NODE, leaves=True)
 
     def _hang(self, watchdog: Watchdog, reported: bool) -> bool:
         """The hang protocol, one poll: claim a hang found here; dump this node's ranks once a hang
@@ -447,7 +445,7 @@ class Supervisor:
             self._hang_seen = time.monotonic()
         if not reported:
             reports = self.records.keep("writing the hang dumps", lambda: dump_node(
-                self.plan.run, self.rank, self.plan.host, self.nproc, self.progress_dir, self.policy,
+                self.plan.run, self.rank, self.plan.host, self.plan.nproc_per_node, self.progress_dir, self.policy,
                 self.paths.hangs_dir(self.attempt), self.attempt, claim.detail, place=self.members.index(self.rank),
                 artifact_root=self._root), [])
             self.board.write_report(self.attempt, reports)
@@ -505,8 +503,8 @@ class Supervisor:
             self.say(point.describe())
         self._watch(self.members)
         proc = self._start_torchrun(checkpoint, point)
-        watchdog = Watchdog(self.policy, self.rank, len(self.members), self.nproc, self.progress_dir, engine_named(self.plan.engine),
-                            Path(self.plan.log_path), time.time(), place=self.members.index(self.rank))
+        watchdog = Watchdog(self.policy, self.rank, len(self.members), self.plan.nproc_per_node, self.progress_dir,
+                            engine_named(self.plan.engine), Path(self.plan.log_path), time.time(), place=self.members.index(self.rank))
         saving, signalled, reported = None, set(), False
         self._hang_seen = None
         self.beat(RunState.RUNNING)
@@ -527,15 +525,15 @@ class Supervisor:
                         signalled = self._forward_save(signalled)
                     failure = self._failure()
                     if failure is not None:
-                        hung = " hung: " in failure
-                        why = f"{'the run hung' if hung else 'another node failed'}: {failure}"
+                        hung = failure.kind == FailureKind.HUNG
+                        why = f"{'the run hung' if hung else 'another node failed'}: {failure.summary}"
                         self._stop_torchrun(proc, why, hung)
                         return self._ended(RunState.HUNG if hung else RunState.STOPPED, why)
                     lost = self._lost_peer()
                     if lost is not None:
-                        self._claim_failure(f"node {lost}{self._host(lost)} lost: its supervisor has given no sign for "
-                                            f"{self.liveness.silent_s(lost):.0f} s (its machine, its supervisor or the "
-                                            f"network to it is gone); noticed by node {self.rank}\n")
+                        self._claim_failure(Failure(FailureKind.LOST, lost, f"node {lost}{self._host(lost)} lost: its supervisor "
+                                                    f"has given no sign for {self.liveness.silent_s(lost):.0f} s (its machine, its "
+                                                    f"supervisor or the network to it is gone); noticed by node {self.rank}\n"))
                         continue
                     if saving is None:
                         reported = self._hang(watchdog, reported)
@@ -597,9 +595,10 @@ class Supervisor:
             return self._publish(Decision(attempt=self.attempt, restart=False, state=state, reason=reason))
         if chosen is not None and chosen != first:
             self._record_failure(chosen)  # a node's own cause, stronger than what the others made of it
-        failure = chosen.splitlines()[0] if chosen else end.reason
-        cause = RunState.HUNG if " hung: " in failure else RunState.FAILED
-        suspects = self._suspects(cause == RunState.HUNG and chosen is not None, chosen, ends)
+        failure = chosen.summary if chosen else end.reason
+        cause = RunState.HUNG if chosen is not None and chosen.kind == FailureKind.HUNG else RunState.FAILED
+        reports = [r for n in self.members for r in self.board.read_report(self.attempt, n) or []]
+        suspects = exclusion.suspect_nodes(chosen, reports, ends)  # a hang's suspects, else the failure's own node
         self._close_ledger(cause if chosen else end.state, failure, checkpoint, suspects=suspects)
         ledger = self.records.keep("reading the ledger", lambda: read_ledger(self.paths), [])
         back = self.board.join_requests(self.absent) if self.policy.min_nodes else {}
@@ -616,13 +615,6 @@ class Supervisor:
                                    exclusion=decision.exclusion)
             self.records.keep("moving the failure record aside", self._set_failure_aside)
         return self._publish(decision)
-
-    def _suspects(self, hung: bool, failure: str | None, ends: Mapping[int, AttemptEnd | None]) -> tuple[int, ...]:
-        """Node 0: the nodes this attempt's evidence names (exclusion.py): a hang's suspects, named
-        from every node's report on the board as the failure was; else the failure's own node."""
-        suspects = find_suspects([r for n in self.members for r in self.board.read_report(self.attempt, n) or []]) \
-            if hung else None
-        return exclusion.suspect_nodes(hung, suspects, ends, failure)
 
     def _exclude(self, decision: Decision, ends: Mapping[int, AttemptEnd | None], ledger: list) -> Decision:
         """Node 0: a restart without the nodes the evidence names (their GPU health after this attempt,
@@ -676,15 +668,16 @@ class Supervisor:
                        RunState.RESTARTING)
             ready = tuple(self.board.ready_nodes(self.attempt, decided))
             missing = sorted(set(decided) - set(ready))
+            names = ", ".join(f"{r}{self._host(r)}" for r in missing)
             enough = not missing or (self.policy.min_nodes and len(ready) >= self.policy.min_nodes)
             if self.stopping or not enough:
                 if not self.stopping:
-                    self._claim_failure(f"node(s) {', '.join(f'{r}{self._host(r)}' for r in missing)} did not join "
-                                        f"attempt {self.attempt} within {join_s:.0f} s; noticed by node {self.rank}\n")
+                    self._claim_failure(Failure(FailureKind.DID_NOT_JOIN, missing[0], f"node(s) {names} did not join attempt "
+                                                f"{self.attempt} within {join_s:.0f} s; noticed by node {self.rank}\n"))
                 return False
             if missing:
-                self.say(f"node(s) {', '.join(f'{r}{self._host(r)}' for r in missing)} did not join attempt {self.attempt} "
-                         f"within {join_s:.0f} s: it runs on {len(ready)} of {self.nnodes} nodes")
+                self.say(f"node(s) {names} did not join attempt {self.attempt} within {join_s:.0f} s: it runs on {len(ready)} of "
+                         f"{self.nnodes} nodes")
             self.board.write_roster(self.attempt, ready)
             self.members = ready
             return True
@@ -695,7 +688,7 @@ class Supervisor:
         if isinstance(roster, Decision):
             self.ended_by = roster
             return False
-        if isinstance(roster, str):
+        if isinstance(roster, Failure):
             return False
         if roster is None or self.rank not in roster:
             if roster is not None and not self.stopping:
@@ -731,11 +724,9 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         signal.signal(signal.SIGUSR1, self._on_sigusr1)
-        env = self.plan.env
         try:
-            store, beat_store = open_stores(self.plan.run_id, self.nnodes, self.leader, env.get("MASTER_ADDR", "localhost"),
-                                            int(env.get("MASTER_PORT", "0") or 0), connect_s=self.policy.join_s,
-                                            deadline_s=self.policy.node_lost_s)
+            store, beat_store = open_stores(self.plan.run_id, self.nnodes, self.leader, self.plan.master_addr, self.plan.master_port,
+                                            connect_s=self.policy.join_s, deadline_s=self.policy.node_lost_s)
         except BoardUnreachable as exc:
             return self.finish(RunState.FAILED, f"{exc}: node 0's supervisor holds the run's coordination store "
                                                 "(MASTER_PORT + 1); start the run on node 0 too, and allow TCP to it")
@@ -765,14 +756,15 @@ class Supervisor:
         own failure its decision for every node; then this node ends."""
         if isinstance(exc, OSError) and exc.filename and Path(str(exc.filename)).is_relative_to(self._root):
             self.records.failed(str(exc.filename), exc)
-            cause = self.records.cause()
+            kind, cause = FailureKind.ROOT_UNREACHABLE, self.records.cause()
         else:
-            cause = f"node {self.rank}{self._host(self.rank)}: the supervisor failed: {type(exc).__name__}: {exc}"
+            kind, cause = FailureKind.SUPERVISOR, (f"node {self.rank}{self._host(self.rank)}: the supervisor failed: "
+                                                   f"{type(exc).__name__}: {exc}")
         log.error("%s\n%s", cause, "".join(traceback.format_exception(exc)).rstrip())
         try:  # told first: the other nodes stop now, not after this node's stop below (up to 47 s)
-            self._claim_failure(cause + "\n")
+            failure = self._claim_failure(Failure(kind, self.rank, cause + "\n"))
             self.board.write_end(AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.FAILED, reason=cause,
-                                            failure=cause + "\n", evidence=Evidence.NODE, leaves=True))
+                                            failure=failure, evidence=Evidence.NODE, leaves=True))
             if self.leader:
                 self._publish(Decision(attempt=self.attempt, restart=False, state=RunState.FAILED, reason=cause))
         except BoardUnreachable:
@@ -792,8 +784,9 @@ class Supervisor:
             if self.attempt > self.plan.first_attempt and not self.join(self.decided):
                 if self.ended_by is not None:  # node 0's word before the attempt (a save asked in the backoff)
                     return self.finish(*self._between_attempts_end())
-                return self.finish(RunState.STOPPED if self.stopping else RunState.FAILED,
-                                   "stopped on request" if self.stopping else self._failure() or "a node did not join")
+                failure = None if self.stopping else self._failure()
+                return self.finish(RunState.STOPPED if self.stopping else RunState.FAILED, "stopped on request" if self.stopping
+                                   else failure.summary if failure else "a node did not join")
             point = self.resume_point()
             if point is not None and point.refused:
                 return self.finish(RunState.STOPPED, "stopped on request") if self.stopping else \
@@ -860,8 +853,8 @@ class Supervisor:
         return None
 
 
-def hang_summary(paths: RunPaths, attempt: int, claim: Hang, reports: dict) -> str:
-    """The failure file of a hung attempt: who (the suspects), where, for how long, the collective
+def hang_summary(paths: RunPaths, attempt: int, claim: Hang, reports: dict) -> Failure:
+    """A hung attempt's failure, its text: who (the suspects), where, for how long, the collective
     the ranks hung in (torch's flight-recorder analyser: node/flight_recorder.py), and the dumps."""
     everyone = [r for rs in reports.values() if rs for r in rs]
     suspects = find_suspects(everyone)
@@ -887,4 +880,4 @@ def hang_summary(paths: RunPaths, attempt: int, claim: Hang, reports: dict) -> s
                      f"{stack}; {r.dump}")
     if missing:
         lines.append(f"no report from node(s) {', '.join(map(str, missing))} within {HANG_REPORT_WAIT_S:.0f} s")
-    return "\n".join(lines) + "\n"
+    return Failure(FailureKind.HUNG, nodes[0], "\n".join(lines) + "\n", first.rank if first else None)

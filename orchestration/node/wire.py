@@ -31,7 +31,7 @@ from typing import Any, Literal, Mapping, Sequence, TypeVar
 from megatron_ext.run_spec.convert import structure, unstructure
 from megatron_ext.run_spec.engines import MEGATRON_CORE
 from megatron_ext.run_spec.python_version import PythonRequirement
-from megatron_ext.run_spec.resilience import ATTEMPT_ENV
+from megatron_ext.run_spec.resilience import ATTEMPT_ENV, ResilienceParams
 from orchestration.node.resume_point import ResumePoint
 from orchestration.node.run_state import RunState
 
@@ -57,6 +57,14 @@ def stop_command(run: str, multinode: bool) -> str:
     return f"{'stop_multinode_training.sh' if multinode else 'stop_training.sh'} {run}"
 
 
+def torchrun_argv(python: str, program: Sequence[str], *, nnodes: int, node_rank: int, nproc_per_node: int, master_addr: str,
+                  master_port: int) -> tuple[str, ...]:
+    """torchrun with a fixed node rank (static rendezvous: stable ranks) running ``program``
+    (``-m megatron_ext.pretrain ...`` or ``pretrain_gpt.py ...``, see orchestration/megatron_lm/program.py)."""
+    return (python, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--nproc-per-node",
+            str(nproc_per_node), "--master-addr", master_addr, "--master-port", str(master_port), *program)
+
+
 @dataclass(frozen=True)
 class CheckpointChoice:
     """Megatron-LM's: node 0 picks each attempt's checkpoint and every node names it
@@ -77,8 +85,14 @@ class NodePlan:
     run_id: str
     node_rank: int
     host: str
+    nnodes: int
+    """The nodes of the start (an attempt may run on fewer: :meth:`attempt_argv`)."""
+    nproc_per_node: int
+    master_addr: str
+    master_port: int
+    """torchrun's rendezvous (node 0's supervisor keeps the run's coordination store one above)."""
     argv: tuple[str, ...]
-    """The torchrun command this node runs."""
+    """The torchrun command this node runs (:func:`torchrun_argv` of the fields above and the program)."""
     env: dict[str, str]
     """Every variable set for torchrun and the ranks on this node, on top of the node's own
     environment: the launcher's, the forwarded ones, the program's, the run tags, and the
@@ -91,8 +105,8 @@ class NodePlan:
     pid_path: str
     engine: str = MEGATRON_CORE.name
     """Which program the ranks run: this project's (progress files) or Megatron-LM's (log lines)."""
-    resilience: dict = field(default_factory=dict)
-    """The run's :class:`~megatron_ext.run_spec.resilience.ResilienceParams`: the watchdog's limits, restarts."""
+    resilience: ResilienceParams = field(default_factory=ResilienceParams)
+    """The watchdog's limits, the restarts."""
     first_attempt: int = 1
     """The attempt this start begins with (a requeued Slurm job continues the count)."""
     save_signal: str = "SIGUSR1"
@@ -127,13 +141,13 @@ class NodePlan:
 
     def attempt_argv(self, has_checkpoint: bool, members: Sequence[int] | None = None,
                      point: ResumePoint | None = None) -> tuple[str, ...]:
-        """The torchrun command of an attempt: :attr:`argv` on the nodes ``members`` (default all:
-        torchrun's --nnodes and this node's --node-rank among them), plus :attr:`resume_args` once
-        there is a checkpoint, plus what :attr:`checkpoint_choice` makes of node 0's ``point``."""
-        argv = list(self.argv)
-        if members is not None:
-            argv[argv.index("--nnodes") + 1] = str(len(members))
-            argv[argv.index("--node-rank") + 1] = str(list(members).index(self.node_rank))
+        """The torchrun command of an attempt: :attr:`argv` rendered for the nodes ``members`` (default
+        all: --nnodes their count, --node-rank this node's place among them), plus :attr:`resume_args`
+        once there is a checkpoint, plus what :attr:`checkpoint_choice` makes of node 0's ``point``."""
+        members = range(self.nnodes) if members is None else list(members)
+        head = dict(python=self.argv[0], nproc_per_node=self.nproc_per_node, master_addr=self.master_addr, master_port=self.master_port)
+        program = self.argv[len(torchrun_argv(program=(), nnodes=self.nnodes, node_rank=self.node_rank, **head)):]
+        argv = list(torchrun_argv(program=program, nnodes=len(members), node_rank=members.index(self.node_rank), **head))
         if has_checkpoint:
             argv += self.resume_args
         choice = self.checkpoint_choice
@@ -156,14 +170,6 @@ class NodePlan:
     @property
     def artifact_root(self) -> Path:
         return Path(self.env[ARTIFACT_ROOT_ENV])
-
-    @property
-    def nnodes(self) -> int:
-        return int(self.env["NNODES"])
-
-    @property
-    def nproc_per_node(self) -> int:
-        return int(self.env["NPROC_PER_NODE"])
 
     def process_environment(self, node_env: Mapping[str, str], attempt: int | None = None,
                             members: Sequence[int] | None = None) -> dict[str, str]:

@@ -18,9 +18,9 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
-from megatron_ext.run_spec.errors import EXIT_GAVE_UP, EXIT_NODE_FAILED, EXIT_OK, EXIT_PREEMPTED
+from megatron_ext.run_spec.errors import EXIT_GAVE_UP, EXIT_NODE_FAILED, EXIT_OK, EXIT_PREEMPTED, Outcome
 from megatron_ext.run_spec.resolved import read_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.cluster import slurm
@@ -46,7 +46,7 @@ def batch_job_of(launch: LaunchEnv, run: str, only_this_node: bool) -> str | Non
 # -- stop -----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
-class StopOutcome:
+class StopOutcome(Outcome):
     run: str
     dry_run: bool
     job: str | None = None
@@ -89,7 +89,7 @@ def stop_run(launch: LaunchEnv, run: str, only_this_node: bool = False, grace_s:
 # -- status ---------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
-class StatusReport:
+class StatusReport(Outcome):
     run: str
     nodes: tuple[NodeResult[NodeStatus], ...]
     job: str | None = None
@@ -159,6 +159,18 @@ class RunEnd:
         states = ", ".join(f"node{rank} {s.state if s else 'unreachable'}" for rank, s in sorted(self.statuses.items()))
         return "; ".join([states, *(s.exit for rank, s in sorted(self.statuses.items()) if rank in self.silent and s and s.exit)])
 
+    @property
+    def exit_code(self) -> int:
+        """A waited-for run's exit code: 0 finished everywhere, 3 saved and ended on request
+        (preempted), 93 the restart breaker gave up, else 1. A node left out on the evidence against it
+        (never node 0) ended its part early: the run's end is the others'."""
+        states = self.states - {RunState.LEFT_OUT}
+        if states == {RunState.FINISHED}:
+            return EXIT_OK
+        if states == {RunState.PREEMPTED}:
+            return EXIT_PREEMPTED
+        return EXIT_GAVE_UP if RunState.GAVE_UP in states else EXIT_NODE_FAILED
+
 
 def wait_until_ended(launch: LaunchEnv, run: str, nodes: Nodes, seq_length: int | None = None, poll_s: float | None = None,
                      timeout_s: float | None = None, on_poll: Callable[[Statuses, float], None] | None = None,
@@ -207,18 +219,6 @@ def wait_until_ended(launch: LaunchEnv, run: str, nodes: Nodes, seq_length: int 
         if timeout_s is not None and now - t0 > timeout_s:
             return None
         time.sleep(poll_s)
-
-
-def end_exit_code(states: Iterable[RunState | None]) -> int:
-    """A waited-for run's exit code: 0 finished everywhere, 3 saved and ended on request
-    (preempted), 93 the restart breaker gave up, else 1. A node left out on the evidence against it
-    (never node 0) ended its part early: the run's end is the others'."""
-    states = set(states) - {RunState.LEFT_OUT}
-    if states == {RunState.FINISHED}:
-        return EXIT_OK
-    if states == {RunState.PREEMPTED}:
-        return EXIT_PREEMPTED
-    return EXIT_GAVE_UP if RunState.GAVE_UP in states else EXIT_NODE_FAILED
 
 
 @dataclass(kw_only=True)

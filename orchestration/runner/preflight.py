@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megatron_ext.run_spec.engines import engine_named
-from megatron_ext.run_spec.errors import EXIT_USER_ERROR, UserError
+from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
 from megatron_ext.run_spec.model_size import count_model_parameters
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.cluster.backends import backend_for
@@ -45,11 +45,12 @@ class Preflight:
     @property
     def answers(self) -> tuple[NodeReport, ...] | None:
         """The reports a plan settles on: every node's, or None when a node did not answer."""
-        return self.reports if self.answered and not self.unreachable else None
+        return self.reports if self.answered else None
 
     @property
-    def unreachable(self) -> bool:
-        return not self.answered
+    def exit_code(self) -> int:
+        """A start's, on these problems: 0 none, 2 the answers refuse it (the user's to fix), 1 a node did not answer."""
+        return EXIT_OK if not self.problems else EXIT_USER_ERROR if self.answered else EXIT_NODE_FAILED
 
 
 def leave_out(preflight: Preflight, min_nodes: int | None, nnodes: int) -> tuple[Preflight, tuple[Problem, ...]]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence, TextIO
 
+from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK
 from orchestration.cluster.backends import backend_for
 from orchestration.cluster.fanout import NodeResult
 from orchestration.launch_env import LaunchEnv
@@ -47,6 +48,11 @@ class PlannedStart:
     def refused(self) -> bool:
         """The preflight found problems: a start starts nothing."""
         return bool(self.preflight.problems)
+
+    @property
+    def dry_run_exit_code(self) -> int:
+        """Its dry run's: a refusal's, but 0 when a node did not answer (the plan is printed unsettled)."""
+        return self.preflight.exit_code if self.preflight.answered else EXIT_OK
 
 
 def plan_settled_start(launch: LaunchEnv, model: str, data: str, run: str, nodes: Sequence[tuple[int, str]]) -> PlannedStart:
@@ -89,6 +95,11 @@ class StartResult:
     @property
     def started(self) -> bool:
         return not self.refused and all(r.ok for r in self.nodes)
+
+    @property
+    def exit_code(self) -> int:
+        """0 started everywhere; the preflight's refusal (2, or 1 when a node did not answer); else 1."""
+        return self.preflight.exit_code if self.refused else EXIT_OK if self.started else EXIT_NODE_FAILED
 
     def failure(self) -> str:
         """Why the start did not happen, in one line (the sweep's reason for a stage)."""

@@ -49,7 +49,7 @@ from orchestration.megatron_lm.dataset_helpers import ensure_built
 from orchestration.megatron_lm.program import (BUILD_HELPERS, CHECK_ARGUMENTS, ProgramPlan, Verdicts, check_arguments,
                                                check_megatron_lm_params, plan_program)
 from orchestration.node.run_state import first_attempt
-from orchestration.node.wire import MEMBERSHIP_RULE, NODE_TAG, RUN_ID_TAG, RUN_TAG, NodePlan, NodeReport, NodeStarted
+from orchestration.node.wire import MEMBERSHIP_RULE, NODE_TAG, RUN_ID_TAG, RUN_TAG, NodePlan, NodeReport, NodeStarted, torchrun_argv
 
 if TYPE_CHECKING:
     from megatron_ext.data.prepare import PreparedData
@@ -228,20 +228,6 @@ def with_min_nodes(params: RunParams, launch: LaunchEnv) -> RunParams:
 
 # -- planning (pure) -------------------------------------------------------------------------------
 
-def render_torchrun_argv(launch: LaunchEnv, node_rank: int, python: str, program: Sequence[str]) -> list[str]:
-    """torchrun with a fixed node rank (static rendezvous: stable ranks) running ``program``
-    (``-m megatron_ext.pretrain ...`` or ``pretrain_gpt.py ...``, see orchestration/megatron_lm/program.py)."""
-    return [
-        python, "-m", "torch.distributed.run",
-        "--nnodes", str(launch.nnodes),
-        "--node-rank", str(node_rank),
-        "--nproc-per-node", str(launch.nproc_per_node),
-        "--master-addr", launch.master_addr,
-        "--master-port", str(launch.master_port),
-        *program,
-    ]
-
-
 def node_environment(launch: LaunchEnv, node_rank: int, run: str, run_id: str, program_env: Mapping[str, str | None],
                      local_dir: str, first: int) -> tuple[dict[str, str], tuple[str, ...]]:
     """(variables set, variables removed) for every process of the run on node ``node_rank``: the
@@ -412,15 +398,17 @@ def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeRep
     program = plan_program(params, inputs.model, inputs.data, paths, launch, inputs.checkout, inputs.prepared, answers,
                            has_checkpoint=inputs.resume_from is not None)
     node_plans = []
+    rendezvous = dict(nnodes=launch.nnodes, nproc_per_node=launch.nproc_per_node, master_addr=launch.master_addr,
+                      master_port=launch.master_port)
     for rank, host in inputs.nodes:
         env, unset = node_environment(launch, rank, inputs.run, inputs.run_id, program.env,
                                       local_dirs.get(rank, DEFAULT_LOCAL_DIR), inputs.first_attempt)
         env.update(interfaces.get(rank, {}))
         node_plans.append(NodePlan(
-            run=inputs.run, run_id=inputs.run_id, node_rank=rank, host=host,
-            argv=tuple(render_torchrun_argv(launch, rank, launch.python, program.argv)), env=env, unset=unset,
+            run=inputs.run, run_id=inputs.run_id, node_rank=rank, host=host, **rendezvous,
+            argv=torchrun_argv(launch.python, program.argv, node_rank=rank, **rendezvous), env=env, unset=unset,
             cwd=launch.cwd, log_path=str(paths.node_log(rank)), pid_path=str(paths.node_pid_file(rank)),
-            engine=program.engine, resilience=dataclasses.asdict(params.training.resilience),
+            engine=program.engine, resilience=params.training.resilience,
             first_attempt=inputs.first_attempt, save_signal=program.save_signal,
             secret_names=tuple(sorted(launch.secrets)), resets_run_state=rank == 0,
             per_attempt={**PER_ATTEMPT, **(PER_ATTEMPT_ELASTIC if params.training.resilience.min_nodes else {})},

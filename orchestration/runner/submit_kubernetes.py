@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.errors import Outcome, UserError
 from megatron_ext.run_spec.resolved import read_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.cluster import kubernetes as kube
@@ -163,7 +163,7 @@ def collect_status(launch: LaunchEnv, run: str) -> StatusReport:
 
 
 @dataclass(frozen=True)
-class KubernetesStop:
+class KubernetesStop(Outcome):
     submission: kube.Submission
     argv: tuple[str, ...]
     dry_run: bool

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_STOPPED, UserError
 from megatron_ext.run_spec.params import load_run_params, with_batch_geometry
 from megatron_ext.run_spec.run_paths import RunPaths, check_root_writable, check_run_name
 from megatron_ext.host.procfs import pid_is_alive, process_start_time
@@ -96,8 +96,11 @@ class SweepResult:
     """Why the sweep was stopped (None: it ran every stage)."""
 
     @property
-    def all_finished(self) -> bool:
-        return all(r.outcome.status == RunState.FINISHED for r in self.stages)
+    def exit_code(self) -> int:
+        """130 stopped, 0 every stage finished, else 1."""
+        if self.stopped:
+            return EXIT_STOPPED
+        return EXIT_OK if all(r.outcome.status == RunState.FINISHED for r in self.stages) else EXIT_NODE_FAILED
 
 
 def _stage_launch(launch: LaunchEnv, stage: int) -> LaunchEnv:

@@ -137,28 +137,28 @@ def profile_iteration(at: int, out_dir: Path) -> None:
 
     original = Pretrain.train_step
 
-    def train_step(self, iteration: int, sample_memory: bool):
+    def train_step(self, built, iteration: int, sample_memory: bool):
         if iteration != at:
-            return original(self, iteration, sample_memory)
+            return original(self, built, iteration, sample_memory)
         on_cuda = torch.cuda.is_available()
-        trainer_step = self.trainer.step
+        trainer_step = built.trainer.step
 
         def marked_step(*args, **kwargs):
             with record_function(OPTIMIZER_RANGE):
                 return trainer_step(*args, **kwargs)
 
-        self.trainer.step = marked_step
+        built.trainer.step = marked_step
         if on_cuda:
             torch.cuda.synchronize()
         try:
             with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])) as prof:
                 started = time.perf_counter()
-                result = original(self, iteration, sample_memory)
+                result = original(self, built, iteration, sample_memory)
                 if on_cuda:
                     torch.cuda.synchronize()
                 step_s = time.perf_counter() - started
         finally:
-            del self.trainer.step
+            del built.trainer.step
         if self.ranks.rank == 0:
             summary = summarize(kernel_times(prof.events(), on_cuda), step_s)
             device = torch.cuda.get_device_name(0) if on_cuda else "CPU"
