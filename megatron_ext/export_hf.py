@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -66,41 +65,28 @@ def read_model_weights(checkpoint: Path, template: dict[str, torch.Tensor]) -> d
     the checkpoint's ``model.`` entries, matched by name after any ``module.`` wrappers' prefixes
     (DDP, Float16Module on GPUs), transformer-engine's fused-norm names read as the local spec's,
     SwiGLU's fc1 halves joined (:data:`SWIGLU_HALVES`); megatron-core's torch_dist checkpoints
-    (CUDA stages 0-1) through training/checkpoint.py."""
-    import torch.distributed.checkpoint as dcp
+    (CUDA stages 0-1) through training/checkpoint.py, which reads both."""
+    from megatron_ext.training.checkpoint import is_torch_dist, load_stored_tensors, read_torch_dist_model_weights, stored_tensors
 
-    from megatron_ext.training.checkpoint import is_torch_dist, read_torch_dist_model_weights
-
-    if is_torch_dist(checkpoint):
-        try:
+    try:
+        if is_torch_dist(checkpoint):
             return read_torch_dist_model_weights(checkpoint, template)
-        except ValueError as exc:
-            raise UserError(f"{exc}; it was not written by this run's model") from None
-
-    stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    by_name: dict[str, tuple[str, ...]] = {}
-    for key, meta in stored.items():
-        if not key.startswith("model.") or not hasattr(meta, "size"):
-            continue
-        name = key.removeprefix("model.")
-        while name.startswith("module."):
-            name = name.removeprefix("module.")
-        half = SWIGLU_HALVES.get(name.rsplit("_", 1)[-1]) if name.endswith(("weight_w", "weight_v")) else None
-        if half is None:
-            by_name[local_name(name)] = (key,)
-        else:  # Megatron-LM's fsdp_dtensor layout: SwiGLU's fc1 as its two halves, rows of w then v
-            parts = list(by_name.get(local_name(name[:-2]), (None, None)))
-            parts[half] = key
-            by_name[local_name(name[:-2])] = tuple(parts)
-    missing = sorted(name for name in template if None in by_name.get(name, (None,)))
-    if missing:
-        raise UserError(f"{checkpoint} holds no {missing[0]} ({len(missing)} model tensors missing); it was not written "
-                        "by this run's model")
-    keys = [key for name in template for key in by_name[name]]
-    state = {key: torch.empty(tuple(stored[key].size), dtype=stored[key].properties.dtype) for key in keys}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # no_dist's note that it loads in one process
-        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+        stored = stored_tensors(checkpoint)
+        by_name: dict[str, tuple[str | None, ...]] = {}
+        for key in (key for key in stored if key.startswith("model.")):
+            name = key.removeprefix("model.")
+            while name.startswith("module."):
+                name = name.removeprefix("module.")
+            half = SWIGLU_HALVES.get(name.rsplit("_", 1)[-1]) if name.endswith(("weight_w", "weight_v")) else None
+            if half is None:
+                by_name[local_name(name)] = (key,)
+            else:  # Megatron-LM's fsdp_dtensor layout: SwiGLU's fc1 as its two halves, rows of w then v
+                parts = list(by_name.get(local_name(name[:-2]), (None, None)))
+                parts[half] = key
+                by_name[local_name(name[:-2])] = tuple(parts)
+        state = load_stored_tensors(checkpoint, stored, by_name, template)
+    except ValueError as exc:
+        raise UserError(f"{exc}; it was not written by this run's model") from None
     return {name: torch.cat([state[key] for key in by_name[name]]) if len(by_name[name]) > 1 else state[by_name[name][0]]
             for name in template}
 

@@ -209,75 +209,62 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: 
     """Parse and check the launcher variables; every problem is one UserError. ``visible_gpus``
     (see :func:`visible_gpu_count`) is the NPROC_PER_NODE default; ``slurm_hosts`` are the
     allocation's nodes (``scontrol show hostnames $SLURM_JOB_NODELIST``) inside a Slurm allocation."""
-    if env.get("HOSTS", "").strip() and env.get("HOSTFILE", "").strip():
+    if _text(env, "HOSTS") and _text(env, "HOSTFILE"):
         raise UserError("both HOSTS and HOSTFILE are set; set one of them")
-    explicit_hosts = bool(env.get("HOSTS", "").strip() or env.get("HOSTFILE", "").strip())
+    explicit_hosts = bool(_text(env, "HOSTS") or _text(env, "HOSTFILE"))
     transport = choose_transport(env, explicit_hosts)
     if transport == "srun":
         if not slurm_hosts:
             raise UserError("the allocation lists no node (SLURM_JOB_NODELIST); run inside salloc or sbatch")
         hosts = tuple(slurm_hosts)
-        min_nodes, nnodes = _nodes(env, len(hosts))
-        if nnodes > len(hosts):
-            raise UserError(
-                f"NNODES={nnodes} but the Slurm allocation {env.get('SLURM_JOB_ID')} has {len(hosts)} node(s) "
-                f"({', '.join(hosts)}); ask for more nodes (salloc -N {nnodes}) or unset NNODES"
-            )
-        hosts = hosts[:nnodes]
-    elif env.get("HOSTFILE", "").strip():
+    elif _text(env, "HOSTFILE"):
         path = Path(env["HOSTFILE"]).expanduser()
         if not path.is_file():
             raise UserError(f"HOSTFILE={env['HOSTFILE']} does not exist; give a file with one host per line")
         hosts = parse_hosts(path.read_text(), f"HOSTFILE={path}")
-    elif env.get("HOSTS", "").strip():
-        hosts = parse_hosts(env["HOSTS"], "HOSTS")
     else:
-        hosts = ("localhost",)
-    if transport != "srun":
-        min_nodes, nnodes = _nodes(env, len(hosts))
+        hosts = parse_hosts(env["HOSTS"], "HOSTS") if _text(env, "HOSTS") else ("localhost",)
+    min_nodes, nnodes = _nodes(env, len(hosts))
+    if transport == "srun" and nnodes > len(hosts):
+        raise UserError(f"NNODES={nnodes} but the Slurm allocation {env.get('SLURM_JOB_ID')} has {len(hosts)} node(s) "
+                        f"({', '.join(hosts)}); ask for more nodes (salloc -N {nnodes}) or unset NNODES")
+    hosts = hosts[:nnodes] if transport == "srun" else hosts
     if explicit_hosts and nnodes != len(hosts):
-        raise UserError(
-            f"NNODES={env.get('NNODES', '').strip() or nnodes} but {len(hosts)} hosts are listed ({', '.join(hosts)}); "
-            "unset NNODES or list one host per node"
-        )
+        raise UserError(f"NNODES={_text(env, 'NNODES') or nnodes} but {len(hosts)} hosts are listed ({', '.join(hosts)}); "
+                        "unset NNODES or list one host per node")
     node_rank = _int(env, "NODE_RANK", 0, 0)
     if node_rank >= nnodes:
-        raise UserError(
-            f"NODE_RANK={node_rank} is outside NNODES={nnodes} (node ranks are 0..{nnodes - 1}); "
-            "fix NODE_RANK or NNODES"
-        )
-    default_nproc = visible_gpus or DEFAULT_NPROC_WITHOUT_GPUS
-    nproc = _int(env, "NPROC_PER_NODE", default_nproc, 1)
+        raise UserError(f"NODE_RANK={node_rank} is outside NNODES={nnodes} (node ranks are 0..{nnodes - 1}); fix NODE_RANK or NNODES")
+    nproc = _int(env, "NPROC_PER_NODE", visible_gpus or DEFAULT_NPROC_WITHOUT_GPUS, 1)
     port = _int(env, "MASTER_PORT", DEFAULT_MASTER_PORT, 1)
     if port > 65535:
         raise UserError(f"MASTER_PORT={port} is not a TCP port; use 1024-65535")
-    master_addr = env.get("MASTER_ADDR", "").strip() or hosts[0]
     return LaunchEnv(
         hosts=hosts,
         nnodes=nnodes,
         node_rank=node_rank,
         nproc_per_node=nproc,
-        master_addr=master_addr,
+        master_addr=_text(env, "MASTER_ADDR") or hosts[0],
         master_port=port,
-        master_port_explicit=bool(env.get("MASTER_PORT", "").strip()),
+        master_port_explicit=bool(_text(env, "MASTER_PORT")),
         hosts_explicit=explicit_hosts,
         overrides=read_overrides(env),
         min_nodes=min_nodes,
         artifact_root=artifact_root(env),
-        megatron_lm_dir=env.get("MEGATRON_LM_DIR", "").strip() or None,
+        megatron_lm_dir=_text(env, "MEGATRON_LM_DIR"),
         checkpoint_root=Path(env["CHECKPOINT_ROOT"].strip()).expanduser().absolute() if _text(env, "CHECKPOINT_ROOT") else None,
         megatron_lm_extra_args=_words(env, "MEGATRON_LM_EXTRA_ARGS"),
         visible_gpus=visible_gpus,
-        container_name=env.get("CONTAINER_NAME", "").strip() or None,
+        container_name=_text(env, "CONTAINER_NAME"),
         ssh_opts=tuple(shlex.split(env.get("SSH_OPTS", ""))),
         dry_run=env.get("DRY_RUN", "").strip() not in ("", "0", "false", "no"),
         forwarded=forwarded_environment(env),
         secrets=secret_environment(env),
         wandb=read_wandb_settings(env),
         use_srun=transport == "srun",
-        slurm_job_id=env.get("SLURM_JOB_ID", "").strip() or None,
+        slurm_job_id=_text(env, "SLURM_JOB_ID"),
         slurm_batch={key: env[name].strip() for key, name in (("partition", "SBATCH_PARTITION"), ("account", "SBATCH_ACCOUNT"),
-                                                               ("time", "SBATCH_TIMELIMIT")) if env.get(name, "").strip()},
+                                                               ("time", "SBATCH_TIMELIMIT")) if _text(env, name)},
         slurm_restart_count=_int(env, "SLURM_RESTART_COUNT", 0, 0),
         stages_text=_text(env, "STAGES"),
         gpu_memory_gb_text=_text(env, "GPU_MEMORY_GB"),

@@ -43,7 +43,7 @@ from megatron_ext.training.trainers import NonFiniteGradients, param_groups, wra
 from orchestration.launch_env import read_launch_env
 from orchestration.megatron_lm.program import plan_program
 from orchestration.node import preflight
-from orchestration.node.wire import CheckRequest, NodeCheckRequest, check_call, decode_request, target
+from orchestration.node.wire import CheckRequest, NodeCheckRequest, NodeTarget, decode_request, node_call
 
 
 TE = "2.10.0"
@@ -391,7 +391,7 @@ def test_fp8_is_refused_with_one_message_where_it_cannot_run(setting, te, capabi
 
 def _node_check(tmp_path, **fields):
     """node-check's request for node 0 of a one-node, two-process run "r" on localhost."""
-    return NodeCheckRequest(target("r", 0, "localhost", tmp_path),
+    return NodeCheckRequest(NodeTarget("r", 0, "localhost", tmp_path),
                             CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1, **fields))
 
 
@@ -399,7 +399,7 @@ def test_every_node_s_preflight_refuses_fp8_it_cannot_run(tmp_path, monkeypatch)
     """The launcher asks every node (node-check --fp8): transformer-engine's version and the GPUs'
     compute capability (nvidia-smi, no CUDA initialisation) against fp8_problem, before anything
     starts; the same rule every rank applies at its edge."""
-    call = check_call("r", 0, "localhost", tmp_path, _node_check(tmp_path, fp8="hybrid").check, master_port=None)
+    call = node_call(_node_check(tmp_path, fp8="hybrid"))
     assert decode_request(call.command, call.request) == _node_check(tmp_path, fp8="hybrid")  # the request, as the node reads it
     cpu = preflight.inspect_node(_node_check(tmp_path, fp8="hybrid"), tmp_path / "rs", 0, REPO)
     assert any(p.startswith("training.fp8=hybrid needs a GPU with FP8 tensor cores") for p in cpu.problems), cpu.problems

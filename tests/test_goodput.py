@@ -17,10 +17,12 @@ from megatron_ext.run_spec.iteration_log import IterationRecord, MetricsWriter, 
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.analysis.compare import summarize
 from orchestration.analysis.goodput import (AttemptLog, GoodputInputs, Part, Save, TimedIteration, attempt_log, compute_goodput,
-                                            format_duration, format_goodput_line, match_segments, read_goodput,
+                                            end_cause, format_duration, format_goodput_line, match_segments, read_goodput,
                                             split_attempts, straggler_seconds, training_started, zone_offset_s)
 from orchestration.analysis.tables import format_comparison
-from orchestration.node.run_state import AttemptRecord, NodeExit, RunState, write_exit, write_ledger
+from orchestration.node.failure import FailureKind
+from orchestration.node.run_state import (AttemptRecord, NodeExit, RunState, begin_attempt, end_attempt, read_ledger, write_exit,
+                                          write_ledger)
 
 
 def ledger_entry(attempt, started, ended, state, reason="x", start=None, end=None, lost=()):
@@ -122,6 +124,35 @@ def test_a_lost_node_a_preemption_a_straggler_and_the_logs_interval():
     assert p["lost node"] == (62.0 - 20.0) + (69.0 - 62.0) and p["preemption"] == (91.0 - 79.0 - 2.0) + (99.0 - 91.0)
     assert p["checkpoints"] == 2.0 and p["startup"] == 5.0 and p["shutdown"] == 11.0
     assert [f.cause for f in g.faults] == [Part.LOST_NODE, Part.PREEMPTION]
+
+
+def test_an_end_counts_as_its_failure_kind_and_an_older_ledger_by_its_words(tmp_path):
+    """The ledger keeps the kind of the failure that ended an attempt (a later close without one keeps
+    it), and that kind decides, whatever the reason's words; a ledger written before it kept kinds
+    (none on its records, as one read back without the key) is read by its reason's words."""
+    paths = RunPaths(tmp_path, "r")
+    paths.run_state_dir.mkdir(parents=True)
+    begin_attempt(paths, 1, "r-1", None)
+    end_attempt(paths, 1, RunState.FAILED, "node 1 (h1) lost: no sign", None, failure_kind=FailureKind.LOST)
+    end_attempt(paths, 1, RunState.GAVE_UP, "3 attempts in a row made no progress", None)
+    (kept,) = read_ledger(paths)
+    assert kept.failure_kind == FailureKind.LOST and end_cause(kept, False) == Part.LOST_NODE
+    paths.attempts_file.write_text('[{"attempt": 1, "run_id": "r-1", "started_at": 0.0, "checkpoint_at_start": null, '
+                                   '"ended_at": 1.0, "state": "gave up", "reason": "the last ended: node 0 hung: rank 0 stopped"}]')
+    (older,) = read_ledger(paths)
+    assert older.failure_kind is None and end_cause(older, False) == Part.HANG
+
+    def ended(state, reason, kind=None):
+        return end_cause(AttemptRecord(attempt=1, run_id="r-1", started_at=0.0, checkpoint_at_start=None, ended_at=1.0,
+                                       state=state, reason=reason, failure_kind=kind), True)
+
+    assert ended(RunState.FAILED, "rank 1: ImportError", FailureKind.LOST) == Part.LOST_NODE
+    assert ended(RunState.GAVE_UP, "3 attempts in a row made no progress", FailureKind.HUNG) == Part.HANG
+    assert ended(RunState.GAVE_UP, "the last ended: node 0 hung: rank 0 stopped", FailureKind.FAILED) == Part.CRASH
+    assert ended(RunState.FAILED, "node 1 (h1) lost: its supervisor has given no sign") == Part.LOST_NODE
+    assert ended(RunState.FAILED, "node 1 (h1) gone (its machine or its supervisor)") == Part.LOST_NODE
+    assert ended(RunState.GAVE_UP, "the last ended: node 0 hung: rank 0 stopped") == Part.HANG
+    assert ended(RunState.GAVE_UP, "the last ended: rank 1: ImportError") == Part.CRASH
 
 
 def test_a_save_is_taken_from_its_interval_and_the_rest_is_other():

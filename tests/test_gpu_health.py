@@ -15,7 +15,7 @@ from orchestration.node import preflight
 from orchestration.node.gpu_health import (COMMAND_TIMEOUT_S, GpuFinding, GpuHealth, gpu_bus_ids, ibstat_findings,
                                            nvidia_smi_findings, nvlink_findings, pci_key, read_gpu_health,
                                            read_kernel_log, sysfs_ib_findings, xid_findings)
-from orchestration.node.wire import CheckRequest, NodeCheckRequest, target
+from orchestration.node.wire import CheckRequest, NodeCheckRequest, NodeTarget
 
 SAMPLES = TEST_DATA / "gpu_health"
 RESET = "(nvidia-smi -r -i {}, as root, nothing running on it)"
@@ -315,7 +315,7 @@ def test_a_gpu_nodes_preflight_lists_each_finding_as_its_problem(tmp_path, monke
     """inspect_node on a node that shows 2 GPUs, nvidia-smi on PATH answering with the unhealthy
     sample (a program, as the real one is run): each finding is one problem of the node's table,
     with its fix; a node without nvidia-smi (this machine) gets none."""
-    request = NodeCheckRequest(target("r", 0, "localhost", tmp_path), CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1))
+    request = NodeCheckRequest(NodeTarget("r", 0, "localhost", tmp_path), CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1))
     bare = preflight.inspect_node(request, tmp_path / "rs", 2, tmp_path)
     smi = tmp_path / "bin" / "nvidia-smi"
     smi.parent.mkdir()

@@ -33,11 +33,13 @@ def test_one_node_defaults():
 def test_link_test_seconds_reach_every_node_s_call():
     """LINK_TEST_S becomes node-linktest's seconds; unset, the node keeps its own default. The node
     reads the same typed request the launcher wrote (one JSON argument)."""
-    from orchestration.node.wire import build_node_parser, decode_request, linktest_call
+    from orchestration.node.commands import build_node_parser
+    from orchestration.node.wire import LinktestRequest, NodeTarget, decode_request, node_call
 
     assert read_launch_env({}).link_test_s is None and read_launch_env({"LINK_TEST_S": "0.3"}).link_test_s == 0.3
     for seconds in (None, 0.3):
-        call = linktest_call("r1", 1, "node1", Path("/art"), 2, "10.0.0.1", 6001, "gloo", "eth0", seconds)
+        call = node_call(LinktestRequest(target=NodeTarget("r1", 1, "node1", Path("/art")), nnodes=2, master_addr="10.0.0.1",
+                                         port=6001, backend="gloo", interface="eth0", seconds=seconds))
         args = build_node_parser().parse_args([call.command, *call.args])
         request = decode_request(args.command, args.request)
         assert request.seconds == seconds and (request.target.node_rank, request.interface) == (1, "eth0")
@@ -402,16 +404,20 @@ def test_a_status_from_the_records_reads_only_this_start_s(tmp_path):
     from megatron_ext.run_spec.run_paths import RunPaths
     from orchestration.node.commands import node_status
     from orchestration.node.run_state import NodeExit, RunState, write_exit, write_heartbeat
+    from orchestration.node.wire import NodeTarget, StatusRequest
+
+    def node_status_of(run_id: str):
+        return node_status(StatusRequest(NodeTarget("r1", 0, "n0", tmp_path), by_heartbeat=True, run_id=run_id))
 
     paths = RunPaths(tmp_path, "r1")
     write_exit(paths, NodeExit(node_rank=0, state=RunState.PREEMPTED, exit_code=0, signal=None, reason="saved", ended_at=0.0,
                                run_id="start1"))
     write_heartbeat(paths, 0, 1, RunState.RUNNING, "start1", beat=41)
-    earlier = node_status(paths, 0, "n0", None, by_heartbeat=True, run_id="start2")
+    earlier = node_status_of("start2")
     assert earlier.exit is None and not earlier.alive and earlier.beat is None
-    assert node_status(paths, 0, "n0", None, by_heartbeat=True, run_id="start1").exit == "saved"
+    assert node_status_of("start1").exit == "saved"
     write_heartbeat(paths, 0, 1, RunState.RUNNING, "start2", beat=3)
-    now = node_status(paths, 0, "n0", None, by_heartbeat=True, run_id="start2")
+    now = node_status_of("start2")
     assert now.alive and now.state == RunState.RUNNING and now.beat == 3 and now.exit is None
 
 

@@ -28,7 +28,7 @@ from orchestration.megatron_lm.program import KNOWN_LIMITS_UP_TO, known_limits, 
 from orchestration.megatron_lm.render import NodeKernels, check_flags, integrity_flags, render_pretrain_gpt
 from orchestration.node.commands import node_status
 from orchestration.node.failure import failure_summary
-from orchestration.node.wire import NodeReport
+from orchestration.node.wire import NodeReport, NodeTarget, StatusRequest
 from megatron_ext.run_spec.iteration_log import parse_log
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.params import (RunOverrides, list_data_sets, list_models, load_data_set, load_model, load_run_params,
@@ -456,7 +456,7 @@ def test_compare_and_status_read_megatron_lm_logs(tmp_path):
     [summary] = compare_runs(root, ["lm"])
     assert summary.iterations == 5 and summary.zero_stage == 1 and summary.world_size == 32
     assert summary.last_loss == pytest.approx(9.5)
-    status = node_status(RunPaths(root, "lm"), 1, "n1", 4096)
+    status = node_status(StatusRequest(NodeTarget("lm", 1, "n1", root), 4096))
     assert status.last_iteration == 5 and status.tokens_per_s == pytest.approx(32 * 4096 / 1.01)
 
 

@@ -242,13 +242,13 @@ def test_every_node_s_preflight_refuses_a_python_the_checkout_does_not_support(r
     """The launcher sends the checkout's requirement in every node's check request; each node compares
     its own interpreter, one line naming both versions and the fix. The rule on given versions too."""
     from orchestration.node import preflight
-    from orchestration.node.wire import CheckRequest, NodeCheckRequest, check_call, decode_request, target
+    from orchestration.node.wire import CheckRequest, NodeCheckRequest, NodeTarget, decode_request, node_call
 
     requirement = read["core_v0.19.0"].python_requirement
     root = read["core_v0.19.0"].root
     request = CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1, python=requirement)
-    call = check_call("r", 0, "localhost", tmp_path, request, master_port=None)
-    assert decode_request(call.command, call.request) == NodeCheckRequest(target("r", 0, "localhost", tmp_path), request)
+    call = node_call(NodeCheckRequest(NodeTarget("r", 0, "localhost", tmp_path), request))
+    assert decode_request(call.command, call.request) == NodeCheckRequest(NodeTarget("r", 0, "localhost", tmp_path), request)
     report = preflight.inspect_node(decode_request(call.command, call.request), tmp_path / "rs", 0, REPO)
     running = "%d.%d.%d" % sys.version_info[:3]
     line = (f"Megatron-LM 0.19.1 (MEGATRON_LM_DIR={root}) needs Python >=3.12 (requires-python in "
@@ -267,7 +267,7 @@ def test_every_node_s_preflight_refuses_a_python_the_checkout_does_not_support(r
     broken = python_problem(dataclasses.replace(ranged, specifier="python3.12"), (3, 11, 7), "p")
     assert broken == ("Megatron-LM 9.9.9 states Python 'python3.12' (requires-python in its pyproject.toml), which is no "
                       "PEP 440 version specifier; fix it there (e.g. >=3.12)")
-    without = preflight.inspect_node(NodeCheckRequest(target("r", 0, "localhost", tmp_path),
+    without = preflight.inspect_node(NodeCheckRequest(NodeTarget("r", 0, "localhost", tmp_path),
                                                       CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1)),
                                      tmp_path / "rs", 0, REPO)
     assert not [p for p in without.problems if "needs Python" in p]

@@ -126,9 +126,9 @@ def _loaded(argv: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedP
 def test_a_node_command_loads_no_launcher_module(tmp_path):
     """``python -m orchestration node-status`` as a node runs it: no runner, cluster, analysis, cli,
     megatron_lm, import_args or launch_env module, no torch, no matplotlib."""
-    from orchestration.node.wire import status_call
+    from orchestration.node.wire import NodeTarget, StatusRequest, node_call
 
-    proc, loaded = _loaded(status_call("r", 0, "localhost", tmp_path).argv("-m")[1:], clean_env())
+    proc, loaded = _loaded(node_call(StatusRequest(NodeTarget("r", 0, "localhost", tmp_path))).argv("-m")[1:], clean_env())
     assert proc.returncode == 0 and '"state": "not started"' in proc.stdout, proc.stdout + proc.stderr[-2000:]
     launcher = sorted(m for m in loaded if m.startswith(("orchestration.runner", "orchestration.cluster", "orchestration.analysis",
                                                          "orchestration.megatron_lm", "orchestration.import_args",
@@ -302,7 +302,7 @@ NAMES_NOT_ENGINES = {
     ("benchmarks/version_matrix.py", "megatron-core"): "the column of the installed distribution's version",
 }
 DEVICE_MODULE = "megatron_ext/host/devices.py"
-DEVICE_NAMES_TO_FIX = {"orchestration/node/linktest.py": 'torch.device("cuda", 0) if ... else torch.device("cpu"): Device there'}
+DEVICE_NAMES_TO_FIX: dict[str, str] = {}
 """Device names still spelled in a choice (found by the check's wider reach; orchestration/ was another's to change)."""
 
 
@@ -417,8 +417,8 @@ def test_one_module_per_command():
 
 
 FAILURE_TEXT_READERS = {
-    "orchestration/analysis/goodput.py": "end_cause reads an attempt's cause from the ledger's reason text (records any "
-                                         "checkout wrote; the ledger keeps no failure kind)",
+    "orchestration/analysis/goodput.py": "end_cause reads the failure's kind from the reason text only for a ledger "
+                                         "written before it kept AttemptRecord.failure_kind",
 }
 
 
@@ -524,4 +524,40 @@ def test_no_attribute_appears_after_construction():
                     if (isinstance(n, ast.Call) and getattr(n.func, "id", None) in ("hasattr", "getattr") and n.args
                             and ast.unparse(n.args[0]) == "self" and (n.func.id == "hasattr" or len(n.args) == 3)):
                         found.append(f"{rel}:{n.lineno} {cls.name}.{f.name} probes {ast.unparse(n)}")
+    assert not found, found
+
+
+def test_node_commands_dispatch_on_the_request_type():
+    """Each node command's name is spelled once, on its request type (``command``); the node side
+    answers by the request's type (commands.py ``ANSWERS``), never by comparing a command's name."""
+    from orchestration.node.commands import ANSWERS
+    from orchestration.node.wire import NODE_REQUESTS
+
+    assert set(ANSWERS) == set(NODE_REQUESTS.values()) and all(r.command == c for c, r in NODE_REQUESTS.items())
+    found = []
+    for rel, tree in _project_files().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and any(isinstance(n, ast.Constant) and str(n.value).startswith("node-")
+                                                     for side in (node.left, *node.comparators) for n in ast.walk(side)):
+                found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    assert not found, found
+
+
+def test_preset_fields_and_megatron_lm_flags_are_one_table():
+    """The fields that are one Megatron-LM flag each are one table, both ways (render.py ``FIELD_FLAGS``,
+    one field per flag): render.py spells none of its flags outside it, and the importer
+    (import_args/mapping.py) reads none of them by a literal of its own."""
+    from orchestration.megatron_lm.render import FIELD_FLAGS
+
+    flags = [flag for fields in FIELD_FLAGS.values() for flag, _, _ in fields.values()]
+    assert len(set(flags)) == len(flags)
+    render, mapping = (ast.parse((REPO / rel).read_text()) for rel in ("orchestration/megatron_lm/render.py",
+                                                                        "orchestration/import_args/mapping.py"))
+    table = next(n for n in render.body if isinstance(n, ast.AnnAssign) and ast.unparse(n.target) == "FIELD_FLAGS")
+    in_table = {id(n) for n in ast.walk(table)}
+    found = [f"render.py:{n.lineno} {n.value}" for n in ast.walk(render)
+             if isinstance(n, ast.Constant) and n.value in flags and id(n) not in in_table]
+    found += [f"mapping.py:{n.lineno} {ast.unparse(n)}" for n in ast.walk(mapping)
+              if isinstance(n, ast.Call) and getattr(n.func, "attr", "") in ("switch", "text", "texts", "number", "required", "default")
+              and any(isinstance(a, ast.Constant) and a.value in flags for a in n.args)]
     assert not found, found

@@ -16,7 +16,7 @@ from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.run_paths import RunPaths
 from megatron_ext.run_spec.wandb_run import read_wandb_settings
 from orchestration.launch_env import read_launch_env
-from orchestration.node.wire import CheckRequest, NodeCheckRequest, check_call, decode_request, target
+from orchestration.node.wire import CheckRequest, NodeCheckRequest, NodeTarget, decode_request, node_call
 from orchestration.runner.preflight import required_modules
 
 
@@ -63,14 +63,14 @@ def test_the_launcher_forwards_wandb_and_every_node_checks_it_imports(tmp_path, 
     assert required_modules(read_launch_env({})) == ()
     request = CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1, shared_token=str(tmp_path / "t"),
                            required_modules=required_modules(launch))
-    call = check_call("r", 0, "localhost", tmp_path, request, master_port=None)
+    call = node_call(NodeCheckRequest(NodeTarget("r", 0, "localhost", tmp_path), request))
     assert decode_request(call.command, call.request).check.required_modules == ("wandb",)
 
     from orchestration.node import preflight
 
     real = preflight.importlib.util.find_spec
     monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    report = preflight.inspect_node(NodeCheckRequest(target("r", 0, "localhost", tmp_path),
+    report = preflight.inspect_node(NodeCheckRequest(NodeTarget("r", 0, "localhost", tmp_path),
                                                      CheckRequest(master_addr="localhost", nproc_per_node=2, nnodes=1,
                                                                   required_modules=("wandb",))),
                                     tmp_path / "run_state", 0, REPO)

@@ -43,7 +43,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 import shutil
 import threading
 import time
@@ -51,6 +50,7 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -343,7 +343,30 @@ def is_torch_dist(checkpoint: Path) -> bool:
     return marker.is_file() and json.loads(marker.read_text()).get("sharded_backend") == "torch_dist"
 
 
-_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+def stored_tensors(checkpoint: Path) -> dict:
+    """The tensors a torch.distributed.checkpoint folder holds: key -> its metadata (``size``, ``properties.dtype``)."""
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    return {key: meta for key, meta in stored.items() if hasattr(meta, "size")}
+
+
+def load_stored_tensors(checkpoint: Path, stored: dict, where: dict[str, tuple[str | None, ...]],
+                        names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The whole tensors (by checkpoint key) that ``where`` (model name -> its keys in ``stored``) gives
+    ``names``, read in one process without megatron-core (``no_dist``); a name without them (or with a
+    key None) is a ValueError naming it. The skeleton of both readers of a checkpoint's model weights."""
+    import torch.distributed.checkpoint as dcp
+
+    missing = sorted(name for name in names if None in where.get(name, (None,)))
+    if missing:
+        raise ValueError(f"{checkpoint} holds no {missing[0]} ({len(missing)} model tensors missing)")
+    keys = dict.fromkeys(key for name in names for key in where[name])  # a layer-stacked key once
+    state = {key: torch.empty(tuple(stored[key].size), dtype=stored[key].properties.dtype) for key in keys}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no_dist's note that it loads in one process
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    return state
 
 
 def read_torch_dist_model_weights(checkpoint: Path, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -351,16 +374,13 @@ def read_torch_dist_model_weights(checkpoint: Path, template: dict[str, torch.Te
     (a local-spec model's state dict). megatron-core stores the model's ``sharded_state_dict``:
     every layer's tensor stacked on a leading layer axis under one key
     (``decoder.layers.mlp.linear_fc1.weight`` is (L, F, h)), the norms under transformer-engine's
-    names whatever the spec; the files are torch.distributed.checkpoint's, read here without
-    megatron-core (``no_dist``). A name the checkpoint lacks is a ValueError naming it."""
-    import torch.distributed.checkpoint as dcp
-
+    names whatever the spec; the files are torch.distributed.checkpoint's (:func:`load_stored_tensors`)."""
     from megatron_ext.training.hf_weights import local_name
 
-    stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    stored = stored_tensors(checkpoint)
     where: dict[str, tuple[str, int | None]] = {}
     for key, meta in stored.items():
-        if not hasattr(meta, "size") or key.startswith("optimizer."):
+        if key.startswith("optimizer."):
             continue
         if key.startswith("decoder.layers."):
             rest = local_name(f"decoder.layers.0.{key.removeprefix('decoder.layers.')}").removeprefix("decoder.layers.0.")
@@ -368,14 +388,7 @@ def read_torch_dist_model_weights(checkpoint: Path, template: dict[str, torch.Te
                 where[f"decoder.layers.{layer}.{rest}"] = (key, layer)
         else:
             where[local_name(key)] = (key, None)
-    missing = sorted(set(template) - set(where))
-    if missing:
-        raise ValueError(f"{checkpoint} holds no {missing[0]} ({len(missing)} model tensors missing)")
-    keys = sorted({where[name][0] for name in template})
-    state = {key: torch.empty(tuple(stored[key].size), dtype=stored[key].properties.dtype) for key in keys}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # no_dist's note that it loads in one process
-        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    state = load_stored_tensors(checkpoint, stored, {name: (key,) for name, (key, _) in where.items()}, template)
     out = {}
     for name in template:
         key, layer = where[name]

@@ -55,7 +55,7 @@ from megatron_ext.run_spec.iteration_log import IterationRecord, looks_like_iter
 from megatron_ext.run_spec.resolved import read_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.analysis.merged_log import ATTEMPT_LINE, line_time
-from orchestration.node.run_state import AttemptRecord, RunState, read_exit, read_ledger
+from orchestration.node.run_state import AttemptRecord, FailureKind, RunState, read_exit, read_ledger
 
 
 class Part(str, enum.Enum):
@@ -198,11 +198,14 @@ def _zero() -> dict[str, float]:
 
 
 def end_cause(record: AttemptRecord, restarted: bool) -> Part:
-    """What an attempt's end (its tail, and the next attempt's lead) is counted as."""
-    reason = record.reason or ""
-    if record.lost or " lost: " in reason or " gone (its machine" in reason:
+    """What an attempt's end (its tail, and the next attempt's lead) is counted as: its state and the
+    kind of the failure that ended it."""
+    reason = record.reason or ""  # a ledger written before it kept the failure's kind: the kind from its reason's words
+    kind = record.failure_kind or (FailureKind.LOST if " lost: " in reason or " gone (its machine" in reason
+                                   else FailureKind.HUNG if " hung" in reason else None)
+    if record.lost or kind == FailureKind.LOST:
         return Part.LOST_NODE
-    if record.state == RunState.HUNG or (record.state == RunState.GAVE_UP and " hung" in reason):
+    if record.state == RunState.HUNG or (record.state == RunState.GAVE_UP and kind == FailureKind.HUNG):
         return Part.HANG
     if record.state in (RunState.FAILED, RunState.GAVE_UP):
         return Part.CRASH

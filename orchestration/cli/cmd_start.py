@@ -13,7 +13,7 @@ from megatron_ext.run_spec.params import COLLECTIVE_TIMEOUT_S
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.cli.console import note, note_left_out, note_links, print_plan, start_planned
 from orchestration.launch_env import LaunchEnv
-from orchestration.node.wire import stop_command
+from orchestration.node.run_state import stop_command
 from orchestration.runner import control
 from orchestration.runner.nodes import nodes_to_start
 from orchestration.runner.start import plan_settled_start

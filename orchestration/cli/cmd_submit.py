@@ -10,7 +10,7 @@ from orchestration.cluster import slurm
 from orchestration.cluster.kubernetes import (DEFAULT_MAX_RESTARTS, DEFAULT_TERMINATION_GRACE_S, KubernetesRequest,
                                                describe as describe_submission, parse_rdma)
 from orchestration.launch_env import LaunchEnv
-from orchestration.node.wire import stop_command
+from orchestration.node.run_state import stop_command
 from orchestration.runner import submit_kubernetes as kubernetes
 from orchestration.runner.submit import plan_submit, submit_batch
 

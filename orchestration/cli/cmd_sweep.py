@@ -13,7 +13,7 @@ from orchestration.analysis.tables import format_comparison
 from orchestration.cli.cmd_compare import add_warmup, check_warmup
 from orchestration.cli.console import note
 from orchestration.launch_env import LaunchEnv
-from orchestration.node.wire import stop_command
+from orchestration.node.run_state import stop_command
 from orchestration.runner.sweep import check_sweep, plan_sweep, run_sweep, stage_run_name
 
 

@@ -34,8 +34,8 @@ from orchestration.launch_env import DEFAULT_SSH_CONNECT_TIMEOUT_S, LOCAL_HOSTS,
 from orchestration.node.local import answer_here
 from orchestration.node.run_state import (AttemptRecord, RunState, read_exit, read_heartbeat, read_ledger, read_pid_file,
                                           wait_until_started, write_plan_file)
-from orchestration.node.wire import (DEFAULT_STOP_GRACE_S, NodePlan, NodeStarted, NodeStatus, StopPreview, StopResult,
-                                     decode_payload, start_call, status_call, stop_call)
+from orchestration.node.wire import (DEFAULT_STOP_GRACE_S, NodePlan, NodeStarted, NodeStatus, NodeTarget, StatusRequest,
+                                     StopPreview, StopRequest, StopResult, decode_payload, node_call, start_call)
 
 Nodes = Sequence[tuple[int, str]]
 STATUS_TIMEOUT_S = 60.0
@@ -99,14 +99,15 @@ class Backend:
 
     def status(self, launch: LaunchEnv, run: str, nodes: Nodes, seq_length: int | None) -> list[NodeResult[NodeStatus]]:
         """Every node's status, asked of each node."""
-        return self.call(launch, nodes, lambda rank, host: status_call(run, rank, host, launch.artifact_root, seq_length),
-                         NodeStatus, STATUS_TIMEOUT_S)
+        return self.call(launch, nodes, lambda rank, host: node_call(StatusRequest(NodeTarget(run, rank, host, launch.artifact_root),
+                                                                                   seq_length)), NodeStatus, STATUS_TIMEOUT_S)
 
     def stop(self, launch: LaunchEnv, run: str, nodes: Nodes, grace_s: float = DEFAULT_STOP_GRACE_S,
              dry_run: bool = False) -> tuple[list[NodeResult], tuple[tuple[int, str, str], ...]]:
         """``node-stop`` on every node at once (StopPreview each, in a dry run); (results, the
         (node rank, host, JOB.STEP) cancelled for nodes it could not reach)."""
-        return self.call(launch, nodes, lambda rank, host: stop_call(run, rank, host, launch.artifact_root, grace_s, dry_run),
+        return self.call(launch, nodes, lambda rank, host: node_call(StopRequest(NodeTarget(run, rank, host, launch.artifact_root),
+                                                                                 grace_s, dry_run)),
                          StopPreview if dry_run else StopResult, timeout_s=grace_s + 60), ()
 
     def poll_s(self, nodes: Nodes) -> float:
@@ -264,8 +265,8 @@ def statuses_from_records(launch: LaunchEnv, run: str, nodes: Nodes, seq_length:
         if rank in lost:
             results.append(lost_node(rank, host, lost[rank]))
             continue
-        code, line = answer_here(status_call(run, rank, host, launch.artifact_root, seq_length, by_heartbeat=True,
-                                             run_id=run_id), launch.environ)
+        request = StatusRequest(NodeTarget(run, rank, host, launch.artifact_root), seq_length, by_heartbeat=True, run_id=run_id)
+        code, line = answer_here(node_call(request), launch.environ)
         value = decode_payload(NodeStatus, json.loads(line)) if code == 0 else None
         results.append(NodeResult(node_rank=rank, host=host, argv=[], returncode=code, value=value,
                                   error=None if value else line, output=""))

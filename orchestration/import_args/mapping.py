@@ -5,9 +5,9 @@
 Each flag the files give (merged, :mod:`orchestration.import_args.given_flags`) either maps onto a
 field, or is listed (:class:`NotImported`, :mod:`orchestration.import_args.flag_reader`): without
 a counterpart, handled by the launcher, or fixed in this project. A field the files do not set
-gets Megatron-LM's default (:data:`MODEL_DEFAULTS`, :data:`TRAINING_DEFAULTS`), marked in the
-YAML, so the imported run means what the files meant. The renderer going the other way is
-:mod:`orchestration.megatron_lm.render`. Pure.
+gets Megatron-LM's default, marked in the YAML, so the imported run means what the files meant.
+The fields that are one flag each, and their defaults, are the table the renderer going the other
+way writes them by (:data:`orchestration.megatron_lm.render.FIELD_FLAGS`). Pure.
 """
 
 from __future__ import annotations
@@ -19,32 +19,8 @@ from megatron_ext.run_spec.errors import UserError
 from orchestration.import_args.flag_reader import (LAUNCHER, LAUNCHER_FLAGS, NOT_IMPORTED, FlagReader, NotImported,
                                                    list_the_rest)
 from orchestration.import_args.given_flags import GivenFlag
+from orchestration.megatron_lm.render import FIELD_FLAGS, FSDP_GRAD_DTYPE_FLAGS
 
-MODEL_DEFAULTS: dict[str, tuple[str, Any]] = {
-    "make_vocab_size_divisible_by": ("--make-vocab-size-divisible-by", 128),
-    "position_embedding_type": ("--position-embedding-type", "learned_absolute"),
-    "rotary_base": ("--rotary-base", 10000),
-    "rope_scaling_factor": ("--rope-scaling-factor", 8.0),
-    "normalization": ("--normalization", "LayerNorm"),
-    "norm_epsilon": ("--norm-epsilon", 1e-5),
-    "hidden_dropout": ("--hidden-dropout", 0.1),
-    "attention_dropout": ("--attention-dropout", 0.1),
-}
-"""Megatron-LM core_v0.16.1's argparse defaults for the model fields (field -> flag, default)."""
-TRAINING_DEFAULTS: dict[str, tuple[str, Any]] = {
-    "min_lr": ("--min-lr", 0.0),
-    "lr_warmup_iters": ("--lr-warmup-iters", 0),
-    "weight_decay": ("--weight-decay", 0.01),
-    "adam_beta1": ("--adam-beta1", 0.9),
-    "adam_beta2": ("--adam-beta2", 0.999),
-    "adam_eps": ("--adam-eps", 1e-8),
-    "clip_grad": ("--clip-grad", 1.0),
-    "seed": ("--seed", 1234),
-    "log_interval": ("--log-interval", 100),
-    "eval_iters": ("--eval-iters", 100),
-}
-"""The same for the schedule. (``--lr-decay-style`` defaults to linear, which has no counterpart:
-listed.)"""
 DEFAULT_SPLIT = "969,30,1"
 """Megatron-LM's split when ``--data-path`` comes without ``--split`` ('969, 30, 1')."""
 
@@ -74,66 +50,56 @@ class ImportedArgs:
     """Flags read into a field in another form (``--lr-warmup-fraction`` -> lr_warmup_iters)."""
 
 
+def _field(r: FlagReader, section: str, key: str, *, required: bool = False, default: Any = ..., what: str = "") -> Any:
+    """``section.key`` from its flag (:data:`FIELD_FLAGS`): a switch flips Megatron-LM's default; a value is
+    read as the field's type, else ``default`` (``...``: the table's, Megatron-LM's; marked with ``what``), else None."""
+    flag, kind, fallback = FIELD_FLAGS[section][key]
+    if kind is bool:
+        return r.switch(flag) != fallback
+    if required:
+        return r.required(flag, kind, f"{section}.{key}")
+    value = r.text(flag, f"{section}.{key}") if kind is str else r.number(flag, kind, f"{section}.{key}")
+    default = fallback if default is ... else default
+    return r.default(f"{section}.{key}", default, flag, what) if value is None and default is not None else value
+
+
 def _model(r: FlagReader) -> dict[str, Any]:
     m: dict[str, Any] = {}
-    m["num_layers"] = r.required("--num-layers", int, "model.num_layers")
-    m["hidden_size"] = h = r.required("--hidden-size", int, "model.hidden_size")
-    swiglu = r.switch("--swiglu")
-    ffn = r.number("--ffn-hidden-size", int, "model.ffn_hidden_size")
-    if ffn is None:
-        ffn = int((4 * h * 2 / 3) / 64) * 64 if swiglu else 4 * h
-        r.default("model.ffn_hidden_size", ffn, "--ffn-hidden-size",
-                  ": int(4 x hidden x 2/3 / 64) x 64 with --swiglu" if swiglu else ": 4 x hidden_size")
-    m["ffn_hidden_size"] = ffn
-    m["num_attention_heads"] = r.required("--num-attention-heads", int, "model.num_attention_heads")
-    m["num_query_groups"] = None
-    if r.switch("--group-query-attention"):
-        groups = r.number("--num-query-groups", int, "model.num_query_groups")
-        m["num_query_groups"] = groups if groups is not None else r.default("model.num_query_groups", 1, "--num-query-groups")
-    else:
+    m["num_layers"] = _field(r, "model", "num_layers", required=True)
+    m["hidden_size"] = h = _field(r, "model", "hidden_size", required=True)
+    swiglu = _field(r, "model", "swiglu")
+    m["ffn_hidden_size"] = _field(r, "model", "ffn_hidden_size", default=int((4 * h * 2 / 3) / 64) * 64 if swiglu else 4 * h,
+                                  what=": int(4 x hidden x 2/3 / 64) x 64 with --swiglu" if swiglu else ": 4 x hidden_size")
+    m["num_attention_heads"] = _field(r, "model", "num_attention_heads", required=True)
+    m["num_query_groups"] = _field(r, "model", "num_query_groups") if r.switch("--group-query-attention") else None
+    if m["num_query_groups"] is None:
         r.skip("--num-query-groups", "Megatron-LM ignores it without --group-query-attention (multi-head attention)", section="model")
-    m["kv_channels"] = r.number("--kv-channels", int, "model.kv_channels")
+    m["kv_channels"] = _field(r, "model", "kv_channels")
     m["vocab_size"] = r.number("--padded-vocab-size", int, "model.vocab_size")
     if m["vocab_size"] is None:
         r.comments["model.vocab_size"] = "the tokenizer's, padded (no --padded-vocab-size in the files)"
-    m["make_vocab_size_divisible_by"] = _or_default(r, "model", "make_vocab_size_divisible_by", int)
-    m["max_position_embeddings"] = r.required("--max-position-embeddings", int, "model.max_position_embeddings")
-    position = _or_default(r, "model", "position_embedding_type", str)
-    if position not in ("rope", "learned_absolute"):
-        raise UserError(f"{r.flags['--position-embedding-type'].where}: --position-embedding-type {position} has no "
-                        "counterpart: this project builds rope or learned_absolute positions; change the file")
-    m["position_embedding_type"] = position
-    m["rotary_base"] = _or_default(r, "model", "rotary_base", int)
-    m["rope_scaling"] = r.switch("--use-rope-scaling")
-    m["rope_scaling_factor"] = _or_default(r, "model", "rope_scaling_factor", float)
+    for key in ("make_vocab_size_divisible_by", "max_position_embeddings", "position_embedding_type"):
+        m[key] = _field(r, "model", key, required=key == "max_position_embeddings")
+    if m["position_embedding_type"] not in ("rope", "learned_absolute"):
+        raise UserError(f"{r.flags['--position-embedding-type'].where}: --position-embedding-type {m['position_embedding_type']} "
+                        "has no counterpart: this project builds rope or learned_absolute positions; change the file")
+    for key in ("rotary_base", "rope_scaling", "rope_scaling_factor", "normalization", "norm_epsilon"):
+        m[key] = _field(r, "model", key)
     if not m["rope_scaling"] and not r.given("--rope-scaling-factor"):
         r.comments.pop("model.rope_scaling_factor")  # unused without the scaling
-    m["normalization"] = _or_default(r, "model", "normalization", str)
-    m["norm_epsilon"] = _or_default(r, "model", "norm_epsilon", float)
     m["swiglu"] = swiglu
     m["gelu_tanh"] = False
     r.comments["model.gelu_tanh"] = "Megatron-LM's megatron-core GPT uses the exact GELU (--openai-gelu: legacy models only)"
-    m["qk_layernorm"] = r.switch("--qk-layernorm")
-    m["add_bias_linear"] = not r.switch("--disable-bias-linear")
-    m["add_qkv_bias"] = r.switch("--add-qkv-bias")
+    for key in ("qk_layernorm", "add_bias_linear", "add_qkv_bias"):
+        m[key] = _field(r, "model", key)
     if m["add_qkv_bias"] and m["add_bias_linear"]:
         r.converted("--add-qkv-bias")  # implied by the linear biases: the renderer leaves it out
         r.comments["model.add_qkv_bias"] = "--add-qkv-bias, implied by the linear biases (no --disable-bias-linear)"
-    m["tie_embeddings"] = not r.switch("--untie-embeddings-and-output-weights")
-    m["hidden_dropout"] = _or_default(r, "model", "hidden_dropout", float)
-    m["attention_dropout"] = _or_default(r, "model", "attention_dropout", float)
+    for key in ("tie_embeddings", "hidden_dropout", "attention_dropout"):
+        m[key] = _field(r, "model", key)
     r.skip("--openai-gelu", "Megatron-LM applies it to its legacy models only; its megatron-core GPT uses the exact GELU",
            section="model")
     return m
-
-
-def _or_default(r: FlagReader, section: str, key: str, kind: type) -> Any:
-    flag, default = (MODEL_DEFAULTS if section == "model" else TRAINING_DEFAULTS)[key]
-    value = r.number(flag, kind, f"{section}.{key}") if kind is not str else r.text(flag, f"{section}.{key}")
-    return r.default(f"{section}.{key}", default, flag) if value is None else value
-
-
-FSDP_GRAD_DTYPE_FLAGS = ("--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-grad-comm-dtype")
 
 
 def _grad_reduce_in_bf16(r: FlagReader) -> bool:
@@ -142,7 +108,7 @@ def _grad_reduce_in_bf16(r: FlagReader) -> bool:
     default) or bf16 (``training.grad_reduce_in_bf16``), and renders the pair back at stages 2-3
     (orchestration/megatron_lm/render.py ``gradient_precision_flags``). Another pair (fp16, ``auto``,
     two different dtypes) has no counterpart and is listed."""
-    in_bf16 = r.switch("--grad-reduce-in-bf16")
+    in_bf16 = _field(r, "training", "grad_reduce_in_bf16")
     given = {flag: r.text(flag, "training.grad_reduce_in_bf16") for flag in FSDP_GRAD_DTYPE_FLAGS if r.given(flag)}
     if not given:
         return in_bf16
@@ -172,27 +138,27 @@ def _samples_to_iters(r: FlagReader, flag: str, global_batch: int | None, key: s
 
 def _training(r: FlagReader) -> dict[str, Any]:
     t: dict[str, Any] = {}
-    t["seq_length"] = r.required("--seq-length", int, "training.seq_length")
-    t["micro_batch_size"] = r.required("--micro-batch-size", int, "training.micro_batch_size")
-    gbs = t["global_batch_size"] = r.number("--global-batch-size", int, "training.global_batch_size")
+    t["seq_length"] = _field(r, "training", "seq_length", required=True)
+    t["micro_batch_size"] = _field(r, "training", "micro_batch_size", required=True)
+    gbs = t["global_batch_size"] = _field(r, "training", "global_batch_size")
     if gbs is None:
         r.comments["training.global_batch_size"] = "Megatron-LM default: micro x data-parallel (no --global-batch-size)"
     if r.given("--rampup-batch-size") and r.given("--train-samples") and not r.given("--train-iters"):
         raise UserError(f"{r.flags['--train-samples'].where}: --train-samples with --rampup-batch-size cannot become "
                         "train_iters (the ramp-up has no counterpart); give --train-iters instead")
-    iters = r.number("--train-iters", int, "training.train_iters")
+    iters = _field(r, "training", "train_iters")
     if iters is None:
         iters = _samples_to_iters(r, "--train-samples", gbs, "train_iters")
     if iters is None:
         raise UserError("the files give no --train-iters (or --train-samples), which Megatron-LM needs; add one to a file")
     t["train_iters"] = iters
-    t["lr"] = r.required("--lr", float, "training.lr")
-    t["min_lr"] = _or_default(r, "training", "min_lr", float)
-    decay = r.number("--lr-decay-iters", int, "training.lr_decay_iters")
+    t["lr"] = _field(r, "training", "lr", required=True)
+    t["min_lr"] = _field(r, "training", "min_lr")
+    decay = _field(r, "training", "lr_decay_iters")
     if decay is None:
         decay = _samples_to_iters(r, "--lr-decay-samples", gbs, "lr_decay_iters")
     fraction = r.number("--lr-warmup-fraction", float, "training.lr_warmup_iters")
-    warmup = r.number("--lr-warmup-iters", int, "training.lr_warmup_iters")
+    warmup = _field(r, "training", "lr_warmup_iters", default=None)
     if fraction is not None:
         exact = fraction * (decay or iters)
         warmup = round(exact)
@@ -201,7 +167,7 @@ def _training(r: FlagReader) -> dict[str, Any]:
                                                   + ("" if abs(exact - warmup) < 1e-6 else f" = {exact:g}, rounded"))
     elif warmup is None:
         warmup = _samples_to_iters(r, "--lr-warmup-samples", gbs, "lr_warmup_iters")
-    t["lr_warmup_iters"] = warmup if warmup is not None else r.default("training.lr_warmup_iters", 0, "--lr-warmup-iters")
+    t["lr_warmup_iters"] = warmup if warmup is not None else _field(r, "training", "lr_warmup_iters")
     t["lr_decay_iters"] = decay
     style = r.flags.get("--lr-decay-style")
     if style is not None and style.values and style.values[0].text == "cosine":
@@ -213,29 +179,21 @@ def _training(r: FlagReader) -> dict[str, Any]:
                                      "this project decays with cosine (add --lr-decay-style cosine to mean that)",
                                      where="not in the files", kind=NOT_IMPORTED, section="training"))
     for key in ("weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
-        t[key] = _or_default(r, "training", key, float)
+        t[key] = _field(r, "training", key)
     t["grad_reduce_in_bf16"] = _grad_reduce_in_bf16(r)
-    t["manual_gc"] = r.switch("--manual-gc")
-    gc_interval = r.number("--manual-gc-interval", int, "training.manual_gc_interval")
-    if gc_interval is not None:
-        t["manual_gc_interval"] = gc_interval
-    fp8 = r.text("--fp8-format", "training.fp8")
-    if fp8 is not None:  # transformer-engine's delayed scaling, as Megatron-LM's default --fp8-recipe
-        t["fp8"] = fp8
-        history = r.number("--fp8-amax-history-len", int, "training.fp8_amax_history_len")
-        if history is not None:
-            t["fp8_amax_history_len"] = history
-        algo = r.text("--fp8-amax-compute-algo", "training.fp8_amax_compute_algo")
-        if algo is not None:
-            t["fp8_amax_compute_algo"] = algo
-    t["seed"] = _or_default(r, "training", "seed", int)
-    t["log_interval"] = _or_default(r, "training", "log_interval", int)
-    interval = r.number("--eval-interval", int, "training.eval_interval")
+    t["manual_gc"] = _field(r, "training", "manual_gc")
+    # fp8: transformer-engine's delayed scaling, as Megatron-LM's default --fp8-recipe (its settings read only with it)
+    for key in ("manual_gc_interval", "fp8", "fp8_amax_history_len", "fp8_amax_compute_algo"):
+        if (not key.startswith("fp8_") or "fp8" in t) and (value := _field(r, "training", key)) is not None:
+            t[key] = value
+    t["seed"] = _field(r, "training", "seed")
+    t["log_interval"] = _field(r, "training", "log_interval")
+    interval = _field(r, "training", "eval_interval")
     t["eval_interval"] = interval if interval is not None else 0
     if interval is None:
         r.comments["training.eval_interval"] = "Megatron-LM default: no validation during training, one at the end"
-    t["eval_iters"] = _or_default(r, "training", "eval_iters", int)
-    save = r.number("--save-interval", int, "training.save_interval")
+    t["eval_iters"] = _field(r, "training", "eval_iters")
+    save = _field(r, "training", "save_interval")
     t["save_interval"] = save if save is not None else 0
     if save is None:
         r.comments["training.save_interval"] = "no --save-interval in the files: no periodic checkpoints"

@@ -5,14 +5,14 @@
 Pure: a :class:`RunParams`, the prepared data, a stage, a checkout version and the run's paths
 in; an argv list and the environment changes out. :func:`check_flags` compares a render with
 the flags a checkout defines (:mod:`orchestration.megatron_lm.checkout`). The importer of argument
-files (:mod:`orchestration.import_args`) goes the other way.
+files (:mod:`orchestration.import_args`) goes the other way, by the same table (:data:`FIELD_FLAGS`).
 """
 
 from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Mapping, Sequence
 
 from megatron_ext.run_spec.engines import MEGATRON_LM
 from megatron_ext.run_spec.run_paths import RunPaths
@@ -84,23 +84,59 @@ class MegatronLMRender:
     """What makes Megatron-LM's ranks save and end (its --exit-signal-handler listens for it)."""
 
 
+FIELD_FLAGS: dict[str, dict[str, tuple[str, type, Any]]] = {
+    "model": {
+        "num_layers": ("--num-layers", int, None), "hidden_size": ("--hidden-size", int, None),
+        "ffn_hidden_size": ("--ffn-hidden-size", int, None), "num_attention_heads": ("--num-attention-heads", int, None),
+        "num_query_groups": ("--num-query-groups", int, 1), "kv_channels": ("--kv-channels", int, None),
+        "qk_layernorm": ("--qk-layernorm", bool, False), "normalization": ("--normalization", str, "LayerNorm"),
+        "norm_epsilon": ("--norm-epsilon", float, 1e-5), "swiglu": ("--swiglu", bool, False),
+        "add_bias_linear": ("--disable-bias-linear", bool, True), "add_qkv_bias": ("--add-qkv-bias", bool, False),
+        "position_embedding_type": ("--position-embedding-type", str, "learned_absolute"),
+        "rotary_base": ("--rotary-base", int, 10000), "rope_scaling": ("--use-rope-scaling", bool, False),
+        "rope_scaling_factor": ("--rope-scaling-factor", float, 8.0),
+        "max_position_embeddings": ("--max-position-embeddings", int, None),
+        "hidden_dropout": ("--hidden-dropout", float, 0.1), "attention_dropout": ("--attention-dropout", float, 0.1),
+        "make_vocab_size_divisible_by": ("--make-vocab-size-divisible-by", int, 128),
+        "tie_embeddings": ("--untie-embeddings-and-output-weights", bool, True),
+    },
+    "training": {
+        "seq_length": ("--seq-length", int, None), "micro_batch_size": ("--micro-batch-size", int, None),
+        "global_batch_size": ("--global-batch-size", int, None), "train_iters": ("--train-iters", int, None),
+        "lr": ("--lr", float, None), "min_lr": ("--min-lr", float, 0.0), "lr_warmup_iters": ("--lr-warmup-iters", int, 0),
+        "lr_decay_iters": ("--lr-decay-iters", int, None), "weight_decay": ("--weight-decay", float, 0.01),
+        "adam_beta1": ("--adam-beta1", float, 0.9), "adam_beta2": ("--adam-beta2", float, 0.999),
+        "adam_eps": ("--adam-eps", float, 1e-8), "clip_grad": ("--clip-grad", float, 1.0), "seed": ("--seed", int, 1234),
+        "eval_iters": ("--eval-iters", int, 100), "eval_interval": ("--eval-interval", int, None),
+        "log_interval": ("--log-interval", int, 100), "save_interval": ("--save-interval", int, None),
+        "grad_reduce_in_bf16": ("--grad-reduce-in-bf16", bool, False), "manual_gc": ("--manual-gc", bool, False),
+        "manual_gc_interval": ("--manual-gc-interval", int, None), "fp8": ("--fp8-format", str, None),
+        "fp8_amax_history_len": ("--fp8-amax-history-len", int, None),
+        "fp8_amax_compute_algo": ("--fp8-amax-compute-algo", str, None),
+    },
+}
+"""The preset fields that are one Megatron-LM flag each, both ways: section -> field -> (flag, type, default).
+The render writes a value as ``repr`` (float) or ``str``, a switch (bool) where the field is not the
+default; the import (:mod:`orchestration.import_args.mapping`) reads the flag's text as the type, a
+switch as the default flipped, and an absent flag as the default: Megatron-LM core_v0.16.1's
+argparse default (None: none, or the field's own rule)."""
+
+
+def field_flags(p: RunParams, section: str, *keys: str, **values: Any) -> list[str]:
+    """:data:`FIELD_FLAGS` of ``section``'s fields ``keys``, in that order; ``values``: what Megatron-LM
+    takes in place of a field's value (``lr_decay_iters`` 0 means ``train_iters``)."""
+    flags: list[str] = []
+    for key in keys:
+        (flag, kind, default), value = FIELD_FLAGS[section][key], values.get(key, getattr(getattr(p, section), key))
+        if kind is not bool:
+            flags += [flag, repr(value) if kind is float else str(value)]
+        elif value != default:
+            flags.append(flag)
+    return flags
+
+
 def model_flags(p: RunParams) -> list[str]:
-    m, t = p.model, p.training
-    flags = [
-        "--num-layers", str(m.num_layers),
-        "--hidden-size", str(m.hidden_size),
-        "--ffn-hidden-size", str(m.ffn_hidden_size),
-        "--num-attention-heads", str(m.num_attention_heads),
-    ]
-    if m.num_query_groups and m.num_query_groups != m.num_attention_heads:
-        flags += ["--group-query-attention", "--num-query-groups", str(m.num_query_groups)]
-    if m.kv_channels:
-        flags += ["--kv-channels", str(m.kv_channels)]
-    if m.qk_layernorm:
-        flags.append("--qk-layernorm")
-    flags += ["--normalization", m.normalization, "--norm-epsilon", repr(m.norm_epsilon)]
-    if m.swiglu:
-        flags.append("--swiglu")
+    m = p.model
     if m.gelu_tanh:
         # Megatron-LM reads --openai-gelu in its legacy model only; its megatron-core GPT always
         # uses F.gelu (arguments.py core_transformer_config_from_args, core_v0.16.1).
@@ -109,26 +145,16 @@ def model_flags(p: RunParams) -> list[str]:
             "cannot build (--openai-gelu reaches only its legacy model); use ENGINE=megatron-core, or set "
             "gelu_tanh: false for the exact GELU"
         )
-    if not m.add_bias_linear:
-        flags.append("--disable-bias-linear")
-        if m.add_qkv_bias:
-            flags.append("--add-qkv-bias")
-    flags += ["--position-embedding-type", m.position_embedding_type]
+    flags = field_flags(p, "model", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
+    if m.num_query_groups and m.num_query_groups != m.num_attention_heads:
+        flags += ["--group-query-attention", *field_flags(p, "model", "num_query_groups")]
+    flags += field_flags(p, "model", *(["kv_channels"] if m.kv_channels else []), "qk_layernorm", "normalization", "norm_epsilon",
+                         "swiglu", "add_bias_linear", *([] if m.add_bias_linear else ["add_qkv_bias"]), "position_embedding_type")
     if m.position_embedding_type == "rope":
-        flags += ["--rotary-base", str(m.rotary_base)]
-        if m.rope_scaling:
-            flags += ["--use-rope-scaling", "--rope-scaling-factor", repr(m.rope_scaling_factor)]
-    flags += [
-        "--max-position-embeddings", str(m.max_position_embeddings),
-        "--seq-length", str(t.seq_length),
-        # Megatron's dropout defaults are 0.1; the presets say what they use.
-        "--hidden-dropout", repr(m.hidden_dropout),
-        "--attention-dropout", repr(m.attention_dropout),
-        "--make-vocab-size-divisible-by", str(m.make_vocab_size_divisible_by),
-    ]
-    if not m.tie_embeddings:
-        flags.append("--untie-embeddings-and-output-weights")
-    return flags
+        flags += field_flags(p, "model", "rotary_base", *(["rope_scaling", "rope_scaling_factor"] if m.rope_scaling else []))
+    # Megatron's dropout defaults are 0.1; the presets say what they use.
+    return (flags + field_flags(p, "model", "max_position_embeddings") + field_flags(p, "training", "seq_length")
+            + field_flags(p, "model", "hidden_dropout", "attention_dropout", "make_vocab_size_divisible_by", "tie_embeddings"))
 
 
 def data_flags(p: RunParams, prepared: PreparedData) -> list[str]:
@@ -170,48 +196,30 @@ def data_flags(p: RunParams, prepared: PreparedData) -> list[str]:
 
 def training_flags(p: RunParams, bf16: bool) -> list[str]:
     t = p.training
-    flags = [
-        "--micro-batch-size", str(t.micro_batch_size),
-        "--global-batch-size", str(t.global_batch_size),
-        "--train-iters", str(t.train_iters),
-        "--lr", repr(t.lr),
-        "--min-lr", repr(t.min_lr),
-        "--lr-decay-style", "cosine",
-        "--lr-warmup-iters", str(t.lr_warmup_iters),
-        "--lr-decay-iters", str(t.lr_decay_iters or t.train_iters),
-        "--weight-decay", repr(t.weight_decay),
-        "--adam-beta1", repr(t.adam_beta1),
-        "--adam-beta2", repr(t.adam_beta2),
-        "--adam-eps", repr(t.adam_eps),
-        "--clip-grad", repr(t.clip_grad),
-        "--seed", str(t.seed),
-        "--eval-iters", str(t.eval_iters),
-        "--eval-interval", str(t.eval_interval or t.train_iters),
-    ]
+    flags = [*field_flags(p, "training", "micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr"),
+             "--lr-decay-style", "cosine",
+             *field_flags(p, "training", "lr_warmup_iters", "lr_decay_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
+                          "clip_grad", "seed", "eval_iters", "eval_interval", lr_decay_iters=t.lr_decay_iters or t.train_iters,
+                          eval_interval=t.eval_interval or t.train_iters)]
     if bf16:
         flags.append("--bf16")
-    if t.grad_reduce_in_bf16:
-        flags.append("--grad-reduce-in-bf16")
-    if t.fp8:  # transformer-engine's delayed scaling, as this program's fp8_autocast (known_limits needs TE)
-        flags += ["--fp8-format", t.fp8, "--fp8-amax-history-len", str(t.fp8_amax_history_len),
-                  "--fp8-amax-compute-algo", t.fp8_amax_compute_algo]
-    if t.manual_gc:  # Megatron-LM's own: gc frozen after setup, collected every N steps on every rank
-        flags.append("--manual-gc")
-        if t.manual_gc_interval:
-            flags += ["--manual-gc-interval", str(t.manual_gc_interval)]
-    return flags
+    # fp8: transformer-engine's delayed scaling, as this program's fp8_autocast (known_limits needs TE);
+    # manual_gc: Megatron-LM's own, gc frozen after setup, collected every N steps on every rank
+    fp8 = ["fp8", "fp8_amax_history_len", "fp8_amax_compute_algo"] if t.fp8 else []
+    return flags + field_flags(p, "training", "grad_reduce_in_bf16", *fp8, "manual_gc",
+                               *(["manual_gc_interval"] if t.manual_gc and t.manual_gc_interval else []))
 
 
 def logging_and_checkpoint_flags(p: RunParams, paths: RunPaths, wandb: WandbSettings | None = None,
                                  known: Collection[str] = (), load: bool = True) -> list[str]:
     t = p.training
     return [
-        "--log-interval", str(t.log_interval),
+        *field_flags(p, "training", "log_interval"),
         "--log-throughput",
         "--tensorboard-dir", str(paths.tensorboard_dir),
         *wandb_flags(wandb, paths, known),
         "--data-cache-path", str(paths.data_cache_dir / "megatron_lm_index"),
-        *(["--save", str(paths.checkpoints_dir), "--save-interval", str(t.save_interval)] if t.save_interval else []),
+        *(["--save", str(paths.checkpoints_dir), *field_flags(p, "training", "save_interval")] if t.save_interval else []),
         *async_save_flags(p, known),
         *(load_flags(paths) if load else []),
         *init_flags(p),

@@ -131,8 +131,8 @@ def decide(attempt: int, ends: dict[int, AttemptEnd | None], ledger: Sequence[At
            joiners: Sequence[int] = (), rejoins_so_far: int = 0) -> Decision:
     """Restart or end after ``attempt``: ``ends`` per node of the attempt (None = no end within
     training.resilience.join_s: the node is lost), ``ledger`` with this attempt's record already
-    closed, ``restarts_so_far`` in this start, ``cause``/``cause_reason`` what ended the attempt (the
-    failure file's first line); ``hosts`` (by node rank) name the lost nodes. A lost node ends the
+    closed, ``restarts_so_far`` in this start, ``cause``/``cause_reason`` what ended the attempt (its
+    Failure's summary line); ``hosts`` (by node rank) name the lost nodes. A lost node ends the
     run, unless ``policy.min_nodes`` allows the next attempt on the nodes left (never without node 0,
     the rendezvous host and leader). ``joiners``: nodes brought back and asking for a place
     (``rejoin``), which a restart takes."""

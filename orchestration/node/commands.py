@@ -17,6 +17,7 @@ the launcher side.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from megatron_ext.host.devices import visible_gpu_count
 from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
@@ -36,13 +37,12 @@ from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
 from orchestration.node import processes
 from orchestration.node.failure import failure_reason
 from orchestration.node.pod import run_pod
-from orchestration.node.run_state import (RunState, read_exit, read_failure, read_heartbeat,
-                                          read_pid_file, reset_node_files, reset_run_files, tail, wait_until_started,
-                                          write_plan_file)
+from orchestration.node.run_state import (RunState, read_exit, read_failure, read_heartbeat, read_pid_file, reset_node_files,
+                                          reset_run_files, stop_command, tail, wait_until_started, write_plan_file)
 from orchestration.node.supervisor import Supervisor
-from orchestration.node.wire import (RUN_ID_TAG, NodeCheckRequest, NodePlan, NodeStarted, NodeStatus, build_node_parser,
-                                     decode_payload, decode_request, decode_secrets, encode_error, encode_payload,
-                                     stop_command, supervise_argv)
+from orchestration.node.wire import (NODE_REQUESTS, RUN_ID_TAG, LinktestRequest, NodeCheckRequest, NodePlan, NodeStarted,
+                                     NodeStatus, NodeTarget, SaveRequest, StatusRequest, StopRequest, decode_payload, decode_request,
+                                     decode_secrets, encode_error, encode_payload, supervise_argv)
 
 log = logging.getLogger(__name__)
 
@@ -90,25 +90,24 @@ def read_node_env(env: Mapping[str, str]) -> NodeEnv:
 
 # -- the commands ---------------------------------------------------------------------------------
 
-def refuse_if_running(pid_path: Path, run: str, node_rank: int) -> None:
-    record = read_pid_file(pid_path)
+def refuse_if_running(target: NodeTarget) -> None:
+    record = read_pid_file(processes.pid_path(target))
     if record and processes.record_is_alive(record):
+        run = target.run
         raise UserError(
-            f"run {run!r} is already running on node {node_rank} (pid {record.pid}, started "
+            f"run {run!r} is already running on node {target.node_rank} (pid {record.pid}, started "
             f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(record.started_at))}); stop it first "
             f"({stop_command(run, False)} on that node, or {stop_command(run, True)}) or choose another RUN name"
         )
 
 
-def node_check(request: NodeCheckRequest, node: "NodeEnv"):
+def node_check(request: NodeCheckRequest, node: NodeEnv):
     """Preflight on this node (orchestration/node/preflight.py): the run is not live here, and
     every other check; the report lists every problem found."""
     from orchestration.node.preflight import inspect_node  # node-check's alone: the supervisor starts without it
 
-    t = request.target
-    paths = RunPaths(t.artifact_root, t.run)
-    refuse_if_running(paths.node_pid_file(t.node_rank), paths.run, t.node_rank)
-    return inspect_node(request, paths.run_state_dir, node.visible_gpus, Path.cwd(), node.environ)
+    refuse_if_running(request.target)
+    return inspect_node(request, request.target.paths.run_state_dir, node.visible_gpus, Path.cwd(), node.environ)
 
 
 def receive_secrets(plan: NodePlan, line: str, node_env: Mapping[str, str]) -> dict[str, str]:
@@ -132,7 +131,7 @@ def receive_secrets(plan: NodePlan, line: str, node_env: Mapping[str, str]) -> d
 def reset_for_start(plan: NodePlan) -> RunPaths:
     """What this node's last start left goes before its supervisor starts (node 0 of a start also
     clears the run's failure and attempt files: :attr:`NodePlan.resets_run_state`)."""
-    paths = RunPaths(plan.artifact_root, plan.run)
+    paths = plan.target.paths
     reset_node_files(paths, plan.node_rank)
     if plan.resets_run_state:
         reset_run_files(paths, keep_ledger=plan.first_attempt > 1)
@@ -144,7 +143,7 @@ def node_start(plan: NodePlan, node: NodeEnv, python: str, secrets: Mapping[str,
     records it (see orchestration/node/supervisor.py); report once it runs. ``secrets`` go into the
     supervisor's environment (torchrun and the ranks inherit them), not into the plan file."""
     log_path = Path(plan.log_path)
-    refuse_if_running(plan.pid_file, plan.run, plan.node_rank)
+    refuse_if_running(plan.target)
     paths = reset_for_start(plan)
     plan_file = write_plan_file(paths, plan.node_rank, plan.to_json())
     supervisor = processes.start_detached(supervise_argv(python, str(plan_file)),
@@ -152,7 +151,7 @@ def node_start(plan: NodePlan, node: NodeEnv, python: str, secrets: Mapping[str,
     wait = wait_until_started(paths, plan.node_rank, plan.pid_file, plan.run_id, lambda: supervisor.poll() is None,
                               timeout_s=START_SETTLE_S + START_TIMEOUT_S, settle_s=START_SETTLE_S)
     if not wait.started:
-        processes.stop_node(plan.run, plan.node_rank, plan.host, plan.pid_file, grace_s=1.0, artifact_root=str(plan.artifact_root))
+        processes.stop_node(plan.target, grace_s=1.0)
         if wait.timed_out:
             doing = f" (it was {wait.doing})" if wait.doing else ""
             raise NodeError(f"torchrun did not start: {START_SETTLE_S + START_TIMEOUT_S:.0f} s passed without it or "
@@ -195,8 +194,7 @@ def planned_engine(paths: RunPaths, node_rank: int) -> Engine:
         return MEGATRON_CORE
 
 
-def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | None, by_heartbeat: bool = False,
-                run_id: str | None = None) -> NodeStatus:
+def node_status(request: StatusRequest) -> NodeStatus:
     """Alive or not, and the last iteration line of the node's log (either engine's), read
     with the one iteration-line parser; ``seq_length`` turns step time into tokens/s.
     ``by_heartbeat``: from another machine that shares the files: alive = its supervisor's
@@ -204,8 +202,9 @@ def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | No
     the record's). A one-shot status cannot tell a supervisor gone without a record from a live
     one: the record's counter (``beat``) can, between two statuses; a waiting start compares it
     (orchestration/runner/record_beats.py)."""
+    by_heartbeat, node_rank, paths = request.by_heartbeat, request.target.node_rank, request.target.paths
     record = read_pid_file(paths.node_pid_file(node_rank))
-    this_start = run_id if by_heartbeat else None
+    this_start = request.run_id if by_heartbeat else None
     ended = read_exit(paths, node_rank, this_start)
     beat = read_heartbeat(paths, node_rank)
     if beat is not None and this_start and beat.run_id != this_start:
@@ -229,13 +228,13 @@ def node_status(paths: RunPaths, node_rank: int, host: str, seq_length: int | No
     else:
         state = RunState.STOPPED if paths.node_log(node_rank).exists() else RunState.NOT_STARTED
     text = tail(paths.node_log(node_rank), 200)
-    records, _ = planned_engine(paths, node_rank).parse_log(text, seq_length)
+    records, _ = planned_engine(paths, node_rank).parse_log(text, request.seq_length)
     score, reason = failure_reason(tail(paths.node_log(node_rank), 400, max_bytes=262144)) \
         if not training and state.ended and state != RunState.FINISHED else (0, None)
     last = records[-1] if records else None
     lines = [line for line in text.splitlines() if line.strip()]
     return NodeStatus(
-        node_rank=node_rank, host=host, alive=alive, state=state, exit=ended.reason if ended else None,
+        node_rank=node_rank, host=request.target.host, alive=alive, state=state, exit=ended.reason if ended else None,
         run_failure=read_failure(paths), pid=record.pid if record else None,
         last_iteration=last.iteration if last else None, train_iters=last.train_iters if last else None,
         tokens_per_s=last.tokens_per_s if last and last.tokens_per_s else None,
@@ -256,24 +255,21 @@ def standing_slow_ranks(log_text: str) -> str | None:
     return None
 
 
-def _answer(command: str, request, node: NodeEnv, stdin_line: str):
-    if command == "node-start":
-        return node_start(request, node, sys.executable, receive_secrets(request, stdin_line, node.environ))
-    t = request.target
-    paths = RunPaths(t.artifact_root, check_run_name(t.run))
-    if command == "node-check":
-        return node_check(request, node)
-    if command == "node-linktest":
-        from orchestration.node.linktest import run_linktest  # the same
+def node_linktest(request: LinktestRequest, node: NodeEnv):
+    from orchestration.node.linktest import run_linktest  # node-linktest's alone: the supervisor starts without it
 
-        return run_linktest(request, node.environ)
-    if command == "node-save":
-        return processes.ask_to_save(t.node_rank, t.host, paths.node_pid_file(t.node_rank))
-    if command == "node-stop":
-        stop = processes.preview_stop if request.dry_run else processes.stop_node
-        return stop(paths.run, t.node_rank, t.host, paths.node_pid_file(t.node_rank), request.grace_s,
-                    artifact_root=str(t.artifact_root))
-    return node_status(paths, t.node_rank, t.host, request.seq_length, request.by_heartbeat, request.run_id)
+    return run_linktest(request, node.environ)
+
+
+ANSWERS: dict[type, Callable[[Any, NodeEnv, str], Any]] = {
+    NodePlan: lambda plan, node, line: node_start(plan, node, sys.executable, receive_secrets(plan, line, node.environ)),
+    NodeCheckRequest: lambda r, node, _: node_check(r, node),
+    LinktestRequest: lambda r, node, _: node_linktest(r, node),
+    SaveRequest: lambda r, *_: processes.ask_to_save(r.target),
+    StopRequest: lambda r, *_: processes.preview_stop(r.target, r.grace_s) if r.dry_run else processes.stop_node(r.target, r.grace_s),
+    StatusRequest: lambda r, *_: node_status(r),
+}
+"""Each request type and what answers it (request, the node's environment, node-start's secrets line)."""
 
 
 def answer(argv: Sequence[str], environ: Mapping[str, str], stdin_line: str = "") -> tuple[int, str]:
@@ -285,7 +281,8 @@ def answer(argv: Sequence[str], environ: Mapping[str, str], stdin_line: str = ""
     except ValueError as exc:
         return EXIT_USER_ERROR, encode_error(f"{exc}; send node commands with the launcher of the same checkout")
     try:
-        payload = _answer(args.command, request, read_node_env(environ), stdin_line)
+        check_run_name(request.target.run)  # it becomes file names
+        payload = ANSWERS[type(request)](request, read_node_env(environ), stdin_line)
     except UserError as exc:
         return EXIT_USER_ERROR, encode_error(str(exc))
     except NodeError as exc:
@@ -301,21 +298,33 @@ def plan_names_secrets(request: str) -> bool:
         return False  # answer() says what is wrong with the request
 
 
+def build_node_parser() -> argparse.ArgumentParser:
+    """The node side's parser: each node command's one argument, its request as JSON (node/wire.py)."""
+    parser = argparse.ArgumentParser(prog="python -m orchestration", description="node commands (sent by the launcher)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, option, supervise in (("node-supervise", "--plan-file", node_supervise),
+                                    ("node-pod", "--plan-dir", lambda plan_dir, node: run_pod(plan_dir, node.environ, sys.executable))):
+        command = sub.add_parser(name)
+        command.add_argument(option, dest="plan", required=True)
+        command.set_defaults(supervise=supervise)  # a plan file, not a request: runs until the node's run ends
+    for name, request in NODE_REQUESTS.items():
+        sub.add_parser(name).add_argument("--request", required=True, help=f"the {request.__name__} as JSON (node/wire.py)")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Every node command: one JSON line out (the supervisor runs until its torchrun ends)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_node_parser().parse_args(argv)
     configure_node_logging(os.environ.get("LOG_LEVEL", ""))
-    if args.command in ("node-supervise", "node-pod"):
-        node = read_node_env(os.environ)
-        code = node_supervise(args.plan_file, node) if args.command == "node-supervise" else \
-            run_pod(args.plan_dir, node.environ, sys.executable)
+    if args.command not in NODE_REQUESTS:
+        code = args.supervise(args.plan, read_node_env(os.environ))
         logging.shutdown()
         sys.stdout.flush()
         # A store call still out (node 0 cut off) sits in torch's C++ in a daemon thread: no
         # interpreter teardown under it (one that returns then aborts the process).
         os._exit(code)
-    needs_secrets = args.command == "node-start" and plan_names_secrets(args.request) and not sys.stdin.isatty()
+    needs_secrets = NODE_REQUESTS[args.command] is NodePlan and plan_names_secrets(args.request) and not sys.stdin.isatty()
     code, line = answer(argv, os.environ, sys.stdin.readline() if needs_secrets else "")  # the launcher's one line
     print(line, flush=True)
     return code

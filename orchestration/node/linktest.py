@@ -83,7 +83,7 @@ def measure(rank: int, nnodes: int, master_addr: str, port: int, backend: str, n
     import torch
     import torch.distributed as dist
 
-    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    device = torch.device(Device.of(backend == "nccl"))  # NCCL: GPU 0, set below
     if backend == "nccl":
         torch.cuda.set_device(0)
     store = dist.TCPStore(master_addr, port, nnodes, rank == 0, timeout=datetime.timedelta(seconds=LINKTEST_TIMEOUT_S))

@@ -1,8 +1,8 @@
 """This machine's node commands answered in the caller's own process: the launcher's way to its
 own machine (no interpreter to start, no connection), beside ssh, docker exec and srun.
 
-    python -c "from orchestration.node.local import answer_here; from orchestration.node.wire import status_call; \\
-        print(answer_here(status_call('r', 0, 'localhost', '/tmp/a'), {}))"
+    python -c "from orchestration.node.local import answer_here; from orchestration.node.wire import *; \\
+        print(answer_here(node_call(StatusRequest(NodeTarget('r', 0, 'localhost', '/tmp/a'))), {}))"
 
 The launcher imports this, :mod:`orchestration.node.wire` and the run-state readers of the node
 side, nothing else; the node's dispatcher is imported at the first call only (a launcher command

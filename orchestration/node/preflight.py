@@ -4,16 +4,17 @@
 
 :func:`inspect_node` (run by ``node-check`` on every node in parallel): the run is not live there;
 the software (Python, torch, megatron-core, transformer-engine, the project's revision), the Python
-a Megatron-LM checkout needs (its requires-python, sent by the launcher), whether
-the program accepts that megatron-core and whether megatron-core can use that transformer-engine;
-the data paths and tokenizer the run reads; the optional
-modules it imports (wandb with WANDB_PROJECT set); the artifact root writable and the same one node
-0 sees (a token the launcher wrote); MASTER_ADDR resolves and node 0 answers on MASTER_PORT (a
-refused connection proves the path; a timeout means a firewall drops the traffic, e.g. Docker's
-FORWARD DROP with bridge netfilter); MASTER_PORT free on node 0, or the first free port from 6000
-when MASTER_PORT is not set; the network interface that routes to MASTER_ADDR; NPROC_PER_NODE
-within the visible GPUs. The launcher side (:mod:`orchestration.runner.preflight`) puts every
-node's report in one table and checks that the nodes agree on the software. Side effects: reads
+a Megatron-LM checkout needs (its requires-python, sent by the launcher), whether the program
+accepts that megatron-core and whether megatron-core can use that transformer-engine; the data
+paths and tokenizer the run reads; the optional modules it imports (wandb with WANDB_PROJECT set);
+the artifact root writable and the same one node 0 sees (a token the launcher wrote: the logs,
+records and checkpoints go there; the nodes agree over node 0's store, orchestration/node/board.py);
+MASTER_ADDR resolves and node 0 answers on MASTER_PORT (a refused connection proves the path; a
+timeout means a firewall drops the traffic, e.g. Docker's FORWARD DROP with bridge netfilter);
+MASTER_PORT free on node 0 and, with several nodes, MASTER_PORT + 1 (that store), or the first free
+pair from 6000 when MASTER_PORT is not set; the network interface that routes to MASTER_ADDR;
+NPROC_PER_NODE within the visible GPUs. The launcher side (:mod:`orchestration.runner.preflight`)
+puts every node's report in one table and checks that the nodes agree on the software. Side effects: reads
 files, sockets, ``ip``, package metadata; writes and removes one probe file.
 """
 
@@ -161,7 +162,7 @@ def tokenizer_problem(kind: str, path: str) -> str | None:
     try:
         check_tokenizer(TokenizerParams(kind, path))
     except UserError as exc:
-        return str(exc)
+        return f"{exc} (on this node)"
     return None
 
 
@@ -268,97 +269,81 @@ def disk_problem(checkpoint_dir: Path, parameters: int, keep: int, device: Devic
             "larger file system (CHECKPOINT_ROOT)")
 
 
+def module_problem(module: str) -> str | None:
+    """Why an optional module the run imports (wandb with WANDB_PROJECT set) is missing here, or None."""
+    if importlib.util.find_spec(module) is not None:
+        return None
+    where, refusal = f"on this node ({sys.executable})", MODULE_PROBLEMS.get(module)
+    return refusal(where) if refusal else f"the run imports {module}, which is not installed {where}; pip install {module} on every node"
+
+
+def megatron_core_problem(version: str | None) -> str | None:
+    """Why the program cannot run with the installed megatron-core ``version`` (None: not installed), or None."""
+    if version is None:
+        return "megatron-core is not installed; run training_scripts/setup_env.sh on this node"
+    try:
+        check_megatron_core(version)
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
+def node0_port_problem(report: NodeReport, master_port: int | None, nnodes: int) -> str | None:
+    """Node 0: MASTER_PORT free, and MASTER_PORT + 1 (the run's coordination store) with several nodes;
+    MASTER_PORT not set: the first free port from 6000 goes to ``report.free_port``."""
+    if master_port is None:
+        report.free_port = first_free_port()
+        return None if report.free_port is not None else \
+            f"no free port in {DEFAULT_PORT_SEARCH.start}-{DEFAULT_PORT_SEARCH.stop - 1}; set MASTER_PORT"
+    if not port_is_free(master_port):
+        return (f"MASTER_PORT={master_port} is in use on node 0 ({report.host}); choose a free port, "
+                f"e.g. MASTER_PORT={master_port + 2}, or unset it to pick one")
+    if nnodes > 1 and not port_is_free(coordination_port(master_port)):
+        return (f"port {coordination_port(master_port)} (MASTER_PORT + 1, where node 0 keeps the run's "
+                f"coordination store) is in use on node 0 ({report.host}); choose another MASTER_PORT, "
+                f"e.g. MASTER_PORT={master_port + 2}, or unset it to pick one")
+    return None
+
+
 def inspect_node(request: NodeCheckRequest, run_state_dir: Path, visible_gpus: int, project_dir: Path,
                  environ: Mapping[str, str] | None = None) -> NodeReport:
     """Every check of ``request`` on this node (its ``master_port`` None = MASTER_PORT not set:
-    node 0 picks one; its tokenizer must load here); ``environ``: the ranks' environment."""
-    node_rank, host, check, master_port = request.target.node_rank, request.target.host, request.check, request.master_port
-    report = NodeReport(node_rank=node_rank, host=host, software=installed_software(project_dir), local_dir=str(node_local_dir()),
-                        visible_gpus=visible_gpus)
-    problems = report.problems
-    if check.python is not None:  # the ranks' program (a Megatron-LM checkout) would fail at its first import
-        problem = python_problem(check.python, sys.version_info[:3], sys.executable)
-        if problem:
-            problems.append(problem)
-    mcore = report.software.get("megatron-core")
-    if report.software.get("torch") is None:
-        problems.append("torch is not installed; run training_scripts/setup_env.sh on this node")
-    if mcore is None:
-        problems.append("megatron-core is not installed; run training_scripts/setup_env.sh on this node")
-    else:
-        try:
-            check_megatron_core(mcore)
-        except UserError as exc:
-            problems.append(str(exc))
-    for module in check.required_modules:  # optional modules the run imports: wandb with WANDB_PROJECT set
-        if importlib.util.find_spec(module) is None:
-            where = f"on this node ({sys.executable})"
-            problem = MODULE_PROBLEMS.get(module)
-            problems.append(problem(where) if problem else
-                            f"the run imports {module}, which is not installed {where}; pip install {module} on every node")
-    for path in check.required_paths:
-        p = Path(path)
-        if not (p.exists() or (Path(f"{path}.bin").is_file() and Path(f"{path}.idx").is_file())):
-            problems.append(f"{path} does not exist on this node; every node needs the run's data, tokenizer and model directory "
-                            "(a shared file system, or a copy at the same path)")
-    if check.tokenizer is not None and Path(check.tokenizer[1]).exists():
-        problem = tokenizer_problem(*check.tokenizer)
-        if problem:
-            problems.append(f"{problem} (on this node)")
-    problem = writable_problem(run_state_dir, node_rank)
-    if problem:
-        problems.append(problem)
-    if check.shared_token is not None and not Path(check.shared_token).is_file():
-        problems.append(
-            f"the artifact root is not the one node 0 sees ({check.shared_token} is missing here): logs, pid files, the "
-            "failure file, checkpoints and the data cache (megatron-core builds its index on rank 0 only) must be "
-            "shared; set ARTIFACT_ROOT to a path on a file system every node mounts")
-    if node_rank == 0:
-        if master_port is None:
-            report.free_port = first_free_port()
-            if report.free_port is None:
-                problems.append(f"no free port in {DEFAULT_PORT_SEARCH.start}-{DEFAULT_PORT_SEARCH.stop - 1}; set MASTER_PORT")
-        elif not port_is_free(master_port):
-            problems.append(f"MASTER_PORT={master_port} is in use on node 0 ({host}); choose a free port, "
-                            f"e.g. MASTER_PORT={master_port + 2}, or unset it to pick one")
-        elif check.nnodes > 1 and not port_is_free(coordination_port(master_port)):
-            problems.append(f"port {coordination_port(master_port)} (MASTER_PORT + 1, where node 0 keeps the run's "
-                            f"coordination store) is in use on node 0 ({host}); choose another MASTER_PORT, "
-                            f"e.g. MASTER_PORT={master_port + 2}, or unset it to pick one")
-    elif master_port is not None:
-        problem = probe_master(check.master_addr, master_port)
-        if problem:
-            problems.append(problem)
-    report.interface = route_interface(check.master_addr)
-    report.master_address = resolve_ipv4(check.master_addr)
-    problem = loopback_master_problem(check.master_addr, report.master_address, check.nnodes)
-    if problem:
-        problems.append(problem)
-    if check.checkpoints is not None:
-        space = check.checkpoints
-        problem = disk_problem(Path(space.directory), space.parameters, space.keep, Device.of(visible_gpus > 0),
-                               space.zero_stage)
-        if problem:
-            problems.append(problem)
-    if check.needs_cuda and not visible_gpus:
-        problem = cuda_problem(environ or {})
-        if problem:
-            problems.append(problem)
-    if report.software.get("transformer-engine") is not None:
-        problem = transformer_engine_problem(report.software["transformer-engine"], environ or {})
-        if problem:
-            problems.append(problem)
-    if check.fp8:
-        problem = fp8_problem(check.fp8, report.software.get("transformer-engine"),
-                              compute_capability() if visible_gpus else None)
-        if problem:
-            problems.append(problem)
-    if visible_gpus:
-        health = read_gpu_health()
-        if health is not None:
-            problems.extend(f"{f.gpu}: {f.what}; {f.fix}" for f in health.findings)
-            report.notes.extend(health.notes)
-    if visible_gpus and check.nproc_per_node > visible_gpus:
-        problems.append(f"NPROC_PER_NODE={check.nproc_per_node} but this node shows {visible_gpus} GPU(s); use at most "
-                        f"{visible_gpus} (or check CUDA_VISIBLE_DEVICES)")
+    node 0 picks one; its tokenizer must load here); ``environ``: the ranks' environment. The checks
+    are one list, each a problem or None, in the order the report names them."""
+    node_rank, check, master_port, environ = request.target.node_rank, request.check, request.master_port, environ or {}
+    report = NodeReport(node_rank=node_rank, host=request.target.host, software=installed_software(project_dir),
+                        local_dir=str(node_local_dir()), visible_gpus=visible_gpus, interface=route_interface(check.master_addr),
+                        master_address=resolve_ipv4(check.master_addr))
+    software, tokenizer, space = report.software, check.tokenizer, check.checkpoints
+    te = software.get("transformer-engine")
+    health = read_gpu_health() if visible_gpus else None
+    report.notes.extend(health.notes if health is not None else ())
+    problems = [
+        # the ranks' program (a Megatron-LM checkout) would fail at its first import
+        python_problem(check.python, sys.version_info[:3], sys.executable) if check.python is not None else None,
+        "torch is not installed; run training_scripts/setup_env.sh on this node" if software.get("torch") is None else None,
+        megatron_core_problem(software.get("megatron-core")),
+        *map(module_problem, check.required_modules),
+        *(f"{path} does not exist on this node; every node needs the run's data, tokenizer and model directory "
+          "(a shared file system, or a copy at the same path)" for path in check.required_paths
+          if not (Path(path).exists() or (Path(f"{path}.bin").is_file() and Path(f"{path}.idx").is_file()))),
+        tokenizer_problem(*tokenizer) if tokenizer is not None and Path(tokenizer[1]).exists() else None,
+        writable_problem(run_state_dir, node_rank),
+        f"the artifact root is not the one node 0 sees ({check.shared_token} is missing here): logs, pid files, the "
+        "failure file, checkpoints and the data cache (megatron-core builds its index on rank 0 only) must be "
+        "shared; set ARTIFACT_ROOT to a path on a file system every node mounts"
+        if check.shared_token is not None and not Path(check.shared_token).is_file() else None,
+        node0_port_problem(report, master_port, check.nnodes) if node_rank == 0 else
+        probe_master(check.master_addr, master_port) if master_port is not None else None,
+        loopback_master_problem(check.master_addr, report.master_address, check.nnodes),
+        disk_problem(Path(space.directory), space.parameters, space.keep, Device.of(visible_gpus > 0), space.zero_stage)
+        if space is not None else None,
+        cuda_problem(environ) if check.needs_cuda and not visible_gpus else None,
+        transformer_engine_problem(te, environ) if te is not None else None,
+        fp8_problem(check.fp8, te, compute_capability() if visible_gpus else None) if check.fp8 else None,
+        *(f"{f.gpu}: {f.what}; {f.fix}" for f in (health.findings if health is not None else ())),
+        f"NPROC_PER_NODE={check.nproc_per_node} but this node shows {visible_gpus} GPU(s); use at most {visible_gpus} "
+        "(or check CUDA_VISIBLE_DEVICES)" if visible_gpus and check.nproc_per_node > visible_gpus else None,
+    ]
+    report.problems.extend(p for p in problems if p)
     return report

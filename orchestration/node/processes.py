@@ -19,8 +19,8 @@ from typing import Iterator, Sequence
 
 from megatron_ext.host.procfs import parent_pid, pid_is_alive, process_environ, process_start_time  # noqa: F401
 from orchestration.node.run_state import PidRecord, read_pid_file
-from orchestration.node.wire import (ARTIFACT_ROOT_ENV, DEFAULT_STOP_GRACE_S, NODE_TAG, RUN_ID_TAG, RUN_TAG, SaveAsked,
-                                     StopPreview, StopResult)
+from orchestration.node.wire import (ARTIFACT_ROOT_ENV, DEFAULT_STOP_GRACE_S, NODE_TAG, RUN_ID_TAG, RUN_TAG, NodePlan,
+                                     NodeTarget, SaveAsked, StopPreview, StopResult)
 
 SWEEP_KILL_AFTER_S = 5.0
 
@@ -65,15 +65,13 @@ def start_detached(argv: Sequence[str], env: dict[str, str], cwd: str, log_path:
         )
 
 
-def new_record(run: str, run_id: str, node_rank: int, host: str, pid: int, argv: Sequence[str],
-               log_path: Path, supervisor_pid: int | None = None, slurm_step: str | None = None) -> PidRecord:
+def new_record(plan: NodePlan, pid: int, argv: Sequence[str], slurm_step: str | None = None) -> PidRecord:
     """The pid file's record of ``pid`` (torchrun; or a rejoining node's supervisor itself, until
-    its first attempt)."""
+    its first attempt), written by the node's supervisor (this process)."""
     return PidRecord(
-        run=run, run_id=run_id, node_rank=node_rank, host=host, hostname=socket.gethostname(),
-        pid=pid, pgid=os.getpgid(pid), start_time=process_start_time(pid) or 0,
-        argv=list(argv), log_path=str(log_path), started_at=time.time(), supervisor_pid=supervisor_pid,
-        slurm_step=slurm_step, supervisor_start_time=process_start_time(supervisor_pid) if supervisor_pid else None,
+        run=plan.run, run_id=plan.run_id, node_rank=plan.node_rank, host=plan.host, hostname=socket.gethostname(),
+        pid=pid, pgid=os.getpgid(pid), start_time=process_start_time(pid) or 0, argv=list(argv), log_path=plan.log_path,
+        started_at=time.time(), supervisor_pid=os.getpid(), slurm_step=slurm_step, supervisor_start_time=process_start_time(os.getpid()),
     )
 
 
@@ -85,31 +83,34 @@ def _signal(pid: int, sig: int) -> bool:
         return False
 
 
-def _wait_until_gone(run: str, node_rank: int, timeout_s: float, artifact_root: str | None) -> list[int]:
+def pid_path(target: NodeTarget) -> Path:
+    return target.paths.node_pid_file(target.node_rank)
+
+
+def _wait_until_gone(target: NodeTarget, timeout_s: float) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while True:
-        left = list(tagged_processes(run, node_rank, artifact_root))
+        left = list(tagged_processes(target.run, target.node_rank, str(target.artifact_root)))
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(0.2)
 
 
-def preview_stop(run: str, node_rank: int, host: str, pid_path: Path, grace_s: float = DEFAULT_STOP_GRACE_S,
-                 artifact_root: str | None = None) -> StopPreview:
-    record = read_pid_file(pid_path)
+def preview_stop(target: NodeTarget, grace_s: float = DEFAULT_STOP_GRACE_S) -> StopPreview:
+    record = read_pid_file(pid_path(target))
     alive = record is not None and (record_is_alive(record) or supervisor_is_alive(record))
-    return StopPreview(node_rank=node_rank, host=host, recorded_pid=record.pid if record else None,
-                       recorded_alive=alive, group=record.pgid if alive else None,
-                       tagged=sorted(tagged_processes(run, node_rank, artifact_root)), grace_s=grace_s)
+    return StopPreview(node_rank=target.node_rank, host=target.host, recorded_pid=record.pid if record else None,
+                       recorded_alive=alive, group=record.pgid if alive else None, grace_s=grace_s,
+                       tagged=sorted(tagged_processes(target.run, target.node_rank, str(target.artifact_root))))
 
 
-def stop_node(run: str, node_rank: int, host: str, pid_path: Path, grace_s: float = DEFAULT_STOP_GRACE_S,
-             signal_group: bool = True, artifact_root: str | None = None, record: PidRecord | None = None) -> StopResult:
+def stop_node(target: NodeTarget, grace_s: float = DEFAULT_STOP_GRACE_S, signal_group: bool = True,
+              record: PidRecord | None = None) -> StopResult:
     """SIGTERM the recorded group (torchrun and the node's supervisor; or, from the supervisor
     itself, torchrun alone, keeping the pid file for its next attempt), wait, then SIGTERM/SIGKILL
     every process still tagged (never the caller). ``record``: the supervisor's own record of its
     torchrun (default: the pid file's; the supervisor does not read the share to stop its own)."""
-    record = record if record is not None else read_pid_file(pid_path)
+    record = record if record is not None else read_pid_file(pid_path(target))
     if record is not None and os.getpid() in (record.pid, record.pgid if signal_group else None):
         record = None  # a supervisor's own record (a node joining, before its first attempt): never the caller
     if signal_group:
@@ -126,23 +127,23 @@ def stop_node(run: str, node_rank: int, host: str, pid_path: Path, grace_s: floa
                 os.kill(record.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-    left = _wait_until_gone(run, node_rank, grace_s if alive else 0.0, artifact_root)
+    left = _wait_until_gone(target, grace_s if alive else 0.0)
     swept = [pid for pid in left if _signal(pid, signal.SIGTERM)]
-    left = _wait_until_gone(run, node_rank, SWEEP_KILL_AFTER_S if swept else 0.0, artifact_root)
+    left = _wait_until_gone(target, SWEEP_KILL_AFTER_S if swept else 0.0)
     killed = [pid for pid in left if _signal(pid, signal.SIGKILL)]
-    left = _wait_until_gone(run, node_rank, 2.0 if killed else 0.0, artifact_root)
+    left = _wait_until_gone(target, 2.0 if killed else 0.0)
     if not left and signal_group:
-        pid_path.unlink(missing_ok=True)
-    return StopResult(node_rank=node_rank, host=host, was_running=alive, signalled_group=group, swept=swept, killed=killed, left=left)
+        pid_path(target).unlink(missing_ok=True)
+    return StopResult(node_rank=target.node_rank, host=target.host, was_running=alive, signalled_group=group, swept=swept,
+                      killed=killed, left=left)
 
 
-def ask_to_save(node_rank: int, host: str, pid_path: Path) -> SaveAsked:
+def ask_to_save(target: NodeTarget) -> SaveAsked:
     """SIGUSR1 to the node's supervisor, if the pid file's is alive and ours: it asks every node,
     over the board, to save at the next step and end."""
-    record = read_pid_file(pid_path)
-    if record is None or not supervisor_is_alive(record) or not _signal(record.supervisor_pid, signal.SIGUSR1):
-        return SaveAsked(node_rank, host, None)
-    return SaveAsked(node_rank, host, record.supervisor_pid)
+    record = read_pid_file(pid_path(target))
+    asked = record is not None and supervisor_is_alive(record) and _signal(record.supervisor_pid, signal.SIGUSR1)
+    return SaveAsked(target.node_rank, target.host, record.supervisor_pid if asked else None)
 
 
 def port_is_free(port: int) -> bool:

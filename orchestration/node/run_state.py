@@ -29,9 +29,11 @@ from typing import Callable, Sequence
 from megatron_ext.run_spec.convert import structure, unstructure
 from megatron_ext.host.json_files import read_json, write_json_atomic, write_text_atomic
 from megatron_ext.run_spec.run_paths import RunPaths
+from orchestration.node.failure import FailureKind  # the ledger's failure kinds: the launcher reads them from here
 
 HEARTBEAT_S = 2.0
-"""How often a node's supervisor touches its heartbeat."""
+"""How often a node's supervisor rewrites its heartbeat record (for ``status`` and a start's wait; the
+nodes judge each other by their beats on the board, orchestration/node/liveness.py)."""
 RECORD_WRITE_S = 10.0
 """A heartbeat record's write that has not returned in this long counts as the share failing."""
 
@@ -243,6 +245,11 @@ def read_pid_file(path: Path) -> PidRecord | None:
         return None
 
 
+def stop_command(run: str, multinode: bool) -> str:
+    """The stop script for a live run, started on one node (``--this-node``) or on every node."""
+    return f"{'stop_multinode_training.sh' if multinode else 'stop_training.sh'} {run}"
+
+
 @dataclass(frozen=True)
 class StartWait:
     """How a node's start turned out: its torchrun's record, or how it ended."""
@@ -305,6 +312,8 @@ class AttemptRecord:
     ended_at: float | None = None
     state: RunState | None = None
     reason: str | None = None
+    failure_kind: FailureKind | None = None
+    """The kind of the failure that ended it (None: no failure, or a ledger written before the kind was kept)."""
     checkpoint_at_end: int | None = None
     nodes: tuple[int, ...] = ()
     """The nodes (ranks in the start's plan) the attempt ran on; empty: every node."""
@@ -352,10 +361,12 @@ def begin_attempt(paths: RunPaths, attempt: int, run_id: str, checkpoint: int | 
 
 def end_attempt(paths: RunPaths, attempt: int, state: RunState, reason: str, checkpoint: int | None,
                 lost: Sequence[int] = (), suspects: Sequence[int] = (), excluded: Sequence[int] = (),
-                exclusion: str = "") -> list[AttemptRecord]:
+                exclusion: str = "", failure_kind: FailureKind | None = None) -> list[AttemptRecord]:
     """Node 0: attempt ``attempt`` ended so (``lost``: nodes lost in it; ``suspects``: the nodes its
-    evidence named; ``excluded``: left out after it, ``exclusion`` why); the ledger as it now stands."""
+    evidence named; ``excluded``: left out after it, ``exclusion`` why; ``failure_kind``: what failed,
+    kept by a later call without one); the ledger as it now stands."""
     records = [replace(r, ended_at=time.time(), state=state, reason=reason, checkpoint_at_end=checkpoint,
+                       failure_kind=failure_kind or r.failure_kind,
                        lost=tuple(lost) or r.lost, suspects=tuple(suspects) or r.suspects,
                        excluded=tuple(excluded) or r.excluded, exclusion=exclusion or r.exclusion)
                if r.attempt == attempt else r for r in read_ledger(paths)]

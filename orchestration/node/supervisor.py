@@ -77,7 +77,7 @@ from orchestration.node.run_state import (HEARTBEAT_S, RECORD_WRITE_S, NodeExit,
 from orchestration.node.run_state import begin_attempt, end_attempt, read_ledger, write_pid_file
 from orchestration.node.wire import NodePlan
 from orchestration.node.flight_recorder import StuckCollective, read_flight_recorders, stuck_collective
-from orchestration.node.watchdog import Hang, Watchdog, dump_node, find_suspects, worker_pids
+from orchestration.node.watchdog import Hang, Watchdog, dump_node, find_suspects, local_ranks, worker_pids
 
 log = logging.getLogger(__name__)
 
@@ -341,8 +341,7 @@ class Supervisor:
             proc = subprocess.Popen(list(argv), cwd=self.plan.cwd, env=env, stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT)
         self.proc = proc
-        self.record = processes.new_record(self.plan.run, self.plan.run_id, self.rank, self.plan.host, proc.pid, argv,
-                                           Path(self.plan.log_path), supervisor_pid=os.getpid(), slurm_step=self.slurm_step)
+        self.record = processes.new_record(self.plan, proc.pid, argv, self.slurm_step)
         self.records.keep("writing the pid file", lambda: write_pid_file(self.plan.pid_file, self.record))
         return proc
 
@@ -356,8 +355,7 @@ class Supervisor:
                     os.kill(pid, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
-        processes.stop_node(self.plan.run, self.rank, self.plan.host, self.plan.pid_file, grace_s=grace_s,
-                            signal_group=False, artifact_root=self._root, record=self.record)
+        processes.stop_node(self.plan.target, grace_s, signal_group=False, record=self.record)
         proc.poll()
 
     def _forward_save(self, signalled: set[int]) -> set[int]:
@@ -393,8 +391,7 @@ class Supervisor:
         """torchrun is gone; its workers, in sessions of their own, may not be (torchrun SIGKILLed),
         nor what they started (a multiprocessing resource tracker, which ignores SIGTERM and ends
         when its rank's pipe closes): every process of the node's run but this one, gone."""
-        processes.stop_node(self.plan.run, self.rank, self.plan.host, self.plan.pid_file, grace_s=0.0, signal_group=False,
-                            artifact_root=self._root, record=self.record)
+        processes.stop_node(self.plan.target, 0.0, signal_group=False, record=self.record)
 
     def _ended(self, state: RunState, reason: str, **more) -> AttemptEnd:
         self.proc = None
@@ -444,10 +441,9 @@ class Supervisor:
         if self._hang_seen is None:
             self._hang_seen = time.monotonic()
         if not reported:
+            ranks = local_ranks(self.members.index(self.rank), self.plan.nproc_per_node)  # the attempt's global ranks here
             reports = self.records.keep("writing the hang dumps", lambda: dump_node(
-                self.plan.run, self.rank, self.plan.host, self.plan.nproc_per_node, self.progress_dir, self.policy,
-                self.paths.hangs_dir(self.attempt), self.attempt, claim.detail, place=self.members.index(self.rank),
-                artifact_root=self._root), [])
+                self.plan.target, ranks, self.progress_dir, self.policy, self.attempt, claim.detail), [])
             self.board.write_report(self.attempt, reports)
             reported = True
         if self.leader and self._failure() is None:
@@ -599,7 +595,7 @@ class Supervisor:
         cause = RunState.HUNG if chosen is not None and chosen.kind == FailureKind.HUNG else RunState.FAILED
         reports = [r for n in self.members for r in self.board.read_report(self.attempt, n) or []]
         suspects = exclusion.suspect_nodes(chosen, reports, ends)  # a hang's suspects, else the failure's own node
-        self._close_ledger(cause if chosen else end.state, failure, checkpoint, suspects=suspects)
+        self._close_ledger(cause if chosen else end.state, failure, checkpoint, suspects=suspects, failure_kind=chosen and chosen.kind)
         ledger = self.records.keep("reading the ledger", lambda: read_ledger(self.paths), [])
         back = self.board.join_requests(self.absent) if self.policy.min_nodes else {}
         decision = attempts.decide(self.attempt, ends, ledger, self.policy, self.restarts, cause, failure, self.plan.hosts,
@@ -838,9 +834,8 @@ class Supervisor:
         self.say(f"back for run {self.plan.run}: node 0 takes this node at its next restart (after the ranks save "
                  "a checkpoint at their next step)")
         self.beat(RunState.JOINING)  # before the pid file, which node-start waits for: status then shows it joining
-        self.records.keep("writing the pid file", lambda: write_pid_file(self.plan.pid_file, processes.new_record(
-            self.plan.run, self.plan.run_id, self.rank, self.plan.host, os.getpid(), ["node-supervise"],
-            Path(self.plan.log_path), supervisor_pid=os.getpid())))
+        self.records.keep("writing the pid file", lambda: write_pid_file(
+            self.plan.pid_file, processes.new_record(self.plan, os.getpid(), ["node-supervise"])))
         answer = self._wait(float("inf"), lambda: self.board.join_answer(request) or
                             (-1 if self.liveness.exited(0) or 0 in self.liveness.silent() else None), RunState.JOINING)
         if self.stopping:

@@ -33,6 +33,7 @@ from megatron_ext.run_spec.resilience import DUMP_REQUEST, Phase, RankProgress, 
 from orchestration.node.processes import parent_pid, process_environ, process_start_time, tagged_processes
 from megatron_ext.host.json_files import write_json_atomic
 from orchestration.node.run_state import tail
+from orchestration.node.wire import NodeTarget
 
 DUMP_TIMEOUT_S = 20.0
 FLIGHT_RECORDER_WAIT_S = 5.0
@@ -287,17 +288,18 @@ def last_collective(flight_recorder: dict) -> tuple[int | None, str | None, str]
                        f"{len(flight_recorder.get('entries', []))} recorded")
 
 
-def dump_node(run: str, node_rank: int, host: str, nproc_per_node: int, progress_dir: Path, params: ResilienceParams,
-              out_dir: Path, attempt: int, why: str, place: int | None = None,
-              artifact_root: str | None = None) -> list[RankReport]:
-    """Every local rank's stack, state and flight recorder into ``out_dir``; this node's report
-    written last. ``artifact_root``: only the ranks of the run under that root (processes.tagged_processes)."""
+def dump_node(target: NodeTarget, ranks: range, progress_dir: Path, params: ResilienceParams, attempt: int,
+              why: str) -> list[RankReport]:
+    """Every local rank's (``ranks``: their global ranks in the attempt) stack, state and flight
+    recorder into the attempt's hang folder; this node's report written last. Only the ranks of the
+    run under the target's artifact root (processes.tagged_processes)."""
+    node_rank, host = target.node_rank, target.host
+    out_dir = target.paths.hangs_dir(attempt)
     out_dir.mkdir(parents=True, exist_ok=True)
     now = time.time()
     progress = read_progress(progress_dir)
-    pids = worker_pids(run, node_rank, artifact_root)
+    pids = worker_pids(target.run, node_rank, str(target.artifact_root))
     stopped = {rank for rank, pid in pids.items() if process_state(pid) == "T"}
-    ranks = local_ranks(node_rank if place is None else place, nproc_per_node)  # the attempt's global ranks here
     recorders = request_flight_recorders(progress_dir, list(ranks), stopped)
     reports = []
     for rank in ranks:

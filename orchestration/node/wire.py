@@ -12,9 +12,9 @@ launcher and the supervisor (per-attempt ones as attempt 1 sees them, with the r
 attempts in :attr:`NodePlan.per_attempt`), the names of the secret variables but never their
 values, which travel as one JSON line on the node command's standard input
 (:func:`encode_secrets` / :func:`decode_secrets`). Every node command takes one typed request
-(:data:`NODE_REQUESTS`: the plan for ``node-start``, a :class:`StatusRequest`, ...) as one JSON
-argument, written by the ``*_call`` functions and read back by :func:`decode_request` with the
-project's one converter (megatron_ext/run_spec/convert.py); this machine's commands get the same
+(the plan for ``node-start``, a :class:`StatusRequest`, ...: each type names its command once, in
+``command``) as one JSON argument, written by :func:`node_call` and read back by :func:`decode_request`
+with the project's one converter (megatron_ext/run_spec/convert.py); this machine's commands get the same
 request in the launcher's own process. Every node command prints one JSON line: one of the answer
 dataclasses below (:func:`encode_payload`, read back typed with :func:`decode_payload`) or
 ``{"error": ...}``. Pure.
@@ -22,16 +22,16 @@ dataclasses below (:func:`encode_payload`, read back typed with :func:`decode_pa
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence, TypeVar
+from typing import Any, ClassVar, Literal, Mapping, Sequence, TypeVar
 
 from megatron_ext.run_spec.convert import structure, unstructure
 from megatron_ext.run_spec.engines import MEGATRON_CORE
 from megatron_ext.run_spec.python_version import PythonRequirement
 from megatron_ext.run_spec.resilience import ATTEMPT_ENV, ResilienceParams
+from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.node.resume_point import ResumePoint
 from orchestration.node.run_state import RunState
 
@@ -44,17 +44,11 @@ RUN_ID_TAG = "LAUNCHER_RUN_ID"
 NODE_TAG = "LAUNCHER_NODE_RANK"
 DEFAULT_STOP_GRACE_S = 40.0
 """torchrun forwards SIGTERM to its workers and waits 30 s before SIGKILL; allow for that."""
-NODE_COMMANDS = ("node-start", "node-supervise", "node-pod", "node-stop", "node-save", "node-status", "node-check", "node-linktest")
 
 
 def node_label(node_rank: int, host: str) -> str:
     """How every line about a node starts: ``[node1 g0034]``."""
     return f"[node{node_rank} {host}]"
-
-
-def stop_command(run: str, multinode: bool) -> str:
-    """The stop script that fits a run started on one node (``--this-node``) or on every node."""
-    return f"{'stop_multinode_training.sh' if multinode else 'stop_training.sh'} {run}"
 
 
 def torchrun_argv(python: str, program: Sequence[str], *, nnodes: int, node_rank: int, nproc_per_node: int, master_addr: str,
@@ -81,6 +75,7 @@ class CheckpointChoice:
 class NodePlan:
     """One node's part of a start: everything the node side needs, nothing it works out again."""
 
+    command: ClassVar[str] = "node-start"
     run: str
     run_id: str
     node_rank: int
@@ -171,6 +166,10 @@ class NodePlan:
     def artifact_root(self) -> Path:
         return Path(self.env[ARTIFACT_ROOT_ENV])
 
+    @property
+    def target(self) -> NodeTarget:
+        return NodeTarget(self.run, self.node_rank, self.host, self.artifact_root)
+
     def process_environment(self, node_env: Mapping[str, str], attempt: int | None = None,
                             members: Sequence[int] | None = None) -> dict[str, str]:
         """The environment of torchrun on the node for ``attempt`` (default the first) on the nodes
@@ -198,11 +197,16 @@ class NodeTarget:
     host: str
     artifact_root: Path
 
+    @property
+    def paths(self) -> RunPaths:
+        return RunPaths(self.artifact_root, self.run)
+
 
 @dataclass(frozen=True)
 class StatusRequest:
     """``node-status``."""
 
+    command: ClassVar[str] = "node-status"
     target: NodeTarget
     seq_length: int | None = None
     """Tokens per sequence, for tokens/s."""
@@ -218,6 +222,7 @@ class StatusRequest:
 class StopRequest:
     """``node-stop``."""
 
+    command: ClassVar[str] = "node-stop"
     target: NodeTarget
     grace_s: float
     """After SIGTERM to torchrun's group, how long before the sweep of what is left."""
@@ -230,6 +235,7 @@ class SaveRequest:
     """``node-save``: the node's supervisor asked (SIGUSR1) to have every node save at the next
     step and end; it passes the request on over the board."""
 
+    command: ClassVar[str] = "node-save"
     target: NodeTarget
 
 
@@ -277,6 +283,7 @@ class CheckRequest:
 class NodeCheckRequest:
     """``node-check``: one node's part of the preflight."""
 
+    command: ClassVar[str] = "node-check"
     target: NodeTarget
     check: CheckRequest
     master_port: int | None = None
@@ -287,6 +294,7 @@ class NodeCheckRequest:
 class LinktestRequest:
     """``node-linktest``: this node's exchanges with its ring neighbours (all nodes at once)."""
 
+    command: ClassVar[str] = "node-linktest"
     target: NodeTarget
     nnodes: int
     master_addr: str
@@ -298,9 +306,10 @@ class LinktestRequest:
     """How long to keep exchanging (LINK_TEST_S); None: linktest.py's MEASURE_S."""
 
 
-NODE_REQUESTS: dict[str, type] = {"node-start": NodePlan, "node-check": NodeCheckRequest, "node-stop": StopRequest,
-                                  "node-save": SaveRequest, "node-status": StatusRequest, "node-linktest": LinktestRequest}
+NODE_REQUESTS: dict[str, type] = {r.command: r for r in (NodePlan, NodeCheckRequest, StopRequest, SaveRequest, StatusRequest,
+                                                         LinktestRequest)}
 """Each node command (but ``node-supervise`` and ``node-pod``, which read plan files) and its request."""
+NODE_COMMANDS = (*NODE_REQUESTS, "node-supervise", "node-pod")
 
 
 @dataclass(frozen=True)
@@ -321,19 +330,16 @@ class NodeCall:
         return [python, "-m", "orchestration", self.command, *self.args]
 
 
-def _call(command: str, request: Any, stdin: str | None = None) -> NodeCall:
-    return NodeCall(command, json.dumps(unstructure(request)), stdin)
-
-
-def target(run: str, node_rank: int, host: str, artifact_root: Path | str) -> NodeTarget:
-    return NodeTarget(run, node_rank, host, Path(artifact_root))
+def node_call(request: Any, stdin: str | None = None) -> NodeCall:
+    """The node command of ``request`` (its type's ``command``) with the request as its JSON argument."""
+    return NodeCall(request.command, json.dumps(unstructure(request)), stdin)
 
 
 def start_call(plan: NodePlan, secrets: Mapping[str, str] | None = None) -> NodeCall:
     """``node-start`` with the node's plan as its request and the values of its ``secret_names``
     (taken from ``secrets``) on standard input."""
     wanted = {name: (secrets or {})[name] for name in plan.secret_names if name in (secrets or {})}
-    return _call("node-start", plan, encode_secrets(wanted) if plan.secret_names else None)
+    return node_call(plan, encode_secrets(wanted) if plan.secret_names else None)
 
 
 def encode_secrets(values: Mapping[str, str]) -> str:
@@ -356,37 +362,8 @@ def decode_secrets(line: str, names: Sequence[str]) -> dict[str, str]:
     return {k: values[k] for k in names if k in values}
 
 
-def stop_call(run: str, node_rank: int, host: str, artifact_root: Path, grace_s: float = DEFAULT_STOP_GRACE_S,
-              dry_run: bool = False) -> NodeCall:
-    return _call("node-stop", StopRequest(target(run, node_rank, host, artifact_root), grace_s, dry_run))
-
-
-def save_call(run: str, node_rank: int, host: str, artifact_root: Path) -> NodeCall:
-    return _call("node-save", SaveRequest(target(run, node_rank, host, artifact_root)))
-
-
-def status_call(run: str, node_rank: int, host: str, artifact_root: Path, seq_length: int | None = None,
-                by_heartbeat: bool = False, run_id: str | None = None) -> NodeCall:
-    return _call("node-status", StatusRequest(target(run, node_rank, host, artifact_root), seq_length, by_heartbeat, run_id))
-
-
-def check_call(run: str, node_rank: int, host: str, artifact_root: Path, request: CheckRequest,
-               master_port: int | None) -> NodeCall:
-    """``master_port`` None: node 0 picks the first free port (MASTER_PORT unset)."""
-    return _call("node-check", NodeCheckRequest(target(run, node_rank, host, artifact_root), request, master_port))
-
-
 LINKTEST_TIMEOUT_S = 90.0
 """A node's link test: rendezvous, the measurement and the teardown, at most (seconds)."""
-
-
-def linktest_call(run: str, node_rank: int, host: str, artifact_root: Path, nnodes: int, master_addr: str, port: int,
-                  backend: str, interface: str | None = None, seconds: float | None = None) -> NodeCall:
-    """``node-linktest``: this node's exchanges with its ring neighbours (all nodes at once), over
-    ``interface`` when given, for ``seconds`` (LINK_TEST_S; the node's default when None)."""
-    return _call("node-linktest", LinktestRequest(target=target(run, node_rank, host, artifact_root), nnodes=nnodes,
-                                                  master_addr=master_addr, port=port,
-                                                  backend=backend, interface=interface, seconds=seconds))
 
 
 def coordination_port(master_port: int) -> int:
@@ -408,17 +385,6 @@ def pod_argv(python: str, plan_dir: str) -> list[str]:
     """A Kubernetes pod's command: its node's supervisor for the plan ``plan_dir/node<JOB_COMPLETION_INDEX>.json``
     (or that entry of :data:`PACKED_PLANS`: orchestration/node/pod.py)."""
     return [python, "-m", "orchestration", "node-pod", "--plan-dir", plan_dir]
-
-
-def build_node_parser() -> argparse.ArgumentParser:
-    """The node side's parser: each node command's one argument, its request as JSON."""
-    parser = argparse.ArgumentParser(prog="python -m orchestration", description="node commands (sent by the launcher)")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("node-supervise").add_argument("--plan-file", required=True)
-    sub.add_parser("node-pod").add_argument("--plan-dir", required=True)
-    for name, request in NODE_REQUESTS.items():
-        sub.add_parser(name).add_argument("--request", required=True, help=f"the {request.__name__} as JSON (node/wire.py)")
-    return parser
 
 
 def decode_request(command: str, text: str):
@@ -455,7 +421,7 @@ class NodeStatus:
     exit: str | None
     """How the node's run ended, as its supervisor recorded it."""
     run_failure: str | None
-    """The run's failure file's first line (any node's)."""
+    """The run's failure file's first line (node 0 writes it: the first failure the board holds)."""
     pid: int | None
     last_iteration: int | None
     train_iters: int | None

@@ -28,7 +28,7 @@ from orchestration.cluster.backends import backend_for, lost_node, lost_nodes, s
 from orchestration.cluster.fanout import NodeResult
 from orchestration.launch_env import LaunchEnv
 from orchestration.node.run_state import AttemptRecord, RunState, read_heartbeat, read_ledger
-from orchestration.node.wire import DEFAULT_STOP_GRACE_S, NodeStatus, SaveAsked, StopResult, save_call
+from orchestration.node.wire import DEFAULT_STOP_GRACE_S, NodeStatus, NodeTarget, SaveAsked, SaveRequest, StopResult, node_call
 from orchestration.runner.nodes import Nodes, nodes_of_run
 from orchestration.runner.record_beats import RECORD_SILENCE_S, RecordBeats
 from orchestration.runner.sweep_state import SweepRecord, read_sweep_record, request_sweep_stop
@@ -105,7 +105,7 @@ class StatusReport(Outcome):
 
     @property
     def failure(self) -> str | None:
-        """The run's first failure (any node's failure file line)."""
+        """The run's first failure (node 0's failure file: the first the board holds)."""
         return next((r.value.run_failure for r in self.nodes if r.ok and r.value.run_failure), None)
 
 
@@ -249,8 +249,8 @@ class SaveSignal:
 def ask_to_save(launch: LaunchEnv, run: str, nodes: Nodes) -> list[NodeResult[SaveAsked]]:
     """Every node's supervisor asked (``node-save``: SIGUSR1) to have every node save at the next
     step and end: one that answers passes it on to all over the board."""
-    return backend_for(launch, nodes).call(launch, nodes, lambda rank, host: save_call(run, rank, host, launch.artifact_root),
-                                           SaveAsked)
+    return backend_for(launch, nodes).call(
+        launch, nodes, lambda rank, host: node_call(SaveRequest(NodeTarget(run, rank, host, launch.artifact_root))), SaveAsked)
 
 
 def save_and_wait(launch: LaunchEnv, run: str, only_this_node: bool, timeout_s: float) -> RunEnd | None:

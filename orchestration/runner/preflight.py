@@ -23,8 +23,8 @@ from megatron_ext.run_spec.model_size import count_model_parameters
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.cluster.backends import backend_for
 from orchestration.launch_env import LaunchEnv
-from orchestration.node.wire import (LINKTEST_TIMEOUT_S, CheckpointSpace, CheckRequest, LinkReport, NodeReport, check_call,
-                                     linktest_call)
+from orchestration.node.wire import (LINKTEST_TIMEOUT_S, CheckpointSpace, CheckRequest, LinkReport, LinktestRequest,
+                                     NodeCheckRequest, NodeReport, NodeTarget, node_call)
 from orchestration.runner.links import LinkRow, link_rows, slow_link_problems
 from orchestration.runner.start_plan import StartInputs, checkpoint_target
 
@@ -133,9 +133,9 @@ def run_preflight(launch: LaunchEnv, inputs: StartInputs) -> Preflight:
     token.write_text(inputs.run_id)
     request = check_request(launch, inputs, token)
     try:
-        results = backend_for(launch, inputs.nodes).call(launch, inputs.nodes, lambda rank, host: check_call(
-            inputs.run, rank, host, root, request,
-            master_port=launch.master_port if launch.master_port_explicit or rank != 0 else None), NodeReport)
+        results = backend_for(launch, inputs.nodes).call(launch, inputs.nodes, lambda rank, host: node_call(NodeCheckRequest(
+            NodeTarget(inputs.run, rank, host, root), request,
+            master_port=launch.master_port if launch.master_port_explicit or rank != 0 else None)), NodeReport)
     finally:
         token.unlink(missing_ok=True)
         for path in created:  # a dry run leaves no folder behind (a start creates them again)
@@ -162,8 +162,9 @@ def measure_links(launch: LaunchEnv, inputs: StartInputs, reports: Sequence[Node
     port = launch.master_port if launch.master_port_explicit or not node0.free_port else node0.free_port
     backend = "nccl" if all(r.visible_gpus for r in reports) else "gloo"
     interfaces = {r.node_rank: r.interface for r in reports}
-    results = backend_for(launch, inputs.nodes).call(launch, inputs.nodes, lambda rank, host: linktest_call(
-        inputs.run, rank, host, launch.artifact_root, launch.nnodes, launch.master_addr, port, backend,
-        interfaces.get(rank), launch.link_test_s), LinkReport, timeout_s=LINKTEST_TIMEOUT_S + 30)
+    results = backend_for(launch, inputs.nodes).call(launch, inputs.nodes, lambda rank, host: node_call(LinktestRequest(
+        target=NodeTarget(inputs.run, rank, host, launch.artifact_root), nnodes=launch.nnodes, master_addr=launch.master_addr,
+        port=port, backend=backend, interface=interfaces.get(rank), seconds=launch.link_test_s)),
+        LinkReport, timeout_s=LINKTEST_TIMEOUT_S + 30)
     answers = [r.value if r.ok else LinkReport(node_rank=r.node_rank, host=r.host, error=r.error or r.describe_failure()) for r in results]
     return link_rows(answers, interfaces)

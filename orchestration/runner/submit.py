@@ -24,8 +24,7 @@ from megatron_ext.run_spec.resolved import read_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.cluster import slurm
 from orchestration.launch_env import LaunchEnv
-from orchestration.node.run_state import AttemptRecord, left_out_nodes, read_ledger
-from orchestration.node.wire import stop_command
+from orchestration.node.run_state import AttemptRecord, left_out_nodes, read_ledger, stop_command
 from orchestration.runner.start_plan import plan_start, read_start_inputs
 
 

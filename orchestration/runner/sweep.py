@@ -42,8 +42,8 @@ from orchestration.analysis.compare import DEFAULT_WARMUP_ITERATIONS, RunOutcome
 from orchestration.analysis.comparison_files import ComparisonFiles, write_comparison
 from orchestration.launch_env import LaunchEnv
 from orchestration.megatron_lm.program import ArgumentCheck, ProgramPlan, Verdicts, argument_check, judge_arguments, run_argument_checks
-from orchestration.node.run_state import RunState
-from orchestration.node.wire import NodeStatus, stop_command
+from orchestration.node.run_state import RunState, stop_command
+from orchestration.node.wire import NodeStatus
 from orchestration.runner.control import Statuses, node_statuses, stop_run, wait_until_ended
 from orchestration.runner.start import plan_settled_start, start_run
 from orchestration.runner.start_plan import StartInputs, StartPlan, plan_start, read_start_inputs
