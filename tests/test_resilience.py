@@ -444,10 +444,11 @@ def assert_goodput_of_two_faults(status_text: str, root, run: str, of: str, kill
     """A run whose attempt 1 crashed (a worker SIGKILLed at ``killed_at``) and attempt 2 hung (one
     SIGSTOPped at ``stopped_at``), on this machine (node 0: the test's clock is the ledger's): the
     status line's parts add up to its wall clock; the crash costs at least the ledger's restart after
-    the kill and at most the next attempt's first line after it plus the longest interval between
-    two lines and 1 s (the last progress came at most that long before the signal), the hang the same
-    or, where no attempt followed, until the ledger's end; the iterations recomputed are those past
-    each resume point."""
+    the kill and at most the next attempt's first line after it, each within the longest interval
+    between two lines and 1 s (the last progress came at most that long before the signal, or after
+    it: a step the signalled rank had done its part of ends and prints its line; a 3 s line after
+    the SIGSTOP on a loaded machine, CI 2026-12-06), the hang the same or, where no attempt
+    followed, until the ledger's end; the iterations recomputed are those past each resume point."""
     tolerance_s = longest_line_interval(log_text) + 1.0
     wall, parts = status_line_parts(status_text)
     assert abs(sum(parts.values()) - wall) <= 0.05 * len(parts) + 0.5, (wall, parts, status_text)
@@ -467,11 +468,11 @@ def assert_goodput_of_two_faults(status_text: str, root, run: str, of: str, kill
             resumed = f"attempt {fault.attempt + 1} of {of}: starting torchrun"
             first_at, first_it = first_line_after(log_text, resumed)
             cost = fault.detect_s + fault.restart_s
-            assert ledger[following].started_at - signalled_at - 0.5 <= cost <= first_at - signalled_at + tolerance_s, \
+            assert ledger[following].started_at - signalled_at - tolerance_s <= cost <= first_at - signalled_at + tolerance_s, \
                 (fault, signalled_at, ledger[following], first_at)
             assert fault.recomputed_iterations == last_iteration_before(log_text, start, resumed) - (first_it - 1) > 0, fault
         else:  # the run's end: from the last progress to the ledger's
-            assert ledger[-1].ended_at - signalled_at - 0.5 <= fault.detect_s <= ledger[-1].ended_at - signalled_at + tolerance_s
+            assert ledger[-1].ended_at - signalled_at - tolerance_s <= fault.detect_s <= ledger[-1].ended_at - signalled_at + tolerance_s
 
 
 @pytest.mark.slow
