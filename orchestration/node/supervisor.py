@@ -593,7 +593,8 @@ class Supervisor:
             self._record_failure(chosen)  # a node's own cause, stronger than what the others made of it
         failure = chosen.summary if chosen else end.reason
         cause = RunState.HUNG if chosen is not None and chosen.kind == FailureKind.HUNG else RunState.FAILED
-        reports = [r for n in self.members for r in self.board.read_report(self.attempt, n) or []]
+        reports = [r for n in self.members for r in self.board.read_report(self.attempt, n) or []] \
+            if cause == RunState.HUNG else []  # only a hang's nodes report
         suspects = exclusion.suspect_nodes(chosen, reports, ends)  # a hang's suspects, else the failure's own node
         self._close_ledger(cause if chosen else end.state, failure, checkpoint, suspects=suspects, failure_kind=chosen and chosen.kind)
         ledger = self.records.keep("reading the ledger", lambda: read_ledger(self.paths), [])
