@@ -27,7 +27,7 @@ from orchestration.launch_env import read_launch_env
 from orchestration.node import exclusion
 from orchestration.node.attempts import AttemptEnd, Decision, Evidence, decide
 from orchestration.node.board import Board, MemoryStore
-from orchestration.node.exclusion import Charge, Exclusion, choose_exclusion
+from orchestration.node.exclusion import Charge, ChargeKind, Exclusion, choose_exclusion
 from orchestration.node.failure import Failure, FailureKind
 from orchestration.node.gpu_health import GpuHealth, gpu_bus_ids, nvidia_smi_findings, xid_findings
 from orchestration.node.run_state import AttemptRecord, RunState, begin_attempt, end_attempt, left_out_nodes, read_ledger
@@ -69,7 +69,7 @@ def test_a_hang_names_its_suspects_node_and_a_failure_its_own_node_not_the_peers
 def test_the_same_node_named_by_two_attempts_in_a_row_of_this_start_is_charged():
     two = [_record(1, (1,)), _record(2, (1,))]
     charges = exclusion.failed_attempts_charges(two, "s1")
-    assert [(c.node, c.kind) for c in charges] == [(1, exclusion.FAILED_ATTEMPTS)]
+    assert [(c.node, c.kind) for c in charges] == [(1, ChargeKind.FAILED_ATTEMPTS)]
     assert "2 attempts in a row (attempt 1 hung, attempt 2 hung" in charges[0].why
     assert exclusion.failed_attempts_charges(two[:1], "s1") == []  # once: not yet
     assert exclusion.failed_attempts_charges([_record(1, (1,)), _record(2, (2,))], "s1") == []  # other nodes
@@ -89,7 +89,7 @@ def test_only_hardware_findings_of_the_gpu_check_are_evidence_against_a_node():
     assert exclusion.hardware_findings(None) == () and exclusion.hardware_findings(GpuHealth((), ("no kernel log",))) == ()
     end = AttemptEnd(node_rank=1, attempt=3, state=RunState.STOPPED, reason="r", health=("GPU 0: Xid 79 logged once",))
     assert exclusion.health_charges({0: None, 1: end}) == [
-        Charge(1, exclusion.GPU_HEALTH, "its GPU health check after attempt 3 found GPU 0: Xid 79 logged once")]
+        Charge(1, ChargeKind.GPU_HEALTH, "its GPU health check after attempt 3 found GPU 0: Xid 79 logged once")]
 
 
 def _metrics(slow_rank: int | None, ratio: float, seconds: float, world: int, step_s: float = 1.0) -> list[IterationRecord]:
@@ -108,7 +108,7 @@ def test_a_rank_slow_for_two_whole_windows_charges_its_node_where_the_run_is_fas
     # 2 nodes x 2 ranks, rank 3 (node 1) 3x the others for 45 s, window 20 s: 2 nodes held back make 2/3 of a node's
     # progress, 1 node alone makes 1: worth it (above 2x)
     charges = exclusion.slow_charges(_metrics(3, 3.0, 45, 4), 20.0, (0, 1), 2)
-    assert [(c.node, c.kind) for c in charges] == [(1, exclusion.SLOW)]
+    assert [(c.node, c.kind) for c in charges] == [(1, ChargeKind.SLOW)]
     assert "its rank 3 was named slow in every record for 45 s (2 windows of 20 s): busy 3.0x" in charges[0].why
     assert exclusion.slow_charges(_metrics(3, 3.0, 35, 4), 20.0, (0, 1), 2) == []  # not yet two whole windows
     assert exclusion.slow_charges(_metrics(3, 1.5, 45, 4), 20.0, (0, 1), 2) == []  # 2 nodes at 1.5x beat 1 node
@@ -123,13 +123,13 @@ def test_a_rank_slow_for_two_whole_windows_charges_its_node_where_the_run_is_fas
 
 # -- the choice ---------------------------------------------------------------------------------------
 
-HANG_TWICE = Charge(1, exclusion.FAILED_ATTEMPTS, "the evidence named it in 2 attempts in a row")
+HANG_TWICE = Charge(1, ChargeKind.FAILED_ATTEMPTS, "the evidence named it in 2 attempts in a row")
 
 
 def test_the_node_named_is_left_out_while_min_nodes_stay_never_node_0():
     chosen = choose_exclusion([HANG_TWICE], (0, 1), 1, True, HOSTS)
     assert chosen == Exclusion((1,), "node 1 (g1) left out (the evidence named it in 2 attempts in a row)")
-    node0 = choose_exclusion([Charge(0, exclusion.FAILED_ATTEMPTS, "named twice")], (0, 1), 1, True, HOSTS)
+    node0 = choose_exclusion([Charge(0, ChargeKind.FAILED_ATTEMPTS, "named twice")], (0, 1), 1, True, HOSTS)
     assert node0.nodes == () and node0.said.startswith("node 0 (g0) is named (named twice), but node 0 is the run's leader "
                                                        "and rendezvous host and is never left out")
     too_few = choose_exclusion([HANG_TWICE], (0, 1), 2, True, HOSTS)
@@ -137,9 +137,9 @@ def test_the_node_named_is_left_out_while_min_nodes_stay_never_node_0():
     fixed = choose_exclusion([HANG_TWICE], (0, 1), 0, True, HOSTS)
     assert fixed.nodes == () and "a run started with a fixed NNODES keeps every node" in fixed.said
     assert choose_exclusion([HANG_TWICE], (0, 2), 1, True, HOSTS) == Exclusion()  # node 1 is not in the run
-    assert choose_exclusion([Charge(0, exclusion.FAILED_ATTEMPTS, "named twice")], (0,), 0, True, HOSTS) == Exclusion()  # 1 node
+    assert choose_exclusion([Charge(0, ChargeKind.FAILED_ATTEMPTS, "named twice")], (0,), 0, True, HOSTS) == Exclusion()  # 1 node
     # MIN 2 of 4 with two nodes charged: both go; MIN 3: the GPU fault first, the other kept and said
-    gpu = Charge(3, exclusion.GPU_HEALTH, "Xid 79")
+    gpu = Charge(3, ChargeKind.GPU_HEALTH, "Xid 79")
     assert choose_exclusion([HANG_TWICE, gpu], (0, 1, 2, 3), 2, True, HOSTS).nodes == (1, 3)
     one = choose_exclusion([HANG_TWICE, gpu], (0, 1, 2, 3), 3, True, HOSTS)
     assert one.nodes == (3,) and one.said.startswith("node 3 (g3) left out (Xid 79); node 1 (g1) kept, though")

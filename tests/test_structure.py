@@ -527,6 +527,31 @@ def test_no_attribute_appears_after_construction():
     assert not found, found
 
 
+SUPERVISOR_PARTS = {"orchestration/node/membership.py": "Membership", "orchestration/node/between_attempts.py": "BetweenAttempts",
+                    "orchestration/node/hang_protocol.py": "HangProtocol"}
+"""The parts :class:`Supervisor` is made of, each in a module of its own with what it owns."""
+
+
+def test_the_supervisor_is_its_parts_and_its_state_is_in_one_place():
+    """orchestration/node/supervisor.py's ``Supervisor`` is made of its parts (membership, the hang
+    protocol, what happens between attempts), each a module with the methods it owns; the state they
+    share is the supervisor's alone: no part has an ``__init__``, and every ``self.x`` a part sets is
+    one the supervisor's ``__init__`` sets, so a reader finds the whole state in one place."""
+    trees = _project_files()
+    supervisor = next(c for c in trees["orchestration/node/supervisor.py"].body if isinstance(c, ast.ClassDef) and c.name == "Supervisor")
+    assert [ast.unparse(b) for b in supervisor.bases] == list(SUPERVISOR_PARTS.values())
+    init = next(f for f in supervisor.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+    state = {t.attr for n in ast.walk(init) for t in _self_targets(n)}
+    found = []
+    for rel, name in SUPERVISOR_PARTS.items():
+        part = next(c for c in trees[rel].body if isinstance(c, ast.ClassDef) and c.name == name)
+        for f in (f for f in part.body if isinstance(f, ast.FunctionDef)):
+            found += [f"{rel}: {name}.__init__"] if f.name == "__init__" else []
+            found += [f"{rel}:{t.lineno} {name}.{f.name} sets self.{t.attr}" for n in ast.walk(f) for t in _self_targets(n)
+                      if t.attr not in state]
+    assert not found, found
+
+
 def test_node_commands_dispatch_on_the_request_type():
     """Each node command's name is spelled once, on its request type (``command``); the node side
     answers by the request's type (commands.py ``ANSWERS``), never by comparing a command's name."""

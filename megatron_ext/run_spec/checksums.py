@@ -27,6 +27,7 @@ import json
 import re
 import zlib
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -38,6 +39,7 @@ DAMAGED_SUFFIX = ".damaged"
 CHUNK_BYTES = 8 * 2**20
 INTEGRITY_FILE = "integrity.json"
 """Megatron-core's manifest in a torch_dist folder: ``{"algorithm": "sha256", "files": {name: hex digest}}``."""
+HealthState = StrEnum("HealthState", {"VERIFIED": "verified", "DAMAGED": "damaged", "UNRECORDED": "unrecorded"})
 
 
 Progress = Callable[[int], None]
@@ -225,8 +227,8 @@ def verify_writers(checkpoint: Path, rank: int, world: int, saved_world: int) ->
 class CheckpointHealth:
     iteration: int
     path: Path
-    state: str
-    """verified, damaged, or unrecorded (no checksums: written before they existed)."""
+    state: HealthState
+    """Verified, damaged, or unrecorded (no checksums: written before they existed); its value is what a check prints."""
     damage: tuple[Damage, ...] = ()
 
     def describe(self) -> str:
@@ -237,8 +239,8 @@ class CheckpointHealth:
 def health(checkpoint: Path, iteration: int, sizes_only: bool = False, progress: Progress | None = None) -> CheckpointHealth:
     damage = verify(checkpoint, sizes_only=sizes_only, progress=progress)
     if damage is None:
-        return CheckpointHealth(iteration, checkpoint, "unrecorded")
-    return CheckpointHealth(iteration, checkpoint, "damaged" if damage else "verified", tuple(damage))
+        return CheckpointHealth(iteration, checkpoint, HealthState.UNRECORDED)
+    return CheckpointHealth(iteration, checkpoint, HealthState.DAMAGED if damage else HealthState.VERIFIED, tuple(damage))
 
 
 def list_checkpoints(checkpoints_dir: Path) -> list[tuple[int, Path]]:
@@ -278,7 +280,7 @@ def newest_verified(checkpoints: Sequence[tuple[int, Path]],
     for iteration, path in sorted(checkpoints, reverse=True):
         told = _counting(progress, iteration, checkpoint_bytes_on_disk(path)) if progress is not None else None
         h = health(path, iteration, progress=told)
-        if h.state != "damaged":
+        if h.state != HealthState.DAMAGED:
             return h, tuple(damaged)
         damaged.append(h)
     return None, tuple(damaged)

@@ -23,6 +23,20 @@ class ZeroStage(enum.IntEnum):
     PARAMETERS = 3
 
 
+@dataclass(frozen=True)
+class MegatronCoreDdp:
+    """A stage's keywords for megatron-core's DistributedDataParallelConfig (OptimizerConfig's use_distributed_optimizer too)."""
+
+    use_distributed_optimizer: bool
+    megatron_fsdp: str | None = None
+    """Megatron-FSDP's data_parallel_sharding_strategy (optim_grads, optim_grads_params); None: megatron-core DDP."""
+
+    def kwargs(self) -> dict[str, bool | str]:
+        """The config's keywords: Megatron-FSDP's only with it (megatron-core's defaults otherwise)."""
+        fsdp = {"use_megatron_fsdp": True, "data_parallel_sharding_strategy": self.megatron_fsdp} if self.megatron_fsdp else {}
+        return {"use_distributed_optimizer": self.use_distributed_optimizer, **fsdp}
+
+
 @dataclass(frozen=True, kw_only=True)
 class StageStrategy:
     stage: ZeroStage
@@ -32,8 +46,7 @@ class StageStrategy:
     """How it is done on GPUs (megatron-core)."""
     cpu: str
     """How it is done on CPU (torch.distributed, gloo)."""
-    megatron_core_ddp: dict
-    """megatron-core DistributedDataParallelConfig / OptimizerConfig keywords."""
+    megatron_core_ddp: MegatronCoreDdp
     megatron_lm_flags: tuple[str, ...]
     """Megatron-LM pretrain_gpt.py flags (>= 0.14 spelling; see megatron_lm_flags_for_stage)."""
 
@@ -46,7 +59,7 @@ STAGES: dict[ZeroStage, StageStrategy] = {
         sharded="nothing (all-reduce data parallelism)",
         cuda="megatron-core DDP",
         cpu="torch DDP",
-        megatron_core_ddp={"use_distributed_optimizer": False},
+        megatron_core_ddp=MegatronCoreDdp(use_distributed_optimizer=False),
         megatron_lm_flags=(),
     ),
     ZeroStage.OPTIMIZER: StageStrategy(
@@ -54,7 +67,7 @@ STAGES: dict[ZeroStage, StageStrategy] = {
         sharded="optimizer state + fp32 main params",
         cuda="megatron-core DDP + distributed optimizer",
         cpu="torch DDP + ZeroRedundancyOptimizer",
-        megatron_core_ddp={"use_distributed_optimizer": True},
+        megatron_core_ddp=MegatronCoreDdp(use_distributed_optimizer=True),
         megatron_lm_flags=("--use-distributed-optimizer",),
     ),
     ZeroStage.GRADIENTS: StageStrategy(
@@ -62,31 +75,16 @@ STAGES: dict[ZeroStage, StageStrategy] = {
         sharded="optimizer state + gradients",
         cuda="Megatron-FSDP optim_grads + distributed optimizer",
         cpu="FSDP2 fully_shard(reshard_after_forward=False)",
-        megatron_core_ddp={
-            "use_distributed_optimizer": True,
-            "use_megatron_fsdp": True,
-            "data_parallel_sharding_strategy": "optim_grads",
-        },
-        megatron_lm_flags=_FSDP_COMMON
-        + ("--data-parallel-sharding-strategy", "optim_grads", "--ckpt-format", "fsdp_dtensor"),
+        megatron_core_ddp=MegatronCoreDdp(use_distributed_optimizer=True, megatron_fsdp="optim_grads"),
+        megatron_lm_flags=_FSDP_COMMON + ("--data-parallel-sharding-strategy", "optim_grads", "--ckpt-format", "fsdp_dtensor"),
     ),
     ZeroStage.PARAMETERS: StageStrategy(
         stage=ZeroStage.PARAMETERS,
         sharded="optimizer state + gradients + parameters",
         cuda="Megatron-FSDP optim_grads_params + distributed optimizer",
         cpu="FSDP2 fully_shard(reshard_after_forward=True)",
-        megatron_core_ddp={
-            "use_distributed_optimizer": True,
-            "use_megatron_fsdp": True,
-            "data_parallel_sharding_strategy": "optim_grads_params",
-        },
-        megatron_lm_flags=_FSDP_COMMON
-        + (
-            "--data-parallel-sharding-strategy",
-            "optim_grads_params",
-            "--ckpt-format",
-            "fsdp_dtensor",
-        ),
+        megatron_core_ddp=MegatronCoreDdp(use_distributed_optimizer=True, megatron_fsdp="optim_grads_params"),
+        megatron_lm_flags=_FSDP_COMMON + ("--data-parallel-sharding-strategy", "optim_grads_params", "--ckpt-format", "fsdp_dtensor"),
     ),
 }
 

@@ -201,7 +201,7 @@ def megatron_core_ddp_config(stage: int, grad_reduce_in_bf16: bool = False, data
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=not grad_reduce_in_bf16, overlap_grad_reduce=True, overlap_param_gather=stage >= 1,
         check_for_nan_in_grad=True, bucket_size=ddp_bucket_elements(data_parallel_size),
-        gradient_reduce_div_fusion=premul_sum, **strategy_for(stage).megatron_core_ddp,
+        gradient_reduce_div_fusion=premul_sum, **strategy_for(stage).megatron_core_ddp.kwargs(),
         **megatron_fsdp_grad_dtypes(fields, grad_reduce_in_bf16),
     )
 
@@ -239,19 +239,10 @@ def megatron_core_optimizer_config(t: TrainingParams, stage: int, bf16: bool):
     """megatron-core OptimizerConfig: AdamW with the schedule's settings and the stage's sharding."""
     from megatron.core.optimizer import OptimizerConfig
 
-    return OptimizerConfig(
-        optimizer="adam",
-        lr=t.lr,
-        min_lr=t.min_lr,
-        weight_decay=t.weight_decay,
-        adam_beta1=t.adam_beta1,
-        adam_beta2=t.adam_beta2,
-        adam_eps=t.adam_eps,
-        clip_grad=t.clip_grad,
-        bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=strategy_for(stage).megatron_core_ddp["use_distributed_optimizer"],
-    )
+    same_named = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")  # TrainingParams' names too
+    return OptimizerConfig(optimizer="adam", bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                           use_distributed_optimizer=strategy_for(stage).megatron_core_ddp.use_distributed_optimizer,
+                           **{name: getattr(t, name) for name in same_named})
 
 
 def distributed_optimizer_layout(module: torch.nn.Module, ddp_config) -> dict:

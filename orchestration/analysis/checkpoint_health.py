@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_ext.run_spec.checksums import DAMAGED_SUFFIX, CheckpointHealth, health, list_checkpoints
+from megatron_ext.run_spec.checksums import DAMAGED_SUFFIX, CheckpointHealth, HealthState, health, list_checkpoints
 from megatron_ext.run_spec.errors import Outcome
 from megatron_ext.run_spec.run_paths import RunPaths
 
@@ -25,7 +25,7 @@ class CheckpointReport(Outcome):
     @property
     def loadable(self) -> CheckpointHealth | None:
         """The newest checkpoint a start would resume from (not damaged)."""
-        return next((h for h in reversed(self.checkpoints) if h.state != "damaged"), None)
+        return next((h for h in reversed(self.checkpoints) if h.state != HealthState.DAMAGED), None)
 
     @property
     def ok(self) -> bool:
@@ -64,7 +64,7 @@ def format_checkpoint_line(report: CheckpointReport, aside: list[int]) -> str | 
     """Status's one line on the run's checkpoints, from a sizes-only report (cheap: no byte read)."""
     if not report.checkpoints and not aside:
         return None
-    named = {"verified": "sizes ok", "unrecorded": "no checksums"}
+    named = {HealthState.VERIFIED: "sizes ok", HealthState.UNRECORDED: "no checksums"}
     parts = [f"{h.iteration} {named.get(h.state, h.state)}"
              + (f" ({'; '.join(d.describe() for d in h.damage[:2])})" if h.damage else "") for h in report.checkpoints]
     line = f"checkpoints: {', '.join(parts) or 'none left'}"

@@ -23,7 +23,7 @@ import json
 import shlex
 import time
 from dataclasses import dataclass
-from typing import ClassVar, Mapping, Sequence
+from typing import ClassVar, Mapping, NamedTuple, Sequence
 
 from megatron_ext.host.json_files import SETTLE_S, SHARE_CACHE_S
 from megatron_ext.run_spec.resolved import read_resolved
@@ -43,6 +43,8 @@ LOCAL_POLL_S = 1.0
 REMOTE_POLL_S = 5.0
 SRUN_START_SLACK_S = 30.0
 """The srun step's tasks placed and their Python started (beyond the waits :func:`srun_start_timeout_s` names)."""
+CancelledStep = NamedTuple("CancelledStep", [("node_rank", int), ("host", str), ("step", str)])
+"""A node srun could not reach at a stop, and its Slurm step (JOB.STEP), cancelled instead (:meth:`Srun.stop`)."""
 
 
 def remote_shell_command(argv: Sequence[str], env: Mapping[str, str], cwd: str) -> str:
@@ -103,9 +105,8 @@ class Backend:
                                                                                    seq_length)), NodeStatus, STATUS_TIMEOUT_S)
 
     def stop(self, launch: LaunchEnv, run: str, nodes: Nodes, grace_s: float = DEFAULT_STOP_GRACE_S,
-             dry_run: bool = False) -> tuple[list[NodeResult], tuple[tuple[int, str, str], ...]]:
-        """``node-stop`` on every node at once (StopPreview each, in a dry run); (results, the
-        (node rank, host, JOB.STEP) cancelled for nodes it could not reach)."""
+             dry_run: bool = False) -> tuple[list[NodeResult], tuple[CancelledStep, ...]]:
+        """``node-stop`` on every node at once (StopPreview each, in a dry run); (results, the steps cancelled for nodes not reached)."""
         return self.call(launch, nodes, lambda rank, host: node_call(StopRequest(NodeTarget(run, rank, host, launch.artifact_root),
                                                                                  grace_s, dry_run)),
                          StopPreview if dry_run else StopResult, timeout_s=grace_s + 60), ()
@@ -212,14 +213,14 @@ class Srun(Backend):
         return statuses_from_records(launch, run, nodes, seq_length)
 
     def stop(self, launch: LaunchEnv, run: str, nodes: Nodes, grace_s: float = DEFAULT_STOP_GRACE_S,
-             dry_run: bool = False) -> tuple[list[NodeResult], tuple[tuple[int, str, str], ...]]:
+             dry_run: bool = False) -> tuple[list[NodeResult], tuple[CancelledStep, ...]]:
         """``node-stop`` as srun tasks; a node srun could not reach gets its step cancelled instead."""
         results, _ = super().stop(launch, run, nodes, grace_s, dry_run)
         paths, cancelled = RunPaths(launch.artifact_root, run), []
         for r in results if not dry_run else ():
             record = read_pid_file(paths.node_pid_file(r.node_rank))
             if not r.ok and record and record.slurm_step and slurm.cancel_step(record.slurm_step):
-                cancelled.append((r.node_rank, r.host, record.slurm_step))
+                cancelled.append(CancelledStep(r.node_rank, r.host, record.slurm_step))
         return results, tuple(cancelled)
 
     def poll_s(self, nodes: Nodes) -> float:  # noqa: ARG002 (the interface's signature)

@@ -40,9 +40,9 @@ from orchestration.node.pod import run_pod
 from orchestration.node.run_state import (RunState, read_exit, read_failure, read_heartbeat, read_pid_file, reset_node_files,
                                           reset_run_files, stop_command, tail, wait_until_started, write_plan_file)
 from orchestration.node.supervisor import Supervisor
-from orchestration.node.wire import (NODE_REQUESTS, RUN_ID_TAG, LinktestRequest, NodeCheckRequest, NodePlan, NodeStarted,
-                                     NodeStatus, NodeTarget, SaveRequest, StatusRequest, StopRequest, decode_payload, decode_request,
-                                     decode_secrets, encode_error, encode_payload, supervise_argv)
+from orchestration.node.wire import (NODE_REQUESTS, RUN_ID_TAG, SUPERVISE_COMMAND, LinktestRequest, NodeCheckRequest, NodePlan,
+                                     NodeStarted, NodeStatus, NodeTarget, SaveRequest, StatusRequest, StopRequest, decode_payload,
+                                     decode_request, decode_secrets, encode_error, encode_payload, supervise_argv)
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ def build_node_parser() -> argparse.ArgumentParser:
     """The node side's parser: each node command's one argument, its request as JSON (node/wire.py)."""
     parser = argparse.ArgumentParser(prog="python -m orchestration", description="node commands (sent by the launcher)")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, option, supervise in (("node-supervise", "--plan-file", node_supervise),
+    for name, option, supervise in ((SUPERVISE_COMMAND, "--plan-file", node_supervise),
                                     ("node-pod", "--plan-dir", lambda plan_dir, node: run_pod(plan_dir, node.environ, sys.executable))):
         command = sub.add_parser(name)
         command.add_argument(option, dest="plan", required=True)

@@ -1,6 +1,6 @@
 """Restarts that leave out the node the evidence names (NNODES=MIN:MAX): which node, why, on what
 evidence, and when not. Pure: node 0's supervisor gathers the evidence and follows the choice
-(orchestration/node/supervisor.py), the ledger and ``status`` say it.
+(orchestration/node/between_attempts.py, membership.py), the ledger and ``status`` say it.
 
     NNODES=3:4 HOSTS=g0,g1,g2,g3 MAX_RESTARTS=3 bash training_scripts/start_multinode_training.sh ...
     RESTART_EXCLUDE=0 NNODES=3:4 ...                     # every restart keeps every node; the evidence is still said
@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Mapping, Sequence
 
 from megatron_ext.run_spec.iteration_log import IterationRecord
@@ -53,8 +54,7 @@ FAILED_IN_A_ROW = 2
 SLOW_WINDOWS = 2
 """A slow rank's node is left out once the rank was named in every record of this many whole
 slow-rank windows in a row (training.resilience.slow_rank_window_s each)."""
-GPU_HEALTH, FAILED_ATTEMPTS, SLOW = "gpu health", "failed attempts", "slow"
-STRENGTH = {GPU_HEALTH: 3, FAILED_ATTEMPTS: 2, SLOW: 1}
+ChargeKind = StrEnum("ChargeKind", {"GPU_HEALTH": "gpu health", "FAILED_ATTEMPTS": "failed attempts", "SLOW": "slow"})
 """The kinds of evidence, strongest first: left out first where MIN lets only some go."""
 NOT_THE_NODE = ("already runs on it", "of its memory in use by no process visible here")
 """gpu_health's findings of a GPU held by another program (its ``what``): the node is fine."""
@@ -66,8 +66,7 @@ class Charge:
 
     node: int
     """Its rank in the start's plan."""
-    kind: str
-    """:data:`GPU_HEALTH`, :data:`FAILED_ATTEMPTS` or :data:`SLOW`."""
+    kind: ChargeKind
     why: str
     """What the evidence says, in words."""
 
@@ -107,7 +106,7 @@ def hardware_findings(health: GpuHealth | None) -> tuple[GpuFinding, ...]:
 
 def health_charges(ends: Mapping[int, AttemptEnd | None]) -> list[Charge]:
     """Each node whose end of the attempt carries hardware findings (:attr:`AttemptEnd.health`)."""
-    return [Charge(end.node_rank, GPU_HEALTH, f"its GPU health check after attempt {end.attempt} found "
+    return [Charge(end.node_rank, ChargeKind.GPU_HEALTH, f"its GPU health check after attempt {end.attempt} found "
                    + "; ".join(end.health)) for end in ends.values() if end is not None and end.health]
 
 
@@ -119,7 +118,7 @@ def failed_attempts_charges(ledger: Sequence[AttemptRecord], run_id: str, in_a_r
         return []
     named = set(last[0].suspects).intersection(*(r.suspects for r in last[1:]))
     how = ", ".join(f"attempt {r.attempt} {r.state or 'ended'}" for r in last)
-    return [Charge(node, FAILED_ATTEMPTS, f"the evidence named it in {in_a_row} attempts in a row ({how}: "
+    return [Charge(node, ChargeKind.FAILED_ATTEMPTS, f"the evidence named it in {in_a_row} attempts in a row ({how}: "
                    "a hang's suspect or the failure's own node each time)") for node in sorted(named)]
 
 
@@ -150,7 +149,7 @@ def slow_charges(records: Sequence[IterationRecord], window_s: float, members: S
         if ratio <= n / (n - 1):
             continue
         node = members[rank // nproc_per_node]
-        out.append(Charge(node, SLOW, f"its rank {rank} was named slow in every record for {covered:.0f} s ({windows} "
+        out.append(Charge(node, ChargeKind.SLOW, f"its rank {rank} was named slow in every record for {covered:.0f} s ({windows} "
                           f"windows of {window_s:g} s): busy {ratio:.1f}x the median of the other ranks, so {n - 1} node(s) "
                           f"without it train faster than {n} held back by it (above {n / (n - 1):.2f}x)"))
     return out
@@ -173,7 +172,7 @@ def choose_exclusion(charges: Sequence[Charge], members: Sequence[int], min_node
     left: list[int] = []
     said: list[str] = []
     staying = len(members)
-    for node, found in sorted(by_node.items(), key=lambda item: (-max(STRENGTH[c.kind] for c in item[1]), item[0])):
+    for node, found in sorted(by_node.items(), key=lambda item: (min(list(ChargeKind).index(c.kind) for c in item[1]), item[0])):
         name, why = node_names([node], hosts), "; ".join(c.why for c in found)
         if node == 0:
             said.append(f"{name} is named ({why}), but node 0 is the run's leader and rendezvous host and is never left "

@@ -27,7 +27,7 @@ class FailureKind(StrEnum):
     """What failed, as the supervisor that claimed an attempt's failure knew it."""
 
     FAILED = "failed"  # a node's torchrun exited with an error (failure_summary)
-    HUNG = "hung"  # a rank past its phase's limit: the hang protocol's verdict (supervisor.py's hang_summary)
+    HUNG = "hung"  # a rank past its phase's limit: the hang protocol's verdict (hang_protocol.py's hang_summary)
     LOST = "lost"  # node 0 heard nothing from a node for node_lost_s
     DID_NOT_JOIN = "did-not-join"  # nodes not ready for the next attempt within join_s
     ROOT_UNREACHABLE = "root-unreachable"  # a node's artifact root stopped answering: the node cannot go on

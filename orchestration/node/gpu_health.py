@@ -19,9 +19,9 @@ import re
 import socket
 import subprocess
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Mapping, NamedTuple
 
 COMMAND_TIMEOUT_S = 20.0
 """How long each command may take; nvidia-smi answers in well under a second on a healthy node,
@@ -189,6 +189,7 @@ def nvidia_smi_findings(xml_text: str) -> list[GpuFinding]:
 _XID = re.compile(r"NVRM: Xid \((?:PCI:)?([0-9A-Fa-f]+:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2})[^)]*\): (\d+),\s*(.*)$")
 _PCI = re.compile(r"(?:PCI:)?([0-9A-Fa-f]{1,8}):([0-9A-Fa-f]{2}):([0-9A-Fa-f]{2})")
 _PROCESS_FIELDS = re.compile(r"^(?:pid=[^,]*,\s*)?(?:name=[^,]*,\s*)?")
+_XidEvents = NamedTuple("_XidEvents", [("count", int), ("message", str), ("index", str)])  # one GPU's one Xid; index "": not listed
 
 
 def pci_key(address: str) -> tuple[int, int, int] | None:
@@ -204,7 +205,7 @@ def xid_findings(kernel_log: str, bus_ids: Mapping[str, str]) -> list[GpuFinding
     message, and what NVIDIA says to do. ``bus_ids`` (:func:`gpu_bus_ids`) names the GPU; an address
     nvidia-smi does not list (a GPU off the bus is not listed) is named by its address."""
     by_key = {pci_key(bus): (index, bus) for bus, index in bus_ids.items()}
-    seen: dict[tuple[str, int], tuple[int, str, str]] = {}  # (gpu label, xid) -> (count, last message, index)
+    seen: dict[tuple[str, int], _XidEvents] = {}  # (gpu label, xid) -> its events
     for line in kernel_log.splitlines():
         match = _XID.search(line)
         if not match:
@@ -214,8 +215,8 @@ def xid_findings(kernel_log: str, bus_ids: Mapping[str, str]) -> list[GpuFinding
         index, bus = by_key.get(key, (None, None))
         label = (gpu_label(index, bus) if index is not None
                  else "PCI {:04x}:{:02x}:{:02x} (a GPU nvidia-smi does not list now)".format(*key))
-        count = seen.get((label, code), (0, "", ""))[0]
-        seen[(label, code)] = (count + 1, _PROCESS_FIELDS.sub("", message)[:160], index or "")
+        count = seen[(label, code)].count if (label, code) in seen else 0
+        seen[(label, code)] = _XidEvents(count + 1, _PROCESS_FIELDS.sub("", message)[:160], index or "")
     findings = []
     for (label, code), (count, message, index) in seen.items():
         reset = _reset(index) if index != "" else ""

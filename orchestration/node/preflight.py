@@ -327,7 +327,7 @@ def inspect_node(request: NodeCheckRequest, run_state_dir: Path, visible_gpus: i
         *(f"{path} does not exist on this node; every node needs the run's data, tokenizer and model directory "
           "(a shared file system, or a copy at the same path)" for path in check.required_paths
           if not (Path(path).exists() or (Path(f"{path}.bin").is_file() and Path(f"{path}.idx").is_file()))),
-        tokenizer_problem(*tokenizer) if tokenizer is not None and Path(tokenizer[1]).exists() else None,
+        tokenizer_problem(*tokenizer) if tokenizer is not None and Path(tokenizer.path).exists() else None,
         writable_problem(run_state_dir, node_rank),
         f"the artifact root is not the one node 0 sees ({check.shared_token} is missing here): logs, pid files, the "
         "failure file, checkpoints and the data cache (megatron-core builds its index on rank 0 only) must be "

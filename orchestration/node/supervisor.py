@@ -7,46 +7,34 @@ finds its hangs, restarts by itself and saves on preemption.
 node). The supervisors agree over node 0's coordination store (orchestration/node/board.py) and
 judge each other alive by a beat that runs in a thread of its own (orchestration/node/liveness.py);
 the files they write on the artifact root are records for ``status`` and people, kept best effort
-(orchestration/node/records.py). For each attempt a supervisor starts the node's torchrun exactly
-as the plan says (same process group; the environment is the plan's, with the attempt number by
-the plan's per-attempt rule), records it, and then every :data:`POLL_S` seconds:
+(orchestration/node/records.py). :class:`Supervisor` is made of parts, each in a module of its own
+with what it owns: this one, the attempts themselves; membership.py, which nodes run and what
+happens when one is lost, left out or brought back; hang_protocol.py, a hang's claim, dumps and
+suspects; between_attempts.py, node 0's decision after an attempt, the ledger, and every node's
+following of it. For each attempt a supervisor starts the node's torchrun exactly as the plan says
+(same process group; the environment is the plan's, with the attempt number by the plan's
+per-attempt rule), records it, and then every :data:`POLL_S` seconds:
 
 - torchrun exits: the node's end of the attempt (finished; preempted, when it had asked its ranks
   to save; failed, with the log's reason, which claims the attempt's failure on the board first);
-- the board holds the attempt's failure (another node's): it stops its torchrun;
-- node 0 finds a node silent for training.resilience.node_lost_s by its own clock (a node other
-  than 0: node 0 silent, or its store unanswering past the same deadline): the failure is claimed,
-  or this node's part ends naming node 0;
-- the watchdog (orchestration/node/watchdog.py) finds a rank past its phase's limit: it claims a
-  hang; every node then dumps each of its ranks' stacks into ``runs/<run>/hangs/<attempt>/`` and
-  puts its report on the board, node 0 names the suspects ("node 1 (...) hung: rank 3 stopped ...");
-- a save request (SIGUSR1 to a supervisor: ``stop --save``, the batch start's SIGUSR1) goes to the
-  board, and every node sends each of its ranks the engine's save signal directly (not through
-  torchrun, whose handler would tear them down);
+- the board holds the attempt's failure (another node's, a hang's, a lost node's): it stops its torchrun;
+- a node lost (membership.py) or a rank hung (hang_protocol.py): the failure is claimed;
+- a save request (SIGUSR1 to a supervisor: ``stop --save``, the batch start's SIGUSR1), a node
+  brought back or one left out (membership.py) goes to the board, and every node sends each of its
+  ranks the engine's save signal directly (not through torchrun, whose handler would tear them down);
 - the artifact root has not answered for node_lost_s (its heartbeat record's write fails): this
-  node's part ends, naming the node, the root and the error (by the beat thread, when the main
-  thread is stuck on a share that hangs: :meth:`Supervisor._last_resort`);
+  node's part ends, naming the node, the root and the error;
 - SIGTERM (``stop``): it lets torchrun stop and records ``stopped``.
 
 Before each attempt of a Megatron-LM run node 0 picks the checkpoint it loads, passing over and
 moving aside a damaged one, and every node names it (orchestration/node/resume_point.py; this
-program's ranks pick their own). After every attempt each node puts how it ended on the board and
-node 0 decides for all (orchestration/node/attempts.py): the run's end (finished, preempted,
-stopped, failed, hung, gave up), or a restart after a backoff from the latest complete checkpoint,
-on which nodes (under NNODES=MIN:MAX without a node the evidence names: its GPU health after the
-attempt, a hang's suspect or the failing node twice in a row, a rank slow for two windows, for
-which node 0 has every rank save first; orchestration/node/exclusion.py); every node follows that
-decision, whatever its own end was, and a node left out ends its part. Whatever goes wrong in
-a supervisor itself, its torchrun and ranks are stopped and the cause is put on the board. The
-node's final state goes to ``<run>_node<N>.exit.json``.
+program's ranks pick their own). Whatever goes wrong in a supervisor itself, its torchrun and ranks
+are stopped and the cause is put on the board. The node's final state goes to ``<run>_node<N>.exit.json``.
 Side effects: processes, the run_state files, the node log, the node-local progress directory.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -58,46 +46,39 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from megatron_ext.run_spec.checkpoints import latest_iteration
-from megatron_ext.run_spec.convert import structure
-from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, UserError
 from megatron_ext.run_spec.engines import engine_named
-from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED, IterationRecord
+from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED
 from megatron_ext.run_spec.resilience import ENDED_PHASES, PROGRESS_DIR_ENV, Phase, read_progress
 from megatron_ext.run_spec.run_paths import RunPaths
-from orchestration.node import attempts, exclusion, processes, resume_point
+from orchestration.node import processes, resume_point
 from orchestration.node.attempts import AttemptEnd, Decision, Evidence
+from orchestration.node.between_attempts import BetweenAttempts
 from orchestration.node.board import Board, BoardUnreachable, open_stores
 from orchestration.node.failure import Failure, FailureKind, describe_returncode, failure_summary, follows_a_peer
-from orchestration.node.gpu_health import read_gpu_health
+from orchestration.node.hang_protocol import HangProtocol
 from orchestration.node.liveness import Liveness
+from orchestration.node.membership import Membership
 from orchestration.node.records import HeartbeatRecord, RecordKeeper
 from orchestration.node.resume_point import ResumePoint
-from orchestration.node.run_state import (HEARTBEAT_S, RECORD_WRITE_S, NodeExit, PidRecord, RunState, clear_failure, tail, write_exit,
-                                          write_failure, write_heartbeat)
-from orchestration.node.run_state import begin_attempt, end_attempt, read_ledger, write_pid_file
+from orchestration.node.run_state import (HEARTBEAT_S, RECORD_WRITE_S, NodeExit, PidRecord, RunState, begin_attempt, tail,
+                                          write_exit, write_failure, write_heartbeat, write_pid_file)
+from orchestration.node.watchdog import Watchdog, worker_pids
 from orchestration.node.wire import NodePlan
-from orchestration.node.flight_recorder import StuckCollective, read_flight_recorders, stuck_collective
-from orchestration.node.watchdog import Hang, Watchdog, dump_node, find_suspects, local_ranks, worker_pids
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
 LOG_TAIL_LINES = 25
-HANG_REPORT_WAIT_S = 30.0
-"""How long node 0 waits for every node's hang report on the board before naming the suspects from those it has."""
 CHECK_SAY_S = 30.0
 """How often node 0's checksum pass before a Megatron-LM attempt says in the log how far it is."""
 HUNG_STOP_GRACE_S = 10.0
 """A hung attempt's stop: its ranks are sent SIGCONT, then torchrun SIGTERM; this long before SIGKILL."""
 PREEMPTED_LINE = "exiting program after receiving"
 """Megatron-LM's line after a signal-triggered save (its exit code is 0, as for a finished run)."""
-SAVED = (RunState.FINISHED, RunState.PREEMPTED)
-"""How an attempt ends on a node when nothing failed."""
-SLOW_CHECK_S = 5.0
-"""How often node 0 looks at rank 0's metrics for a slow node to leave out (orchestration/node/exclusion.py)."""
 
 
-class Supervisor:
+class Supervisor(Membership, BetweenAttempts, HangProtocol):
     def __init__(self, plan: NodePlan, node_env: Mapping[str, str], slurm_step: str | None = None):
         self.plan, self.node_env, self.slurm_step = plan, dict(node_env), slurm_step
         """``node_env``: the node's own environment (the plan's goes on top); ``slurm_step``:
@@ -172,58 +153,10 @@ class Supervisor:
     def _log_tail(self, lines: int, max_bytes: int = 65536) -> str:
         return self.records.keep("reading the node log", lambda: tail(Path(self.plan.log_path), lines, max_bytes), "")
 
-    def _watch(self, nodes) -> None:
-        """Node 0 watches ``nodes`` (each in the incarnation it took it back in); the others, node 0."""
-        self.liveness.watch({n: self.incarnations.get(n, 0) for n in nodes} if self.leader else {0: 0})
-
     def _alive(self, bounded_s: float = 0.0) -> None:
         """The main thread's stamp, by which the beat thread's :meth:`_last_resort` judges it stuck;
         ``bounded_s``: the step it begins takes at most that long."""
         self._main_at = time.monotonic() + bounded_s
-
-    def _last_resort(self) -> None:
-        """From the beat thread, after each of its rounds. When the share has not answered for twice
-        node_lost_s and the main thread has made no step for node_lost_s, the main thread is stuck on
-        the share (a hard mount whose server is gone: a write, even a log line, waits for ever), and
-        the beat, which touches neither the share nor the log, would keep this node alive for ever.
-        So this thread ends the node's part: the cause on the board over its own connection, every
-        process of the node's run killed, its end and exit marked, then this process. No record can
-        be written, nothing is logged."""
-        now = time.monotonic()
-        if self.records.failing_s() <= 2 * self.policy.node_lost_s or now - self._main_at <= self.policy.node_lost_s:
-            return
-        cause = self.records.cause() + " (the supervisor, stuck on it, ended by its beat thread)"
-        failure = Failure(FailureKind.ROOT_UNREACHABLE, self.rank, cause + "\n")
-        board = Board(self.liveness.store, self.rank)  # this thread's own connection
-        try:
-            board.claim_failure(self.attempt, failure)
-            board.write_end(AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.FAILED, reason=cause,
-                                       failure=failure, evidence=Evidence.NODE, leaves=True))
-            if self.leader:
-                board.write_decision(Decision(attempt=self.attempt, restart=False, state=RunState.FAILED, reason=cause))
-            board.mark_exited(self.incarnation)
-        except BoardUnreachable:
-            pass
-        for pid in processes.tagged_processes(self.plan.run, self.rank, self._root):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        os._exit(EXIT_NODE_FAILED)
-
-    def _lost_peer(self) -> int | None:
-        """Node 0: a node of this attempt silent for node_lost_s (by this machine's clock) that did not
-        say it ends. The others: node 0 silent so long (its store unanswering counts) ends this
-        node's part (:class:`BoardUnreachable`). Node 0 watches every node, the others node 0 alone:
-        a beat costs O(1) store operations on a node, O(N) on node 0 (benchmarks/coordination.py)."""
-        lost = self.liveness.lost()
-        if not self.leader:
-            if 0 in lost:
-                raise BoardUnreachable(f"node 0's supervisor has given no sign for {self.liveness.silent_s(0):.0f} s "
-                                       f"(its machine, its supervisor or the network to it is gone)"
-                                       + (f": {self.liveness.error}" if self.liveness.error else ""))
-            if self.liveness.exited(0):
-                raise BoardUnreachable("node 0's supervisor ended (the run ended there)")
-            return None
-        return next((rank for rank in self.members if rank in lost), None)
 
     def _failure(self) -> Failure | None:
         """The attempt's first failure, from the board; node 0 keeps its record (its text),
@@ -250,60 +183,6 @@ class Supervisor:
             self.board.request_save(self._signalled_save)
             self._signalled_save = None  # posted: the first reason stays on the board
         return self.board.save_request()
-
-    @property
-    def absent(self) -> list[int]:
-        """The nodes of the start the current attempt runs without (lost, or brought back and joining)."""
-        return [n for n in range(self.nnodes) if n not in self.members]
-
-    def _rejoin_request(self) -> str | None:
-        """While nodes are out of the run (NNODES=MIN:MAX), node 0 looks for one brought back
-        (``rejoin``) and claims the attempt's rejoin: every node then asks its ranks to save and
-        end, and the next attempt takes the node back. The reason, once claimed."""
-        if not self.absent:
-            return None
-        if self.leader:
-            back = self.board.join_requests(self.absent)
-            if back:
-                self.board.claim_rejoin(self.attempt, sorted(back))
-        back = self.board.rejoin(self.attempt)
-        return (f"{attempts.node_names(back, self.plan.hosts)} back: a checkpoint now, then attempt {self.attempt + 1} "
-                f"on {len(self.members) + len(back)} of {self.nnodes} nodes") if back else None
-
-    def _leaving_request(self) -> str | None:
-        """While a node may be left out (NNODES=MIN:MAX with more than MIN nodes, RESTART_EXCLUDE),
-        node 0 looks at rank 0's metrics every SLOW_CHECK_S for a slow node worth leaving out
-        (exclusion.py) and claims the attempt's exclusion of it: every node then asks its ranks to
-        save and end, and the next attempt runs without it. The reason, once claimed."""
-        if not (self.plan.restart_exclude and self.policy.min_nodes and len(self.members) > self.policy.min_nodes):
-            return None
-        if self.leader and time.monotonic() >= self._slow_checked + SLOW_CHECK_S:
-            self._slow_checked = time.monotonic()
-            charges = exclusion.slow_charges(self._metrics_since(self._attempt_started_at), self.policy.slow_rank_window_s,
-                                             self.members, self.plan.nproc_per_node)
-            leaving = exclusion.choose_exclusion(charges, self.members, self.policy.min_nodes, True, self.plan.hosts)
-            if leaving.nodes:
-                self.board.claim_exclusion(self.attempt, leaving)
-            elif leaving.said != self._slow_said:  # node 0 slow, or MIN reached: said once
-                self._slow_said = leaving.said
-                if leaving.said:
-                    self.say(leaving.said)
-        leaving = self.board.exclusion(self.attempt)
-        return f"{leaving.said}: a checkpoint now, then attempt {self.attempt + 1} without it" if leaving else None
-
-    def _metrics_since(self, since: float) -> list[IterationRecord]:
-        """Rank 0's metrics records (on this machine: node 0's) written since ``since`` (this
-        machine's clock, as the records'), from the file's last 256 KB."""
-        text = self.records.keep("reading the metrics", lambda: tail(self.paths.metrics_path, 1000, 262144), "")
-        records = []
-        for line in text.splitlines():
-            try:
-                record = structure(IterationRecord, json.loads(line))
-            except ValueError:  # the first line cut by the tail, a line being written
-                continue
-            if record.time >= since:
-                records.append(record)
-        return records
 
     def _wait(self, seconds: float, done: Callable[[], object], state: RunState, beat: bool = True,
               until_stop: bool = True) -> object:
@@ -428,32 +307,6 @@ class Supervisor:
             self._stop_torchrun(proc, cause)
         return self._ended(RunState.FAILED, cause, failure=failure, evidence=Evidence.NODE, leaves=True)
 
-    def _hang(self, watchdog: Watchdog, reported: bool) -> bool:
-        """The hang protocol, one poll: claim a hang found here; dump this node's ranks once a hang
-        is claimed and put their report on the board; node 0 names the suspects once every node
-        reported. Whether this node reported."""
-        claim = self.board.hang_claim(self.attempt)
-        if claim is None:
-            found = watchdog.check(time.time())  # this machine's clock against its own ranks' reports
-            if found is not None and self.board.claim_hang(self.attempt, found):
-                self.say(f"hang: {found.detail}; dumping every rank's stack")
-            return reported
-        if self._hang_seen is None:
-            self._hang_seen = time.monotonic()
-        if not reported:
-            ranks = local_ranks(self.members.index(self.rank), self.plan.nproc_per_node)  # the attempt's global ranks here
-            reports = self.records.keep("writing the hang dumps", lambda: dump_node(
-                self.plan.target, ranks, self.progress_dir, self.policy, self.attempt, claim.detail), [])
-            self.board.write_report(self.attempt, reports)
-            reported = True
-        if self.leader and self._failure() is None:
-            # Node 0 waits for every node's report on the board, or HANG_REPORT_WAIT_S of its own
-            # clock from when it saw the claim (a node that cannot dump, or is gone).
-            reports = {n: self.board.read_report(self.attempt, n) for n in self.members}
-            if all(r is not None for r in reports.values()) or time.monotonic() - self._hang_seen > HANG_REPORT_WAIT_S:
-                self._claim_failure(hang_summary(self.paths, self.attempt, claim, reports))
-        return reported
-
     def resume_point(self) -> ResumePoint | None:
         """Megatron-LM's attempts: node 0 picks the checkpoint (resume_point.py) and puts it on the
         board; the others wait for it. None where the ranks pick their own (this program). What
@@ -525,11 +378,7 @@ class Supervisor:
                         why = f"{'the run hung' if hung else 'another node failed'}: {failure.summary}"
                         self._stop_torchrun(proc, why, hung)
                         return self._ended(RunState.HUNG if hung else RunState.STOPPED, why)
-                    lost = self._lost_peer()
-                    if lost is not None:
-                        self._claim_failure(Failure(FailureKind.LOST, lost, f"node {lost}{self._host(lost)} lost: its supervisor "
-                                                    f"has given no sign for {self.liveness.silent_s(lost):.0f} s (its machine, its "
-                                                    f"supervisor or the network to it is gone); noticed by node {self.rank}\n"))
+                    if self._claim_lost():
                         continue
                     if saving is None:
                         reported = self._hang(watchdog, reported)
@@ -539,160 +388,6 @@ class Supervisor:
             time.sleep(POLL_S)
 
     # -- between attempts ---------------------------------------------------------------------
-
-    def decide(self, end: AttemptEnd) -> Decision:
-        """Node 0: every node's end of this attempt, then the decision (the run's end, or a restart
-        on which nodes); the others read it and follow."""
-        join_s = self.policy.join_s
-        if not self.leader:
-            decision = self._wait(2 * join_s + HANG_REPORT_WAIT_S, lambda: self.board.read_decision(self.attempt),
-                                  RunState.RESTARTING)
-            if decision is None:
-                state = RunState.STOPPED if self.stopping else RunState.FAILED
-                why = ("stopped on request" if self.stopping else f"node 0 (the leader) made no decision after attempt "
-                       f"{self.attempt} within {2 * join_s + HANG_REPORT_WAIT_S:.0f} s: the run ends here")
-                return Decision(attempt=self.attempt, restart=False, state=state, reason=why)
-            return decision
-        # Every node's end, or its beat stopped (lost: it will write none), within join_s.
-        def settled() -> bool:
-            lost = self.liveness.lost()
-            return all(n in lost or self.board.read_end(self.attempt, n) for n in self.members)
-
-        self._wait(join_s, settled, RunState.RESTARTING, until_stop=False)
-        ends = {n: self.board.read_end(self.attempt, n) for n in self.members}
-        back = self.board.rejoin(self.attempt)
-        checkpoint = self._latest_checkpoint()
-        rejoin = attempts.decide_rejoin(self.attempt, ends, back, self.restarts, self.rejoins, checkpoint,
-                                        self.plan.hosts) if back and not self.stopping and not self.board.save_request() else None
-        if rejoin is not None:  # every node saved for the nodes back (or reached its last iteration): nothing failed
-            self._close_ledger(RunState.PREEMPTED if rejoin.restart else rejoin.state,
-                               f"saved a checkpoint for {attempts.node_names(back, self.plan.hosts)} to come back"
-                               if rejoin.restart else rejoin.reason, checkpoint)
-            return self._publish(rejoin)
-        leaving = self.board.exclusion(self.attempt) if not back and not self.stopping and not self.board.save_request() else None
-        planned = exclusion.decide_leaving(self.attempt, ends, leaving, self.restarts, self.rejoins, checkpoint) if leaving else None
-        if planned is not None:  # every node saved so that a slow node is left out (or one reached its last iteration)
-            self._close_ledger(RunState.PREEMPTED if planned.restart else planned.state,
-                               f"saved a checkpoint to go on without {attempts.node_names(leaving.nodes, self.plan.hosts)}"
-                               if planned.restart else planned.reason, checkpoint, excluded=planned.excluded,
-                               exclusion=planned.exclusion)
-            return self._publish(planned)
-        if self.stopping:
-            ends[self.rank] = AttemptEnd(node_rank=self.rank, attempt=self.attempt, state=RunState.STOPPED,
-                                         reason="stopped on request", requested=True)
-        first = self.board.failure(self.attempt)
-        chosen = attempts.choose_failure(first, ends)
-        if attempts.trained_to_the_end(ends):
-            state = RunState.FINISHED if any(e.state == RunState.FINISHED for e in ends.values()) else RunState.PREEMPTED
-            reason = end.reason if end.state == state else next(e.reason for e in ends.values() if e.state == state)
-            self._close_ledger(state, reason, checkpoint)
-            if first is not None:  # what a teardown made of a finished run is no failure of it
-                self.records.keep("moving the failure record aside", self._set_failure_aside)
-            return self._publish(Decision(attempt=self.attempt, restart=False, state=state, reason=reason))
-        if chosen is not None and chosen != first:
-            self._record_failure(chosen)  # a node's own cause, stronger than what the others made of it
-        failure = chosen.summary if chosen else end.reason
-        cause = RunState.HUNG if chosen is not None and chosen.kind == FailureKind.HUNG else RunState.FAILED
-        reports = [r for n in self.members for r in self.board.read_report(self.attempt, n) or []] \
-            if cause == RunState.HUNG else []  # only a hang's nodes report
-        suspects = exclusion.suspect_nodes(chosen, reports, ends)  # a hang's suspects, else the failure's own node
-        self._close_ledger(cause if chosen else end.state, failure, checkpoint, suspects=suspects, failure_kind=chosen and chosen.kind)
-        ledger = self.records.keep("reading the ledger", lambda: read_ledger(self.paths), [])
-        back = self.board.join_requests(self.absent) if self.policy.min_nodes else {}
-        decision = attempts.decide(self.attempt, ends, ledger, self.policy, self.restarts, cause, failure, self.plan.hosts,
-                                   joiners=sorted(back), rejoins_so_far=self.rejoins)
-        decision = self._exclude(decision, ends, ledger)
-        if not decision.restart:  # the ledger's last word is how the run ended
-            self._close_ledger(decision.state, decision.reason, checkpoint, lost=decision.lost)
-        if decision.restart:  # the next attempt starts without this one's failure (kept beside the ledger)
-            if decision.lost or decision.excluded or decision.exclusion:
-                going = f"; the run goes on with {len(decision.members)} of {self.nnodes} nodes" \
-                    if decision.lost or decision.excluded else ""
-                self._close_ledger(cause, failure + going, checkpoint, lost=decision.lost, excluded=decision.excluded,
-                                   exclusion=decision.exclusion)
-            self.records.keep("moving the failure record aside", self._set_failure_aside)
-        return self._publish(decision)
-
-    def _exclude(self, decision: Decision, ends: Mapping[int, AttemptEnd | None], ledger: list) -> Decision:
-        """Node 0: a restart without the nodes the evidence names (their GPU health after this attempt,
-        the same node named by attempts in a row: exclusion.py), where the policy leaves them out."""
-        if not decision.restart:
-            return decision
-        charges = [*exclusion.health_charges(ends), *exclusion.failed_attempts_charges(ledger, self.plan.run_id)]
-        return exclusion.apply_exclusion(decision, exclusion.choose_exclusion(
-            charges, decision.members, self.policy.min_nodes, self.plan.restart_exclude, self.plan.hosts))
-
-    def _with_health(self, end: AttemptEnd) -> AttemptEnd:
-        """An attempt that did not finish here: this node's GPU health check (a GPU node's: a
-        hardware fault it finds is evidence against the node, exclusion.py), in its end."""
-        if end.state in SAVED or end.requested or self.stopping:
-            return end
-        self._alive(120.0)  # a few commands, each under gpu_health's timeout: not stuck
-        found = exclusion.hardware_findings(read_gpu_health())
-        if found:
-            self.say(f"GPU health after attempt {self.attempt}: " + "; ".join(f"{f.gpu}: {f.what}" for f in found))
-        return dataclasses.replace(end, health=tuple(f"{f.gpu}: {f.what}" for f in found)) if found else end
-
-    def _set_failure_aside(self) -> None:
-        if self.paths.failure_file.exists():  # node 0's own record: it alone writes and moves it
-            os.replace(self.paths.failure_file, self.paths.attempt_file(self.attempt, "failure.txt"))
-        clear_failure(self.paths)
-
-    def _close_ledger(self, state: RunState, reason: str, checkpoint: int | None, lost: tuple[int, ...] = (),
-                      **evidence) -> None:
-        """Node 0: this attempt's entry in the ledger (what ended it, the checkpoint it reached;
-        ``evidence``: its suspects, the nodes left out after it and why)."""
-        self.records.keep("writing the ledger", lambda: end_attempt(self.paths, self.attempt, state, reason, checkpoint,
-                                                                    lost=lost, **evidence))
-
-    def _publish(self, decision: Decision) -> Decision:
-        """Node 0: the decision on the board, and the nodes it takes back told so (and watched in
-        the incarnation their request names)."""
-        self.board.write_decision(decision)
-        for rank in decision.joined:
-            self.incarnations[rank] = self.board.accept_join(rank, decision.attempt)
-        return decision
-
-    def join(self, decided: tuple[int, ...]) -> bool:
-        """Before a restart: say this node is ready; node 0 waits for the nodes ``decided`` and names
-        the attempt's nodes (those ready in time, if still enough: training.resilience.min_nodes);
-        every other node waits for that roster. Whether this node runs the attempt."""
-        self.board.mark_ready(self.attempt)
-        join_s = self.policy.join_s
-        if self.leader:
-            self._watch(decided)
-            self._wait(join_s, lambda: len(self.board.ready_nodes(self.attempt, decided)) == len(decided),
-                       RunState.RESTARTING)
-            ready = tuple(self.board.ready_nodes(self.attempt, decided))
-            missing = sorted(set(decided) - set(ready))
-            names = ", ".join(f"{r}{self._host(r)}" for r in missing)
-            enough = not missing or (self.policy.min_nodes and len(ready) >= self.policy.min_nodes)
-            if self.stopping or not enough:
-                if not self.stopping:
-                    self._claim_failure(Failure(FailureKind.DID_NOT_JOIN, missing[0], f"node(s) {names} did not join attempt "
-                                                f"{self.attempt} within {join_s:.0f} s; noticed by node {self.rank}\n"))
-                return False
-            if missing:
-                self.say(f"node(s) {names} did not join attempt {self.attempt} within {join_s:.0f} s: it runs on {len(ready)} of "
-                         f"{self.nnodes} nodes")
-            self.board.write_roster(self.attempt, ready)
-            self.members = ready
-            return True
-        # node 0's roster, or its word that there is no attempt K (a save asked in the backoff: its
-        # decision; a node that did not join: the failure it claimed)
-        roster = self._wait(join_s + 2 * HEARTBEAT_S, lambda: self.board.read_roster(self.attempt)
-                            or self.board.read_decision(self.attempt) or self.board.failure(self.attempt), RunState.RESTARTING)
-        if isinstance(roster, Decision):
-            self.ended_by = roster
-            return False
-        if isinstance(roster, Failure):
-            return False
-        if roster is None or self.rank not in roster:
-            if roster is not None and not self.stopping:
-                self.say(f"left out of attempt {self.attempt} (not ready in time): this node ends here")
-            return False
-        self.members = roster
-        return True
 
     def finish(self, state: RunState, reason: str, code: int | None = None) -> int:
         self.heartbeat.stop()
@@ -801,79 +496,3 @@ class Supervisor:
                                    "brings it back")
             if not self._follow(decision):
                 return self.finish(*self._between_attempts_end())
-
-    def _follow(self, decision: Decision) -> bool:
-        """Every node: node 0's restart decision taken, its backoff waited; whether the next attempt
-        follows (a save request or a stop in the backoff ends the run)."""
-        self.decided = decision.members or self.members
-        self.restarts, self.rejoins, self.joined = decision.restarts, decision.rejoins, decision.joined
-        self.say(decision.reason)
-        self.beat(RunState.RESTARTING)
-        if not self.leader:  # node 0 alone reads a save request here: its word on the next attempt, or the roster
-            word = self._wait(decision.backoff_s, lambda: self.board.read_decision(self.attempt + 1), RunState.RESTARTING)
-            self.attempt += 1
-            self.ended_by = word
-            return word is None and not self.stopping
-        if self._wait(decision.backoff_s, self._save_request, RunState.RESTARTING) and not self.stopping:
-            state, reason = self._between_attempts_end()
-            self._publish(Decision(attempt=self.attempt + 1, restart=False, state=state, reason=reason))
-            return False
-        self.attempt += 1
-        return not self.stopping
-
-    def _between_attempts_end(self) -> tuple[RunState, str]:
-        if self.ended_by is not None:
-            return self.ended_by.state, self.ended_by.reason
-        if self.stopping:
-            return RunState.STOPPED, "stopped on request"
-        return RunState.PREEMPTED, "a save was requested between attempts: the latest checkpoint stands"
-
-    def _come_back(self, request: int) -> int | None:
-        """A node brought back (``rejoin``, its request number ``request``): wait (``joining``)
-        until node 0 takes this node at its next restart, then follow that decision. None when it
-        follows; else this supervisor's exit (the run ended meanwhile, or a stop)."""
-        self.say(f"back for run {self.plan.run}: node 0 takes this node at its next restart (after the ranks save "
-                 "a checkpoint at their next step)")
-        self.beat(RunState.JOINING)  # before the pid file, which node-start waits for: status then shows it joining
-        self.records.keep("writing the pid file", lambda: write_pid_file(
-            self.plan.pid_file, processes.new_record(self.plan, os.getpid(), ["node-supervise"])))
-        answer = self._wait(float("inf"), lambda: self.board.join_answer(request) or
-                            (-1 if self.liveness.exited(0) or 0 in self.liveness.silent() else None), RunState.JOINING)
-        if self.stopping:
-            return self.finish(RunState.STOPPED, "stopped on request")
-        if answer == -1:
-            return self.finish(RunState.STOPPED, "the run ended on node 0 before it took this node back")
-        self.attempt = answer
-        if not self._follow(self.board.read_decision(answer)):
-            return self.finish(*self._between_attempts_end())
-        return None
-
-
-def hang_summary(paths: RunPaths, attempt: int, claim: Hang, reports: dict) -> Failure:
-    """A hung attempt's failure, its text: who (the suspects), where, for how long, the collective
-    the ranks hung in (torch's flight-recorder analyser: node/flight_recorder.py), and the dumps."""
-    everyone = [r for rs in reports.values() if rs for r in rs]
-    suspects = find_suspects(everyone)
-    missing = sorted(n for n, rs in reports.items() if rs is None)
-    first = suspects.ranks[0] if suspects.ranks else None
-    nodes = sorted({r.node_rank for r in suspects.ranks}) or [claim.node_rank]
-    hosts = ", ".join(f"node {n}" for n in nodes)
-    where = (f" in {first.phase} of iteration {first.iteration} for {first.phase_elapsed_s:.0f} s"
-             + (f" (limit {first.limit_s:.0f} s)" if first.limit_s else "") if first and first.phase else "")
-    ranks = ", ".join(f"rank {r.rank} (node {r.node_rank})" for r in suspects.ranks) or "no rank"
-    collective = stuck_collective(*read_flight_recorders(everyone)) if everyone else "no rank reported"
-    named = f"; {collective.describe()}" if isinstance(collective, StuckCollective) else ""
-    head = (f"{hosts} hung: {ranks} {suspects.why}{where}"
-            + (f"; {suspects.others}" if suspects.others else "") + named
-            + f"; every rank's stack: {paths.hangs_dir(attempt)}")
-    lines = [head, f"--- attempt {attempt}, detected by node {claim.node_rank}: {claim.detail} ---"]
-    if not named:
-        lines.append(f"flight recorder: {collective}")
-    for r in sorted(everyone, key=lambda r: r.rank):
-        progress = (f"{r.phase} of iteration {r.iteration} for {r.phase_elapsed_s:.0f} s" if r.phase else "no progress report")
-        stack = "in a collective" if r.in_collective else "outside any collective" if r.in_collective is False else "stack not read"
-        lines.append(f"rank {r.rank} (node {r.node_rank}, {r.host}, pid {r.pid}, state {r.process_state}): {progress}; "
-                     f"{stack}; {r.dump}")
-    if missing:
-        lines.append(f"no report from node(s) {', '.join(map(str, missing))} within {HANG_REPORT_WAIT_S:.0f} s")
-    return Failure(FailureKind.HUNG, nodes[0], "\n".join(lines) + "\n", first.rank if first else None)

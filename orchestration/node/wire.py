@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Mapping, Sequence, TypeVar
+from typing import Any, ClassVar, Literal, Mapping, NamedTuple, Sequence, TypeVar
 
 from megatron_ext.run_spec.convert import structure, unstructure
 from megatron_ext.run_spec.engines import MEGATRON_CORE
@@ -44,6 +44,9 @@ RUN_ID_TAG = "LAUNCHER_RUN_ID"
 NODE_TAG = "LAUNCHER_NODE_RANK"
 DEFAULT_STOP_GRACE_S = 40.0
 """torchrun forwards SIGTERM to its workers and waits 30 s before SIGKILL; allow for that."""
+SUPERVISE_COMMAND = "node-supervise"
+TokenizerFile = NamedTuple("TokenizerFile", [("kind", str), ("path", str)])
+"""A tokenizer every node must load (:attr:`CheckRequest.tokenizer`): data.tokenizer's type and model path, a list on the wire."""
 
 
 def node_label(node_rank: int, host: str) -> str:
@@ -263,8 +266,7 @@ class CheckRequest:
     shared_token: str | None = None
     """A file the launcher wrote under the artifact root: every node must see it."""
     required_paths: tuple[str, ...] = ()
-    tokenizer: tuple[str, str] | None = None
-    """(type, path): the tokenizer every node must load."""
+    tokenizer: TokenizerFile | None = None
     required_modules: tuple[str, ...] = ()
     """Optional modules the run imports (wandb)."""
     needs_cuda: bool = False
@@ -309,7 +311,7 @@ class LinktestRequest:
 NODE_REQUESTS: dict[str, type] = {r.command: r for r in (NodePlan, NodeCheckRequest, StopRequest, SaveRequest, StatusRequest,
                                                          LinktestRequest)}
 """Each node command (but ``node-supervise`` and ``node-pod``, which read plan files) and its request."""
-NODE_COMMANDS = (*NODE_REQUESTS, "node-supervise", "node-pod")
+NODE_COMMANDS = (*NODE_REQUESTS, SUPERVISE_COMMAND, "node-pod")
 
 
 @dataclass(frozen=True)
@@ -374,7 +376,7 @@ def coordination_port(master_port: int) -> int:
 
 def supervise_argv(python: str, plan_file: str) -> list[str]:
     """The node's supervisor for the plan in ``plan_file`` (``{node}`` = SLURM_NODEID under srun)."""
-    return [python, "-m", "orchestration", "node-supervise", "--plan-file", plan_file]
+    return [python, "-m", "orchestration", SUPERVISE_COMMAND, "--plan-file", plan_file]
 
 
 PACKED_PLANS = "plans.json.gz"

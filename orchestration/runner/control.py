@@ -24,7 +24,7 @@ from megatron_ext.run_spec.errors import EXIT_GAVE_UP, EXIT_NODE_FAILED, EXIT_OK
 from megatron_ext.run_spec.resolved import read_resolved
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.cluster import slurm
-from orchestration.cluster.backends import backend_for, lost_node, lost_nodes, statuses_from_records, this_start_run_id
+from orchestration.cluster.backends import CancelledStep, backend_for, lost_node, lost_nodes, statuses_from_records, this_start_run_id
 from orchestration.cluster.fanout import NodeResult
 from orchestration.launch_env import LaunchEnv
 from orchestration.node.run_state import AttemptRecord, RunState, read_heartbeat, read_ledger
@@ -57,8 +57,7 @@ class StopOutcome(Outcome):
     stage: "StopOutcome | None" = None
     nodes: tuple[NodeResult, ...] = ()
     """Every node's StopResult (StopPreview in a dry run)."""
-    cancelled_steps: tuple[tuple[int, str, str], ...] = ()
-    """(node rank, host, JOB.STEP) cancelled for nodes srun could not reach."""
+    cancelled_steps: tuple[CancelledStep, ...] = ()
 
     @property
     def ok(self) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from orchestration.node.wire import LinkReport
 
@@ -23,6 +23,8 @@ SLOW_LINK_FRACTION = 0.25
 """A node is named when its best link moves less than this fraction of the median node's."""
 FIXES = ("check NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME (the interface every node should use), NCCL_IB_HCA "
          "(the InfiniBand adapters), NCCL_NET (IB, not Socket), and the node's cable and port speed")
+Problem = NamedTuple("Problem", [("node_rank", int), ("host", str), ("what", str)])
+"""What is wrong on one node, and how to fix it (the preflight's, the link test's)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,18 +55,18 @@ def link_rows(reports: Sequence[LinkReport], interfaces: Mapping[int, str | None
             for r in sorted(reports, key=lambda r: r.node_rank)]
 
 
-def slow_link_problems(rows: Sequence[LinkRow]) -> list[tuple[int, str, str]]:
-    """(node rank, host, problem) for every node named slow, and every node whose test failed."""
+def slow_link_problems(rows: Sequence[LinkRow]) -> list[Problem]:
+    """A problem for every node named slow, and every node whose test failed."""
     median = statistics.median([r.best_gbs for r in rows if r.best_gbs is not None] or [0.0])
     out = []
     for r in rows:
         if r.error:
-            out.append((r.node_rank, r.host, f"link test: {r.error}"))
+            out.append(Problem(r.node_rank, r.host, f"link test: {r.error}"))
         elif r.slow:
-            out.append((r.node_rank, r.host, f"slow link: its best link moves {r.best_gbs:.3f} GB/s, "
-                                             f"{r.best_gbs / median:.0%} of the median node's {median:.3f} GB/s "
-                                             f"(transport {r.transport or 'unknown'}); {FIXES}; or go on anyway with "
-                                             "ALLOW_SLOW_LINKS=1"))
+            out.append(Problem(r.node_rank, r.host, f"slow link: its best link moves {r.best_gbs:.3f} GB/s, "
+                                                    f"{r.best_gbs / median:.0%} of the median node's {median:.3f} GB/s "
+                                                    f"(transport {r.transport or 'unknown'}); {FIXES}; or go on anyway with "
+                                                    "ALLOW_SLOW_LINKS=1"))
     return out
 
 

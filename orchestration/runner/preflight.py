@@ -24,12 +24,9 @@ from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.cluster.backends import backend_for
 from orchestration.launch_env import LaunchEnv
 from orchestration.node.wire import (LINKTEST_TIMEOUT_S, CheckpointSpace, CheckRequest, LinkReport, LinktestRequest,
-                                     NodeCheckRequest, NodeReport, NodeTarget, node_call)
-from orchestration.runner.links import LinkRow, link_rows, slow_link_problems
+                                     NodeCheckRequest, NodeReport, NodeTarget, TokenizerFile, node_call)
+from orchestration.runner.links import LinkRow, Problem, link_rows, slow_link_problems
 from orchestration.runner.start_plan import StartInputs, checkpoint_target
-
-Problem = tuple[int, str, str]
-"""(node rank, host, what is wrong and how to fix it)."""
 
 
 @dataclass(frozen=True)
@@ -68,22 +65,22 @@ def cluster_problems(reports: Sequence[NodeReport], master_addr: str | None = No
     """Every node's own problems, software that differs from node 0's, and MASTER_ADDR resolved
     to another address than node 0 resolves it to (a stale /etc/hosts: that node's rendezvous goes
     elsewhere). Pure."""
-    out = [(r.node_rank, r.host, p) for r in reports for p in r.problems]
+    out = [Problem(r.node_rank, r.host, p) for r in reports for p in r.problems]
     node0 = next((r for r in reports if r.node_rank == 0), None)
     if master_addr is not None and node0 is not None and node0.master_address is not None:
         for r in reports:
             if r.master_address not in (None, node0.master_address) and not (r.master_address or "").startswith("127."):
-                out.append((r.node_rank, r.host, f"MASTER_ADDR={master_addr} resolves to {r.master_address} here but to "
-                                                 f"{node0.master_address} on node 0: this node would look for the "
-                                                 "rendezvous elsewhere; make every node resolve it alike (/etc/hosts, "
-                                                 "DNS), or set MASTER_ADDR to node 0's IP address"))
+                out.append(Problem(r.node_rank, r.host, f"MASTER_ADDR={master_addr} resolves to {r.master_address} here but "
+                                                        f"to {node0.master_address} on node 0: this node would look for the "
+                                                        "rendezvous elsewhere; make every node resolve it alike (/etc/hosts, "
+                                                        "DNS), or set MASTER_ADDR to node 0's IP address"))
     if reports:
         base = reports[0]
         for r in reports[1:]:
             for name, version in r.software.items():
-                if version != base.software.get(name):
-                    out.append((r.node_rank, r.host, f"{name} {version or 'absent'} here but {base.software.get(name) or 'absent'} "
-                                                     f"on node 0; every node needs the same {name}"))
+                if version != (theirs := base.software.get(name)):
+                    out.append(Problem(r.node_rank, r.host, f"{name} {version or 'absent'} here but {theirs or 'absent'} "
+                                                            f"on node 0; every node needs the same {name}"))
     return sorted(out)
 
 
@@ -103,12 +100,11 @@ def check_request(launch: LaunchEnv, inputs: StartInputs, shared_token: Path | N
     size = parameters_to_save(params)
     return CheckRequest(master_addr=launch.master_addr, nproc_per_node=launch.nproc_per_node, nnodes=launch.nnodes,
                         shared_token=str(shared_token) if shared_token is not None else None, required_paths=tuple(required),
-                        tokenizer=(tok.type, tok.model_path) if tok.model_path else None, required_modules=required_modules(launch),
-                        needs_cuda=engine_named(params.training.engine).runs_checkout,
+                        tokenizer=TokenizerFile(tok.type, tok.model_path) if tok.model_path else None,
+                        required_modules=required_modules(launch), needs_cuda=engine_named(params.training.engine).runs_checkout,
                         checkpoints=CheckpointSpace(str(checkpoint_target(launch, inputs.run)), size,
                                                     params.training.keep_checkpoints, params.training.zero_stage)
-                        if size else None,
-                        fp8=params.training.fp8,
+                        if size else None, fp8=params.training.fp8,
                         python=inputs.checkout.python_requirement if inputs.checkout is not None else None)
 
 
@@ -145,13 +141,13 @@ def run_preflight(launch: LaunchEnv, inputs: StartInputs) -> Preflight:
                 break
     reports = tuple(r.value for r in results if r.ok)
     problems = cluster_problems(reports, launch.master_addr)
-    problems += [(r.node_rank, r.host, r.error if r.error is not None else r.describe_failure())
+    problems += [Problem(r.node_rank, r.host, r.error if r.error is not None else r.describe_failure())
                  for r in results if not r.ok]
     answered = all(r.returncode in (0, EXIT_USER_ERROR) for r in results)
     links: tuple[LinkRow, ...] = ()
     if launch.nnodes > 1 and len(reports) == len(inputs.nodes) == launch.nnodes and not problems:
         links = tuple(measure_links(launch, inputs, reports))
-        problems += [p for p in slow_link_problems(links) if not (launch.allow_slow_links and "slow link" in p[2])]
+        problems += [p for p in slow_link_problems(links) if not (launch.allow_slow_links and "slow link" in p.what)]
     return Preflight(reports, tuple(sorted(problems)), answered, links)
 
 

@@ -5,7 +5,7 @@
     DRY_RUN=1 python -m orchestration rejoin demo 1  # the checks, and the node command it would send
 
 torchrun's elastic agent takes a node that comes back at its next rendezvous; here node 0's
-supervisor does (orchestration/node/supervisor.py): the node's own plan from the start (the
+supervisor does (orchestration/node/membership.py): the node's own plan from the start (the
 plan file its first start left under the artifact root) goes back to its host with
 ``rejoin`` set, through the backend every node command takes (ssh, ``docker exec``); its
 supervisor asks node 0 for a place over the run's coordination store, every node saves a
