@@ -214,11 +214,10 @@ def export(paths: RunPaths, out: Path, iteration: int | None = None, force: bool
 
     def write(tmp: Path) -> list[str]:
         written = write_hf_state_dict(hf_state, tmp)
-        config = hf_config_from_preset(m, vocab, dtype, eos, bos)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        generation = {"_from_model_config": True, "bos_token_id": bos, "eos_token_id": eos}
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        written += ["config.json", "generation_config.json"]
+        for file, content in (("config.json", hf_config_from_preset(m, vocab, dtype, eos, bos)),
+                              ("generation_config.json", {"_from_model_config": True, "bos_token_id": bos, "eos_token_id": eos})):
+            (tmp / file).write_text(json.dumps(content, indent=2) + "\n")
+            written.append(file)
         for file in TOKENIZER_FILES if tokenizer_dir else ():
             if (tokenizer_dir / file).is_file():
                 shutil.copy2(tokenizer_dir / file, tmp / file)

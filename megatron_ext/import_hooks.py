@@ -100,8 +100,4 @@ def _disable_jit_fuser(jit) -> None:
     if hasattr(jit, "disable_jit_fuser"):
         jit.disable_jit_fuser()
     else:
-        jit.jit_fuser = _identity
-
-
-def _identity(func):
-    return func
+        jit.jit_fuser = lambda func: func

@@ -23,9 +23,7 @@ def _docstrings(path: Path) -> list[str]:
         tree = ast.parse(path.read_text(encoding="utf-8"))
     except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
         return []
-    nodes = [tree] + [
-        n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-    ]
+    nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
     docs = (ast.get_docstring(n) for n in nodes)
     return [d.strip() for d in docs if d and len(d.strip()) >= 40]
 

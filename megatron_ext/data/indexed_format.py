@@ -34,11 +34,7 @@ def write_index(idx_path: Path, dtype: type, sequence_lengths: Sequence[int], do
     if len(lengths) > 1:
         np.cumsum(lengths[:-1].astype(np.int64) * np.dtype(dtype).itemsize, out=pointers[1:])
     with open(idx_path, "wb") as out:
-        out.write(INDEX_HEADER)
-        out.write(struct.pack("<Q", 1))
-        out.write(struct.pack("<B", DTYPE_CODES[dtype]))
-        out.write(struct.pack("<Q", len(lengths)))
-        out.write(struct.pack("<Q", len(document_indices)))
+        out.write(INDEX_HEADER + struct.pack("<QBQQ", 1, DTYPE_CODES[dtype], len(lengths), len(document_indices)))
         out.write(lengths.tobytes(order="C"))
         out.write(pointers.tobytes(order="C"))
         out.write(np.asarray(document_indices, dtype=np.int64).tobytes(order="C"))

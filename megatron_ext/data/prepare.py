@@ -210,13 +210,8 @@ def input_bytes(paths: Iterable[str]) -> int | None:
     return sum(sizes) if sizes else None
 
 
-def write_indexed_dataset(
-    chunks: Iterable[_Chunk],
-    tokenizer_params: TokenizerParams,
-    output_prefix: Path,
-    workers: int = 2,
-    progress: PrepareProgress | None = None,
-) -> Path:
+def write_indexed_dataset(chunks: Iterable[_Chunk], tokenizer_params: TokenizerParams, output_prefix: Path, workers: int = 2,
+                          progress: PrepareProgress | None = None) -> Path:
     """Encode ``chunks`` (see :func:`chunks_from_files`, :func:`chunks_from_documents`) in
     ``workers`` processes into ``<output_prefix>_text_document.bin/.idx`` (megatron-core's format,
     :mod:`megatron_ext.data.indexed_format`)."""
@@ -281,20 +276,23 @@ def _corpus_name(data: DataParams) -> str:
     return "embedded" if data.source == "embedded" else "corpus"
 
 
-def _prepare_into(data: DataParams, out_dir: Path, workers: int) -> PreparedData:
+def tokenizer_and_chunks(tok: TokenizerParams, paths: list[str], model_path: Path) -> tuple[TokenizerParams, Iterable[_Chunk]]:
+    """The tokenizer and the chunks to encode of ``paths`` (none: the embedded corpus); a sentencepiece
+    tokenizer without a model is first trained on the corpus, into ``model_path``."""
     from megatron_ext.data.corpus import embedded_documents
 
-    tok = data.tokenizer
+    if tok.type == "sentencepiece" and tok.model_path is None:
+        documents = list(read_documents(paths)) if paths else embedded_documents()
+        trained = train_sentencepiece(documents, tok.vocab_size, model_path)
+        return TokenizerParams("sentencepiece", str(trained), tok.vocab_size), chunks_from_documents(documents)
+    return tok, chunks_from_files(paths) if paths else chunks_from_documents(embedded_documents())
+
+
+def _prepare_into(data: DataParams, out_dir: Path, workers: int) -> PreparedData:
     name = _corpus_name(data)
-    chunks: Iterable[_Chunk]
-    if tok.type == "sentencepiece" and tok.model_path is None:  # train on the corpus first
-        documents = embedded_documents() if data.source == "embedded" else list(read_documents(data.paths))
-        model_path = train_sentencepiece(documents, tok.vocab_size, out_dir / f"{name}.model")
-        tok = TokenizerParams("sentencepiece", str(model_path), tok.vocab_size)
-        chunks = chunks_from_documents(documents)
-    else:
-        chunks = chunks_from_documents(embedded_documents()) if data.source == "embedded" else chunks_from_files(data.paths)
-    total = input_bytes(data.paths) if data.source == "files" else None
+    paths = list(data.paths) if data.source == "files" else []
+    tok, chunks = tokenizer_and_chunks(data.tokenizer, paths, out_dir / f"{name}.model")
+    total = input_bytes(paths) if paths else None
     prefix = write_indexed_dataset(chunks, tok, out_dir / name, workers, PrepareProgress(total_bytes=total))
     tokenizer = load_tokenizer(tok)
     return PreparedData(prefixes=(str(prefix),), weights=(1.0,), tokenizer_type=tok.type, tokenizer_path=tok.model_path,
@@ -334,6 +332,12 @@ def check_data_paths(data: DataParams) -> None:
         raise UserError("blend weights need prepared .bin/.idx prefixes; prepare each file first")
 
 
+def _prepared_already(data: DataParams, cache_root: Path) -> PreparedData | None:
+    """Ready-made prefixes, or what :func:`ensure_prepared` wrote; None where it has not run."""
+    manifest = _cache_dir(data, cache_root) / MANIFEST
+    return _ready_made(data) or (_read_manifest(manifest) if manifest.is_file() else None)
+
+
 def is_prepared(data: DataParams, cache_root: Path) -> bool:
     """Whether ``data`` needs no preparation: ready-made prefixes, or :func:`ensure_prepared` ran."""
     return _ready_made(data) is not None or (_cache_dir(data, cache_root) / MANIFEST).is_file()
@@ -341,12 +345,9 @@ def is_prepared(data: DataParams, cache_root: Path) -> bool:
 
 def planned_prepared(data: DataParams, cache_root: Path) -> PreparedData:
     """Where :func:`ensure_prepared` puts (or has put) ``data``, without preparing anything."""
-    ready = _ready_made(data)
-    if ready is not None:
-        return ready
+    if prepared := _prepared_already(data, cache_root):
+        return prepared
     out_dir = _cache_dir(data, cache_root)
-    if (out_dir / MANIFEST).is_file():
-        return _read_manifest(out_dir / MANIFEST)
     name, tok = _corpus_name(data), data.tokenizer
     model = tok.model_path or (str(out_dir / f"{name}.model") if tok.type == "sentencepiece" else None)
     return PreparedData(prefixes=(str(out_dir / f"{name}{DOCUMENT_SUFFIX}"),), weights=(1.0,), tokenizer_type=tok.type,
@@ -381,13 +382,10 @@ def ensure_prepared(data: DataParams, cache_root: Path, workers: int = 2,
     finds the finished cache there (another start prepared it meanwhile: ENOTEMPTY or EEXIST by
     POSIX, EPERM on sshfs) this preparer's own copy is discarded and the one in place is used,
     waiting up to ``visible_s`` for its manifest to show through a shared file system."""
-    ready = _ready_made(data)
-    if ready is not None:
-        return ready
+    if prepared := _prepared_already(data, cache_root):
+        return prepared
     out_dir = _cache_dir(data, cache_root)
     manifest = out_dir / MANIFEST
-    if manifest.is_file():
-        return _read_manifest(manifest)
     cache_root.mkdir(parents=True, exist_ok=True)
     own = cache_root / f".{out_dir.name}.preparing-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
     try:
@@ -423,20 +421,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2)), help="encoding processes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from megatron_ext.data.corpus import embedded_documents
-
     try:
-        tok = TokenizerParams(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
-        if tok.model_path is None:
-            if tok.type != "sentencepiece":
-                raise UserError("--tokenizer-type huggingface needs --tokenizer-model (a tokenizer directory or its tokenizer.json)")
-            documents = list(read_documents(args.input)) if args.input else embedded_documents()
-            model = train_sentencepiece(documents, args.vocab_size, Path(f"{args.output_prefix}.model"))
-            tok = TokenizerParams("sentencepiece", str(model), args.vocab_size)
-            print(f"trained tokenizer {model}")
-            chunks = chunks_from_documents(documents)
-        else:
-            chunks = chunks_from_files(args.input) if args.input else chunks_from_documents(embedded_documents())
+        if args.tokenizer_model is None and args.tokenizer_type != "sentencepiece":
+            raise UserError("--tokenizer-type huggingface needs --tokenizer-model (a tokenizer directory or its tokenizer.json)")
+        tok, chunks = tokenizer_and_chunks(TokenizerParams(args.tokenizer_type, args.tokenizer_model, args.vocab_size),
+                                           args.input, Path(f"{args.output_prefix}.model"))
+        if args.tokenizer_model is None:
+            print(f"trained tokenizer {tok.model_path}")
         progress = PrepareProgress(total_bytes=input_bytes(args.input), interval_s=args.progress_interval_s)
         prefix = write_indexed_dataset(chunks, tok, Path(args.output_prefix), args.workers, progress)
     except UserError as exc:

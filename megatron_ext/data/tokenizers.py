@@ -53,9 +53,6 @@ class SentencePieceTokenizer:
     def tokenize(self, text: str) -> list[int]:
         return self._sp.encode(text)
 
-    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        return self._sp.encode(texts)
-
     def tokenize_arrays(self, texts: list[str]) -> list[np.ndarray]:
         """Token ids as arrays, straight from sentencepiece's C++ (no Python int per token)."""
         if hasattr(self._sp, "encode_as_numpy"):  # sentencepiece >= 0.2
@@ -114,10 +111,7 @@ class HuggingFaceTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise UserError(
-                "tokenizer type huggingface needs the optional `tokenizers` package; "
-                "`pip install -e .[hf]`"
-            ) from None
+            raise UserError("tokenizer type huggingface needs the optional `tokenizers` package; `pip install -e .[hf]`") from None
         json_path = hf_tokenizer_file(path)
         self.model_path = str(path)
         try:
@@ -148,11 +142,8 @@ class HuggingFaceTokenizer:
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
-
     def tokenize_arrays(self, texts: list[str]) -> list[np.ndarray]:
-        return _arrays(self.tokenize_batch(texts), "int32")
+        return _arrays((e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)), "int32")
 
     def detokenize(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
@@ -171,11 +162,8 @@ class NullTokenizer:
     def tokenize(self, text: str) -> list[int]:
         return [int(x) for x in text.split()]
 
-    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        return [self.tokenize(t) for t in texts]
-
     def tokenize_arrays(self, texts: list[str]) -> list[np.ndarray]:
-        return _arrays(self.tokenize_batch(texts), "int64")
+        return _arrays(map(self.tokenize, texts), "int64")
 
     def detokenize(self, ids: list[int]) -> str:
         return " ".join(map(str, ids))
@@ -187,7 +175,10 @@ def train_sentencepiece(documents: Iterable[str], vocab_size: int, model_path: P
 
     buffer = io.BytesIO()
     try:
-        _train_into(sentencepiece, documents, vocab_size, buffer)
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=(line for doc in documents for line in doc.splitlines() if line.strip()),
+            model_writer=buffer, vocab_size=vocab_size, model_type="bpe", character_coverage=1.0, byte_fallback=True,
+            num_threads=1, max_sentence_length=16384, minloglevel=2)
     except RuntimeError as exc:
         raise UserError(
             f"sentencepiece cannot train vocab_size={vocab_size} on this corpus ({str(exc).split('] ')[-1]}); "
@@ -196,20 +187,6 @@ def train_sentencepiece(documents: Iterable[str], vocab_size: int, model_path: P
     model_path.parent.mkdir(parents=True, exist_ok=True)
     model_path.write_bytes(buffer.getvalue())
     return model_path
-
-
-def _train_into(sentencepiece, documents: Iterable[str], vocab_size: int, buffer: io.BytesIO) -> None:
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=(line for doc in documents for line in doc.splitlines() if line.strip()),
-        model_writer=buffer,
-        vocab_size=vocab_size,
-        model_type="bpe",
-        character_coverage=1.0,
-        byte_fallback=True,
-        num_threads=1,
-        max_sentence_length=16384,
-        minloglevel=2,
-    )
 
 
 def check_tokenizer(params: TokenizerParams) -> None:

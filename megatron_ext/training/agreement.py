@@ -38,10 +38,6 @@ WAIT_S = 600.0
 take hours, longer than any collective's timeout, so no rank waits for it inside a collective."""
 
 
-def _default_store():
-    return dist.distributed_c10d._get_default_store()
-
-
 def agree_on_data(data: DataParams, cache_root: Path, rank: int, workers: int = 2,
                   say: Callable[[str], object] | None = None, store=None,
                   visible_s: float = SHARED_FS_LAG_S, wait_s: float = WAIT_S) -> PreparedData:
@@ -52,7 +48,7 @@ def agree_on_data(data: DataParams, cache_root: Path, rank: int, workers: int = 
     0 is announced too: the others end with the same UserError instead of waiting."""
     from megatron_ext.data.prepare import ensure_prepared, prepared_files
 
-    store = store if store is not None else _default_store()
+    store = store if store is not None else dist.distributed_c10d._get_default_store()
     if rank == 0:
         try:
             prepared = ensure_prepared(data, cache_root, workers)

@@ -87,11 +87,6 @@ def _complete(checkpoints_dir: Path) -> list[tuple[int, Path]]:
     return [(it, p) for it, p in list_checkpoints(checkpoints_dir) if (p / "meta.json").is_file()]
 
 
-def _point_latest(checkpoints_dir: Path, iteration: int) -> None:
-    """The ``latest`` marker names ``iteration``: written to a temporary file, then renamed (atomic)."""
-    write_text_atomic(checkpoints_dir / LATEST, iteration_dir_name(iteration))
-
-
 def _folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
@@ -179,7 +174,7 @@ def _commit(checkpoints_dir: Path, target: Path, final: Path, iteration: int, to
         os.replace(final, aside)
         shutil.rmtree(aside, ignore_errors=True)
     os.replace(target, final)
-    _point_latest(checkpoints_dir, iteration)
+    write_text_atomic(checkpoints_dir / LATEST, iteration_dir_name(iteration))  # tmp + rename: atomic
     _prune(checkpoints_dir, keep, token)
 
 
@@ -315,7 +310,7 @@ def newest_verified(checkpoints_dir: Path, choice: ResumeChoice, visible_s: floa
         if damaged and rank == 0:
             for _, p, _ in damaged:
                 os.replace(p, p.with_name(p.name + DAMAGED_SUFFIX))
-            _point_latest(checkpoints_dir, iteration)
+            write_text_atomic(checkpoints_dir / LATEST, iteration_dir_name(iteration))
         dist.barrier()
         return iteration, notes
     what = "; ".join(f"iteration {it}: {'; '.join(found[:2])}" for it, _, found in damaged)

@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 from megatron_ext.training.background_save import DiskFull, any_rank, disk_full, first_rank_says
+from megatron_ext.training.checkpoint import stored_tensors
 from megatron_ext.training.megatron_core_apis import (
     distributed_optimizer_sharding_type, mcore_async_strategy, serializable_content_metadata, with_fsdp_shards_in_place,
 )
@@ -91,16 +92,18 @@ def torch_dist_state(trainer, metadata: dict, loading: bool) -> dict:
     return state
 
 
-def save_torch_dist(trainer, directory: Path) -> None:
-    """Every rank: Megatron-LM's torch_dist save with the fully parallel strategy (~L593-639)."""
+def save_torch_dist(trainer, directory: Path, background: bool = False):
+    """Every rank: Megatron-LM's torch_dist save with the fully parallel strategy (~L593-639);
+    ``background``: the request :func:`begin_torch_dist_save` hands to the checkpoint worker."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
     metadata = torch_dist_metadata(trainer.optimizers)
     strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), _dp_group())
-    dist_checkpointing.save(torch_dist_state(trainer, metadata, loading=False), str(directory), strategy,
-                            **serializable_content_metadata(dist_checkpointing.save, metadata))
+    in_worker = dict(async_sharded_save=True, **mcore_async_strategy(dist_checkpointing.save)) if background else {}
+    return dist_checkpointing.save(torch_dist_state(trainer, metadata, loading=False), str(directory), strategy,
+                                   **in_worker, **serializable_content_metadata(dist_checkpointing.save, metadata))
 
 
 def begin_torch_dist_save(trainer, directory: Path) -> QueuedWriting:
@@ -109,15 +112,7 @@ def begin_torch_dist_save(trainer, directory: Path) -> QueuedWriting:
     barrier; ~L791-792 ``schedule_async_save``; training/async_utils.py: one ``AsyncCallsQueue(persistent=True)``
     per process). The state is copied to host memory before this returns (the request's preload);
     the files are written by megatron-core's checkpoint worker process."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-
-    metadata = torch_dist_metadata(trainer.optimizers)
-    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), _dp_group())
-    request = dist_checkpointing.save(torch_dist_state(trainer, metadata, loading=False), str(directory), strategy,
-                                      async_sharded_save=True, **mcore_async_strategy(dist_checkpointing.save),
-                                      **serializable_content_metadata(dist_checkpointing.save, metadata))
+    request = save_torch_dist(trainer, directory, background=True)
     torch.distributed.barrier()
     queue = async_calls_queue()
     queue.schedule_async_request(request)
@@ -191,7 +186,7 @@ class QueuedWriting:
 def load_torch_dist(trainer, directory: Path) -> None:
     """Every rank: Megatron-LM's torch_dist load with the fully parallel strategy (~L1103-1131),
     then the model (strict, non-strict if that raises: ``load_model_state_dict``, ~L1759-1767) and
-    the optimizer (~L1794)."""
+    the optimizer (~L1794), as the trainer's ``load_checkpoint_state`` takes them."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
@@ -201,11 +196,7 @@ def load_torch_dist(trainer, directory: Path) -> None:
     template = torch_dist_state(trainer, metadata, loading=True)
     strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(directory)), _dp_group())
     state = dist_checkpointing.load(template, str(directory), strategy)
-    try:
-        trainer.model.load_state_dict(state["model"], strict=True)
-    except RuntimeError:
-        trainer.model.load_state_dict(state["model"], strict=False)
-    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.load_checkpoint_state(state)
     restore_adam_steps(trainer.optimizers, state["optimizer"])
 
 
@@ -241,10 +232,7 @@ def save_fsdp_dtensor(trainer, directory: Path) -> None:
 def saved_with_fused_fc1(directory: Path) -> bool:
     """Whether a stage 2-3 checkpoint holds SwiGLU's fc1 whole (as this project wrote it before
     taking Megatron-LM's layout), read from its torch.distributed.checkpoint metadata."""
-    import torch.distributed.checkpoint as dcp
-
-    keys = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    return any(key.endswith(".mlp.linear_fc1.weight") for key in keys)
+    return any(key.endswith(".mlp.linear_fc1.weight") for key in stored_tensors(directory))
 
 
 def load_fsdp_dtensor(trainer, directory: Path) -> None:

@@ -16,16 +16,8 @@ from megatron_ext.data.tokenizers import NullTokenizer, load_tokenizer
 from megatron_ext.run_spec.params import DataParams, TokenizerParams
 
 
-def build_datasets(
-    prepared: PreparedData,
-    data: DataParams,
-    seq_length: int,
-    seed: int,
-    num_train_samples: int,
-    num_valid_samples: int,
-    cache_dir: Path,
-    create_attention_mask: bool = False,
-):
+def build_datasets(prepared: PreparedData, data: DataParams, seq_length: int, seed: int, num_train_samples: int,
+                   num_valid_samples: int, cache_dir: Path, create_attention_mask: bool = False):
     """(train, valid) megatron-core GPT datasets of at least the given sample counts. No attention
     mask by default: causal attention kernels (SDPA, transformer-engine) need none; megatron-core's
     own DotProductAttention does."""
@@ -51,9 +43,7 @@ def build_datasets(
         mmap_bin_files=True,
     )
     cls = MockGPTDataset if mock else GPTDataset
-    train, valid, _ = BlendedMegatronDatasetBuilder(
-        cls, [num_train_samples, num_valid_samples, 0], lambda: True, config
-    ).build()
+    train, valid, _ = BlendedMegatronDatasetBuilder(cls, [num_train_samples, num_valid_samples, 0], lambda: True, config).build()
     return train, valid
 
 

@@ -52,8 +52,9 @@ class CpuPath:
         return "no MFU on CPU"
 
 
-class CudaPath(CpuPath):
-    """One GPU per LOCAL_RANK (set at once), NCCL with gloo groups beside it, bf16, megatron-core's trainers."""
+class CudaPath:
+    """One GPU per LOCAL_RANK (set at once), NCCL with gloo groups beside it, bf16, megatron-core's trainers:
+    the attributes and methods of :class:`CpuPath`, none of them inherited."""
 
     kind, on_cuda, backend, precision, params_dtype = Device.CUDA, True, "nccl", "bf16", torch.bfloat16
     reads_ahead, busy_clock, synchronize = True, EventBusyClock, staticmethod(torch.cuda.synchronize)
@@ -72,7 +73,7 @@ class CudaPath(CpuPath):
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
     def wrap(self, module: torch.nn.Module, t: TrainingParams, *, m: ModelPreset, kernels, vocab: int, shard_one_rank: bool):
-        """The same, and the fused kernels compiled before the first step (what and how long)."""
+        """The trainer, and the fused kernels compiled before the first step (what and how long)."""
         from megatron_ext.training.cuda_trainer import wrap_cuda
         from megatron_ext.training.model import warm_up_fusions
 
@@ -89,6 +90,6 @@ class CudaPath(CpuPath):
         return describe_mfu_peak(torch.cuda.get_device_name(self.device), share)
 
 
-def device_path(local_rank: int, threads: int | None) -> CpuPath:
+def device_path(local_rank: int, threads: int | None) -> CpuPath | CudaPath:
     """CUDA where torch sees a GPU (``local_rank``'s), else the CPU (``threads``)."""
     return CudaPath(local_rank) if torch.cuda.is_available() else CpuPath(threads)

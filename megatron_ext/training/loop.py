@@ -203,6 +203,11 @@ class Pretrain:
         """Seconds of steps each rank over the ratio has stayed so (named at PERSIST_SHARE of the window)."""
         self.rank_hosts: list[str] | None = None
 
+    def _say(self, text: str, every_node: bool = False) -> None:
+        """Rank 0 prints ``text`` (``every_node``: each node's local rank 0, into that node's log)."""
+        if (self.ranks.local_rank if every_node else self.ranks.rank) == 0:
+            print(text, flush=True)
+
     # -- set up ---------------------------------------------------------------------------------
     def set_up(self) -> None:
         """Process group (NCCL or gloo), megatron's TP=1/PP=1 parallel state, RNG (the device and
@@ -246,17 +251,15 @@ class Pretrain:
         restrict_logits(module, real_vocab, vocab)  # the loss over the real vocabulary (hf_weights.py)
         if m.hf_checkpoint and t.init == "pretrained" and not resuming:
             load_hf_weights(module, m, hf_model_type(m), vocab)  # before any wrapper, on every rank
-            if self.ranks.rank == 0:
-                print(f"initialised from the Hugging Face weights in {m.hf_checkpoint}", flush=True)
+            self._say(f"initialised from the Hugging Face weights in {m.hf_checkpoint}")
         if t.init_checkpoint and not resuming:
             from megatron_ext.training.megatron_lm_weights import load_init_checkpoint
 
             load_init_checkpoint(module, t.init_checkpoint, m.name, announce=self.ranks.rank == 0)  # every rank
         trainer, warm_up_note = on.wrap(module, t, m=m, kernels=kernels, vocab=vocab, shard_one_rank=self.inputs.shard_one_rank)
-        if self.ranks.rank == 0:
-            print(f"building the dataset index (megatron-core's GPTDataset: {t.train_iters * t.global_batch_size:,} "
+        self._say(f"building the dataset index (megatron-core's GPTDataset: {t.train_iters * t.global_batch_size:,} "
                   f"training samples of {t.seq_length} tokens; cached under {self.paths.data_cache_dir / 'index'}, "
-                  "so later starts reuse it)", flush=True)
+                  "so later starts reuse it)")
         index_started = time.monotonic()
         train_ds, valid_ds = build_datasets(
             prepared, self.params.data, t.seq_length, t.seed,
@@ -264,8 +267,7 @@ class Pretrain:
             num_valid_samples=max(1, t.eval_iters) * t.global_batch_size,  # every validation pass reads the same batches
             cache_dir=self.paths.data_cache_dir / "index",
         )
-        if self.ranks.rank == 0:
-            print(f"dataset index ready in {time.monotonic() - index_started:.1f} s", flush=True)
+        self._say(f"dataset index ready in {time.monotonic() - index_started:.1f} s")
         start = self.resume(trainer, resume_choice)
         writer = MetricsWriter(self.paths.metrics_path, start) if self.ranks.rank == 0 else None
         tensorboard = open_tensorboard(self.paths.tensorboard_dir, start) if self.ranks.rank == 0 else None
@@ -275,16 +277,12 @@ class Pretrain:
 
             wandb = open_wandb_on(self.inputs.wandb, self.paths, self.params, self.ranks.rank, self.ranks.world_size,
                                   self.geometry.accumulation_steps)
-        if self.ranks.rank == 0:
-            print(
-                f"run {self.paths.run}: model {m.name} data {self.params.data_set} | world size {self.ranks.world_size} "
-                f"| ZERO_STAGE={t.zero_stage} | {on.kind}/{on.backend}/{on.precision} "
-                f"| vocab {vocab} | {self.geometry.describe()}\nkernels: {kernels.describe()}"
-                + (f", fp8 {t.fp8}" if t.fp8 else "")
-                + (f"\n{trainer.gradients_note}" if trainer.gradients_note else "")
-                + (f"\n{warm_up_note}" if warm_up_note else "") + f"\n{on.mfu_note(m, t, vocab)}",
-                flush=True,
-            )
+        self._say(f"run {self.paths.run}: model {m.name} data {self.params.data_set} | world size {self.ranks.world_size} "
+                  f"| ZERO_STAGE={t.zero_stage} | {on.kind}/{on.backend}/{on.precision} "
+                  f"| vocab {vocab} | {self.geometry.describe()}\nkernels: {kernels.describe()}"
+                  + (f", fp8 {t.fp8}" if t.fp8 else "")
+                  + (f"\n{trainer.gradients_note}" if trainer.gradients_note else "")
+                  + (f"\n{warm_up_note}" if warm_up_note else "") + f"\n{on.mfu_note(m, t, vocab)}")
         return Built(trainer=trainer, train_ds=train_ds, valid_ds=valid_ds, start_iteration=start,
                      flops_per_iteration=flops_per_token(m, t.seq_length, vocab) * t.global_batch_size * t.seq_length,
                      writer=writer, tensorboard=tensorboard, wandb=wandb)
@@ -383,9 +381,8 @@ class Pretrain:
             write_tensorboard(built.tensorboard, record)
         if built.wandb:
             built.wandb.write(iteration, record_scalars(record))
-        if self.ranks.local_rank == 0:
-            print(format_iteration_line(record), flush=True)
-            print(format_progress_line(record, elapsed_s), flush=True)
+        self._say(format_iteration_line(record), every_node=True)
+        self._say(format_progress_line(record, elapsed_s), every_node=True)
 
     def note_slow_ranks(self, iteration: int, start_iteration: int, interval: BusyInterval) -> None:
         """Rank 0 names the ranks slower than the others (training.resilience.slow_rank_ratio and
@@ -437,13 +434,12 @@ class Pretrain:
                                self.device_path.kind, where)
         started = time.monotonic()
         meta = checkpoint.load(trainer, where, latest)
-        if self.ranks.rank == 0:
-            for line in (*choice.notes, *skipped):
-                print(f"warning: {line}", flush=True)
-            print(f"checkpoint of iteration {latest} verified against its checksums in {verified_s:.1f} s", flush=True)
-        if self.ranks.local_rank == 0:  # every node's log: what its own ranks loaded
-            print(f"resuming from iteration {meta.iteration} ({where}; consumed samples {meta.consumed_samples}; "
-                  f"loaded in {time.monotonic() - started:.1f} s)" + (f"; {note}" if note else ""), flush=True)
+        for line in (*choice.notes, *skipped):
+            self._say(f"warning: {line}")
+        self._say(f"checkpoint of iteration {latest} verified against its checksums in {verified_s:.1f} s")
+        self._say(f"resuming from iteration {meta.iteration} ({where}; consumed samples {meta.consumed_samples}; "
+                  f"loaded in {time.monotonic() - started:.1f} s)" + (f"; {note}" if note else ""),
+                  every_node=True)  # every node's log: what its own ranks loaded
         return meta.iteration
 
     def save_checkpoint(self, trainer: Trainer, iteration: int, wait: bool) -> None:
@@ -455,10 +451,9 @@ class Pretrain:
 
         t = self.t
         if self.pending_save is not None:  # Megatron-LM warns the same and finalizes before it saves again
-            if self.ranks.rank == 0:
-                print(f"warning: the checkpoint of iteration {self.pending_save.meta.iteration} was still being "
+            self._say(f"warning: the checkpoint of iteration {self.pending_save.meta.iteration} was still being "
                       f"written when the next save began: training waits for it; a longer training.save_interval "
-                      f"leaves it the time", flush=True)
+                      f"leaves it the time")
             self.finish_save(blocking=True)
         meta = CheckpointMeta(iteration=iteration, consumed_samples=iteration * t.global_batch_size,
                               world_size=self.ranks.world_size, zero_stage=t.zero_stage,
@@ -477,10 +472,9 @@ class Pretrain:
         if pending is None or not pending.finished(blocking):
             return
         self.pending_save = None
-        if self.ranks.rank == 0:
-            print(f"saved checkpoint at iteration {pending.meta.iteration} to {pending.final} in "
+        self._say(f"saved checkpoint at iteration {pending.meta.iteration} to {pending.final} in "
                   f"{time.monotonic() - pending.started:.1f} s (checksums {pending.checksum_s:.2f} s of it; "
-                  f"training waited {pending.waited_s:.2f} s)", flush=True)
+                  f"training waited {pending.waited_s:.2f} s)")
 
     def close_writers(self, abort: bool = False) -> None:
         """At the end of a run (every save committed by then): the background writers ended, older
@@ -540,8 +534,7 @@ class Pretrain:
             if t.eval_iters and ((t.eval_interval and iteration % t.eval_interval == 0) or last):
                 self.progress.phase(Phase.EVAL, iteration)
                 valid_loss = self.evaluate(built)
-                if self.ranks.local_rank == 0:
-                    print(f" validation loss at iteration {iteration} | lm loss value: {valid_loss:.6E} |", flush=True)
+                self._say(f" validation loss at iteration {iteration} | lm loss value: {valid_loss:.6E} |", every_node=True)
             if t.save_interval and (iteration % t.save_interval == 0 or last):
                 self.progress.phase(Phase.CHECKPOINT, iteration)
                 self.save_checkpoint(built.trainer, iteration, wait=last)
@@ -559,13 +552,10 @@ class Pretrain:
                 preempted = True
                 break
         self.progress.phase(Phase.PREEMPTED if preempted else Phase.DONE)
-        if self.ranks.local_rank == 0:
-            if preempted:
-                print(f"preempted: saved a checkpoint at iteration {self.progress.iteration} of {t.train_iters} and ended "
-                      f"(a start of this run resumes there); metrics {self.paths.metrics_path}", flush=True)
-            else:
-                print(f"done: {t.train_iters} iterations in {time.time() - start:.1f}s; metrics {self.paths.metrics_path}",
-                      flush=True)
+        self._say(f"preempted: saved a checkpoint at iteration {self.progress.iteration} of {t.train_iters} and ended "
+                  f"(a start of this run resumes there); metrics {self.paths.metrics_path}" if preempted else
+                  f"done: {t.train_iters} iterations in {time.time() - start:.1f}s; metrics {self.paths.metrics_path}",
+                  every_node=True)
         for writer in (built.writer, built.tensorboard, built.wandb):
             if writer:
                 writer.close()

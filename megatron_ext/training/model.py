@@ -43,8 +43,7 @@ def ensure_model_parallel() -> None:
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        store = dist.HashStore()
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
 
@@ -84,9 +83,13 @@ class KernelChoices:
     cross_entropy_loss_fusion: bool
     """Fused vocabulary-parallel cross entropy (megatron-core's native implementation): any CUDA device."""
 
+    def fusions(self) -> dict[str, bool]:
+        """The fusion switches, under the names TransformerConfig gives them."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.type in (bool, "bool") and f.name != "transformer_engine"}
+
     def describe(self) -> str:
-        fused = [f.name for f in dataclasses.fields(self) if f.type in (bool, "bool") and getattr(self, f.name)
-                 and f.name != "transformer_engine"]
+        fused = [name for name, on in self.fusions().items() if on]
         return (f"{self.device}: transformer-engine {'yes' if self.transformer_engine else 'no'}, attention "
                 f"{self.attention}, fusions: {', '.join(fused) if fused else 'none'}")
 
@@ -150,38 +153,24 @@ def choose_kernels(on_cuda: bool, transformer_engine: str | None, zero_stage: in
     )
 
 
+SAME_NAMED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+              "normalization", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "hidden_dropout", "attention_dropout")
+"""The ModelPreset fields TransformerConfig takes under the same name."""
+
+
 def transformer_config(preset: ModelPreset, params_dtype: torch.dtype, kernels: KernelChoices, **overrides):
     from megatron.core.transformer import TransformerConfig
 
-    kwargs = dict(
-        num_layers=preset.num_layers,
-        hidden_size=preset.hidden_size,
-        ffn_hidden_size=preset.ffn_hidden_size,
-        num_attention_heads=preset.num_attention_heads,
-        num_query_groups=preset.num_query_groups,
-        kv_channels=preset.kv_channels,
-        normalization=preset.normalization,
+    same_named = {name: getattr(preset, name) for name in SAME_NAMED}
+    return TransformerConfig(**same_named | kernels.fusions() | dict(
         layernorm_epsilon=preset.norm_epsilon,
         gated_linear_unit=preset.swiglu,
         activation_func=activation_function(preset, kernels.bias_activation_fusion),
-        add_bias_linear=preset.add_bias_linear,
-        add_qkv_bias=preset.add_qkv_bias,
-        qk_layernorm=preset.qk_layernorm,
-        hidden_dropout=preset.hidden_dropout,
-        attention_dropout=preset.attention_dropout,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         use_cpu_initialization=kernels.device == Device.CPU,
-        persist_layer_norm=kernels.persist_layer_norm,
-        masked_softmax_fusion=kernels.masked_softmax_fusion,
-        bias_dropout_fusion=kernels.bias_dropout_fusion,
         bias_activation_fusion=kernels.bias_activation_fusion and fuses_bias_activation(preset),
-        apply_rope_fusion=kernels.apply_rope_fusion,
-        gradient_accumulation_fusion=kernels.gradient_accumulation_fusion,
-        cross_entropy_loss_fusion=kernels.cross_entropy_loss_fusion,
-    )
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    ) | overrides)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -308,14 +297,8 @@ def warm_up_fusions(preset: ModelPreset, kernels: KernelChoices, seq_length: int
     return warmed
 
 
-def build_gpt_model(
-    preset: ModelPreset,
-    vocab_size: int,
-    seq_length: int,
-    params_dtype: torch.dtype = torch.float32,
-    kernels: KernelChoices = CPU_KERNELS,
-    **config_overrides,
-):
+def build_gpt_model(preset: ModelPreset, vocab_size: int, seq_length: int, params_dtype: torch.dtype = torch.float32,
+                    kernels: KernelChoices = CPU_KERNELS, **config_overrides):
     """A megatron-core GPTModel for ``preset`` with the padded ``vocab_size`` already applied."""
     from megatron.core.models.gpt import GPTModel
 
@@ -338,9 +321,7 @@ def build_gpt_model(
 
 def count_parameters(preset: ModelPreset, vocab_size: int | None = None) -> ParameterCount:
     """Exact parameter count of the megatron-core model, built on the meta device (no memory)."""
-    vocab = padded_vocab_size(
-        vocab_size or model_vocab_size(preset, None), preset.make_vocab_size_divisible_by
-    )
+    vocab = padded_vocab_size(vocab_size or model_vocab_size(preset, None), preset.make_vocab_size_divisible_by)
     with torch.device("meta"):
         model = build_gpt_model(preset, vocab, preset.max_position_embeddings, perform_initialization=False)
     total = sum(p.numel() for p in model.parameters())

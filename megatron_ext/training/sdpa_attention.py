@@ -14,10 +14,12 @@ fused attention is used instead (the TE layer spec).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
@@ -62,12 +64,7 @@ class SdpaAttention(MegatronModule):
         if not causal and attention_mask is not None:
             mask = ~attention_mask  # megatron: True = masked out; SDPA: True = attend
         dropout = self.dropout_p if self.training else 0.0
-        if dropout:
-            from megatron.core import tensor_parallel
-
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
-                                                     scale=self.softmax_scale, **gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale, **gqa)
+        with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                                 scale=self.softmax_scale, **gqa)
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)

@@ -107,11 +107,6 @@ class RunSummary:
     """(attempt, its goodput) of every attempt in the ledger."""
 
     @property
-    def memory_bytes(self) -> int | None:
-        """The peak memory per rank (kept for older callers)."""
-        return self.peak_memory_bytes
-
-    @property
     def has_records(self) -> bool:
         return bool(self.losses)
 
@@ -206,12 +201,9 @@ def summarize(run: str, records: list[IterationRecord], resolved: ResolvedRun | 
 def compare_runs(root: Path, runs: list[str], warmup: int = DEFAULT_WARMUP_ITERATIONS,
                  outcomes: Mapping[str, RunOutcome] | None = None) -> list[RunSummary]:
     outcomes = outcomes or {}
-    out = []
-    for run in runs:
-        paths = RunPaths(root, run)
-        out.append(summarize(run, run_records(paths), read_resolved(paths.params_path), warmup, outcomes.get(run),
-                             read_goodput(paths)))
-    return out
+    paths = [RunPaths(root, run) for run in runs]
+    return [summarize(p.run, run_records(p), read_resolved(p.params_path), warmup, outcomes.get(p.run), read_goodput(p))
+            for p in paths]
 
 
 # -- against the first run ----------------------------------------------------------------------

@@ -196,13 +196,9 @@ def write_png(path: Path, name: str, rows: Sequence[RunSummary]) -> bool:
     return True
 
 
-def comparison_dir(root: Path) -> Path:
-    return root / "compare"
-
-
 def write_comparison(root: Path, name: str, rows: Sequence[RunSummary]) -> ComparisonFiles:
     """``$ARTIFACT_ROOT/compare/<name>.{png,json,csv}``."""
-    out = comparison_dir(root)
+    out = root / "compare"
     out.mkdir(parents=True, exist_ok=True)
     files = ComparisonFiles(out / f"{name}.png", out / f"{name}.json", out / f"{name}.csv")
     write_json(files.json_path, name, rows)
@@ -217,14 +213,10 @@ def describe_files(files: ComparisonFiles) -> str:
     return f"wrote {png}, {files.json_path}, {files.csv_path}"
 
 
-def default_name(runs: Sequence[str]) -> str:
-    name = "_vs_".join(runs)
-    return name if RUN_NAME_RE.match(name) else f"{runs[0]}_and_{len(runs) - 1}_more"
-
-
 def comparison_name(runs: Sequence[str], name: str | None) -> str:
-    """The files' name: ``--name``, else the runs joined by ``_vs_``; checked as a file name."""
-    name = name or default_name(runs)
+    """The files' name: ``--name``, else the runs joined by ``_vs_`` (too long: ``<first>_and_<N>_more``); checked."""
+    joined = "_vs_".join(runs)
+    name = name or (joined if RUN_NAME_RE.match(joined) else f"{runs[0]}_and_{len(runs) - 1}_more")
     try:
         return check_run_name(name)
     except UserError:

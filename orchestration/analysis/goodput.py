@@ -155,10 +155,6 @@ class Fault:
     recomputed_s: float
     recomputed_iterations: int
 
-    @property
-    def total_s(self) -> float:
-        return self.detect_s + self.restart_s + self.recomputed_s
-
 
 @dataclass(frozen=True, kw_only=True)
 class AttemptGoodput:

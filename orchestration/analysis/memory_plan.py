@@ -329,18 +329,9 @@ class StepTraffic:
 def dp_traffic(stage: int, psi: int, d: int, grad_bytes: int, param_bytes: int, micro_batches: int = 1,
                outside_layers: int = 0, precision: Precision = "bf16") -> StepTraffic:
     """What each GPU sends (and receives) over data-parallel ranks in one optimizer step of
-    ``micro_batches`` (a) micro-batches per rank, each collective with the ring factor (d - 1)/d;
-    g = ``grad_bytes``, p = ``param_bytes``, Psi_o = ``outside_layers`` (the parameters outside
-    the transformer layers). GPUs (megatron-core): stage 0 all-reduces the gradients once (no_sync
-    on the other micro-batches), 2 Psi g; stage 1 reduce-scatters them once and all-gathers the
-    parameters once, Psi (g + p); Megatron-FSDP reduce-scatters at every micro-batch's backward and
-    all-gathers the parameters once after the update (stage 2: a Psi g + Psi p), or every layer's
-    before each forward and each backward and the rest once a step (stage 3:
-    a Psi g + (2a (Psi - Psi_o) + Psi_o) p). CPU (torch, fp32): stage 0 the same all-reduce;
-    stage 1 that all-reduce and each rank's updated parameters broadcast to the others (3 Psi
-    4 bytes); FSDP2 gathers before every forward (and, stage 3, every backward) and
-    reduce-scatters once, at the last micro-batch (stage 2: (a + 1) Psi, stage 3: (2a + 1) Psi).
-    benchmarks/dp_traffic.py measures all of it."""
+    ``micro_batches`` (a) micro-batches per rank: the module docstring's table (GPUs) and its CPU path
+    (FSDP2's one reduce-scatter at the last micro-batch), with g = ``grad_bytes``, p = ``param_bytes``,
+    Psi_o = ``outside_layers``; each part by the compute it can hide behind."""
     if micro_batches < 1:
         raise UserError(f"micro_batches={micro_batches} must be >= 1 (micro-batches per rank per optimizer step)")
     ring = Fraction(d - 1, d)

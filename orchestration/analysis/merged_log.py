@@ -302,10 +302,6 @@ class LineFilter:
     def __call__(self, line: LogLine) -> bool:
         return (self.since is None or line.key >= self.since) and self.keeps(line.rank, line.text)
 
-    @property
-    def selects(self) -> bool:
-        return self.rank is not None or self.pattern is not None
-
 
 def compile_pattern(pattern: str | None) -> re.Pattern | None:
     """``--grep``'s regular expression (Python's syntax), or a UserError naming what is wrong."""

@@ -38,10 +38,29 @@ def format_memory_plan(plan: MemoryPlan) -> str:
     p = plan
     unit, unit_name = (GB, "GB (1e9 bytes)") if max(s.total_bytes for s in p.stages) >= GB else (1e6, "MB (1e6 bytes)")
     gb = lambda n: _gb(n, unit)  # noqa: E731
-    rank, ranks = ("GPU", "GPUs") if p.precision == "bf16" else ("CPU process", "CPU processes")
-    what = ("bf16 params, fp32 grads and main params (Megatron)" if p.precision == "bf16"
-            else "fp32 params, grads and AdamW state (CPU path)")
-    reduce = "bf16" if p.grad_reduce_in_bf16 and p.precision == "bf16" else "fp32"
+    rank = "GPU" if p.precision == "bf16" else "CPU process"
+    a = p.gradient_accumulation_steps
+    micro = f"{a} micro-batch{'es' if a > 1 else ''} per {rank}" + ("" if p.global_batch_size else " (no global batch given)")
+    bus = (f"time = bytes / bus bandwidth ({p.bus_bandwidth_gbs:g} GB/s"
+           + (": 4x8 H100 NCCL all-reduce, measured)" if p.bus_bandwidth_gbs == DEFAULT_BUS_BANDWIDTH_GBS else ")"))
+    if p.precision == "bf16":  # what differs between the GPUs (Megatron) and the CPU path, in one place
+        ranks, what = "GPUs", "bf16 params, fp32 grads and main params (Megatron)"
+        states = ("model states: stages 0-1 Megatron's bytes per parameter (18, 6 + 12/d with bf16 params, fp32 grads and "
+                  "main params), stages 2-3 Megatron-FSDP's "
+                  + ("(2 + 14/d, 16/d: bf16 gradient shards)" if p.grad_reduce_in_bf16 else "(2 + 16/d, 18/d: fp32 gradient shards)"))
+        traffic = (f"traffic per step of {micro}, megatron-core (r = (d-1)/d, g = {'2 (bf16' if p.grad_reduce_in_bf16 else '4 (fp32'} "
+                   "gradient reduction), p = 2 (bf16 parameters), a micro-batches): stage 0 all-reduces the gradients "
+                   "once (2 r Psi g), stage 1 reduce-scatters them once and gathers the parameters once (r Psi (g + p)), "
+                   "Megatron-FSDP reduce-scatters at every micro-batch and gathers once after the update (stage 2: "
+                   "r Psi (a g + p)) or every layer before each forward and backward and the rest once "
+                   f"(stage 3: r (a Psi g + (2a (Psi - Psi_o) + Psi_o) p), Psi_o = {p.parameters_outside_layers:,} "
+                   f"outside the layers); benchmarks/dp_traffic.py measures it; {bus}")
+    else:
+        ranks, what = "CPU processes", "fp32 params, grads and AdamW state (CPU path)"
+        states = "model states: fp32 AdamW (16, 8 + 8/d, 16/d with peak 4 + 12/d, 16/d bytes per parameter)"
+        traffic = (f"traffic per step of {micro}, CPU path (fp32, r = (d-1)/d, a micro-batches): 4 r bytes times 2 Psi "
+                   "(DDP all-reduce), 3 Psi (+ ZeRO's parameter broadcasts), (a + 1) Psi and (2a + 1) Psi (FSDP2 gathers "
+                   f"before every forward, stage 3 every backward too, one reduce-scatter); {bus}")
     lines = [
         f"{p.model}: {p.parameters:,} parameters (vocabulary padded to {p.padded_vocab:,}), "
         f"{p.num_gpus} {ranks} ({p.nnodes} node(s) x {p.nproc_per_node}) data-parallel, {what}; "
@@ -60,22 +79,20 @@ def format_memory_plan(plan: MemoryPlan) -> str:
                      gb(s.states_bytes) + peak, gb(s.activation_bytes), gb(s.total_bytes), _fit(s.fits),
                      gb(s.activation_recompute_bytes), gb(s.total_recompute_bytes), _fit(s.fits_recompute),
                      f"{gb(s.traffic_bytes)} {unit_name.split()[0]}", f"{s.traffic_s * 1000:.3g} ms"])
-    lines += format_rows(header, rows)
-    lines.append("")
+    lines += [*format_rows(header, rows), ""]
     if p.usable_bytes:
+        usable = f"{_gb(p.usable_bytes)} GB usable"
         if p.lowest_fitting_stage is not None:
             s = p.stage(p.lowest_fitting_stage)
             lines.append(f"lowest stage that fits in {_gb(p.device_bytes)} GB with {p.headroom:.0%} headroom: "
-                         f"stage {s.stage} ({_gb(s.total_bytes)} GB of {_gb(p.usable_bytes)} GB usable)")
+                         f"stage {s.stage} ({_gb(s.total_bytes)} GB of {usable})")
         elif p.lowest_fitting_stage_recompute is not None:
             s = p.stage(p.lowest_fitting_stage_recompute)
             lines.append(f"no stage fits without recomputation; with full activation recomputation: stage {s.stage} "
-                         f"({_gb(s.total_recompute_bytes)} GB of {_gb(p.usable_bytes)} GB usable)")
+                         f"({_gb(s.total_recompute_bytes)} GB of {usable})")
         else:
-            lines.append(f"no stage fits in {_gb(p.usable_bytes)} GB usable, even with full recomputation; "
+            lines.append(f"no stage fits in {usable}, even with full recomputation; "
                          "use more GPUs, a smaller micro batch or sequence, or tensor/pipeline parallelism")
-    a = p.gradient_accumulation_steps
-    micro = f"{a} micro-batch{'es' if a > 1 else ''} per {rank}" + ("" if p.global_batch_size else " (no global batch given)")
     if p.compute_s:
         fp8 = (f"; FP8 peak ({p.fp8_peak_tflops:g} TFLOP/s) for the linear layers' {p.fp8_flops_share:.0%} of the FLOPs, "
                "BF16 for core attention and logits" if p.fp8_peak_tflops and p.fp8_flops_share else "")
@@ -95,31 +112,9 @@ def format_memory_plan(plan: MemoryPlan) -> str:
                      "first forward (stage 1) or every forward and backward (stage 3), stage 2's one gather after the "
                      "update exposed, the optimizer streaming 26 bytes per updated parameter at the device's memory "
                      "bandwidth; not modelled: data loading, launches, stragglers")
-    bus = (f"time = bytes / bus bandwidth ({p.bus_bandwidth_gbs:g} GB/s"
-           + (": 4x8 H100 NCCL all-reduce, measured)" if p.bus_bandwidth_gbs == DEFAULT_BUS_BANDWIDTH_GBS else ")"))
-    if p.precision == "bf16":
-        traffic = (f"traffic per step of {micro}, megatron-core (r = (d-1)/d, g = {'2 (bf16' if reduce == 'bf16' else '4 (fp32'} "
-                   "gradient reduction), p = 2 (bf16 parameters), a micro-batches): stage 0 all-reduces the gradients "
-                   "once (2 r Psi g), stage 1 reduce-scatters them once and gathers the parameters once (r Psi (g + p)), "
-                   "Megatron-FSDP reduce-scatters at every micro-batch and gathers once after the update (stage 2: "
-                   "r Psi (a g + p)) or every layer before each forward and backward and the rest once "
-                   f"(stage 3: r (a Psi g + (2a (Psi - Psi_o) + Psi_o) p), Psi_o = {p.parameters_outside_layers:,} "
-                   f"outside the layers); benchmarks/dp_traffic.py measures it; {bus}")
-    else:
-        traffic = (f"traffic per step of {micro}, CPU path (fp32, r = (d-1)/d, a micro-batches): 4 r bytes times 2 Psi "
-                   "(DDP all-reduce), 3 Psi (+ ZeRO's parameter broadcasts), (a + 1) Psi and (2a + 1) Psi (FSDP2 gathers "
-                   f"before every forward, stage 3 every backward too, one reduce-scatter); {bus}")
-    lines += [
-        "model states: stages 0-1 Megatron's bytes per parameter (18, 6 + 12/d with bf16 params, fp32 grads and "
-        "main params), stages 2-3 Megatron-FSDP's "
-        + ("(2 + 14/d, 16/d: bf16 gradient shards)" if reduce == "bf16" else "(2 + 16/d, 18/d: fp32 gradient shards)")
-        if p.precision == "bf16" else
-        "model states: fp32 AdamW (16, 8 + 8/d, 16/d with peak 4 + 12/d, 16/d bytes per parameter)",
-        "activations: an estimate after Korthikanti et al. 2022 (\"Reducing Activation Recomputation in Large "
-        "Transformer Models\"), re-derived for this layer (GQA, SwiGLU, QK-norm) with flash/SDPA attention; "
-        "recompute = full recomputation (each layer keeps its input)",
-        traffic,
-    ]
+    lines += [states, "activations: an estimate after Korthikanti et al. 2022 (\"Reducing Activation Recomputation in Large "
+              "Transformer Models\"), re-derived for this layer (GQA, SwiGLU, QK-norm) with flash/SDPA attention; "
+              "recompute = full recomputation (each layer keeps its input)", traffic]
     return "\n".join(lines)
 
 

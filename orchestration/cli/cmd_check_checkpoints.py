@@ -1,14 +1,12 @@
-"""every checkpoint of RUN, verified against the checksums recorded when it was written, or
-damaged (which file, how)
-
-    python -m orchestration check-checkpoints demo
-"""
+"""python -m orchestration check-checkpoints demo"""
 
 from megatron_ext.run_spec.engines import engine_named
 from megatron_ext.run_spec.resolved import read_resolved
 from orchestration.analysis.checkpoint_health import check_run_checkpoints, format_checkpoint_report
 from orchestration.launch_env import LaunchEnv
 from orchestration.runner.nodes import require_run
+
+HELP = "every checkpoint of RUN, verified against the checksums recorded when it was written, or damaged (which file, how)"
 
 
 def add_arguments(parser) -> None:

@@ -1,7 +1,4 @@
-"""side-by-side table of runs: speed, memory, loss
-
-    python -m orchestration compare demo_z0 demo_z1 demo_z3 --name demo   # + artifacts/compare/demo.{png,json,csv}
-"""
+"""python -m orchestration compare demo_z0 demo_z1 demo_z3 --name demo   # + artifacts/compare/demo.{png,json,csv}"""
 
 from megatron_ext.run_spec.errors import EXIT_OK, UserError
 from megatron_ext.run_spec.run_paths import check_run_name
@@ -9,6 +6,8 @@ from orchestration.analysis.compare import DEFAULT_WARMUP_ITERATIONS, compare_ru
 from orchestration.analysis.comparison_files import comparison_name, describe_files, write_comparison
 from orchestration.analysis.tables import format_comparison
 from orchestration.launch_env import LaunchEnv
+
+HELP = "side-by-side table of runs: speed, memory, loss"
 
 
 def add_warmup(parser) -> None:

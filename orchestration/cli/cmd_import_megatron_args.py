@@ -1,14 +1,13 @@
-"""Megatron-LM argument files (shell arrays or a pretrain_gpt.py command line) -> a model preset
-and a data set YAML; lists every flag without a counterpart
-
-    python -m orchestration import-megatron-args model.sh data.sh --model-out m.yaml --data-out d.yaml
-"""
+"""python -m orchestration import-megatron-args model.sh data.sh --model-out m.yaml --data-out d.yaml"""
 
 from megatron_ext.run_spec.errors import EXIT_OK
 from orchestration.import_args.importer import import_arg_files
 from orchestration.import_args.outputs import check_outputs, write_outputs
 from orchestration.import_args.yaml_files import imported_yaml, render_report
 from orchestration.launch_env import LaunchEnv
+
+HELP = ("Megatron-LM argument files (shell arrays or a pretrain_gpt.py command line) -> a model preset and a data set YAML; "
+        "lists every flag without a counterpart")
 
 
 def add_arguments(parser) -> None:
@@ -24,9 +23,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args, launch: LaunchEnv) -> int:
-    """``import-megatron-args FILE... --model-out M.yaml --data-out D.yaml``: Megatron-LM argument files
-    -> a model preset and a data set (orchestration/import_args/); DRY_RUN=1 or --dry-run prints both
-    and writes nothing."""
     outputs = check_outputs(args.model_out, args.data_out, args.force, launch.dry_run)
     result = import_arg_files(args.files, args.var, args.megatron_lm_dir or launch.megatron_lm_dir)
     texts = imported_yaml(result)

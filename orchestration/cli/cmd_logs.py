@@ -1,8 +1,4 @@
-"""every node's log merged in time order, each line named [node host rank], lines many ranks print
-alike shown once
-
-    python -m orchestration logs demo --since 10m --follow
-"""
+"""python -m orchestration logs demo --since 10m --follow     # DRY_RUN=1: where each node's log is read"""
 
 import os
 import sys
@@ -11,6 +7,8 @@ from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK
 from orchestration.launch_env import LaunchEnv
 from orchestration.runner.node_logs import NodeProblem, plan_logs, read_logs
 from orchestration.runner.nodes import require_run
+
+HELP = "every node's log merged in time order, each line named [node host rank], lines many ranks print alike shown once"
 
 
 def add_arguments(parser) -> None:
@@ -31,8 +29,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args, launch: LaunchEnv) -> int:
-    """``logs RUN [-f] [--node N] [--rank R] [--since T] [--grep P] [-n N] [--via-nodes]``: every node's
-    log merged in time order (orchestration/runner/node_logs.py); DRY_RUN=1: where each is read."""
     require_run(launch, args.run)
     plan = plan_logs(launch, args.run, node=args.node, rank=args.rank, since=args.since, grep=args.grep, lines=args.lines,
                      follow=args.follow, via_nodes=args.via_nodes)

@@ -1,13 +1,12 @@
-"""memory and data-parallel traffic per GPU for each ZeRO stage, on paper
-
-    python -m orchestration plan-memory qwen3_1p7b
-"""
+"""python -m orchestration plan-memory qwen3_1p7b"""
 
 from megatron_ext.run_spec.errors import EXIT_OK
 from orchestration.analysis.memory_plan import (DEFAULT_BUS_BANDWIDTH_GBS, DEFAULT_DEVICE, DEFAULT_HEADROOM, DEVICES,
                                                 MemoryRequest, plan_memory_request)
 from orchestration.analysis.tables import format_memory_plan
 from orchestration.launch_env import LaunchEnv
+
+HELP = "memory and data-parallel traffic per GPU for each ZeRO stage, on paper"
 
 
 def add_arguments(parser) -> None:
@@ -31,7 +30,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args, launch: LaunchEnv) -> int:
-    """``plan-memory MODEL [DATA]``: the plan for NNODES x NPROC_PER_NODE GPUs (or the options)."""
     request = MemoryRequest(**{k: getattr(args, k) for k in MemoryRequest.__dataclass_fields__})
     plan = plan_memory_request(request, launch.nnodes, launch.nproc_per_node, launch.gpu_memory_gb_text)
     print(plan.to_json() if args.json else format_memory_plan(plan), flush=True)

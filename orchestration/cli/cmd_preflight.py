@@ -1,7 +1,4 @@
-"""the start's checks on every node, nothing started
-
-    python -m orchestration preflight gpt_smoke smoke demo
-"""
+"""python -m orchestration preflight gpt_smoke smoke demo"""
 
 from megatron_ext.run_spec.errors import EXIT_OK
 from orchestration.cli.console import format_problems, note_left_out
@@ -9,6 +6,8 @@ from orchestration.launch_env import LaunchEnv
 from orchestration.runner.links import format_links
 from orchestration.runner.nodes import nodes_to_start
 from orchestration.runner.start import plan_settled_start, run_checks
+
+HELP = "the start's checks on every node, nothing started"
 
 
 def add_arguments(parser) -> None:
@@ -27,9 +26,7 @@ def run(args, launch: LaunchEnv) -> int:
     if planned.preflight.problems:
         print(format_problems(planned.preflight.problems))
         return planned.preflight.exit_code
-    for text in run_checks(launch, planned):
-        print(f"note: {text}")
-    for text in planned.plan.notes:
+    for text in (*run_checks(launch, planned), *planned.plan.notes):
         print(f"note: {text}")
     left = len({rank for rank, _, _ in planned.left_out})
     print(f"preflight: no problem on {len(nodes) - left} node(s)" + (f"; {left} left out" if left else ""))

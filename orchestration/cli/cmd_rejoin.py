@@ -1,8 +1,4 @@
-"""bring a node back to a run that went on without it (NNODES=MIN:MAX): node 0 takes it at its
-next restart; DRY_RUN=1: the checks and what it would send
-
-    python -m orchestration rejoin demo 1
-"""
+"""python -m orchestration rejoin demo 1"""
 
 import json
 import sys
@@ -13,6 +9,9 @@ from orchestration.launch_env import LaunchEnv
 from orchestration.node.wire import node_label
 from orchestration.runner import rejoin
 from orchestration.runner.nodes import require_run
+
+HELP = ("bring a node back to a run that went on without it (NNODES=MIN:MAX): node 0 takes it at its next restart; "
+        "DRY_RUN=1: the checks and what it would send")
 
 
 def add_arguments(parser) -> None:

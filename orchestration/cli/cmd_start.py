@@ -1,8 +1,5 @@
-"""start a run on every node (or --this-node), detached
-
-    python -m orchestration start gpt_smoke smoke demo              # every node in HOSTS/HOSTFILE
-    python -m orchestration start gpt_smoke smoke demo --this-node  # this node only (NODE_RANK)
-"""
+"""python -m orchestration start gpt_smoke smoke demo              # every node in HOSTS/HOSTFILE
+   python -m orchestration start gpt_smoke smoke demo --this-node  # this node only (NODE_RANK)"""
 
 import sys
 from pathlib import Path
@@ -18,6 +15,8 @@ from orchestration.runner import control
 from orchestration.runner.nodes import nodes_to_start
 from orchestration.runner.start import plan_settled_start
 from orchestration.runner.submit import requeue_after_save
+
+HELP = "start a run on every node (or --this-node), detached"
 
 
 def add_arguments(parser) -> None:

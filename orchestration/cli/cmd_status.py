@@ -1,7 +1,4 @@
-"""per node: alive, pid, last iteration, tokens/s, last log line
-
-    python -m orchestration status demo         # then its attempts, goodput, slow ranks, checkpoints
-"""
+"""python -m orchestration status demo         # then its attempts, goodput, slow ranks, checkpoints"""
 
 import json
 
@@ -16,6 +13,8 @@ from orchestration.node.wire import encode_payload
 from orchestration.runner import control
 from orchestration.runner import submit_kubernetes as kubernetes
 from orchestration.runner.nodes import require_run
+
+HELP = "per node: alive, pid, last iteration, tokens/s, last log line"
 
 
 def add_arguments(parser) -> None:
@@ -55,20 +54,14 @@ def run(args, launch: LaunchEnv) -> int:
         it = f"{p.last_iteration}/{p.train_iters}" if p.last_iteration is not None else "-"
         tps = f"{p.tokens_per_s:,.0f}" if p.tokens_per_s is not None else "-"
         print(f"{p.node_rank:<5} {p.host:<16} {p.state.value:<11} {p.pid or '-':>8} {it:>11} {tps:>10}  {p.last_line}")
-    for line in describe_attempts(report):
-        print(line)
     paths = RunPaths(launch.artifact_root, args.run)
     goodput = read_goodput(paths)  # the ledger and node 0's lines (docs/faults.md#goodput)
-    if goodput is not None:
-        print(format_goodput_line(goodput))
     slow = next((r.value.slow_ranks for r in report.nodes if r.ok and r.value.slow_ranks), None)
-    if slow:
-        print(slow)
     checkpoints = format_checkpoint_line(check_run_checkpoints(paths, sizes_only=True), moved_aside(paths))
-    if checkpoints:
-        print(checkpoints)
-    if report.failure:
-        print(f"run failed: {report.failure} (details: {paths.failure_file})")
+    failed = report.failure and f"run failed: {report.failure} (details: {paths.failure_file})"
+    for line in (*describe_attempts(report), goodput and format_goodput_line(goodput), slow, checkpoints, failed):
+        if line:  # each of these only where there is one
+            print(line)
     return report.exit_code
 
 

@@ -1,7 +1,4 @@
-"""stop a run on every node (or --this-node); DRY_RUN=1: what it would signal
-
-    python -m orchestration stop demo           # its Slurm job cancelled, or its Kubernetes submission deleted
-"""
+"""python -m orchestration stop demo           # its Slurm job cancelled, or its Kubernetes submission deleted"""
 
 import shlex
 
@@ -11,6 +8,7 @@ from orchestration.node.wire import DEFAULT_STOP_GRACE_S, StopPreview, node_labe
 from orchestration.runner import control
 from orchestration.runner import submit_kubernetes as kubernetes
 
+HELP = "stop a run on every node (or --this-node); DRY_RUN=1: what it would signal"
 SAVE_TIMEOUT_S = 900.0
 """``stop --save``: a step, a checkpoint save and the end, with room."""
 

@@ -1,8 +1,4 @@
-"""sbatch a job that runs MODEL DATA RUN on its nodes and waits for it, or with --kubernetes render
-it as a JobSet; DRY_RUN=1: print the batch script or the manifest
-
-    python -m orchestration submit gpt_smoke smoke demo --nodes 2
-"""
+"""python -m orchestration submit gpt_smoke smoke demo --nodes 2"""
 
 from megatron_ext.run_spec.errors import EXIT_OK, UserError
 from orchestration.cli.console import note
@@ -14,6 +10,8 @@ from orchestration.node.run_state import stop_command
 from orchestration.runner import submit_kubernetes as kubernetes
 from orchestration.runner.submit import plan_submit, submit_batch
 
+HELP = ("sbatch a job that runs MODEL DATA RUN on its nodes and waits for it, or with --kubernetes render it as a JobSet; "
+        "DRY_RUN=1: print the batch script or the manifest")
 KUBERNETES_OPTIONS = ("image", "namespace", "volume_claim", "queue", "rdma", "max_restarts", "termination_grace_s", "shm_size",
                       "exclusive_topology", "secret", "trainjob", "python", "workdir", "apply")
 SLURM_OPTIONS = ("time", "partition", "account", "signal_ahead_s")
@@ -86,8 +84,7 @@ def check_submit_options(args) -> None:
 
 
 def run_kubernetes(args, launch: LaunchEnv) -> int:
-    """``submit MODEL DATA RUN --kubernetes --image I --volume-claim C ...``: the run's node plans as a
-    JobSet (or a TrainJob); printed, or with --apply applied through kubectl (DRY_RUN=1: printed only)."""
+    """The run's node plans as a JobSet (or a TrainJob): printed, or with --apply applied through kubectl (DRY_RUN=1: printed only)."""
     request = KubernetesRequest(image=args.image or "", volume_claim=args.volume_claim or "", namespace=args.namespace,
                                 queue=args.queue, gpus_per_node=args.gpus_per_node or 0, rdma_resource=parse_rdma(args.rdma),
                                 max_restarts=args.max_restarts, termination_grace_s=args.termination_grace_s,

@@ -1,8 +1,4 @@
-"""train MODEL on DATA under each ZeRO stage (STAGES, default 0-3) as PREFIX_z<stage>, one after
-another, then compare them
-
-    python -m orchestration sweep gpt_smoke smoke demo        # DRY_RUN=1: every stage's plan
-"""
+"""python -m orchestration sweep gpt_smoke smoke demo        # DRY_RUN=1: every stage's plan"""
 
 import sys
 
@@ -15,6 +11,8 @@ from orchestration.cli.console import note
 from orchestration.launch_env import LaunchEnv
 from orchestration.node.run_state import stop_command
 from orchestration.runner.sweep import check_sweep, plan_sweep, run_sweep, stage_run_name
+
+HELP = "train MODEL on DATA under each ZeRO stage (STAGES, default 0-3) as PREFIX_z<stage>, one after another, then compare them"
 
 
 def add_arguments(parser) -> None:
@@ -38,15 +36,13 @@ class LiveLine:
 
 
 def run(args, launch: LaunchEnv) -> int:
-    """``sweep MODEL DATA PREFIX [--stages 0,1]`` (STAGES from the environment otherwise)."""
     stages = parse_stages(args.stages, "--stages") if args.stages else parse_stages(launch.stages_text)
     warmup = check_warmup(args.warmup)
     prefix = args.prefix
     if launch.dry_run:
         for stage, name, plan in plan_sweep(launch, args.model, args.data, prefix, stages).stages:
             note(f"stage {stage}: {name}", *plan.notes)
-            for line in plan.to_json_lines():
-                print(line, flush=True)
+            print("\n".join(plan.to_json_lines()), flush=True)
         return EXIT_OK
     iterations = check_sweep(launch, args.model, args.data, prefix, stages)
     runs = ", ".join(stage_run_name(prefix, s) for s in stages)

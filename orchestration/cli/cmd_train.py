@@ -1,7 +1,4 @@
-"""train in the foreground on this node (torchrun with a fixed node rank)
-
-    python -m orchestration train gpt2 gpt2_smoke
-"""
+"""python -m orchestration train gpt2 gpt2_smoke"""
 
 import sys
 
@@ -11,6 +8,8 @@ from orchestration.cli.console import note, print_plan, start_planned
 from orchestration.launch_env import LaunchEnv
 from orchestration.runner.nodes import this_node
 from orchestration.runner.start import follow_until_ended, log_size, plan_settled_start
+
+HELP = "train in the foreground on this node (torchrun with a fixed node rank)"
 
 
 def add_arguments(parser) -> None:

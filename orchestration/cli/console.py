@@ -70,8 +70,7 @@ def print_plan(planned: PlannedStart, launch: LaunchEnv) -> int:
     note_left_out(planned)
     note_links(planned)
     note(*run_checks(launch, planned))
-    for line in planned.plan.to_json_lines():
-        print(line, flush=True)
+    print("\n".join(planned.plan.to_json_lines()), flush=True)
     preflight = planned.preflight
     if preflight.problems and preflight.answered:
         print(f"error: preflight found {len(preflight.problems)} problem(s); a start would start nothing:\n"
