@@ -27,7 +27,7 @@ from megatron_ext.host.procfs import process_environ
 from megatron_ext.run_spec.zero import parse_stages
 from orchestration.node.failure import failure_reason
 
-from test_training import check_memory
+from run_checks import check_memory
 from conftest import REPO, clean_env, free_port, run_script, tagged_pids, wait_for, write_data_set
 
 ITERS = 6

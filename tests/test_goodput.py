@@ -16,6 +16,7 @@ from megatron_ext.run_spec.engines import MEGATRON_CORE, MEGATRON_LM
 from megatron_ext.run_spec.iteration_log import IterationRecord, MetricsWriter, format_iteration_line
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.analysis.compare import summarize
+from run_checks import status_line_parts
 from orchestration.analysis.goodput import (AttemptLog, GoodputInputs, Part, Save, TimedIteration, attempt_log, compute_goodput,
                                             end_cause, format_duration, format_goodput_line, match_segments, read_goodput,
                                             split_attempts, straggler_seconds, training_started, zone_offset_s)
@@ -265,27 +266,6 @@ def test_durations_and_the_comparison_s_columns():
     assert re.search(r" - +- +- +finished$", next(l for l in table.splitlines() if l.startswith("plain "))), table
     assert table.splitlines()[-1] == ("goodput of faulted: 33.3% of 1m00.0s; startup 10.0s, recomputed 5.0s, crash 15.0s, "
                                       "shutdown 10.0s; by attempt 1: 31%, 2: 36%")
-
-
-STATUS_PART = re.compile(r"(?:([\d.]+)h)?(?:([\d.]+)m)?([\d.]+)s")
-
-
-def status_line_parts(text: str) -> tuple[float, dict[str, float]]:
-    """(wall, {part: seconds}) from status's goodput line (the tests of real runs use it)."""
-    line = next(l for l in text.splitlines() if l.startswith("goodput "))
-    m = re.match(r"goodput [\d.]+%: (\S+) productive of (\S+) since the first start(?:; lost: ([^;(]*))?", line)
-    assert m, line
-
-    def seconds(d: str) -> float:
-        h, mi, s = STATUS_PART.fullmatch(d).groups()
-        return float(h or 0) * 3600 + float(mi or 0) * 60 + float(s)
-
-    parts = {"productive": seconds(m.group(1))}
-    for item in (m.group(3) or "").split(", "):
-        if item:
-            name, _, d = item.strip().rpartition(" ")
-            parts[name] = seconds(d)
-    return seconds(m.group(2)), parts
 
 
 def test_the_status_line_reads_back():

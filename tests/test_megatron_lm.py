@@ -35,6 +35,7 @@ from megatron_ext.run_spec.params import (RunOverrides, list_data_sets, list_mod
                                           with_batch_geometry)
 from megatron_ext.data.prepare import planned_prepared
 
+from standins import STANDIN_PRETRAIN_GPT, all_rendered_flags, lm_params, render, write_checkout
 from conftest import (REPO, TEST_DATA, clean_env, free_port, megatron_lm_env, planned_nodes, run_script, tagged_pids, wait_for,
                       write_data_set)
 
@@ -67,19 +68,6 @@ def reference_flags(path: Path) -> tuple[tuple[int, int], dict[str, tuple[str, .
 RELEASES = [(p.stem, *reference_flags(p)) for p in FLAG_LISTS]
 per_release = pytest.mark.parametrize("tag, version, flags", RELEASES, ids=[tag.removeprefix("flags_") for tag, _, _ in RELEASES])
 """A test once per release's flag list, given its (tag, version, flags)."""
-
-
-def lm_params(model="gpt_smoke", data="smoke", stage=0, world=2, **training):
-    """A preset pair's params for ENGINE=megatron-lm at ``stage`` on ``world`` ranks, with ``training`` fields replaced."""
-    params = with_batch_geometry(load_run_params(model, data, RunOverrides(stage, "megatron-lm")), world)[0]
-    return dataclasses.replace(params, training=dataclasses.replace(params.training, **training)) if training else params
-
-
-def render(model="gpt_smoke", data="smoke", stage=0, version=(0, 16), tmp=Path("/tmp/artifacts"), run="r", params=None, **kw):
-    """``render_pretrain_gpt`` of ``params`` (else ``lm_params(model, data, stage)``); ``kw``: its own keywords."""
-    params = params or lm_params(model, data, stage)
-    paths = RunPaths(tmp, run)
-    return render_pretrain_gpt(params, planned_prepared(params.data, paths.data_cache_dir), paths, version, **kw)
 
 
 def test_flag_lists_cover_the_releases():
@@ -166,30 +154,6 @@ def test_qwen3_null_tokenizer_vocabulary_after_megatron_padding():
     vocab = int(pairs["--vocab-size"][0]) + 1  # NullTokenizer adds end-of-document
     multiple = int(pairs["--make-vocab-size-divisible-by"][0]) * 1  # x tensor-parallel size
     assert -(-vocab // multiple) * multiple == 151_936  # padded up to the next multiple
-
-
-def write_checkout(root: Path, version: tuple[int, int, int], flags: list[str], extra: str = "") -> Path:
-    (root / "megatron" / "core").mkdir(parents=True)
-    (root / "megatron" / "training").mkdir(parents=True)
-    (root / "megatron" / "core" / "package_info.py").write_text(
-        f"MAJOR = {version[0]}\nMINOR = {version[1]}\nPATCH = {version[2]}\nPRE_RELEASE = ''\n")
-    lines = ["import argparse", "def _add(parser):", "    group = parser.add_argument_group('x')"]
-    for flag in flags:
-        choices = {"--normalization": "['LayerNorm', 'RMSNorm']", "--tokenizer-type": "['SentencePieceTokenizer', 'NullTokenizer']",
-                   "--position-embedding-type": "['learned_absolute', 'rope']", "--lr-decay-style": "['constant', 'cosine']",
-                   "--data-parallel-sharding-strategy": "['no_shard', 'optim', 'optim_grads', 'optim_grads_params']",
-                   "--ckpt-format": "['torch', 'torch_dist', 'fsdp_dtensor']"}.get(flag)
-        lines.append(f"    group.add_argument({flag!r}{', choices=' + choices if choices else ''})")
-    (root / "megatron" / "training" / "arguments.py").write_text("\n".join(lines) + "\n" + extra)
-    (root / "pretrain_gpt.py").write_text("# stand-in: never run here\n")
-    return root
-
-
-def all_rendered_flags(version=(0, 16)) -> list[str]:
-    """Every flag a render may give (every stage, and the kernel flags of every kind of node)."""
-    kinds = (NodeKernels(), NodeKernels(gpus=False), NodeKernels(transformer_engine=False, apex=False))
-    return sorted({f for stage, kernels in itertools.product(range(4), kinds)
-                   for f, _ in split_flags(render("qwen3_1p7b", "qwen3_1p7b_smoke", stage, version, kernels=kernels).args)})
 
 
 def test_fake_0_13_checkout_picks_use_custom_fsdp(tmp_path):
@@ -458,27 +422,6 @@ def test_compare_and_status_read_megatron_lm_logs(tmp_path):
     assert summary.last_loss == pytest.approx(9.5)
     status = node_status(StatusRequest(NodeTarget("lm", 1, "n1", root), 4096))
     assert status.last_iteration == 5 and status.tokens_per_s == pytest.approx(32 * 4096 / 1.01)
-
-
-STANDIN_PRETRAIN_GPT = '''\
-"""Stand-in for Megatron-LM's pretrain_gpt.py: Megatron-LM's training needs CUDA (and main needs
-Python >= 3.12), so it cannot run on these machines. This records what it was given and prints
-iteration lines in Megatron-LM's exact format from the last rank, as Megatron-LM does."""
-import json, os, sys, time
-args = sys.argv[1:]
-rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-out = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"seen_rank{rank}.json")
-json.dump({"argv": args, "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
-           "LAUNCHER_RUN": os.environ.get("LAUNCHER_RUN")}, open(out, "w"))
-iters = int(args[args.index("--train-iters") + 1]); gbs = int(args[args.index("--global-batch-size") + 1])
-for it in range(1, iters + 1):
-    time.sleep(0.2)
-    if rank == world - 1:
-        print(f"[2026-11-29 10:00:00] iteration {it:8d}/{iters:8d} | consumed samples: {it * gbs:12d} | "
-              f"elapsed time per iteration (ms): {200.0:.1f} | throughput per GPU (TFLOP/s/GPU): {1.5:.1f} | "
-              f"learning rate: {3e-4:.6E} | global batch size: {gbs:5d} | lm loss: {10.0 / it:.6E} | loss scale: {1.0:.1f} | "
-              f"grad norm: {1.0:.3f} | number of skipped iterations: {0:3d} | number of nan iterations: {0:3d} |", flush=True)
-'''
 
 
 @pytest.mark.slow

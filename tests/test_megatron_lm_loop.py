@@ -41,22 +41,13 @@ from megatron_ext.run_spec.engines import MEGATRON_LM
 from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.run_spec.iteration_log import parse_log
 
-from test_resilience import assert_goodput_of_two_faults
+from run_checks import assert_goodput_of_two_faults
+from standins import megatron_lm_data_set
 from conftest import VENV_312_PYTHON, clean_env, free_port, megatron_lm_env, newest_megatron_lm, run_script, tagged_pids, wait_for
 
 pytestmark = pytest.mark.slow
 
 SWEEP_ITERS = 4
-
-
-def data_set(path: Path, train_iters: int, save_interval: int = 0, log_interval: int = 1, resilience: str = "") -> str:
-    path.write_text(
-        "data:\n  source: embedded\n  split: \"95,5,0\"\n  tokenizer: {type: sentencepiece, vocab_size: 2048}\n"
-        f"training:\n  seq_length: 128\n  micro_batch_size: 4\n  global_batch_size: 16\n  train_iters: {train_iters}\n"
-        f"  lr: 3.0e-3\n  min_lr: 3.0e-4\n  lr_warmup_iters: 3\n  weight_decay: 0.01\n  eval_iters: 1\n"
-        f"  log_interval: {log_interval}\n" + (f"  save_interval: {save_interval}\n" if save_interval else "")
-        + (f"  resilience: {{{resilience}}}\n" if resilience else ""))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +74,7 @@ def stop_after(lm_env):
 def sweep(lm_env, artifact_root, tmp_path_factory):
     """compare_zero_stages.sh qwen3_smoke, ENGINE=megatron-lm, stages 0-3, no checkpoints (Megatron-LM
     core_v0.16.1's Megatron-FSDP would hang at a save: the launcher refuses that, see below)."""
-    data = data_set(tmp_path_factory.mktemp("lm_sweep") / "four.yaml", SWEEP_ITERS)
+    data = megatron_lm_data_set(tmp_path_factory.mktemp("lm_sweep") / "four.yaml", SWEEP_ITERS)
     proc = run_script("compare_zero_stages.sh", "qwen3_smoke", data, "lmsweep", env=lm_env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc, artifact_root
@@ -119,7 +110,7 @@ def test_core_v0_19_0_trains_every_stage_on_python_3_12_through_the_launcher(meg
     root, iters, stages = tmp_path / "art", 6, (0, 2, 3)
     env = megatron_lm_env(megatron_lm_019_checkout, ARTIFACT_ROOT=str(root), NPROC_PER_NODE="2",
                           MASTER_PORT=str(free_port()), LAUNCHER_PYTHON=str(VENV_312_PYTHON), STAGES="0,2,3")
-    data = data_set(tmp_path / "six.yaml", iters)
+    data = megatron_lm_data_set(tmp_path / "six.yaml", iters)
     proc = run_script("compare_zero_stages.sh", "qwen3_smoke", data, "lm19", env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     datasets = megatron_lm_019_checkout / "megatron" / "core" / "datasets"
@@ -207,7 +198,7 @@ def test_restart_hang_stop_save_and_resume(release_env, artifact_root, tmp_path,
     checkpoint passed over too), else core_v0.16.1."""
     release, lm_env = release_env
     run = f"lm_week_{release[-6:].replace('.', '')}"
-    data = data_set(tmp_path / "week.yaml", train_iters=60, save_interval=3, resilience="restart_backoff_s: 1")
+    data = megatron_lm_data_set(tmp_path / "week.yaml", train_iters=60, save_interval=3, resilience="restart_backoff_s: 1")
     stop_after.append(run)
     # A step may take 10 s, a save 60 s (a torch_dist save's first one starts its writer processes: ~20 s here).
     env = {**lm_env, "MAX_RESTARTS": "1", "HANG_STEP_FLOOR_S": "10", "HANG_CHECKPOINT_S": "60"}
@@ -272,7 +263,7 @@ def test_extra_arguments_reach_the_ranks_and_a_rank_s_error_is_the_reason(lm_env
     """MEGATRON_LM_EXTRA_ARGS come last (the dry run shows them; Megatron-LM's own parser accepted
     them): here transformer-engine layers on a node without transformer-engine, which every rank
     refuses with a NameError the failure names. One rank: what is shown does not need two."""
-    run, data = "lm_extra", data_set(tmp_path / "two.yaml", train_iters=2)
+    run, data = "lm_extra", megatron_lm_data_set(tmp_path / "two.yaml", train_iters=2)
     stop_after.append(run)
     env = {**lm_env, "NPROC_PER_NODE": "1", "MASTER_PORT": str(free_port()),
            "MEGATRON_LM_EXTRA_ARGS": "--transformer-impl transformer_engine"}

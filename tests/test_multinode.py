@@ -23,6 +23,7 @@ from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.host.procfs import process_environ
 
 from netns_cluster import NamespaceCluster, missing_prerequisites
+from standins import megatron_lm_data_set, scan_cmdlines, secret_env
 from conftest import (REPO, TEST_DATA, clean_env, last_iteration, slowed, megatron_lm_env, newest_megatron_lm, plan_header,
                       planned_nodes, require, run_script, run_torchrun, tagged_pids, wait_for, write_data_set)
 
@@ -98,14 +99,13 @@ def test_two_nodes_over_ssh_train_and_match_one_node(cluster, cluster_env, artif
     dry run before it printed that settled plan, exactly. Secrets set where the start is given
     reach every rank over ssh (on node-start's standard input), and show in no command line,
     printed plan or file (tests/test_secrets.py: the pure parts)."""
-    from test_secrets import _scan_cmdlines, secret_env
 
     values = secret_env()
     env = {**{k: v for k, v in cluster_env.items() if k not in ("MASTER_PORT", "GLOO_SOCKET_IFNAME")}, **values}
     data = write_data_set(tmp_path / "short.yaml", train_iters=8)
     hits: list[str] = []
     stop_scan = threading.Event()
-    scanner = threading.Thread(target=_scan_cmdlines, args=([v.encode() for v in values.values()], hits, stop_scan),
+    scanner = threading.Thread(target=scan_cmdlines, args=([v.encode() for v in values.values()], hits, stop_scan),
                                daemon=True)
     held = contextlib.ExitStack()  # port 6000 busy on node 0 until the run has ended
     try:
@@ -649,11 +649,10 @@ def test_megatron_lm_trains_across_two_nodes_over_ssh(cluster_env, artifact_root
     PYTHON* variables are), trains to its last iteration, each node naming what node 0 chose to load
     (nothing: --verify-integrity on 0.19); its iteration lines are on the last node's log, and
     status reads them there."""
-    from test_megatron_lm_loop import data_set
 
     tag, checkout, python = newest_megatron_lm(request)
     env = megatron_lm_env(checkout, **{**cluster_env, "NPROC_PER_NODE": "1", "MASTER_PORT": "29671", **python})
-    data = data_set(tmp_path / "lm.yaml", train_iters=4)
+    data = megatron_lm_data_set(tmp_path / "lm.yaml", train_iters=4)
     run = "mn_lm"
     try:
         start = run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=env, timeout=300)

@@ -88,7 +88,7 @@ def test_qwen3_1p7b_on_32_gpus_model_states_exactly():
 def test_cpu_model_states_follow_the_formula_the_training_tests_measure(d):
     """tests/test_compare.py (2 CPU processes, every stage) and tests/test_training.py (4, stage 2) assert these figures against
     what the ranks hold."""
-    from test_training import expected_model_state
+    from run_checks import expected_model_state
 
     psi = count_model_parameters(load_model("gpt_smoke"), 2048).total
     plan = plan_memory(load_model("gpt_smoke"), vocab_size=2048, nnodes=1, nproc_per_node=d, seq_length=128,

@@ -11,27 +11,23 @@ import dataclasses
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
-from datetime import datetime
 
 import pytest
 
 from megatron_ext.run_spec.checkpoints import latest_iteration
-from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED
-from megatron_ext.run_spec.run_paths import RunPaths
-from orchestration.analysis.goodput import Part, format_goodput_line, read_goodput
 from megatron_ext.run_spec.errors import FINAL, UserError
 from megatron_ext.run_spec.resilience import RankProgress, ResilienceParams, phase_limit_s, read_resilience_overrides
 from orchestration.node.attempts import AttemptEnd, AttemptRecord, Evidence, decide, decide_rejoin, trained_to_the_end
 from megatron_ext.host.procfs import process_environ
-from orchestration.node.run_state import RunState, read_ledger
+from orchestration.node.run_state import RunState
 from orchestration.node.watchdog import RankReport, find_suspects, in_collective
 
-from test_goodput import status_line_parts
+from run_checks import assert_goodput_of_two_faults
+from standins import STANDIN_PRETRAIN_GPT, all_rendered_flags, write_checkout
 from conftest import (REPO, UNATTENDED_SAVE_EVERY, assert_same_losses, clean_env, free_port, last_iteration, megatron_lm_env,
                       run_script, slowed, tagged_pids, wait_for, write_data_set)
 
@@ -416,65 +412,6 @@ def test_a_killed_and_a_stopped_worker_with_restarts_finish_with_the_same_losses
     assert_goodput_of_two_faults(text, artifact_root, run, "4", killed_at, stopped_at, lines)
 
 
-ITERATION_LINE = re.compile(r"^ \[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] iteration +(\d+)/", re.M)
-
-
-def _line_times(text: str) -> list[tuple[float, int]]:
-    return [(datetime.strptime(t, "%Y-%m-%d %H:%M:%S.%f").timestamp(), int(it)) for t, it in ITERATION_LINE.findall(text)]
-
-
-def first_line_after(text: str, marker: str) -> tuple[float, int]:
-    """(time, iteration) of the first iteration line after the last ``marker`` in a node log (local time)."""
-    return _line_times(text.rpartition(marker)[2])[0]
-
-
-def longest_line_interval(text: str) -> float:
-    """The longest time between two iteration lines of one attempt in a node log (a step, a save)."""
-    gaps = [b[0] - a[0] for part in text.split(ATTEMPT_STARTED) for a, b in zip(_line_times(part), _line_times(part)[1:])]
-    return max(gaps, default=0.0)
-
-
-def last_iteration_before(text: str, marker: str, end_marker: str) -> int:
-    """The last iteration a node log shows between the last ``marker`` and the ``end_marker`` after it."""
-    return _line_times(text.rpartition(marker)[2].partition(end_marker)[0])[-1][1]
-
-
-def assert_goodput_of_two_faults(status_text: str, root, run: str, of: str, killed_at: float, stopped_at: float,
-                                 log_text: str) -> None:
-    """A run whose attempt 1 crashed (a worker SIGKILLed at ``killed_at``) and attempt 2 hung (one
-    SIGSTOPped at ``stopped_at``), on this machine (node 0: the test's clock is the ledger's): the
-    status line's parts add up to its wall clock; the crash costs at least the ledger's restart after
-    the kill and at most the next attempt's first line after it, each within the longest interval
-    between two lines and 1 s (the last progress came at most that long before the signal, or after
-    it: a step the signalled rank had done its part of ends and prints its line; a 3 s line after
-    the SIGSTOP on a loaded machine, CI 2026-12-06), the hang the same or, where no attempt
-    followed, until the ledger's end; the iterations recomputed are those past each resume point."""
-    tolerance_s = longest_line_interval(log_text) + 1.0
-    wall, parts = status_line_parts(status_text)
-    assert abs(sum(parts.values()) - wall) <= 0.05 * len(parts) + 0.5, (wall, parts, status_text)
-    paths = RunPaths(root, run)
-    g, ledger = read_goodput(paths), read_ledger(paths)
-    print(format_goodput_line(g), *g.faults, f"tolerance {tolerance_s:.1f} s", sep="\n")
-    assert sum(g.parts.values()) == pytest.approx(g.wall_s) and all(s >= 0 for s in g.parts.values()), g.parts
-    assert g.wall_s == pytest.approx(ledger[-1].ended_at - ledger[0].started_at) and g.seconds(Part.PRODUCTIVE) > 0
-    assert [(f.attempt, f.cause) for f in g.faults] == [(1, Part.CRASH), (2, Part.HANG)], g.faults
-    assert g.seconds(Part.LOST_NODE) == g.seconds(Part.PREEMPTION) == 0
-    crash, hang = g.faults
-    assert g.seconds(Part.CRASH) == pytest.approx(crash.detect_s + crash.restart_s)
-    assert g.seconds(Part.HANG) == pytest.approx(hang.detect_s + hang.restart_s)
-    for fault, signalled_at, following in ((crash, killed_at, 1), (hang, stopped_at, 2)):
-        start = f"attempt {fault.attempt} of {of}: starting torchrun"
-        if following < len(ledger):
-            resumed = f"attempt {fault.attempt + 1} of {of}: starting torchrun"
-            first_at, first_it = first_line_after(log_text, resumed)
-            cost = fault.detect_s + fault.restart_s
-            assert ledger[following].started_at - signalled_at - tolerance_s <= cost <= first_at - signalled_at + tolerance_s, \
-                (fault, signalled_at, ledger[following], first_at)
-            assert fault.recomputed_iterations == last_iteration_before(log_text, start, resumed) - (first_it - 1) > 0, fault
-        else:  # the run's end: from the last progress to the ledger's
-            assert ledger[-1].ended_at - signalled_at - tolerance_s <= fault.detect_s <= ledger[-1].ended_at - signalled_at + tolerance_s
-
-
 @pytest.mark.slow
 def test_stop_save_saves_at_the_next_step_and_the_next_start_resumes(env, artifact_root, tmp_path):
     data = write_data_set(tmp_path / "long.yaml", train_iters=5000)
@@ -499,7 +436,6 @@ def test_stop_save_saves_at_the_next_step_and_the_next_start_resumes(env, artifa
 def test_megatron_lm_log_watch_finds_a_stopped_last_rank(env, artifact_root, tmp_path):
     """ENGINE=megatron-lm writes no progress files: the supervisor of the last rank's node times the
     iteration lines (the stand-in checkout of test_megatron_lm.py prints one every 0.2 s)."""
-    from test_megatron_lm import STANDIN_PRETRAIN_GPT, all_rendered_flags, write_checkout
 
     checkout = write_checkout(tmp_path / "Megatron-LM", (0, 16, 1), all_rendered_flags())
     (checkout / "pretrain_gpt.py").write_text(STANDIN_PRETRAIN_GPT)

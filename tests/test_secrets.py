@@ -6,13 +6,11 @@ tests/test_multinode.py's first test)."""
 from __future__ import annotations
 
 import json
-import secrets
 import threading
-import time
-from pathlib import Path
 
 import pytest
 
+from standins import scan_cmdlines, secret_env
 from conftest import clean_env, free_port, last_iteration, planned_nodes, run_script, tagged_pids, wait_for, write_data_set
 from megatron_ext.run_spec.errors import UserError
 from orchestration.cluster.backends import backend_for
@@ -23,11 +21,6 @@ from megatron_ext.host.procfs import parent_pid, process_environ
 from orchestration.node.watchdog import worker_pids
 from orchestration.runner.start_plan import plan_start, read_start_inputs
 from orchestration.runner.submit import plan_submit
-
-
-def secret_env() -> dict[str, str]:
-    return {"WANDB_API_KEY": secrets.token_hex(20), "HF_TOKEN": "hf_" + secrets.token_hex(16),
-            "MEGATRON_STORE_PASSWORD": secrets.token_hex(12)}
 
 
 def test_which_variables_are_secrets():
@@ -92,19 +85,6 @@ def test_the_batch_script_holds_no_secret(tmp_path):
     assert values["HF_TOKEN"] not in str(err.value)
 
 
-def _scan_cmdlines(values: list[bytes], hits: list[str], stop: threading.Event) -> None:
-    """Every process's command line, every 50 ms, until ``stop``: any that holds a value is a hit."""
-    while not stop.is_set():
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    cmdline = (entry / "cmdline").read_bytes()
-                except OSError:
-                    continue
-                hits += [f"{entry.name}: {cmdline[:200]!r}" for v in values if v in cmdline]
-        time.sleep(0.05)
-
-
 @pytest.mark.slow
 def test_a_start_on_this_machine_gives_the_ranks_the_secrets_and_shows_them_nowhere(artifact_root, tmp_path):
     values = secret_env()
@@ -117,7 +97,7 @@ def test_a_start_on_this_machine_gives_the_ranks_the_secrets_and_shows_them_nowh
     assert not any(v in dry.stdout + dry.stderr for v in values.values())
     hits: list[str] = []
     stop = threading.Event()
-    scanner = threading.Thread(target=_scan_cmdlines, args=([v.encode() for v in values.values()], hits, stop), daemon=True)
+    scanner = threading.Thread(target=scan_cmdlines, args=([v.encode() for v in values.values()], hits, stop), daemon=True)
     scanner.start()
     try:
         start = run_script("start_training.sh", "gpt_smoke", data, run, env=env)

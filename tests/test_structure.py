@@ -527,6 +527,19 @@ def test_no_attribute_appears_after_construction():
     assert not found, found
 
 
+def test_no_test_module_imports_another():
+    """What several test modules share is in tests/conftest.py, run_checks.py or standins.py: a test
+    module imports no other test module (importing one runs its module code and ties the two together;
+    test_resilience once took its goodput check from test_goodput, test_megatron_lm_loop from test_resilience)."""
+    found = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.relative_to(REPO)}:{node.lineno} imports {n}" for n in names if n.split(".")[-1].startswith("test_")]
+    assert not found, found
+
+
 SUPERVISOR_PARTS = {"orchestration/node/membership.py": "Membership", "orchestration/node/between_attempts.py": "BetweenAttempts",
                     "orchestration/node/hang_protocol.py": "HangProtocol"}
 """The parts :class:`Supervisor` is made of, each in a module of its own with what it owns."""

@@ -11,10 +11,9 @@ import types
 import pytest
 
 from megatron_ext.pretrain import QUIET_WARNINGS
-from megatron_ext.training.model import count_parameters
-from megatron_ext.run_spec.params import load_model
 
 from conftest import REPO, clean_env, run_torchrun
+from run_checks import check_memory
 
 STAGE_ITERS = 12
 
@@ -110,36 +109,6 @@ def test_qwen3_shaped_smoke_trains_identically_under_stage_0_and_3(artifact_root
     assert len(losses[0]) == 4
     for a, b in zip(losses[0], losses[3], strict=True):
         assert abs(a - b) / a <= 1e-5
-
-
-def expected_model_state(psi: int, d: int) -> dict[int, tuple[float, float]]:
-    """(between steps, peak) bytes per rank for fp32 AdamW on CPU, from facts.md."""
-    return {
-        0: (16 * psi, 16 * psi),
-        1: (8 * psi + 8 * psi / d, 8 * psi + 8 * psi / d),
-        2: (16 * psi / d, 4 * psi + 12 * psi / d),
-        3: (16 * psi / d, 16 * psi / d),
-    }
-
-
-def check_memory(records_by_stage: dict[int, list[dict]], d: int) -> None:
-    """Each rank's model-state bytes, between steps and at the peak, against facts.md's formula
-    for ``d`` data-parallel ranks; with several stages, the peaks fall with the stage."""
-    psi = count_parameters(load_model("gpt_smoke"), vocab_size=2048).total
-    expected = expected_model_state(psi, d)
-    peaks = {}
-    for stage, records in records_by_stage.items():
-        last = records[-1]
-        between, peak = expected[stage]
-        assert len(last["model_state_bytes_per_rank"]) == d
-        for rank, (now, top) in enumerate(zip(last["model_state_bytes_per_rank"], last["model_state_peak_bytes_per_rank"])):
-            # 5% plus padding: FSDP pads every shard to a multiple of d rows (at most d-1 rows each).
-            padding = 4 * (d - 1) * 2048 * 8
-            assert abs(now - between) <= 0.05 * between + padding, (stage, rank, now, between)
-            assert abs(top - peak) <= 0.05 * peak + padding, (stage, rank, top, peak)
-        peaks[stage] = max(last["model_state_peak_bytes_per_rank"])
-    ordered = [peaks[s] for s in sorted(peaks)]
-    assert ordered == sorted(ordered, reverse=True) and len(set(ordered)) == len(ordered), peaks
 
 
 # Every stage at 2 processes (the same loss, these bytes per rank): tests/test_compare.py, on the
