@@ -304,6 +304,13 @@ def test_arrays_append_quote_and_split_as_bash():
     assert result.data["split"] == "90, 10, 0"
 
 
+@pytest.mark.parametrize("text", ["A='open\n", "X=${Y:-'open}\n"])
+def test_a_single_quote_never_closed_is_one_error_naming_the_line(text):
+    """In a ``${X:-word}`` default too (the reader used to loop there for ever)."""
+    with pytest.raises(UserError, match="t.sh:1: a single quote is never closed"):
+        read_files([("t.sh", text)])
+
+
 # -- flags ----------------------------------------------------------------------------------------
 
 

@@ -47,9 +47,8 @@ _LAUNCHER_REASONS = {
 LAUNCHER_FLAGS = {flag: reason for flags, reason in _LAUNCHER_REASONS.items() for flag in flags}
 _LAUNCHER_PREFIXES = ("--log-", "--tensorboard-", "--wandb-", "--timing-log-")
 FIXED_VALUES = {
-    "--tensor-model-parallel-size": ("1", "this project trains with data parallelism only (TP = PP = CP = 1)"),
-    "--pipeline-model-parallel-size": ("1", "this project trains with data parallelism only (TP = PP = CP = 1)"),
-    "--context-parallel-size": ("1", "this project trains with data parallelism only (TP = PP = CP = 1)"),
+    **dict.fromkeys(("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"),
+                    ("1", "this project trains with data parallelism only (TP = PP = CP = 1)")),
     "--rotary-percent": ("1.0", "this project rotates the whole head dimension"),
     "--init-method-std": ("0.02", "this project initialises with megatron-core's init_method_std 0.02"),
     "--optimizer": ("adam", "this project's optimizer is Adam with decoupled weight decay (AdamW), as Megatron-LM's adam"),
@@ -139,10 +138,6 @@ class FlagReader:
         """Undo :meth:`_take` (a flag read first, then found to have no counterpart)."""
         self.used.discard(flag)
         self.imported = [(f, v) for f, v in self.imported if f != flag]
-
-    def default(self, key: str, value: Any, flag: str, what: str = "") -> Any:
-        self.comments[key] = f"Megatron-LM default{what} (no {flag} in the files)"
-        return value
 
     def skip(self, flag: str, reason: str, kind: str = NOT_IMPORTED, section: str = "other") -> None:
         if flag in self.used:

@@ -50,9 +50,11 @@ class ImportedArgs:
     """Flags read into a field in another form (``--lr-warmup-fraction`` -> lr_warmup_iters)."""
 
 
-def _field(r: FlagReader, section: str, key: str, *, required: bool = False, default: Any = ..., what: str = "") -> Any:
+def _field(r: FlagReader, section: str, key: str, *, required: bool = False, default: Any = ..., what: str = "",
+           unset: str = "") -> Any:
     """``section.key`` from its flag (:data:`FIELD_FLAGS`): a switch flips Megatron-LM's default; a value is
-    read as the field's type, else ``default`` (``...``: the table's, Megatron-LM's; marked with ``what``), else None."""
+    read as the field's type, else ``default`` (``...``: the table's, Megatron-LM's; marked with ``what``), else
+    None (marked with ``unset``, if given)."""
     flag, kind, fallback = FIELD_FLAGS[section][key]
     if kind is bool:
         return r.switch(flag) != fallback
@@ -60,7 +62,9 @@ def _field(r: FlagReader, section: str, key: str, *, required: bool = False, def
         return r.required(flag, kind, f"{section}.{key}")
     value = r.text(flag, f"{section}.{key}") if kind is str else r.number(flag, kind, f"{section}.{key}")
     default = fallback if default is ... else default
-    return r.default(f"{section}.{key}", default, flag, what) if value is None and default is not None else value
+    if value is None and (default is not None or unset):
+        r.comments[f"{section}.{key}"] = unset or f"Megatron-LM default{what} (no {flag} in the files)"
+    return default if value is None else value
 
 
 def _model(r: FlagReader) -> dict[str, Any]:
@@ -140,9 +144,8 @@ def _training(r: FlagReader) -> dict[str, Any]:
     t: dict[str, Any] = {}
     t["seq_length"] = _field(r, "training", "seq_length", required=True)
     t["micro_batch_size"] = _field(r, "training", "micro_batch_size", required=True)
-    gbs = t["global_batch_size"] = _field(r, "training", "global_batch_size")
-    if gbs is None:
-        r.comments["training.global_batch_size"] = "Megatron-LM default: micro x data-parallel (no --global-batch-size)"
+    gbs = t["global_batch_size"] = _field(r, "training", "global_batch_size",
+                                          unset="Megatron-LM default: micro x data-parallel (no --global-batch-size)")
     if r.given("--rampup-batch-size") and r.given("--train-samples") and not r.given("--train-iters"):
         raise UserError(f"{r.flags['--train-samples'].where}: --train-samples with --rampup-batch-size cannot become "
                         "train_iters (the ramp-up has no counterpart); give --train-iters instead")
@@ -188,15 +191,10 @@ def _training(r: FlagReader) -> dict[str, Any]:
             t[key] = value
     t["seed"] = _field(r, "training", "seed")
     t["log_interval"] = _field(r, "training", "log_interval")
-    interval = _field(r, "training", "eval_interval")
-    t["eval_interval"] = interval if interval is not None else 0
-    if interval is None:
-        r.comments["training.eval_interval"] = "Megatron-LM default: no validation during training, one at the end"
+    t["eval_interval"] = _field(r, "training", "eval_interval",
+                                unset="Megatron-LM default: no validation during training, one at the end") or 0
     t["eval_iters"] = _field(r, "training", "eval_iters")
-    save = _field(r, "training", "save_interval")
-    t["save_interval"] = save if save is not None else 0
-    if save is None:
-        r.comments["training.save_interval"] = "no --save-interval in the files: no periodic checkpoints"
+    t["save_interval"] = _field(r, "training", "save_interval", unset="no --save-interval in the files: no periodic checkpoints") or 0
     # a user's own background saves kept: rendered back with Megatron-LM's worker flags where the stage
     # and the release allow it (orchestration/megatron_lm/render.py async_save_flags)
     t["async_save"] = r.switch("--async-save")
@@ -246,14 +244,12 @@ def _data(r: FlagReader) -> dict[str, Any]:
         model = r.text("--tokenizer-model", "data.tokenizer.model_path")
         if model is None:
             raise UserError(f"{r.flags['--tokenizer-type'].where}: --tokenizer-type {kind} needs --tokenizer-model; add it to a file")
-        if kind == "HuggingFaceTokenizer":  # a tokenizer directory, as Megatron-LM's AutoTokenizer reads it
-            tokenizer = {"type": "huggingface", "model_path": model}
-        else:
-            tokenizer = {"type": "sentencepiece", "model_path": model}
-            if kind != "SentencePieceTokenizer":
-                r.comments["data.tokenizer.type"] = (f"from {kind} (same ids and end-of-document as this project's "
-                                                     "sentencepiece; ENGINE=megatron-lm renders SentencePieceTokenizer)")
-                r.converted("--tokenizer-type")  # renders back as SentencePieceTokenizer
+        # HuggingFaceTokenizer: a tokenizer directory, as Megatron-LM's AutoTokenizer reads it
+        tokenizer = {"type": "huggingface" if kind == "HuggingFaceTokenizer" else "sentencepiece", "model_path": model}
+        if kind in SENTENCEPIECE_TYPES and kind != "SentencePieceTokenizer":
+            r.comments["data.tokenizer.type"] = (f"from {kind} (same ids and end-of-document as this project's "
+                                                 "sentencepiece; ENGINE=megatron-lm renders SentencePieceTokenizer)")
+            r.converted("--tokenizer-type")  # renders back as SentencePieceTokenizer
     else:
         fix = ("convert --vocab-file/--merge-file to a Hugging Face tokenizer.json (transformers: "
                "GPT2TokenizerFast(vocab_file=..., merges_file=...).save_pretrained(DIR)) and set "

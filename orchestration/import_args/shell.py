@@ -120,13 +120,10 @@ class _Expander:
 
     def scalar(self, parts: list[tuple]) -> str:
         """A word without splitting (assignment values, ``${X:-default}``)."""
-        out = []
-        for part in parts:
-            out.append(" ".join(w.text for w in self._part_words(part, quoted=True)))
-        return "".join(out)
+        return "".join(" ".join(w.text for w in self._part_words(part, quoted=True)) for part in parts)
 
-    def _param(self, name: str, op: str, arg_parts: list[tuple]) -> tuple[str | None, str | None]:
-        """(value, reason): value None when unset."""
+    def _param(self, name: str, op: str, arg_parts: list[tuple]) -> str:
+        """The parameter's value after ``op``; :class:`_Unresolved` when it is unset and ``op`` gives no value."""
         if name.isdigit():
             value = self.state.positional.get(name)
             word = ShellWord(value, "--var") if value is not None else None
@@ -147,12 +144,12 @@ class _Expander:
                 value = self.scalar(arg_parts)
                 if op in (":=", "=") and not name.isdigit():
                     self.state.scalars[name] = ShellWord(value, self.where)
-            return value, None
+            return value
         if op in (":+", "+"):
-            return (self.scalar(arg_parts) if value is not None else ""), None
+            return self.scalar(arg_parts) if value is not None else ""
         if value is None:
             raise _Unresolved(reason)
-        return value, None
+        return value
 
     def _part_words(self, part: tuple, quoted: bool) -> list[ShellWord]:
         kind = part[0]
@@ -161,8 +158,7 @@ class _Expander:
         if kind == "unres":
             raise _Unresolved(part[2])
         if kind == "param":
-            value, _ = self._param(part[1], part[2], part[3])
-            return [ShellWord(value or "", self.where)]
+            return [ShellWord(self._param(part[1], part[2], part[3]), self.where)]
         if kind == "arith":
             return [ShellWord(str(_arith(self.scalar(part[2]), self.state, part[1])), self.where)]
         if kind == "array":
@@ -224,8 +220,8 @@ class _Expander:
 
 # -- commands -------------------------------------------------------------------------------------
 
-_BLOCK_OPEN = {"if", "for", "while", "until", "select", "{"}
-_BLOCK_CLOSE = {"fi", "done", "}"}
+_BLOCK_OPEN = {"if", "for", "while", "until", "select", "{", "case", "("}
+_BLOCK_CLOSE = {"fi", "done", "}", "esac", ")"}
 _LEADING_KEYWORDS = {"then", "do", "else", "elif", "!", "time", "exec", "nohup"}
 _NOT_TRAINING = {"echo", "printf", "cat", "ls", "cp", "mv", "rm", "cd", "mkdir", "test", "[", "[[", "chmod", "touch",
                  "tee", "wget", "curl", "git", "pip", "pip3", "source", ".", "export", "sed", "grep", "awk", "head",
@@ -244,22 +240,17 @@ def _split_commands(tokens: list[Token]) -> list[list[Token]]:
     commands: list[list[Token]] = []
     current: list[Token] = []
     depth = 0
-    for k, tok in enumerate(tokens):
-        if tok.kind == "op" and tok.value == "(":
-            prev = current[-1] if current else None
-            if prev is not None and prev.kind == "word" and prev.raw.endswith("=") and _is_assignment_prefix(prev.value):
-                depth += 1
-            elif depth:
-                depth += 1
-            current.append(tok)
-            continue
-        if tok.kind == "op" and tok.value == ")" and depth:
+    for tok in tokens:
+        op = tok.value if tok.kind == "op" else None
+        prev = current[-1] if current else None
+        if op == "(" and (depth or (prev is not None and prev.kind == "word" and prev.raw.endswith("=")
+                                    and _is_assignment_prefix(prev.value))):
+            depth += 1
+        elif op == ")" and depth:
             depth -= 1
-            current.append(tok)
+        elif op == "\n" and depth:
             continue
-        if depth and tok.kind == "op" and tok.value == "\n":
-            continue
-        if tok.kind == "op" and tok.value in ("\n", ";", ";;", "&&", "||", "|", "|&", "&"):
+        elif op in ("\n", ";", ";;", "&&", "||", "|", "|&", "&"):
             if current:
                 commands.append(current)
             current = []
@@ -272,51 +263,36 @@ def _split_commands(tokens: list[Token]) -> list[list[Token]]:
 
 def read_file_args(path: str, text: str, state: ShellState) -> FileArgs:
     """The Megatron-LM arguments ``text`` gives, updating ``state`` with its variables."""
-    lexer = Lexer(text, path)
-    commands = _split_commands(lexer.run())
     blocks: list[tuple[str, int]] = []
     arrays_here: list[str] = []
     bare: list[ShellWord] = []
     training: tuple[int, list[ShellWord], list[ShellWord]] | None = None
     notes: list[str] = []
     awaiting_body = False
-    k = 0
-    while k < len(commands):
-        cmd = commands[k]
-        k += 1
+    for cmd in _split_commands(Lexer(text, path).run()):
         line = cmd[0].line
         where = f"{path}:{line}"
         tokens = [t for i, t in enumerate(cmd) if t.kind != "redir" and not (i and cmd[i - 1].kind == "redir")]
         while tokens and tokens[0].kind == "word" and tokens[0].raw in _LEADING_KEYWORDS:
-            if tokens[0].raw == "elif":
-                tokens = tokens[1:]
+            keyword, tokens = tokens[0].raw, tokens[1:]
+            if keyword == "elif":  # its condition follows
                 break
-            tokens = tokens[1:]
         if not tokens:
             continue
         head = tokens[0]
-        if head.kind == "op":  # a subshell or a stray parenthesis
-            if head.value == "(":
-                blocks.append(("(", line))
-            elif head.value == ")" and blocks:
-                blocks.pop()
-            continue
-        name = head.raw
-        if name in _BLOCK_CLOSE or name == "esac":
+        name = head.raw if head.kind == "word" else head.value  # an operator: a subshell's or a stray parenthesis
+        if name in _BLOCK_CLOSE:
             if blocks:
                 blocks.pop()
             continue
-        if name == "case":
-            blocks.append(("case", line))
-            continue
-        function = name == "function" or (len(tokens) > 2 and tokens[1].kind == "op" and tokens[1].value == "("
-                                          and tokens[2].kind == "op" and tokens[2].value == ")")
+        function = head.kind == "word" and (name == "function" or [t.value for t in tokens[1:3]] == ["(", ")"])  # `function f`, `f()`
         if name == "{" and awaiting_body:  # the body of `f()` on the line after it
             awaiting_body = False
             continue
         if name in _BLOCK_OPEN or function:
             blocks.append((name if name in _BLOCK_OPEN else "function", line))
-            awaiting_body = function and not any(t.kind == "word" and t.raw == "{" for t in tokens)
+            if name not in ("case", "("):
+                awaiting_body = function and not any(t.kind == "word" and t.raw == "{" for t in tokens)
             continue
         inside = f"inside the {blocks[-1][0]!r} block at {path}:{blocks[-1][1]}" if blocks else None
         if any(b[0] == "case" for b in blocks):  # patterns and branches: only note what they assign
@@ -327,13 +303,10 @@ def read_file_args(path: str, text: str, state: ShellState) -> FileArgs:
                     state.scalars[m.group(1)] = ShellWord(f"${m.group(1)}", f"{path}:{t.line}",
                                                           f"{m.group(1)} is assigned {inside}, which the importer does not run")
             continue
-        rest = tokens
-        if name in _DECLARE:  # its options (-a, -x), then assignments
-            rest = tokens[1:]
-            while rest and rest[0].kind == "word" and rest[0].raw.startswith("-"):
-                rest = rest[1:]
-        assigned = _assignments(rest, path, state, inside, arrays_here)
-        rest = rest[assigned:]
+        rest = tokens[1:] if name in _DECLARE else tokens
+        while name in _DECLARE and rest and rest[0].kind == "word" and rest[0].raw.startswith("-"):  # its options (-a, -x)
+            rest = rest[1:]
+        rest = rest[_assignments(rest, path, state, inside, arrays_here):]
         if name in _DECLARE or not rest:
             continue
         words: list[ShellWord] = []

@@ -130,13 +130,7 @@ class Lexer:
                 parts.append(("lit", self.peek(1), True))
                 self.i += 2
             elif c == "'":
-                end = self.s.find("'", self.i + 1)
-                if end < 0:
-                    raise self.error("a single quote is never closed", line)
-                text = self.s[self.i + 1:end]
-                self.line += text.count("\n")
-                parts.append(("lit", text, True))
-                self.i = end + 1
+                parts.append(self._single_quoted(line))
             elif c == "$" and self.peek(1) == "'":
                 end = self.s.find("'", self.i + 2)
                 if end < 0:
@@ -147,10 +141,8 @@ class Lexer:
             elif c == '"':
                 self.i += 1
                 parts += self._double_quoted(line)
-            elif c == "$":
-                parts.append(self._dollar(quoted=False))
-            elif c == "`":
-                parts.append(self._backtick())
+            elif c in "$`":  # an expansion, or command substitution (kept unresolved)
+                parts.append(self._dollar(quoted=False) if c == "$" else self._backtick())
             else:
                 parts.append(("lit", c, False))
                 self.i += 1
@@ -159,6 +151,15 @@ class Lexer:
             self._redirect(self.s[start:self.i])
             return
         self.tokens.append(Token("word", parts, line, self.s[start:self.i]))
+
+    def _single_quoted(self, line: int) -> tuple:
+        end = self.s.find("'", self.i + 1)
+        if end < 0:
+            raise self.error("a single quote is never closed", line)
+        text = self.s[self.i + 1:end]
+        self.line += text.count("\n")
+        self.i = end + 1
+        return ("lit", text, True)
 
     def _double_quoted(self, line: int) -> list[tuple]:
         parts: list[tuple] = []
@@ -175,10 +176,8 @@ class Lexer:
                 else:
                     parts.append(("lit", self.peek(1), True))
                 self.i += 2
-            elif c == "$":
-                parts.append(self._dollar(quoted=True))
-            elif c == "`":
-                parts.append(self._backtick())
+            elif c in "$`":
+                parts.append(self._dollar(quoted=True) if c == "$" else self._backtick())
             else:
                 if c == "\n":
                     self.line += 1
@@ -283,9 +282,7 @@ class Lexer:
                 self.i += 1
                 parts += self._double_quoted(self.line)
             elif c == "'":
-                end = self.s.find("'", self.i + 1)
-                parts.append(("lit", self.s[self.i + 1:end], True))
-                self.i = end + 1
+                parts.append(self._single_quoted(self.line))
             elif c == "$":
                 parts.append(self._dollar(quoted))
             else:

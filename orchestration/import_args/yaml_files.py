@@ -94,9 +94,7 @@ def render_report(result: ImportedArgs) -> str:
     if converted:
         lines.append("converted or worth knowing:")
         lines += [f"  {k} = {_yaml_value(_value_at(result, k))}: {v}" for k, v in converted]
-    for kind in (NOT_IMPORTED, LAUNCHER, FIXED):
-        items = [n for n in result.not_imported if n.kind == kind]
-        lines += [f"{kind}: {n.describe()}" for n in items]
+    lines += [f"{kind}: {n.describe()}" for kind in (NOT_IMPORTED, LAUNCHER, FIXED) for n in result.not_imported if n.kind == kind]
     return "\n".join(lines) + "\n"
 
 

@@ -184,12 +184,8 @@ def data_flags(p: RunParams, prepared: PreparedData) -> list[str]:
     if p.data.source == "mock":
         flags.append("--mock-data")
     else:
-        path: list[str] = []
-        if len(prepared.prefixes) > 1:
-            for weight, prefix in zip(prepared.weights, prepared.prefixes):
-                path += [repr(weight), prefix]
-        else:
-            path = list(prepared.prefixes)
+        path = ([part for weight, prefix in zip(prepared.weights, prepared.prefixes) for part in (repr(weight), prefix)]
+                if len(prepared.prefixes) > 1 else list(prepared.prefixes))  # weight-prefix pairs, or one prefix
         flags += ["--data-path", *path, "--split", p.data.split]
     return flags
 
@@ -334,9 +330,8 @@ def exit_signal_flags(known: Collection[str]) -> tuple[list[str], str]:
 
 
 def render_pretrain_gpt(p: RunParams, prepared: PreparedData, paths: RunPaths, version: tuple[int, int],
-                        kernels: NodeKernels = NodeKernels(), known: Collection[str] = (),
-                        wandb: WandbSettings | None = None, extra_args: Sequence[str] = (),
-                        load: bool = True) -> MegatronLMRender:
+                        kernels: NodeKernels = NodeKernels(), known: Collection[str] = (), wandb: WandbSettings | None = None,
+                        extra_args: Sequence[str] = (), load: bool = True) -> MegatronLMRender:
     """``pretrain_gpt.py``'s arguments for nodes with ``kernels``; ``known`` (the checkout's flags)
     adds the exit-signal handler the checkout has; ``wandb`` (the launcher's WANDB_* settings)
     Megatron-LM's W&B flags; ``extra_args`` (MEGATRON_LM_EXTRA_ARGS, training.megatron_lm_extra_args)

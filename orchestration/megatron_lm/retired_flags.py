@@ -22,7 +22,6 @@ tests). The rows were read in core_v0.16.1's and core_v0.19.0's source
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import sys
 from dataclasses import dataclass
@@ -96,21 +95,15 @@ def release_version(release: str) -> tuple[int, int] | None:
     return (int(found[1]), int(found[2])) if found else None
 
 
-def _renamed(word, flag: str):
-    return flag if isinstance(word, str) else dataclasses.replace(word, text=flag)
-
-
 W = TypeVar("W")
 
 
-def retire_flags(words: Sequence[W], table: FlagTable, where: Callable[[W], str],
-                 text: Callable[[W], str | None] = lambda w: w,
-                 rename: Callable[[W, str], W] = _renamed) -> tuple[list[W], list[str]]:
+def retire_flags(words: Sequence[W], table: FlagTable, where: Callable[[W], str], text: Callable[[W], str | None],
+                 rename: Callable[[W, str], W]) -> tuple[list[W], list[str]]:
     """``words`` for the checkout of ``table``: the old flags of the rows that apply translated or
     dropped, and one line per change (``where(word): ...``). A row that refuses raises one UserError
     naming every refused flag, where it stands and the fix. ``text``: a word's text (None: a word
-    that could not be expanded, never a retired flag); ``rename``: the word with another text (a
-    string, or a dataclass with a ``text`` field)."""
+    that could not be expanded, never a retired flag); ``rename``: the word with another text."""
     rows = {row.flag: row for row in RETIRED_FLAGS if row.applies_to(table)}
     release = table.release.split()[0]
     out, lines, refused = [], [], []
