@@ -48,6 +48,11 @@ argv, a plan (which names them only), a log or a file (see :func:`secret_environ
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 """Set per node by the start (the interface that routes to MASTER_ADDR) when not given."""
 _HOST_RE = re.compile(r"^[A-Za-z0-9._:@\[\]-]+$")
+_TEXTS = {"MEGATRON_LM_DIR": "megatron_lm_dir", "CONTAINER_NAME": "container_name", "SLURM_JOB_ID": "slurm_job_id",
+          "STAGES": "stages_text", "GPU_MEMORY_GB": "gpu_memory_gb_text", "MEGATRON_DEVICE_ARCH": "megatron_device_arch_text"}
+"""Variables kept as given, by the LaunchEnv field that holds each (None: unset or blank)."""
+_FLAGS = {"DRY_RUN": "dry_run", "ALLOW_SLOW_LINKS": "allow_slow_links"}
+"""Variables that turn a LaunchEnv field on: set to anything but empty, 0, false or no."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,8 +97,7 @@ class LaunchEnv:
     forwarded: dict[str, str] = field(default_factory=dict)
     """Variables every node gets, as set where the command was given (secrets aside)."""
     secrets: dict[str, str] = field(default_factory=dict, repr=False)
-    """Forwarded variables that are secrets (WANDB_API_KEY, HF_TOKEN, ``*_TOKEN``, ``*_KEY``, ...): every
-    node gets them too, but only through a process's environment or standard input."""
+    """Forwarded variables that are secrets (:func:`is_secret`): every node gets them, only in a process's environment or standard input."""
     wandb: WandbSettings | None = None
     """WANDB_PROJECT and friends: one rank logs to Weights & Biases (None: WANDB_PROJECT unset)."""
     use_srun: bool = False
@@ -240,43 +244,20 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: 
     if port > 65535:
         raise UserError(f"MASTER_PORT={port} is not a TCP port; use 1024-65535")
     return LaunchEnv(
-        hosts=hosts,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        nproc_per_node=nproc,
-        master_addr=_text(env, "MASTER_ADDR") or hosts[0],
-        master_port=port,
-        master_port_explicit=bool(_text(env, "MASTER_PORT")),
-        hosts_explicit=explicit_hosts,
-        overrides=read_overrides(env),
-        min_nodes=min_nodes,
-        artifact_root=artifact_root(env),
-        megatron_lm_dir=_text(env, "MEGATRON_LM_DIR"),
+        hosts=hosts, hosts_explicit=explicit_hosts, nnodes=nnodes, min_nodes=min_nodes, node_rank=node_rank, nproc_per_node=nproc,
+        master_addr=_text(env, "MASTER_ADDR") or hosts[0], master_port=port, master_port_explicit=bool(_text(env, "MASTER_PORT")),
+        overrides=read_overrides(env), artifact_root=artifact_root(env), visible_gpus=visible_gpus,
         checkpoint_root=Path(env["CHECKPOINT_ROOT"].strip()).expanduser().absolute() if _text(env, "CHECKPOINT_ROOT") else None,
-        megatron_lm_extra_args=_words(env, "MEGATRON_LM_EXTRA_ARGS"),
-        visible_gpus=visible_gpus,
-        container_name=_text(env, "CONTAINER_NAME"),
-        ssh_opts=tuple(shlex.split(env.get("SSH_OPTS", ""))),
-        dry_run=env.get("DRY_RUN", "").strip() not in ("", "0", "false", "no"),
-        forwarded=forwarded_environment(env),
-        secrets=secret_environment(env),
-        wandb=read_wandb_settings(env),
-        use_srun=transport == "srun",
-        slurm_job_id=_text(env, "SLURM_JOB_ID"),
+        megatron_lm_extra_args=_words(env, "MEGATRON_LM_EXTRA_ARGS"), ssh_opts=tuple(shlex.split(env.get("SSH_OPTS", ""))),
+        forwarded=forwarded_environment(env), secrets=secret_environment(env), wandb=read_wandb_settings(env),
+        use_srun=transport == "srun", slurm_restart_count=_int(env, "SLURM_RESTART_COUNT", 0, 0),
         slurm_batch={key: env[name].strip() for key, name in (("partition", "SBATCH_PARTITION"), ("account", "SBATCH_ACCOUNT"),
                                                                ("time", "SBATCH_TIMELIMIT")) if _text(env, name)},
-        slurm_restart_count=_int(env, "SLURM_RESTART_COUNT", 0, 0),
-        stages_text=_text(env, "STAGES"),
-        gpu_memory_gb_text=_text(env, "GPU_MEMORY_GB"),
-        megatron_device_arch_text=_text(env, "MEGATRON_DEVICE_ARCH"),
-        log_level=read_log_level(env),
-        allow_slow_links=env.get("ALLOW_SLOW_LINKS", "").strip() not in ("", "0", "false", "no"),
-        restart_exclude=_switch(env, "RESTART_EXCLUDE", True),
-        link_test_s=_seconds(env, "LINK_TEST_S", 0.1, 60.0),
-        record_silence_s=_seconds(env, "RECORD_SILENCE_S", 5.0, 3600.0, example=76),
-        environ=dict(env),
-        python=python,
-        cwd=cwd,
+        log_level=read_log_level(env), restart_exclude=_switch(env, "RESTART_EXCLUDE", True),
+        link_test_s=_seconds(env, "LINK_TEST_S", 0.1, 60.0), record_silence_s=_seconds(env, "RECORD_SILENCE_S", 5.0, 3600.0, example=76),
+        environ=dict(env), python=python, cwd=cwd,
+        **{name: env.get(variable, "").strip() not in ("", "0", "false", "no") for variable, name in _FLAGS.items()},
+        **{name: env.get(variable, "").strip() or None for variable, name in _TEXTS.items()},
     )
 
 

@@ -35,10 +35,6 @@ def installed(dist: str) -> str | None:
         return None
 
 
-def megatron_core_for(python: tuple[int, int]) -> str:
-    return MEGATRON_CORE_FOR_PYTHON.get(python) or MEGATRON_CORE_FOR_PYTHON[max(MEGATRON_CORE_FOR_PYTHON)]
-
-
 def import_error(module: str) -> BaseException | None:
     """The exception importing ``module`` in a fresh interpreter raises, or None."""
     code = (f"import importlib, sys\ntry:\n importlib.import_module({module!r})\n"
@@ -60,9 +56,8 @@ def plan_installs(python: tuple[int, int], have_torch: str | None, have_mcore: s
     else:
         messages.append(f"torch {have_torch} is installed: kept")
     if have_mcore is None:
-        release = megatron_core_for(python)
-        commands.append(["install", "--no-deps", f"megatron-core=={release}"])
-        commands.append(["install", *MEGATRON_CORE_IMPORTS])
+        release = MEGATRON_CORE_FOR_PYTHON.get(python) or MEGATRON_CORE_FOR_PYTHON[max(MEGATRON_CORE_FOR_PYTHON)]
+        commands += [["install", "--no-deps", f"megatron-core=={release}"], ["install", *MEGATRON_CORE_IMPORTS]]
     elif mcore_error is None:
         messages.append(f"megatron-core {have_mcore} is installed and imports: kept")
     elif isinstance(mcore_error, ModuleNotFoundError) and mcore_error.name in IMPORTABLE_FIXES:

@@ -132,7 +132,7 @@ def resource_name(run: str, nnodes: int) -> str:
     """The JobSet's name from the run's: lower case, ``_`` and ``.`` as ``-``; a UserError where it
     cannot be a DNS label or its pods' host names would pass 63 characters."""
     name = re.sub(r"-+", "-", re.sub(r"[._]", "-", run.lower())).strip("-")
-    longest = f"{name}-{REPLICATED_JOB}-0-{nnodes - 1}"
+    longest = pod_hostname(name, nnodes - 1)
     if not _DNS_LABEL.match(name) or len(longest) > 63:
         raise UserError(f"run {run!r} gives the Kubernetes name {name!r}, whose pods would be named like {longest!r}: a "
                         "host name must start with a letter and be at most 63 characters; choose a shorter RUN name "
@@ -219,9 +219,9 @@ def plan_config_map(name: str, namespace: str | None, run: str, plans: Sequence[
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "binaryData": {PACKED_PLANS: packed}}
 
 
-def pod_spec(request: KubernetesRequest, name: str, plans: Sequence[NodePlan], python: str) -> dict:
-    """The pod template's spec, alike for every pod: the node's supervisor with its plan, the
-    devices, the volumes and SIGTERM's grace."""
+def pod_spec(request: KubernetesRequest, name: str, plans: Sequence[NodePlan], python: str, secret: str | None) -> dict:
+    """The pod template's spec, alike for every pod: the node's supervisor with its plan (``secret``: the
+    Secret of the run's secret variables), the devices, the volumes and SIGTERM's grace."""
     first = plans[0]
     port = first.master_port
     limits: dict[str, Any] = {}
@@ -229,13 +229,12 @@ def pod_spec(request: KubernetesRequest, name: str, plans: Sequence[NodePlan], p
         limits[GPU_RESOURCE] = request.gpus_per_node
     if request.rdma_resource:
         limits[request.rdma_resource[0]] = request.rdma_resource[1]
-    secret = request.secret_name or f"{name}-secrets"
     container = {
         "name": REPLICATED_JOB,
         "image": request.image,
         "workingDir": first.cwd,
         "command": pod_argv(python, PLAN_MOUNT),
-        "env": container_environment(plans, secret if first.secret_names else None),
+        "env": container_environment(plans, secret),
         "ports": [{"name": "torchrun", "containerPort": port}, {"name": "coordination", "containerPort": coordination_port(port)}],
         "resources": {"limits": limits, "requests": dict(limits)} if limits else {},
         "securityContext": {"capabilities": {"add": list(CAPABILITIES)}},
@@ -262,8 +261,8 @@ def render_manifest(request: KubernetesRequest, run: str, plans: Sequence[NodePl
     labels = {RUN_LABEL: run, **({QUEUE_LABEL: request.queue} if request.queue else {})}
     annotations = {EXCLUSIVE_TOPOLOGY: request.exclusive_topology} if request.exclusive_topology else {}
     metadata = _metadata(name, request.namespace, labels=labels, annotations=annotations)
-    spec = pod_spec(request, name, plans, python)
     secret = (request.secret_name or f"{name}-secrets") if plans[0].secret_names else None
+    spec = pod_spec(request, name, plans, python, secret)
     config = plan_config_map(name, request.namespace, run, plans)
     if request.trainjob:
         workload = render_trainjob(request, metadata, spec, nnodes)
@@ -312,10 +311,6 @@ def secret_document(manifest: Manifest, values: Mapping[str, str]) -> dict:
 
 
 # -- kubectl ----------------------------------------------------------------------------------------
-
-def apply_argv() -> list[str]:
-    return ["kubectl", "apply", "-f", "-"]
-
 
 def _namespace(submission: "Submission") -> list[str]:
     return ["-n", submission.namespace] if submission.namespace else []

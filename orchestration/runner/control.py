@@ -144,8 +144,6 @@ class RunEnd:
     """How a run ended on every node (None: a node that gave no status)."""
 
     statuses: dict[int, NodeStatus | None] = field(default_factory=dict)
-    unreachable: tuple[int, ...] = ()
-    """Nodes that answered no status for the wait's ``unreachable_s``: the run was stopped from here."""
     silent: tuple[int, ...] = ()
     """Nodes whose supervisor's heartbeat record stopped changing, with no exit record (records-only
     backends: record_beats.py): the run was stopped from here."""
@@ -214,7 +212,7 @@ def wait_until_ended(launch: LaunchEnv, run: str, nodes: Nodes, seq_length: int 
             missing = tuple(rank for rank, s in statuses.items() if s is None)
             stop_run(launch, run)
             after = {r.node_rank: r.value if r.ok else None for r in node_statuses(launch, run, nodes, seq_length)}
-            return RunEnd({**after, **{rank: None for rank in missing}}, missing)
+            return RunEnd({**after, **{rank: None for rank in missing}})
         if timeout_s is not None and now - t0 > timeout_s:
             return None
         time.sleep(poll_s)

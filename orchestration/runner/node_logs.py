@@ -219,11 +219,6 @@ class FileOnNode(LogSource):
         return Chunk(size, start, data)
 
 
-def source_for(launch: LaunchEnv, log: NodeLog) -> LogSource:
-    return FileHere(log.path) if log.via == HERE else FileOnNode(launch, backend_for(launch, [(log.node, log.host)]),
-                                                                   log.host, log.path)
-
-
 def _decode(data: bytes) -> list[str]:
     return data.decode(errors="replace").split("\n")
 
@@ -344,7 +339,8 @@ def read_logs(launch: LaunchEnv, plan: LogPlan, paths: RunPaths | None = None) -
     whose log could not be read (the others go on). With ``follow``, on until the run has ended (every
     node's exit record of its latest start) or the caller stops (Ctrl-C)."""
     paths = paths or RunPaths(launch.artifact_root, plan.run)
-    sources = {log.node: source_for(launch, log) for log in plan.logs}
+    sources = {log.node: FileHere(log.path) if log.via == HERE else
+               FileOnNode(launch, backend_for(launch, [(log.node, log.host)]), log.host, log.path) for log in plan.logs}
     hosts = plan.hosts
     live = dict(sources)
 

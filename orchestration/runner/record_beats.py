@@ -37,11 +37,6 @@ its time limit. RECORD_SILENCE_S in the environment lowers it, only where the ar
 every write to every node at once (the tests' one machine)."""
 
 
-def silence_reason(node_rank: int, silent_s: float) -> str:
-    return (f"node {node_rank}'s supervisor has not updated its record for {silent_s:.0f} s: it ended without "
-            "saying how (killed, e.g. by the out-of-memory killer), or its machine or its share is gone")
-
-
 @dataclass(kw_only=True)
 class RecordBeats:
     """Each node's heartbeat counter of one start and when it last changed (the reader's clock)."""
@@ -68,8 +63,7 @@ class RecordBeats:
         last = self.seen.get(node_rank)
         return now - (last[1] if last is not None else self.since)
 
-    def judge(self, statuses: Mapping[int, NodeStatus | None],
-              now: float) -> tuple[dict[int, NodeStatus | None], tuple[int, ...]]:
+    def judge(self, statuses: Mapping[int, NodeStatus | None], now: float) -> tuple[dict[int, NodeStatus | None], tuple[int, ...]]:
         """The statuses as a wait takes them, and the nodes found silent. A node has ended when its
         status says how (its exit record of this start, or the ledger's loss); else it is alive
         until its counter has stayed the same for ``silence_s``, and then failed, with the reason."""
@@ -79,9 +73,9 @@ class RecordBeats:
             if status is None or status.exit is not None:
                 judged[rank] = status
             elif self.silent_s(rank, now) > self.silence_s:
-                why = silence_reason(rank, self.silent_s(rank, now))
-                judged[rank] = dataclasses.replace(status, alive=False, state=RunState.FAILED, exit=why,
-                                                   failure_reason=why)
+                why = (f"node {rank}'s supervisor has not updated its record for {self.silent_s(rank, now):.0f} s: it ended "
+                       "without saying how (killed, e.g. by the out-of-memory killer), or its machine or its share is gone")
+                judged[rank] = dataclasses.replace(status, alive=False, state=RunState.FAILED, exit=why, failure_reason=why)
                 silent.append(rank)
             else:
                 judged[rank] = dataclasses.replace(status, alive=True)

@@ -98,6 +98,5 @@ def plan_rejoin(launch: LaunchEnv, run: str, node_rank: int, host: str | None = 
 
 def rejoin_node(launch: LaunchEnv, planned: RejoinPlan) -> NodeResult[NodeStarted]:
     """Send the node its plan: its supervisor runs, ``joining``, once the answer comes back."""
-    plan = planned.plan
-    node = [(plan.node_rank, plan.host)]
+    node = [(planned.plan.node_rank, planned.plan.host)]
     return backend_for(launch, node).call(launch, node, lambda *_: planned.call, NodeStarted)[0]

@@ -46,7 +46,7 @@ class PlannedStart:
 
     @property
     def refused(self) -> bool:
-        """The preflight found problems: a start starts nothing."""
+        """The preflight found problems: a start starts nothing (StartResult's too: nothing was started)."""
         return bool(self.preflight.problems)
 
     @property
@@ -87,10 +87,7 @@ class StartResult:
     rolled_back: tuple[NodeResult[StopResult], ...] = ()
     """The nodes that did start and were stopped again because another did not."""
 
-    @property
-    def refused(self) -> bool:
-        """The preflight found problems: nothing was started."""
-        return bool(self.preflight.problems)
+    refused = PlannedStart.refused
 
     @property
     def started(self) -> bool:

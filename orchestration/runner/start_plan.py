@@ -235,17 +235,10 @@ def node_environment(launch: LaunchEnv, node_rank: int, run: str, run_id: str, p
     the node-local progress directory, torch's flight recorder for the hang dumps)."""
     env = {k: v for k, v in launch.forwarded.items() if k not in program_env}
     env.update({k: v for k, v in program_env.items() if v is not None})
-    env.update(
-        NNODES=str(launch.nnodes),
-        NODE_RANK=str(node_rank),
-        NPROC_PER_NODE=str(launch.nproc_per_node),
-        MASTER_ADDR=launch.master_addr,
-        MASTER_PORT=str(launch.master_port),
-        ARTIFACT_ROOT=str(launch.artifact_root),
-        PYTHONUNBUFFERED="1",
-        **{RUN_TAG: run, RUN_ID_TAG: run_id, NODE_TAG: str(node_rank)},
-        **{ATTEMPT_ENV: str(first), PROGRESS_DIR_ENV: f"{local_dir.rstrip('/')}/megatron_ext_{run_id}_node{node_rank}"},
-    )
+    env.update(NNODES=str(launch.nnodes), NODE_RANK=str(node_rank), NPROC_PER_NODE=str(launch.nproc_per_node),
+               MASTER_ADDR=launch.master_addr, MASTER_PORT=str(launch.master_port), ARTIFACT_ROOT=str(launch.artifact_root),
+               PYTHONUNBUFFERED="1", **{RUN_TAG: run, RUN_ID_TAG: run_id, NODE_TAG: str(node_rank)},
+               **{ATTEMPT_ENV: str(first), PROGRESS_DIR_ENV: f"{local_dir.rstrip('/')}/megatron_ext_{run_id}_node{node_rank}"})
     if not any(name in env for name in FLIGHT_RECORDER_ENV):  # every collective each rank issued, for the dumps
         env[FLIGHT_RECORDER_ENV[0]] = str(FLIGHT_RECORDER_ENTRIES)
     unset = tuple(sorted(k for k, v in program_env.items() if v is None))
@@ -363,8 +356,7 @@ class StartNodes(Step):
     name = "start-nodes"
 
     def run(self, start: Started) -> tuple[str, ...]:
-        plans = start.plan.nodes
-        start.nodes = backend_for(start.launch, start.plan.node_hosts).start(start.launch, plans, start.paths)
+        start.nodes = backend_for(start.launch, start.plan.node_hosts).start(start.launch, start.plan.nodes, start.paths)
         return ()
 
 
@@ -415,12 +407,9 @@ def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeRep
             resume_args=program.resume_args, checkpoint_choice=program.checkpoint_choice, hosts=tuple(launch.hosts),
             first_members=first_members, restart_exclude=launch.restart_exclude,
         ))
-    runtime = RunRuntime(
-        run=inputs.run, run_id=inputs.run_id, engine=program.engine, nnodes=launch.nnodes,
-        nproc_per_node=launch.nproc_per_node, hosts=tuple(launch.hosts),
-        gradient_accumulation_steps=inputs.geometry.accumulation_steps,
-        program_argv=tuple(program.argv), program_env=dict(program.env),
-    )
+    runtime = RunRuntime(run=inputs.run, run_id=inputs.run_id, engine=program.engine, nnodes=launch.nnodes,
+                         nproc_per_node=launch.nproc_per_node, hosts=tuple(launch.hosts), program_argv=tuple(program.argv),
+                         gradient_accumulation_steps=inputs.geometry.accumulation_steps, program_env=dict(program.env))
     notes = [*program.notes, *([inputs.resume_note] if inputs.resume_note else []), *settled_notes]
     r = params.training.resilience
     if r.max_restarts and not params.training.save_interval:

@@ -123,7 +123,7 @@ def apply_kubernetes(launch: LaunchEnv, planned: KubernetesPlan) -> tuple[kube.S
     documents = manifest.documents
     if manifest.secret_name:  # the plans name the secrets this environment holds (launch_env.py)
         documents = (kube.secret_document(manifest, launch.secrets), *documents)
-    proc = kube.run_kubectl(kube.apply_argv(), launch.environ, stdin=kube.render_yaml(documents))
+    proc = kube.run_kubectl(["kubectl", "apply", "-f", "-"], launch.environ, stdin=kube.render_yaml(documents))
     if proc.returncode:
         raise UserError(f"kubectl apply refused the manifest: {(proc.stderr or proc.stdout).strip()}; nothing was started "
                         "(the run's parameters file is written: a submit again replaces it)")

@@ -117,8 +117,7 @@ def check_sweep(launch: LaunchEnv, model: str, data: str, prefix: str, stages: S
     iterations = 0
     for stage in stages:
         run = check_run_name(stage_run_name(prefix, stage))
-        params, _ = with_batch_geometry(load_run_params(model, data, _stage_launch(launch, stage).overrides),
-                                        launch.world_size)
+        params, _ = with_batch_geometry(load_run_params(model, data, _stage_launch(launch, stage).overrides), launch.world_size)
         iterations = params.training.train_iters
         checkpoints = RunPaths(launch.artifact_root, run).checkpoints_dir
         if checkpoints.is_dir() and any(checkpoints.iterdir()):
@@ -225,8 +224,7 @@ class Sweep:
             self.report(f"stage {stage} ({run}): {progress}" + (f", {tps:,.0f} tokens/s" if tps else "")
                         + f", {time.monotonic() - started:.0f} s", False)
 
-        end = wait_until_ended(self.launch, run, self.nodes, seq_length, on_poll=on_poll, unreachable_s=UNREACHABLE_S)
-        return end.statuses
+        return wait_until_ended(self.launch, run, self.nodes, seq_length, on_poll=on_poll, unreachable_s=UNREACHABLE_S).statuses
 
     @staticmethod
     def reason(statuses: dict[int, NodeStatus | None]) -> str:
@@ -265,8 +263,7 @@ class Sweep:
         self._check_stop_request(stage, run, "before it started")
         stage_launch = _stage_launch(self.launch, stage)
         started = time.monotonic()
-        self.report(f"stage {stage} ({run}): starting on {len(self.nodes)} node(s) x {self.launch.nproc_per_node} processes",
-                    False)
+        self.report(f"stage {stage} ({run}): starting on {len(self.nodes)} node(s) x {self.launch.nproc_per_node} processes", False)
         self._write_record(current_run=run)
         try:
             try:
@@ -274,14 +271,12 @@ class Sweep:
                 t = planned.inputs.params.training
                 self.engine = t.engine
                 result = start_run(stage_launch, planned, self.verdicts)
+                not_started = None if result.started else result.failure()[:400]
             except UserError as exc:
-                self._check_stop_request(stage, run, "while it started")
-                return StageResult(stage=stage, run=run, outcome=self.outcome(RunState.FAILED, stage, f"did not start: error: {exc}"),
-                                   elapsed_s=time.monotonic() - started)
+                not_started = f"error: {exc}"
             self._check_stop_request(stage, run, "while it started")
-            if not result.started:
-                return StageResult(stage=stage, run=run,
-                                   outcome=self.outcome(RunState.FAILED, stage, f"did not start: {result.failure()[:400]}"),
+            if not_started is not None:
+                return StageResult(stage=stage, run=run, outcome=self.outcome(RunState.FAILED, stage, f"did not start: {not_started}"),
                                    elapsed_s=time.monotonic() - started)
             statuses = self.wait(stage, run, t.seq_length, t.train_iters, started)
         except (KeyboardInterrupt, SweepStopped) as exc:
@@ -295,17 +290,15 @@ class Sweep:
         states = [s.state if s else None for s in statuses.values()]
         failed = any(state is not None and state.failed for state in states)
         if last >= t.train_iters and not failed:
-            return StageResult(stage=stage, run=run, outcome=self.outcome(RunState.FINISHED, stage),
-                               elapsed_s=elapsed, last_iteration=last, train_iters=t.train_iters, final_loss=final_loss)
-        if not failed and RunState.STOPPED in states and None not in states:
-            self.stop_everywhere(run)  # someone stopped this stage's run itself
-            return StageResult(stage=stage, run=run, outcome=self.outcome(RunState.STOPPED, stage, f"stopped on request at iteration "
-                                                        f"{last}/{t.train_iters} (stop {run}); the sweep goes on"),
-                               elapsed_s=elapsed, last_iteration=last, train_iters=t.train_iters, final_loss=final_loss)
-        reason = self.reason(statuses)
-        self.stop_everywhere(run)
-        return StageResult(stage=stage, run=run, outcome=self.outcome(RunState.FAILED, stage, reason),
-                           elapsed_s=elapsed, last_iteration=last, train_iters=t.train_iters, final_loss=final_loss)
+            state, reason = RunState.FINISHED, None
+        elif not failed and RunState.STOPPED in states and None not in states:  # someone stopped this stage's run itself
+            state, reason = RunState.STOPPED, f"stopped on request at iteration {last}/{t.train_iters} (stop {run}); the sweep goes on"
+        else:
+            state, reason = RunState.FAILED, self.reason(statuses)
+        if state != RunState.FINISHED:
+            self.stop_everywhere(run)
+        return StageResult(stage=stage, run=run, outcome=self.outcome(state, stage, reason), elapsed_s=elapsed, last_iteration=last,
+                           train_iters=t.train_iters, final_loss=final_loss)
 
     # the whole sweep -------------------------------------------------------------------------
 
