@@ -144,15 +144,16 @@ def resolve(args, env: Mapping[str, str], checked: CheckedInputs | None = None):
                      wandb=checked.wandb, shard_one_rank=shard_one_rank_asked(env))
 
 
-def refuse(exc: UserError, env: Mapping[str, str]) -> int:
-    """A user error: one message (rank 0's, or the rank's own when it alone found it), exit code 2."""
+def refuse(exc: Exception, env: Mapping[str, str], exit_code: int = EXIT_USER_ERROR) -> int:
+    """An error that ends every rank: one message (rank 0's, or the rank's own when it alone found it),
+    then ``exit_code`` (a user error: 2)."""
     if getattr(exc, "local", False):  # found by this rank alone (e.g. the W&B rank's wandb.init)
         print(f"error: rank {env.get('RANK', '0')}: {exc}", file=sys.stderr, flush=True)
     elif env.get("RANK", "0") == "0":
         print(f"error: {exc}", file=sys.stderr, flush=True)
     else:  # torchrun ends every rank at the first exit: give rank 0 the time to say why
         time.sleep(RANK_0_SPEAKS_S)
-    return EXIT_USER_ERROR
+    return exit_code
 
 
 QUIET_WARNINGS: tuple[tuple[str, str, str], ...] = (
@@ -209,11 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         return refuse(exc, env)
     except NonFiniteGradients as exc:  # a fault of the run, not of its input: one line, exit 1
-        if exc.local or env.get("RANK", "0") == "0":
-            print(f"error: rank {env.get('RANK', '0')}: {exc}" if exc.local else f"error: {exc}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(RANK_0_SPEAKS_S)
-        return EXIT_NODE_FAILED
+        return refuse(exc, env, EXIT_NODE_FAILED)
     return EXIT_OK
 
 

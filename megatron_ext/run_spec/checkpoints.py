@@ -107,16 +107,12 @@ def check_resumable(meta: CheckpointMeta, world_size: int, zero_stage: int, glob
     a UserError when it cannot be resumed exactly (saying why and what to do)."""
     fresh = f"for a fresh start, use another RUN name or remove {checkpoints_dir}"
     if meta.zero_stage != zero_stage:
-        raise UserError(
-            f"the checkpoint at iteration {meta.iteration} ({checkpoints_dir}) was saved under ZERO_STAGE={meta.zero_stage}; "
-            f"resume it with ZERO_STAGE={meta.zero_stage} (the optimizer state's layout differs per stage), or {fresh}"
-        )
+        raise UserError(f"the checkpoint at iteration {meta.iteration} ({checkpoints_dir}) was saved under ZERO_STAGE={meta.zero_stage}; "
+                        f"resume it with ZERO_STAGE={meta.zero_stage} (the optimizer state's layout differs per stage), or {fresh}")
     if meta.global_batch_size != global_batch_size:
-        raise UserError(
-            f"the checkpoint at iteration {meta.iteration} was trained with global batch {meta.global_batch_size}, this "
-            f"start would use {global_batch_size} (the data position and schedule would not continue exactly); resume "
-            f"with the same global batch (at another world size, give global_batch_size in the data set), or {fresh}"
-        )
+        raise UserError(f"the checkpoint at iteration {meta.iteration} was trained with global batch {meta.global_batch_size}, this "
+                        f"start would use {global_batch_size} (the data position and schedule would not continue exactly); resume "
+                        f"with the same global batch (at another world size, give global_batch_size in the data set), or {fresh}")
     if meta.device != device:
         raise UserError(f"the checkpoint at iteration {meta.iteration} was saved on {meta.device}, this start runs on "
                         f"{device}; resume it on {meta.device}, or {fresh}")

@@ -38,10 +38,12 @@ class Engine:
     saves Megatron-LM's checkpoints (which it checks and resumes itself)."""
     known_limits = "none beyond megatron-core's own: every stage saves and resumes"
     checksums = "every file each rank wrote, CRC32 in the checkpoint's checksum records"
+    log_starts: tuple[str, ...] = ()
+    """Lines that mark a start in its node log: the second iteration line after each is that interval's own mean."""
 
     def parse_log(self, text: str, seq_length: int | None = None, world_size: int = 0,
                   zero_stage: int = -1) -> tuple[list[IterationRecord], int]:
-        return parse_log(text, seq_length, world_size, zero_stage)
+        return parse_log(text, seq_length, world_size, zero_stage, starts=self.log_starts)
 
     def reshard_refusal(self, stage: int, device: Device) -> str | None:
         """Why a checkpoint of ``stage`` cannot be loaded at another data-parallel size, or None."""
@@ -69,11 +71,7 @@ class MegatronLM(Engine):
     runs_checkout = True
     known_limits = "orchestration/megatron_lm/program.py known_limits, per release (docs/megatron-lm.md)"
     checksums = "integrity.json's SHA-256 of each file (torch_dist, core_v0.17.1 and later)"
-
-    def parse_log(self, text: str, seq_length: int | None = None, world_size: int = 0,
-                  zero_stage: int = -1) -> tuple[list[IterationRecord], int]:
-        """The second line after each start (:data:`MEGATRON_LM_STARTS`) is that interval's own mean."""
-        return parse_log(text, seq_length, world_size, zero_stage, starts=MEGATRON_LM_STARTS)
+    log_starts = MEGATRON_LM_STARTS
 
     def reshard_refusal(self, stage: int, device: Device) -> str | None:  # noqa: ARG002 (the interface's signature)
         if stage != 0:

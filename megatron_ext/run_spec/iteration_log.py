@@ -109,10 +109,8 @@ def format_iteration_line(r: IterationRecord, timestamp: str | None = None) -> s
 def format_progress_line(r: IterationRecord, elapsed_s: float) -> str:
     remaining = r.train_iters - r.iteration
     eta_s = elapsed_s / max(r.iteration, 1) * remaining
-    return (
-        f"progress: {r.iteration}/{r.train_iters} ({100 * r.iteration / r.train_iters:.0f}%) "
-        f"eta {eta_s:.0f}s | {r.tokens_per_s:,.0f} tokens/s"
-    )
+    return (f"progress: {r.iteration}/{r.train_iters} ({100 * r.iteration / r.train_iters:.0f}%) "
+            f"eta {eta_s:.0f}s | {r.tokens_per_s:,.0f} tokens/s")
 
 
 _HEAD = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*$")

@@ -31,7 +31,6 @@ from megatron_ext.run_spec.zero import parse_zero_stage
 PARAMS_DIR = Path(__file__).resolve().parents[2] / "params"
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class ModelPreset:
     """A decoder-only transformer, in megatron-core's terms."""
@@ -328,10 +327,7 @@ def _read_yaml(kind: str, name: str, params_dir: Path) -> dict[str, Any]:
         if name.endswith((".yaml", ".yml")):  # a path: say so, and what else would do
             raise UserError(f"{what} file {name} does not exist; give an existing .yaml file, or one of the {what}s "
                             f"under {params_dir / kind}: {choices}")
-        raise UserError(
-            f"unknown {what} {name!r}: no {path}; choose one of: {choices} "
-            f"(or add {kind}/{name}.yaml under {params_dir})"
-        )
+        raise UserError(f"unknown {what} {name!r}: no {path}; choose one of: {choices} (or add {kind}/{name}.yaml under {params_dir})")
     raw = _parse_yaml(path) or {}
     if not isinstance(raw, dict):
         raise UserError(f"{path}: expected a mapping at top level, got {type(raw).__name__}")
@@ -378,10 +374,7 @@ def load_data_set(name: str, params_dir: Path = PARAMS_DIR) -> tuple[DataParams,
     where = _where("data", name)
     unknown = sorted(set(raw) - {"data", "training"})
     if unknown:
-        raise UserError(
-            f"unknown key {unknown[0]!r} in {where}; known keys: data, training "
-            "(fix the spelling or remove it)"
-        )
+        raise UserError(f"unknown key {unknown[0]!r} in {where}; known keys: data, training (fix the spelling or remove it)")
     data = build_dataclass(DataParams, raw.get("data") or {}, f"{where}:data")
     training = build_dataclass(TrainingParams, raw.get("training") or {}, f"{where}:training")
     return data, training
@@ -405,12 +398,7 @@ def check_engine(engine: str, source: str) -> str:
     return engine
 
 
-def load_run_params(
-    model: str,
-    data_set: str,
-    overrides: RunOverrides = RunOverrides(),
-    params_dir: Path = PARAMS_DIR,
-) -> RunParams:
+def load_run_params(model: str, data_set: str, overrides: RunOverrides = RunOverrides(), params_dir: Path = PARAMS_DIR) -> RunParams:
     """Load and validate model + data set, with ``overrides`` applied. Pure apart from reading
     the YAML files: nothing here reads the environment."""
     preset = load_model(model, params_dir)
@@ -439,15 +427,11 @@ def validate_run_params(p: RunParams) -> None:
     """Cross-field checks that need no process group (data-parallel size is checked later)."""
     m, d, t = p.model, p.data, p.training
     if m.hidden_size % m.num_attention_heads and m.kv_channels is None:
-        raise UserError(
-            f"hidden_size={m.hidden_size} is not divisible by num_attention_heads="
-            f"{m.num_attention_heads}; set kv_channels or change one of them"
-        )
+        raise UserError(f"hidden_size={m.hidden_size} is not divisible by num_attention_heads={m.num_attention_heads}; "
+                        "set kv_channels or change one of them")
     if m.num_attention_heads % m.query_groups:
-        raise UserError(
-            f"num_attention_heads={m.num_attention_heads} is not divisible by num_query_groups="
-            f"{m.query_groups}; choose a divisor"
-        )
+        raise UserError(f"num_attention_heads={m.num_attention_heads} is not divisible by num_query_groups={m.query_groups}; "
+                        "choose a divisor")
     if m.swiglu and m.gelu_tanh:
         raise UserError(f"model {m.name}: swiglu and gelu_tanh are both set; an MLP has one activation, keep one")
     if m.rope_scaling and m.position_embedding_type != "rope":
@@ -455,10 +439,7 @@ def validate_run_params(p: RunParams) -> None:
     if d.source == "files" and not d.paths:
         raise UserError(f"{_where('data', p.data_set)}: source=files needs data.paths; list one or more")
     if d.weights and len(d.weights) != len(d.paths):
-        raise UserError(
-            f"data.weights has {len(d.weights)} entries for {len(d.paths)} paths; give one weight "
-            "per path or none"
-        )
+        raise UserError(f"data.weights has {len(d.weights)} entries for {len(d.paths)} paths; give one weight per path or none")
     if t.init_checkpoint and m.hf_checkpoint and t.init == "pretrained":
         raise UserError(f"training.init_checkpoint={t.init_checkpoint} and the Hugging Face weights of {m.hf_checkpoint} "
                         "both start the run; keep one (training.init: random keeps only init_checkpoint)")
@@ -474,10 +455,8 @@ def validate_run_params(p: RunParams) -> None:
             raise UserError(f"training.{key}={value} must be > 0")
     check_seq_length(t.seq_length, m, f"{_where('data', p.data_set)}:training.seq_length")
     if t.global_batch_size is not None and t.gradient_accumulation_steps is not None:
-        raise UserError(
-            f"training sets both global_batch_size={t.global_batch_size} and gradient_accumulation_steps="
-            f"{t.gradient_accumulation_steps}; give one of them (global = micro x data-parallel x accumulation)"
-        )
+        raise UserError(f"training sets both global_batch_size={t.global_batch_size} and gradient_accumulation_steps="
+                        f"{t.gradient_accumulation_steps}; give one of them (global = micro x data-parallel x accumulation)")
     if t.fp8_amax_history_len <= 0:
         raise UserError(f"training.fp8_amax_history_len={t.fp8_amax_history_len} must be > 0 (steps of amax history; "
                         "1 is Megatron-LM's default, 1024 NVIDIA's recipes')")
@@ -486,10 +465,8 @@ def validate_run_params(p: RunParams) -> None:
                         "collections; 0 = only around evaluations)")
     check_resilience(t.resilience, f"{_where('data', p.data_set)}:training.resilience")
     if t.global_batch_size is not None and t.global_batch_size % t.micro_batch_size:
-        raise UserError(
-            f"global_batch_size={t.global_batch_size} is not divisible by micro_batch_size="
-            f"{t.micro_batch_size}; change one of them"
-        )
+        raise UserError(f"global_batch_size={t.global_batch_size} is not divisible by micro_batch_size={t.micro_batch_size}; "
+                        "change one of them")
 
 
 def check_seq_length(seq_length: int, m: ModelPreset, source: str) -> None:

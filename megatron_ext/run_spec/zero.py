@@ -51,7 +51,18 @@ class StageStrategy:
     """Megatron-LM pretrain_gpt.py flags (>= 0.14 spelling; see megatron_lm_flags_for_stage)."""
 
 
-_FSDP_COMMON = ("--use-megatron-fsdp", "--use-distributed-optimizer")
+def _megatron_fsdp(stage: ZeroStage, sharded: str, strategy: str, reshard_after_forward: bool) -> StageStrategy:
+    """Stages 2-3: Megatron-FSDP's ``strategy`` on GPUs, FSDP2 on CPU."""
+    return StageStrategy(
+        stage=stage,
+        sharded=sharded,
+        cuda=f"Megatron-FSDP {strategy} + distributed optimizer",
+        cpu=f"FSDP2 fully_shard(reshard_after_forward={reshard_after_forward})",
+        megatron_core_ddp=MegatronCoreDdp(use_distributed_optimizer=True, megatron_fsdp=strategy),
+        megatron_lm_flags=("--use-megatron-fsdp", "--use-distributed-optimizer", "--data-parallel-sharding-strategy", strategy,
+                           "--ckpt-format", "fsdp_dtensor"),
+    )
+
 
 STAGES: dict[ZeroStage, StageStrategy] = {
     ZeroStage.NONE: StageStrategy(
@@ -70,22 +81,8 @@ STAGES: dict[ZeroStage, StageStrategy] = {
         megatron_core_ddp=MegatronCoreDdp(use_distributed_optimizer=True),
         megatron_lm_flags=("--use-distributed-optimizer",),
     ),
-    ZeroStage.GRADIENTS: StageStrategy(
-        stage=ZeroStage.GRADIENTS,
-        sharded="optimizer state + gradients",
-        cuda="Megatron-FSDP optim_grads + distributed optimizer",
-        cpu="FSDP2 fully_shard(reshard_after_forward=False)",
-        megatron_core_ddp=MegatronCoreDdp(use_distributed_optimizer=True, megatron_fsdp="optim_grads"),
-        megatron_lm_flags=_FSDP_COMMON + ("--data-parallel-sharding-strategy", "optim_grads", "--ckpt-format", "fsdp_dtensor"),
-    ),
-    ZeroStage.PARAMETERS: StageStrategy(
-        stage=ZeroStage.PARAMETERS,
-        sharded="optimizer state + gradients + parameters",
-        cuda="Megatron-FSDP optim_grads_params + distributed optimizer",
-        cpu="FSDP2 fully_shard(reshard_after_forward=True)",
-        megatron_core_ddp=MegatronCoreDdp(use_distributed_optimizer=True, megatron_fsdp="optim_grads_params"),
-        megatron_lm_flags=_FSDP_COMMON + ("--data-parallel-sharding-strategy", "optim_grads_params", "--ckpt-format", "fsdp_dtensor"),
-    ),
+    ZeroStage.GRADIENTS: _megatron_fsdp(ZeroStage.GRADIENTS, "optimizer state + gradients", "optim_grads", False),
+    ZeroStage.PARAMETERS: _megatron_fsdp(ZeroStage.PARAMETERS, "optimizer state + gradients + parameters", "optim_grads_params", True),
 }
 
 

@@ -103,50 +103,37 @@ def write_png(path: Path, name: str, rows: Sequence[RunSummary]) -> bool:
     rows = list(rows)
     base = base_run(rows)
     colors = plt.get_cmap("tab10").colors
-    markers, styles = "osD^vPX*", ("-", "--", "-.", ":")
     fig, axes = plt.subplots(2, 2, figsize=(15, 10), dpi=100)
     (ax_loss, ax_diff), (ax_speed, ax_mem) = axes
     models = sorted({r.model for r in rows if r.model})
     fig.suptitle(f"{name}: {', '.join(models) or 'runs'} - {len(rows)} run(s); medians after "
                  f"{rows[0].warmup_iterations} warm-up iterations", fontsize=14)
 
-    for i, r in enumerate(rows):  # overlapping curves stay visible: wide to narrow, different dashes
-        if not r.losses:
-            continue
-        its, losses = zip(*r.losses)
-        ax_loss.plot(its, losses, color=colors[i % 10], marker=markers[i % 8], linestyle=styles[i % 4],
-                     linewidth=max(1.0, 4.0 - 0.8 * i), markersize=max(3.0, 9.0 - 1.5 * i), label=_label(r))
+    ref = dict(base.losses) if base else {}
+    diffs = [[] if r is base else [(it, abs(loss - ref[it])) for it, loss in r.losses if it in ref] for r in rows]
+    for ax, series, wide in ((ax_loss, [r.losses for r in rows], True), (ax_diff, diffs, False)):
+        for i, (r, points) in enumerate(zip(rows, series)):  # overlapping losses stay visible: wide to narrow, different dashes
+            if points:
+                ax.plot(*zip(*points), color=colors[i % 10], marker="osD^vPX*"[i % 8], linestyle=("-", "--", "-.", ":")[i % 4],
+                        linewidth=max(1.0, 4.0 - 0.8 * i) if wide else None, markersize=max(3.0, 9.0 - 1.5 * i) if wide else None,
+                        label=_label(r))
+        if base is None:
+            ax.text(0.5, 0.5, "no run recorded an iteration", ha="center", va="center", transform=ax.transAxes)
+        elif ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=9)
     ax_loss.set(title="Training loss against iteration", xlabel="iteration", ylabel="lm loss (nats per token)")
     ax_loss.grid(alpha=0.3)
-    if ax_loss.get_legend_handles_labels()[0]:
-        ax_loss.legend(fontsize=9)
-    else:
-        ax_loss.text(0.5, 0.5, "no run recorded an iteration", ha="center", va="center", transform=ax_loss.transAxes)
-
     if base:
-        ref = dict(base.losses)
-        largest = 0.0
-        for i, r in enumerate(rows):
-            pairs = [(it, abs(loss - ref[it])) for it, loss in r.losses if it in ref]
-            if r is base or not pairs:
-                continue
-            its, diffs = zip(*pairs)
-            largest = max(largest, *diffs)
-            ax_diff.plot(its, diffs, color=colors[i % 10], marker=markers[i % 8], linestyle=styles[i % 4], label=_label(r))
         ax_diff.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-        if largest == 0.0:
+        if max([0.0, *(d for points in diffs for _, d in points)]) == 0.0:
             ax_diff.text(0.5, 0.5, f"every run's loss equals {base.run}'s\nat every iteration", ha="center",
                          va="center", transform=ax_diff.transAxes, fontsize=12)
-        if ax_diff.get_legend_handles_labels()[0]:
-            ax_diff.legend(fontsize=9)
         ax_diff.set(title=f"Loss difference from {base.run}", xlabel="iteration", ylabel="|loss - base loss| (nats per token)")
         ax_diff.grid(alpha=0.3)
     else:
         ax_diff.set(title="Loss difference from the first run")
-        ax_diff.text(0.5, 0.5, "no run recorded an iteration", ha="center", va="center", transform=ax_diff.transAxes)
 
     xs = range(len(rows))
-    names = [r.run for r in rows]
     speeds = [r.tokens_per_s or 0.0 for r in rows]
     bars = ax_speed.bar(xs, speeds, color=[colors[i % 10] for i in xs])
     for bar, r in zip(bars, rows):
@@ -154,18 +141,15 @@ def write_png(path: Path, name: str, rows: Sequence[RunSummary]) -> bool:
         ax_speed.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=9)
     ax_speed.set(title="Throughput (median after warm-up)", ylabel="tokens/s (all ranks)")
     ax_speed.set_ylim(0, max(speeds) * 1.15 if max(speeds) else 1)
-    ax_speed.set_xticks(list(xs), names, rotation=15)
-    ax_speed.grid(axis="y", alpha=0.3)
 
     width = 0.8
-    most_ranks = max((len(r.peak_memory_per_rank) for r in rows), default=1) or 1
+    most_ranks = max(len(r.peak_memory_per_rank) for r in rows) or 1
     rank_colors = plt.get_cmap("viridis")
     labelled: set[str] = set()
     for i, r in enumerate(rows):
-        values = r.peak_memory_per_rank or ()
-        n = len(values)
+        values = r.peak_memory_per_rank
+        w = width / max(1, len(values))
         for j, v in enumerate(values):
-            w = width / n
             label = ("max over ranks (GPU)" if r.device != Device.CPU else f"rank {j}") if most_ranks <= 8 else "ranks"
             ax_mem.bar(i - width / 2 + w * (j + 0.5), v / MB, width=w * 0.9,
                        color=rank_colors(j / max(1, most_ranks - 1) * 0.85), edgecolor="black", linewidth=0.4,
@@ -184,8 +168,9 @@ def write_png(path: Path, name: str, rows: Sequence[RunSummary]) -> bool:
     top = max([v / MB for r in rows for v in r.peak_memory_per_rank] + [(r.planned_peak_bytes or 0) / MB for r in rows] + [0])
     if top:
         ax_mem.set_ylim(0, top * 1.35)  # room for the legend above the bars
-    ax_mem.set_xticks(list(xs), names, rotation=15)
-    ax_mem.grid(axis="y", alpha=0.3)
+    for ax in (ax_speed, ax_mem):
+        ax.set_xticks(list(xs), [r.run for r in rows], rotation=15)
+        ax.grid(axis="y", alpha=0.3)
     if labelled:
         ax_mem.legend(fontsize=9)
 
