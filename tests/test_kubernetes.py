@@ -187,6 +187,12 @@ def test_kubernetes_options_without_kubernetes_are_refused(tmp_path):
     proc = run_script("submit_training.sh", "gpt_smoke", "smoke", "kdemo", "--image", "reg/l:1",
                       env=clean_env(ARTIFACT_ROOT=str(tmp_path), DRY_RUN="1"))
     assert proc.returncode == 2 and "--image is for --kubernetes" in proc.stderr, proc.stderr
+    for given, message in ((["--max-restarts", "3"], "--max-restarts is for --kubernetes"),  # its default, given: refused too
+                           (["--termination-grace-s", "0"], "--termination-grace-s is for --kubernetes"),
+                           (["--kubernetes", "--signal-ahead-s", "300"], "--signal-ahead-s is for a Slurm batch job")):
+        proc = run_script("submit_training.sh", "gpt_smoke", "smoke", "kdemo", *given,
+                          env=clean_env(ARTIFACT_ROOT=str(tmp_path), DRY_RUN="1"))
+        assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, (given, proc.stderr)
 
 
 def test_status_and_stop_go_through_kubectl():

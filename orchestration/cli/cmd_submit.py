@@ -24,7 +24,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--time", help="time limit (default SBATCH_TIMELIMIT, else the partition's)")
     parser.add_argument("--partition", help="partition (default SBATCH_PARTITION, else the cluster's default)")
     parser.add_argument("--account", help="account (default SBATCH_ACCOUNT)")
-    parser.add_argument("--signal-ahead-s", type=int, default=slurm.DEFAULT_SIGNAL_AHEAD_S,
+    parser.add_argument("--signal-ahead-s", type=int,
                         help=f"save this long before the time limit and requeue (default {slurm.DEFAULT_SIGNAL_AHEAD_S}; "
                              "0: no save, no requeue)")
     k8s = parser.add_argument_group("Kubernetes (docs/kubernetes.md)")
@@ -35,9 +35,9 @@ def add_arguments(parser) -> None:
     k8s.add_argument("--namespace", help="default: kubectl's context's")
     k8s.add_argument("--queue", help="Kueue LocalQueue (label kueue.x-k8s.io/queue-name)")
     k8s.add_argument("--rdma", metavar="RESOURCE=COUNT", help="an RDMA device resource per pod, e.g. rdma/ib=1")
-    k8s.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS, help="JobSet failurePolicy.maxRestarts: "
+    k8s.add_argument("--max-restarts", type=int, help="JobSet failurePolicy.maxRestarts: "
                      f"recreations of every pod after one ended failed (default {DEFAULT_MAX_RESTARTS})")
-    k8s.add_argument("--termination-grace-s", type=int, default=DEFAULT_TERMINATION_GRACE_S, help="the pods' "
+    k8s.add_argument("--termination-grace-s", type=int, help="the pods' "
                      "terminationGracePeriodSeconds: SIGTERM saves at the next step, SIGKILL after this (default "
                      f"{DEFAULT_TERMINATION_GRACE_S})")
     k8s.add_argument("--shm-size", help="sizeLimit of the memory-backed /dev/shm (e.g. 64Gi; default: none)")
@@ -58,7 +58,7 @@ def run(args, launch: LaunchEnv) -> int:
     if args.kubernetes:
         return run_kubernetes(args, launch)
     plan = plan_submit(launch, args.model, args.data, args.run, args.nodes, args.gpus_per_node, args.time,
-                       args.partition, args.account, args.signal_ahead_s)
+                       args.partition, args.account, _or(args.signal_ahead_s, slurm.DEFAULT_SIGNAL_AHEAD_S))
     if launch.dry_run:
         print(plan.script, end="", flush=True)
         note(f"DRY_RUN=1: nothing submitted; the batch script above would be written to {plan.script_path} and sbatched")
@@ -71,11 +71,10 @@ def run(args, launch: LaunchEnv) -> int:
 
 
 def check_submit_options(args) -> None:
-    """Slurm's options with --kubernetes, or Kubernetes' without it: one error naming them."""
-    defaults = {"max_restarts": DEFAULT_MAX_RESTARTS, "termination_grace_s": DEFAULT_TERMINATION_GRACE_S,
-                "signal_ahead_s": slurm.DEFAULT_SIGNAL_AHEAD_S}
+    """Slurm's options with --kubernetes, or Kubernetes' without it, given at all (their defaults too):
+    one error naming them."""
     wrong = [name for name in (SLURM_OPTIONS if args.kubernetes else KUBERNETES_OPTIONS)
-             if getattr(args, name) not in (None, False, defaults.get(name))]
+             if getattr(args, name) is not None and getattr(args, name) is not False]  # 0 is given; --apply unset is False
     if wrong:
         flags = ", ".join("--" + name.replace("_", "-") for name in wrong)
         raise UserError(f"{flags} {'are' if len(wrong) > 1 else 'is'} for "
@@ -83,11 +82,17 @@ def check_submit_options(args) -> None:
                            "--kubernetes; add --kubernetes, or leave them out for a Slurm batch job"))
 
 
+def _or(given: int | None, default: int) -> int:
+    """An option's value: as given, else its default (None until then: check_submit_options sees what was given)."""
+    return default if given is None else given
+
+
 def run_kubernetes(args, launch: LaunchEnv) -> int:
     """The run's node plans as a JobSet (or a TrainJob): printed, or with --apply applied through kubectl (DRY_RUN=1: printed only)."""
     request = KubernetesRequest(image=args.image or "", volume_claim=args.volume_claim or "", namespace=args.namespace,
                                 queue=args.queue, gpus_per_node=args.gpus_per_node or 0, rdma_resource=parse_rdma(args.rdma),
-                                max_restarts=args.max_restarts, termination_grace_s=args.termination_grace_s,
+                                max_restarts=_or(args.max_restarts, DEFAULT_MAX_RESTARTS),
+                                termination_grace_s=_or(args.termination_grace_s, DEFAULT_TERMINATION_GRACE_S),
                                 shm_size=args.shm_size, exclusive_topology=args.exclusive_topology, secret_name=args.secret,
                                 trainjob=args.trainjob)
     apply = args.apply and not launch.dry_run
