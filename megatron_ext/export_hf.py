@@ -68,25 +68,31 @@ def read_model_weights(checkpoint: Path, template: dict[str, torch.Tensor]) -> d
     (CUDA stages 0-1) through training/checkpoint.py, which reads both."""
     from megatron_ext.training.checkpoint import is_torch_dist, load_stored_tensors, read_torch_dist_model_weights, stored_tensors
 
-    try:
-        if is_torch_dist(checkpoint):
+    def not_this_model(exc: ValueError) -> UserError:  # a tensor the template names is missing
+        return UserError(f"{exc}; it was not written by this run's model")
+
+    if is_torch_dist(checkpoint):
+        try:
             return read_torch_dist_model_weights(checkpoint, template)
-        stored = stored_tensors(checkpoint)
-        by_name: dict[str, tuple[str | None, ...]] = {}
-        for key in (key for key in stored if key.startswith("model.")):
-            name = key.removeprefix("model.")
-            while name.startswith("module."):
-                name = name.removeprefix("module.")
-            half = SWIGLU_HALVES.get(name.rsplit("_", 1)[-1]) if name.endswith(("weight_w", "weight_v")) else None
-            if half is None:
-                by_name[local_name(name)] = (key,)
-            else:  # Megatron-LM's fsdp_dtensor layout: SwiGLU's fc1 as its two halves, rows of w then v
-                parts = list(by_name.get(local_name(name[:-2]), (None, None)))
-                parts[half] = key
-                by_name[local_name(name[:-2])] = tuple(parts)
+        except ValueError as exc:
+            raise not_this_model(exc) from None
+    stored = stored_tensors(checkpoint)
+    by_name: dict[str, tuple[str | None, ...]] = {}
+    for key in (key for key in stored if key.startswith("model.")):
+        name = key.removeprefix("model.")
+        while name.startswith("module."):
+            name = name.removeprefix("module.")
+        half = SWIGLU_HALVES.get(name.rsplit("_", 1)[-1]) if name.endswith(("weight_w", "weight_v")) else None
+        if half is None:
+            by_name[local_name(name)] = (key,)
+        else:  # Megatron-LM's fsdp_dtensor layout: SwiGLU's fc1 as its two halves, rows of w then v
+            parts = list(by_name.get(local_name(name[:-2]), (None, None)))
+            parts[half] = key
+            by_name[local_name(name[:-2])] = tuple(parts)
+    try:
         state = load_stored_tensors(checkpoint, stored, by_name, template)
     except ValueError as exc:
-        raise UserError(f"{exc}; it was not written by this run's model") from None
+        raise not_this_model(exc) from None
     return {name: torch.cat([state[key] for key in by_name[name]]) if len(by_name[name]) > 1 else state[by_name[name][0]]
             for name in template}
 
