@@ -332,12 +332,6 @@ def check_data_paths(data: DataParams) -> None:
         raise UserError("blend weights need prepared .bin/.idx prefixes; prepare each file first")
 
 
-def _prepared_already(data: DataParams, cache_root: Path) -> PreparedData | None:
-    """Ready-made prefixes, or what :func:`ensure_prepared` wrote; None where it has not run."""
-    manifest = _cache_dir(data, cache_root) / MANIFEST
-    return _ready_made(data) or (_read_manifest(manifest) if manifest.is_file() else None)
-
-
 def is_prepared(data: DataParams, cache_root: Path) -> bool:
     """Whether ``data`` needs no preparation: ready-made prefixes, or :func:`ensure_prepared` ran."""
     return _ready_made(data) is not None or (_cache_dir(data, cache_root) / MANIFEST).is_file()
@@ -345,9 +339,12 @@ def is_prepared(data: DataParams, cache_root: Path) -> bool:
 
 def planned_prepared(data: DataParams, cache_root: Path) -> PreparedData:
     """Where :func:`ensure_prepared` puts (or has put) ``data``, without preparing anything."""
-    if prepared := _prepared_already(data, cache_root):
-        return prepared
+    ready = _ready_made(data)
+    if ready is not None:
+        return ready
     out_dir = _cache_dir(data, cache_root)
+    if (out_dir / MANIFEST).is_file():
+        return _read_manifest(out_dir / MANIFEST)
     name, tok = _corpus_name(data), data.tokenizer
     model = tok.model_path or (str(out_dir / f"{name}.model") if tok.type == "sentencepiece" else None)
     return PreparedData(prefixes=(str(out_dir / f"{name}{DOCUMENT_SUFFIX}"),), weights=(1.0,), tokenizer_type=tok.type,
@@ -382,10 +379,13 @@ def ensure_prepared(data: DataParams, cache_root: Path, workers: int = 2,
     finds the finished cache there (another start prepared it meanwhile: ENOTEMPTY or EEXIST by
     POSIX, EPERM on sshfs) this preparer's own copy is discarded and the one in place is used,
     waiting up to ``visible_s`` for its manifest to show through a shared file system."""
-    if prepared := _prepared_already(data, cache_root):
-        return prepared
+    ready = _ready_made(data)
+    if ready is not None:
+        return ready
     out_dir = _cache_dir(data, cache_root)
     manifest = out_dir / MANIFEST
+    if manifest.is_file():
+        return _read_manifest(manifest)
     cache_root.mkdir(parents=True, exist_ok=True)
     own = cache_root / f".{out_dir.name}.preparing-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
     try:

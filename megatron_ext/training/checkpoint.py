@@ -174,8 +174,13 @@ def _commit(checkpoints_dir: Path, target: Path, final: Path, iteration: int, to
         os.replace(final, aside)
         shutil.rmtree(aside, ignore_errors=True)
     os.replace(target, final)
-    write_text_atomic(checkpoints_dir / LATEST, iteration_dir_name(iteration))  # tmp + rename: atomic
+    _point_latest(checkpoints_dir, iteration)
     _prune(checkpoints_dir, keep, token)
+
+
+def _point_latest(checkpoints_dir: Path, iteration: int) -> None:
+    """The ``latest`` marker names ``iteration``: written to a temporary file, then renamed (atomic)."""
+    write_text_atomic(checkpoints_dir / LATEST, iteration_dir_name(iteration))
 
 
 def begin_save(trainer, checkpoints_dir: Path, meta: CheckpointMeta, keep: int, background: bool) -> PendingSave:
@@ -310,7 +315,7 @@ def newest_verified(checkpoints_dir: Path, choice: ResumeChoice, visible_s: floa
         if damaged and rank == 0:
             for _, p, _ in damaged:
                 os.replace(p, p.with_name(p.name + DAMAGED_SUFFIX))
-            write_text_atomic(checkpoints_dir / LATEST, iteration_dir_name(iteration))
+            _point_latest(checkpoints_dir, iteration)
         dist.barrier()
         return iteration, notes
     what = "; ".join(f"iteration {it}: {'; '.join(found[:2])}" for it, _, found in damaged)
