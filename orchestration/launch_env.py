@@ -257,7 +257,7 @@ def read_launch_env(env: Mapping[str, str], visible_gpus: int = 0, slurm_hosts: 
         link_test_s=_seconds(env, "LINK_TEST_S", 0.1, 60.0), record_silence_s=_seconds(env, "RECORD_SILENCE_S", 5.0, 3600.0, example=76),
         environ=dict(env), python=python, cwd=cwd,
         **{name: env.get(variable, "").strip() not in ("", "0", "false", "no") for variable, name in _FLAGS.items()},
-        **{name: env.get(variable, "").strip() or None for variable, name in _TEXTS.items()},
+        **{name: _text(env, variable) for variable, name in _TEXTS.items()},
     )
 
 

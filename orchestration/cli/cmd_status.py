@@ -54,12 +54,14 @@ def run(args, launch: LaunchEnv) -> int:
         it = f"{p.last_iteration}/{p.train_iters}" if p.last_iteration is not None else "-"
         tps = f"{p.tokens_per_s:,.0f}" if p.tokens_per_s is not None else "-"
         print(f"{p.node_rank:<5} {p.host:<16} {p.state.value:<11} {p.pid or '-':>8} {it:>11} {tps:>10}  {p.last_line}")
+    for line in describe_attempts(report):  # before the reads below, which may fail
+        print(line)
     paths = RunPaths(launch.artifact_root, args.run)
     goodput = read_goodput(paths)  # the ledger and node 0's lines (docs/faults.md#goodput)
     slow = next((r.value.slow_ranks for r in report.nodes if r.ok and r.value.slow_ranks), None)
     checkpoints = format_checkpoint_line(check_run_checkpoints(paths, sizes_only=True), moved_aside(paths))
     failed = report.failure and f"run failed: {report.failure} (details: {paths.failure_file})"
-    for line in (*describe_attempts(report), goodput and format_goodput_line(goodput), slow, checkpoints, failed):
+    for line in (goodput and format_goodput_line(goodput), slow, checkpoints, failed):
         if line:  # each of these only where there is one
             print(line)
     return report.exit_code

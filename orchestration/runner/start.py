@@ -46,7 +46,7 @@ class PlannedStart:
 
     @property
     def refused(self) -> bool:
-        """The preflight found problems: a start starts nothing (StartResult's too: nothing was started)."""
+        """The preflight found problems: a start starts nothing."""
         return bool(self.preflight.problems)
 
     @property
@@ -87,7 +87,10 @@ class StartResult:
     rolled_back: tuple[NodeResult[StopResult], ...] = ()
     """The nodes that did start and were stopped again because another did not."""
 
-    refused = PlannedStart.refused
+    @property
+    def refused(self) -> bool:
+        """The preflight found problems: nothing was started."""
+        return bool(self.preflight.problems)
 
     @property
     def started(self) -> bool:
