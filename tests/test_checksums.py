@@ -239,6 +239,54 @@ def test_node_0_picks_megatron_lm_s_newest_checkpoint_that_verifies(tmp_path):
     assert "check_checkpoints.sh" in refused.refused and refused.iteration is None
 
 
+def test_the_nodes_share_node_0_s_pass_each_reading_its_writers_files(tmp_path):
+    """resume_point.py's shared pass (issue 54): node 0 asks for a checkpoint on the board, each node
+    reads the files of its share of the writers (2 nodes: writers 0, 2 and rank 0's files on node 0,
+    writers 1, 3 on node 1; about half the bytes each), the answers go through the board as the
+    supervisors send them, and node 0 judges the checkpoint from all of them: damage in node 1's
+    share is found by node 1 alone; a node that does not see the records answers nothing found
+    (node 0 then reads that share itself)."""
+    from megatron_ext.run_spec.checksums import write_integrity_manifest
+    from orchestration.node.board import Board, MemoryStore
+    from orchestration.node.resume_point import ShareAsk, check_share, choose, merged
+
+    save = tmp_path / "checkpoints"
+    folder = _megatron_lm_checkpoint(save, 8)
+    for writer in (1, 2, 3):
+        (folder / f"__{writer}_0.distcp").write_bytes(bytes([writer]) * 4096)
+    write_integrity_manifest(folder)
+    ask = ShareAsk(8, folder.name, (0, 1))
+    board = Board(MemoryStore(), 0)
+    board.ask_share(3, ask)
+    assert board.share_asked(3) == ask and board.share_asked(4) is None
+    told: dict[int, list] = {0: [], 1: []}
+    checks = [check_share(save, board.share_asked(3), node, lambda *seen, node=node: told[node].append(seen))
+              for node in ask.nodes]
+    for check in checks:
+        board.write_share(3, 8, check)
+    assert [board.read_share(3, 8, node) for node in (0, 1)] == checks and board.read_share(3, 9, 0) is None
+    size = lambda *names: sum((folder / n).stat().st_size for n in names)  # noqa: E731
+    assert [c.read_bytes for c in checks] == [size("__0_0.distcp", "__2_0.distcp", ".metadata", "common.pt", "metadata.json"),
+                                              size("__1_0.distcp", "__3_0.distcp")]
+    assert told[1][-1] == (8, checks[1].read_bytes, checks[1].read_bytes)
+    assert merged(8, folder, checks).state == "verified"
+    _flip(folder / "__3_0.distcp")
+    checks = [check_share(save, ask, node) for node in ask.nodes]
+    assert checks[0].damage == () and [d.file for d in checks[1].damage] == ["__3_0.distcp"]
+    assert merged(8, folder, checks).describe().startswith("iteration 8: damaged (__3_0.distcp: other bytes (SHA-256 ")
+    assert check_share(save, ShareAsk(8, "iter_0000099", (0, 1)), 1).damage is None  # not seen there: node 0 reads it
+    # choose() with the shared check: the damaged one passed over, as with node 0's own pass
+    _megatron_lm_checkpoint(save, 4)
+    (save / "latest_checkpointed_iteration.txt").write_text("8")
+    asked = []
+
+    def together(iteration, path):
+        asked.append(iteration)
+        return merged(iteration, path, [check_share(save, ShareAsk(iteration, path.name, (0, 1)), n) for n in (0, 1)])
+    point, damaged = choose(save, check=together)
+    assert (point.iteration, [h.iteration for h in damaged], asked) == (4, [8], [8, 4])
+
+
 def test_an_attempt_names_node_0_s_choice():
     from orchestration.node.wire import CheckpointChoice, NodePlan, torchrun_argv
 

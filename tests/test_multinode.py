@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -642,31 +643,57 @@ def test_a_node_the_preflight_refuses_is_left_out_with_nnodes_min_max_and_brough
     assert tagged_pids(run) == []
 
 
-def test_megatron_lm_trains_across_two_nodes_over_ssh(cluster_env, artifact_root, tmp_path, request):
+def test_megatron_lm_trains_across_two_nodes_over_ssh(cluster, cluster_env, artifact_root, tmp_path, request):
     """ENGINE=megatron-lm on the namespace cluster: Megatron-LM core_v0.19.0's own pretrain_gpt.py on
     Python 3.12 (core_v0.16.1 where that cannot run here), 2 nodes x 1 rank over ssh (the checkout
     and the CUDA-on-CPU shim on the file system both nodes see, forwarded as the MEGATRON_* and
     PYTHON* variables are), trains to its last iteration, each node naming what node 0 chose to load
     (nothing: --verify-integrity on 0.19); its iteration lines are on the last node's log, and
-    status reads them there."""
+    status reads them there. On 0.19 it starts again over its last checkpoint, damaged (issue 54):
+    node 0's pass over it is shared, node 1 reading the file its rank wrote (the byte changed on
+    node 1, through its own view of the share), node 0 the rest; node 1's finding makes node 0 pass
+    it over, and the run trains its last two iterations again from the checkpoint before."""
 
     tag, checkout, python = newest_megatron_lm(request)
     env = megatron_lm_env(checkout, **{**cluster_env, "NPROC_PER_NODE": "1", "MASTER_PORT": "29671", **python})
-    data = megatron_lm_data_set(tmp_path / "lm.yaml", train_iters=4)
+    data = megatron_lm_data_set(tmp_path / "lm.yaml", train_iters=4, save_interval=2)
     run = "mn_lm"
+    node0_log, node1_log = (artifact_root / "logs" / f"{run}_node{n}.log" for n in (0, 1))
     try:
         start = run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=env, timeout=300)
         assert start.returncode == 0, start.stdout + start.stderr
         assert "[node0 node0] started" in start.stdout and "[node1 node1] started" in start.stdout
         wait_for(lambda: not tagged_pids(run), 400, what="Megatron-LM's run to finish on both nodes")
+        records, _ = MEGATRON_LM.parse_log(node1_log.read_text(errors="replace"))
+        assert [r.iteration for r in records] == [1, 2, 3, 4], node1_log.read_text()[-3000:]
+        status = run_script("status_training.sh", run, env=env).stdout
+        rows = [l.split() for l in status.splitlines() if l[:1].isdigit()]
+        assert [r[:3] for r in rows] == [["0", "node0", "finished"], ["1", "node1", "finished"]], status
+        if tag != "core_v0.19.0":
+            return
+        # node 0's choice (nothing to load, verify) reached node 1's torchrun over the board
+        assert "Megatron-LM loads no checkpoint of its own (with --verify-integrity)" in node1_log.read_text(), \
+            node1_log.read_text()[-3000:]
+        checkpoint = artifact_root / "runs" / run / "checkpoints" / "iter_0000004"
+        written = sorted(p.name for p in checkpoint.glob("__1_*.distcp"))[0]  # rank 1 (node 1) wrote it
+        change = (f"f = open({str(checkpoint / written)!r}, 'r+b'); f.seek(64); b = f.read(1); f.seek(64); "
+                  "f.write(bytes([b[0] ^ 255])); f.close()")
+        flip = subprocess.run(["ssh", "-F", str(cluster.ssh_config), "node1", shlex.join([sys.executable, "-c", change])],
+                              capture_output=True, text=True, timeout=60)
+        assert flip.returncode == 0, flip.stderr
+        again = run_script("start_multinode_training.sh", "gpt_smoke", data, run, env={**env, "MASTER_PORT": "29673"},
+                           timeout=300)
+        assert again.returncode == 0, again.stdout + again.stderr
+        wait_for(lambda: not tagged_pids(run), 400, what="the restarted run to finish on both nodes")
     finally:
         run_script("stop_multinode_training.sh", run, env=env)
-    if tag == "core_v0.19.0":  # node 0's choice (nothing to load, verify) reached node 1's torchrun over the board
-        node1 = (artifact_root / "logs" / f"{run}_node1.log").read_text(errors="replace")
-        assert "Megatron-LM loads no checkpoint of its own (with --verify-integrity)" in node1, node1[-3000:]
-    records, _ = MEGATRON_LM.parse_log((artifact_root / "logs" / f"{run}_node1.log").read_text(errors="replace"))
-    assert [r.iteration for r in records] == [1, 2, 3, 4], (artifact_root / "logs" / f"{run}_node1.log").read_text()[-3000:]
-    status = run_script("status_training.sh", run, env=env).stdout
-    rows = [l.split() for l in status.splitlines() if l[:1].isdigit()]
-    assert [r[:3] for r in rows] == [["0", "node0", "finished"], ["1", "node1", "finished"]], status
-    assert tagged_pids(run) == []
+    shown = node0_log.read_text(errors="replace")
+    assert "verifying the checkpoint of iteration 4 before choosing it (this node's share, 1 of 2)" in shown, shown[-3000:]
+    assert re.search(rf"the checkpoint of iteration 4 is damaged \({re.escape(written)}: other bytes \(SHA-256 [^)]*\)\): "
+                     r"moved aside as iter_0000004\.damaged; Megatron-LM loads the checkpoint of iteration 2 ", shown), shown[-3000:]
+    node1 = node1_log.read_text(errors="replace")
+    assert re.search(rf"read this node's share \(2 of 2\) of the checkpoint of iteration 4 for node 0's choice: "
+                     rf"[\d.]+ GB in \d+ s, {re.escape(written)}: other bytes", node1), node1[-3000:]
+    records, _ = MEGATRON_LM.parse_log(node1.rpartition("attempt 1 of")[2])
+    assert [r.iteration for r in records] == [3, 4], node1[-3000:]
+    assert (checkpoint.parent / "iter_0000004.damaged").is_dir() and tagged_pids(run) == []

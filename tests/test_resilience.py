@@ -20,7 +20,8 @@ import pytest
 
 from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.run_spec.errors import FINAL, UserError
-from megatron_ext.run_spec.resilience import RankProgress, ResilienceParams, phase_limit_s, read_resilience_overrides
+from megatron_ext.run_spec.resilience import (RankProgress, ResilienceParams, for_checkpoint, phase_limit_s,
+                                              read_resilience_overrides)
 from orchestration.node.attempts import AttemptEnd, AttemptRecord, Evidence, decide, decide_rejoin, trained_to_the_end
 from megatron_ext.host.procfs import process_environ
 from orchestration.node.run_state import RunState
@@ -201,6 +202,11 @@ def test_phase_limits_and_their_overrides():
     assert phase_limit_s(progress("step", 1, 8.0), p) == p.hang_setup_s  # warm-up steps: setup's limit
     assert phase_limit_s(progress("checkpoint", 10, 8.0), p) == p.hang_checkpoint_s
     assert phase_limit_s(progress("prepare", 0, None), p) is None  # a corpus takes as long as it takes
+    # [issue 54] a large checkpoint's load and save are allowed for, at a quarter of 1 GB/s per node
+    big = for_checkpoint(p, 450 * 10**9)  # Qwen3-32B with its optimizer
+    assert (big.hang_setup_s, big.hang_checkpoint_s) == (p.hang_setup_s + 1800, p.hang_checkpoint_s + 1800)
+    assert phase_limit_s(progress("setup", 0, None), big) == p.hang_setup_s + 1800
+    assert phase_limit_s(progress("step", 10, 2.0), big) == 30 and for_checkpoint(p, 0) == p
     assert read_resilience_overrides({"MAX_RESTARTS": "3", "HANG_STEP_FLOOR_S": "60", "HANG_WATCHDOG": "0"}) == {
         "max_restarts": 3, "hang_step_floor_s": 60.0, "hang_watchdog": False}
     with pytest.raises(UserError, match=r"MAX_RESTARTS='many' must be a whole number >= 0, e.g. 3"):

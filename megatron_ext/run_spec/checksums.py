@@ -258,8 +258,14 @@ def checkpoint_bytes_on_disk(checkpoint: Path) -> int:
     return sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
 
 
-def _counting(progress: Callable[[int, int, int], None], iteration: int, total: int) -> Progress:
-    """A chunk's bytes added up, handed on as (iteration, bytes read so far, the folder's bytes)."""
+def share_bytes(checkpoint: Path, share: tuple[int, int] = (0, 1)) -> int:
+    """The bytes of the recorded files in ``share`` (k, n) of ``checkpoint`` (what :func:`verify` reads)."""
+    return sum((checkpoint / name).stat().st_size for name in written_by(sorted(recorded_files(checkpoint)), *share)
+               if (checkpoint / name).is_file())
+
+
+def counting(progress: Callable[[int, int, int], None], iteration: int, total: int) -> Progress:
+    """A chunk's bytes added up, handed on as (iteration, bytes read so far, ``total``)."""
     done = 0
 
     def told(n: int) -> None:
@@ -270,16 +276,22 @@ def _counting(progress: Callable[[int, int, int], None], iteration: int, total: 
 
 
 def newest_verified(checkpoints: Sequence[tuple[int, Path]],
-                    progress: Callable[[int, int, int], None] | None = None
+                    progress: Callable[[int, int, int], None] | None = None,
+                    check: Callable[[int, Path], CheckpointHealth] | None = None
                     ) -> tuple[CheckpointHealth | None, tuple[CheckpointHealth, ...]]:
     """The newest checkpoint that verifies (or has no records), of (iteration, folder) pairs, and
-    the damaged ones newer than it (every one when none verifies): one process reads every byte.
-    (A run's ranks share the reading instead: megatron_ext/training/checkpoint.py.) ``progress``:
-    told (iteration, bytes read, its folder's bytes) as it reads."""
+    the damaged ones newer than it (every one when none verifies). Each is judged by ``check``
+    (iteration, folder), by default :func:`health` in this process, which reads every byte (node 0's
+    supervisor hands in a check that the attempt's nodes share: orchestration/node/resume_point.py;
+    a run's ranks share the reading too: megatron_ext/training/checkpoint.py). ``progress``: the
+    default check's, told (iteration, bytes read, its folder's bytes) as it reads."""
     damaged: list[CheckpointHealth] = []
     for iteration, path in sorted(checkpoints, reverse=True):
-        told = _counting(progress, iteration, checkpoint_bytes_on_disk(path)) if progress is not None else None
-        h = health(path, iteration, progress=told)
+        if check is not None:
+            h = check(iteration, path)
+        else:
+            told = counting(progress, iteration, checkpoint_bytes_on_disk(path)) if progress is not None else None
+            h = health(path, iteration, progress=told)
         if h.state != HealthState.DAMAGED:
             return h, tuple(damaged)
         damaged.append(h)

@@ -211,6 +211,21 @@ def read_progress(directory: Path) -> dict[int, RankProgress]:
     return out
 
 
+CHECKPOINT_READ_FLOOR_BPS = 250e6
+"""The slowest rate, bytes a second, at which the watchdog expects one process to read a whole
+checkpoint through: a quarter of a cluster file system's ~1 GB/s per node. At a resume the ranks
+load it, and Megatron-LM's ``--verify-integrity`` hashes every file on rank 0 first; at a save
+Megatron-LM's manifest hashes every file on rank 0 again."""
+
+
+def for_checkpoint(r: ResilienceParams, checkpoint_bytes: int) -> ResilienceParams:
+    """``r`` with the setup and save limits raised by the time a checkpoint of ``checkpoint_bytes``
+    takes at :data:`CHECKPOINT_READ_FLOOR_BPS` (450 GB: 30 minutes more; 24 GB: 96 s), so that a
+    large checkpoint's load or save is never taken for a hang. Pure."""
+    extra = checkpoint_bytes / CHECKPOINT_READ_FLOOR_BPS
+    return replace(r, hang_setup_s=r.hang_setup_s + extra, hang_checkpoint_s=r.hang_checkpoint_s + extra)
+
+
 def phase_limit_s(p: RankProgress, r: ResilienceParams) -> float | None:
     """How long ``p``'s current phase may last before the rank counts as hung; None = no limit."""
     if p.phase in (Phase.PREPARE, *ENDED_PHASES):

@@ -18,6 +18,9 @@ Keys, under the start's run id (a new start never reads an old one's):
     a<K>/decision        node 0's decision after it (restart, or how the run ends): every node
                          follows it, whatever its own end was
     a<K>/resume          node 0: the checkpoint a Megatron-LM attempt loads
+    a<K>/share           node 0: the checkpoint whose files the attempt's nodes read, a share each,
+                         before it chooses (resume_point.py ShareAsk; one at a time, newest first)
+    a<K>/share/<it>/<node>  what that node found in its share of checkpoint <it> (ShareCheck)
     a<K>/ready/<node>    a node ready for attempt K
     a<K>/roster          node 0: the nodes attempt K runs on
     a<K>/rejoin          node 0: the nodes back for the next attempt (attempt K saves and ends for them)
@@ -49,7 +52,7 @@ from megatron_ext.run_spec.convert import structure, unstructure
 from orchestration.node.attempts import AttemptEnd, Decision
 from orchestration.node.exclusion import Exclusion
 from orchestration.node.failure import Failure
-from orchestration.node.resume_point import ResumePoint
+from orchestration.node.resume_point import ResumePoint, ShareAsk, ShareCheck
 from orchestration.node.watchdog import Hang, RankReport
 from orchestration.node.wire import coordination_port
 
@@ -275,6 +278,18 @@ class Board:
 
     def read_resume_point(self, attempt: int) -> ResumePoint | None:
         return self._read(f"a{attempt}/resume", ResumePoint)
+
+    def ask_share(self, attempt: int, ask: ShareAsk) -> None:
+        self.store.set(f"a{attempt}/share", json.dumps(unstructure(ask)))
+
+    def share_asked(self, attempt: int) -> ShareAsk | None:
+        return self._read(f"a{attempt}/share", ShareAsk)
+
+    def write_share(self, attempt: int, iteration: int, check: ShareCheck) -> None:
+        self.store.set(f"a{attempt}/share/{iteration}/{check.node}", json.dumps(unstructure(check)))
+
+    def read_share(self, attempt: int, iteration: int, node_rank: int) -> ShareCheck | None:
+        return self._read(f"a{attempt}/share/{iteration}/{node_rank}", ShareCheck)
 
     def mark_ready(self, attempt: int) -> None:
         self.store.set(f"a{attempt}/ready/{self.rank}", "1")

@@ -14,6 +14,15 @@ another node may read late. ``--verify-integrity`` goes with an attempt when wha
 manifest to check (the run's checkpoint, or training.init_checkpoint's on a fresh start) or it
 loads nothing: Megatron-LM refuses a checkpoint saved without one (a run begun on an older
 release, a foreign init checkpoint).
+
+The attempt's nodes share node 0's pass (issue 54: a 450 GB checkpoint read by one process at
+1 GB/s is 7.5 minutes before every restart): node 0 asks on the board for one checkpoint at a time
+(:class:`ShareAsk`); each node reads its share of the files (checksums.py ``written_by``: the
+writers' ranks modulo the nodes, so each reads about 1/N of the bytes) and answers what it found
+(:class:`ShareCheck`); node 0 reads its own share meanwhile, then judges the checkpoint from
+every answer (:func:`merged`). A node that cannot see the checkpoint's records, or that is lost
+while node 0 waits, has its share read by node 0. The wait follows the nodes' beats, not a fixed
+time: a node reading its share beats and names what it reads.
 """
 
 from __future__ import annotations
@@ -22,11 +31,12 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from megatron_ext.run_spec.checkpoints import MEGATRON_LM_LATEST, latest_iteration
-from megatron_ext.run_spec.checksums import (DAMAGED_SUFFIX, INTEGRITY_FILE, CheckpointHealth, list_checkpoints,
-                                             moved_aside_note, newest_verified, none_verifies_fix)
+from megatron_ext.run_spec.checksums import (DAMAGED_SUFFIX, INTEGRITY_FILE, CheckpointHealth, Damage, HealthState,
+                                             counting, list_checkpoints, moved_aside_note, newest_verified,
+                                             none_verifies_fix, recorded_files, share_bytes, verify)
 from megatron_ext.host.json_files import write_text_atomic
 from megatron_ext.run_spec.megatron_lm_checkpoints import find_megatron_lm_checkpoint
 
@@ -52,22 +62,68 @@ class ResumePoint:
                           f"Megatron-LM loads {where} ({'with' if self.verify else 'without'} --verify-integrity)"))
 
 
+@dataclass(frozen=True)
+class ShareAsk:
+    """Node 0 asks the attempt's nodes to read their shares of one checkpoint."""
+
+    iteration: int
+    folder: str
+    """Its folder's name in the run's checkpoints folder."""
+    nodes: tuple[int, ...]
+    """The nodes that share the reading, in order: node ``nodes[k]`` reads share (k, len(nodes))."""
+
+    def share(self, node: int) -> tuple[int, int]:
+        return self.nodes.index(node), len(self.nodes)
+
+
+@dataclass(frozen=True)
+class ShareCheck:
+    """What one node found in its share of a checkpoint."""
+
+    node: int
+    damage: tuple[Damage, ...] | None
+    """The damaged files of its share; None: this node does not see the checkpoint's records (yet):
+    node 0 reads the share itself."""
+    read_bytes: int = 0
+
+
+def check_share(checkpoints_dir: Path, ask: ShareAsk, node: int,
+                progress: Callable[[int, int, int], None] | None = None) -> ShareCheck:
+    """``node``'s share of the checkpoint ``ask`` names, read on this machine (``progress``: told
+    (iteration, bytes read, the share's bytes) as it reads)."""
+    path = checkpoints_dir / ask.folder
+    if not recorded_files(path):
+        return ShareCheck(node, None)
+    total = share_bytes(path, ask.share(node))
+    damage = verify(path, ask.share(node), progress=counting(progress, ask.iteration, total) if progress else None)
+    return ShareCheck(node, None if damage is None else tuple(damage), total)
+
+
+def merged(iteration: int, path: Path, checks: Sequence[ShareCheck]) -> CheckpointHealth:
+    """The checkpoint's health from every share's answer (each share read by someone)."""
+    damage = tuple(d for c in sorted(checks, key=lambda c: c.node) for d in c.damage or ())
+    return CheckpointHealth(iteration, path, HealthState.DAMAGED if damage else HealthState.VERIFIED, damage)
+
+
 @dataclass(kw_only=True)
 class PassProgress:
-    """How far node 0's checksum pass before an attempt has read (:func:`choose`'s ``progress``):
-    each call hands ``tell`` the step under way (the supervisor's heartbeat record, which a start
-    waiting on the node follows and names) and, every ``say_every_s``, ``say`` (the node's log)."""
+    """How far a checksum pass before an attempt has read (node 0's: :func:`choose`'s ``progress``;
+    a node's share: :func:`check_share`'s): each call hands ``tell`` the step under way (the
+    supervisor's heartbeat record, which a start waiting on the node follows and names) and, every
+    ``say_every_s``, ``say`` (the node's log)."""
 
     tell: Callable[[str], None]
     say: Callable[[str], None]
     say_every_s: float
+    what: str = "verifying the checkpoint of iteration {iteration} before choosing it"
+    """The step, with ``{iteration}`` in it."""
     read: dict[int, int] = field(default_factory=dict, init=False)
     """Bytes read so far, per checkpoint (iteration)."""
     began: float = field(default_factory=time.monotonic, init=False)
     _said: float = field(default=float("-inf"), init=False)
 
     def __call__(self, iteration: int, done: int, total: int) -> None:
-        doing = f"verifying the checkpoint of iteration {iteration} before choosing it: {done / 1e9:.1f} of {total / 1e9:.1f} GB read"
+        doing = f"{self.what.format(iteration=iteration)}: {done / 1e9:.1f} of {total / 1e9:.1f} GB read"
         self.tell(doing)
         self.read[iteration] = done
         now = time.monotonic()
@@ -84,13 +140,14 @@ class PassProgress:
 
 
 def choose(checkpoints_dir: Path, init_checkpoint: str = "",
-           progress: Callable[[int, int, int], None] | None = None) -> tuple[ResumePoint, tuple[CheckpointHealth, ...]]:
-    """The attempt's :class:`ResumePoint` and the damaged checkpoints passed over (reads every
-    byte of each checkpoint it looks at, telling ``progress`` (iteration, bytes read, its bytes);
-    moves nothing)."""
+           progress: Callable[[int, int, int], None] | None = None,
+           check: Callable[[int, Path], CheckpointHealth] | None = None) -> tuple[ResumePoint, tuple[CheckpointHealth, ...]]:
+    """The attempt's :class:`ResumePoint` and the damaged checkpoints passed over (moves nothing).
+    Each checkpoint it looks at is judged by ``check`` (iteration, folder): the nodes' shared pass;
+    by default this process reads every byte, telling ``progress`` (iteration, bytes read, its bytes)."""
     latest = latest_iteration(checkpoints_dir)  # newer folders than the tracker's: a save that did not finish
     chosen, damaged = newest_verified([(it, p) for it, p in list_checkpoints(checkpoints_dir)
-                                       if latest is not None and it <= latest], progress)
+                                       if latest is not None and it <= latest], progress, check)
     if chosen is not None:
         notes = tuple(moved_aside_note(h.iteration, h.path, [d.describe() for d in h.damage]) for h in damaged)
         return ResumePoint(chosen.iteration, (chosen.path / INTEGRITY_FILE).is_file(), notes), damaged
