@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import secrets
 import threading
 import time
@@ -102,3 +103,40 @@ def megatron_lm_data_set(path: Path, train_iters: int, save_interval: int = 0, l
         f"  log_interval: {log_interval}\n" + (f"  save_interval: {save_interval}\n" if save_interval else "")
         + (f"  resilience: {{{resilience}}}\n" if resilience else ""))
     return str(path)
+
+
+PAD_BYTES = int(float(os.environ.get("CHECKPOINT_PAD_GB", "1")) * 1e9)
+"""How large the resume tests make the checkpoint they resume from (:func:`pad_checkpoint`): 1 GB
+in the suite; ``CHECKPOINT_PAD_GB=100`` by hand for a user's size (docs/testing.md, "At the
+user's size")."""
+
+
+def pad_checkpoint(folder: Path, total_bytes: int, writers: tuple[int, ...]) -> list[Path]:
+    """A checkpoint made as large as a user's without the disk (issue 54): a sparse file per writer
+    of ``writers``, ``__<w>_99.distcp`` (the writer's name, so whoever verifies that writer's files
+    reads it; each engine's loader reads only the files its metadata names), ``total_bytes`` in all,
+    each recorded with its true digest where the checkpoint records its files: this program's
+    ``checksums/rank<w>.json`` (size and CRC-32), Megatron-LM's ``integrity.json`` (SHA-256). Every
+    verification then reads it through, as it would a real one."""
+    import json
+
+    from megatron_ext.run_spec.checksums import INTEGRITY_FILE, crc32_of, record_path, sha256_of
+
+    pads = []
+    for writer in writers:
+        pad = folder / f"__{writer}_99.distcp"
+        with open(pad, "wb") as fh:
+            fh.truncate(total_bytes // len(writers))
+        pads.append(pad)
+        record = record_path(folder, writer)
+        if record.is_file():
+            entries = json.loads(record.read_text())
+            size, crc = crc32_of(pad)
+            entries["files"][pad.name] = {"bytes": size, "crc32": crc}
+            record.write_text(json.dumps(entries))
+    manifest = folder / INTEGRITY_FILE
+    if manifest.is_file():
+        entries = json.loads(manifest.read_text())
+        entries["files"].update({pad.name: sha256_of(pad) for pad in pads})
+        manifest.write_text(json.dumps(entries, indent=2))
+    return pads

@@ -770,7 +770,7 @@ def test_saves_go_to_the_background_where_the_stage_and_release_allow(tag, versi
     """training.async_save (the default) renders --async-save with the persistent worker (without it
     Megatron-LM turns async saving off again) at stages 0-1, whose torch_dist is the one format its async
     save supports, and --async-strategy mcore where the release has the flag (its default, nvrx, needs
-    nvidia-resiliency-ext); nothing at stages 2-3, without saves, or with async_save: false. A user's own
+    nvidia-resiliency-ext); nothing at stages 2-3, without saves, with async_save: false, or on CPU nodes. A user's own
     --async-save is imported into the field (tests/test_import_megatron_args.py)."""
     expected = (["--async-save", "--use-persistent-ckpt-worker"]
                 + (["--async-strategy", "mcore"] if "--async-strategy" in flags else [])) if stage < 2 else []
@@ -780,3 +780,7 @@ def test_saves_go_to_the_background_where_the_stage_and_release_allow(tag, versi
         check_flags(args, flags, tag)
         given = [a for a in args if a in ("--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore")]
         assert given == wanted, (fields, given)
+    # never on CPU nodes: megatron-core's copy to host memory keeps a host tensor, so the write reads live parameters
+    cpu = render(stage=stage, version=version, known=flags, kernels=NodeKernels(gpus=False),
+                 params=lm_params(stage=stage, save_interval=5, async_save=True)).args
+    assert "--async-save" not in cpu

@@ -24,7 +24,7 @@ from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.host.procfs import process_environ
 
 from netns_cluster import NamespaceCluster, missing_prerequisites
-from standins import megatron_lm_data_set, scan_cmdlines, secret_env
+from standins import PAD_BYTES, megatron_lm_data_set, pad_checkpoint, scan_cmdlines, secret_env
 from conftest import (REPO, TEST_DATA, clean_env, last_iteration, slowed, megatron_lm_env, newest_megatron_lm, plan_header,
                       planned_nodes, require, run_script, run_torchrun, tagged_pids, wait_for, write_data_set)
 
@@ -652,7 +652,9 @@ def test_megatron_lm_trains_across_two_nodes_over_ssh(cluster, cluster_env, arti
     status reads them there. On 0.19 it starts again over its last checkpoint, damaged (issue 54):
     node 0's pass over it is shared, node 1 reading the file its rank wrote (the byte changed on
     node 1, through its own view of the share), node 0 the rest; node 1's finding makes node 0 pass
-    it over, and the run trains its last two iterations again from the checkpoint before."""
+    it over, and the run trains its last two iterations again, with the same losses, from the
+    checkpoint before, padded to ``CHECKPOINT_PAD_GB`` (1 GB here, 100 GB by hand: each node reads
+    its half, Megatron-LM's rank 0 all of it again), no node taken for lost."""
 
     tag, checkout, python = newest_megatron_lm(request)
     env = megatron_lm_env(checkout, **{**cluster_env, "NPROC_PER_NODE": "1", "MASTER_PORT": "29671", **python})
@@ -681,10 +683,13 @@ def test_megatron_lm_trains_across_two_nodes_over_ssh(cluster, cluster_env, arti
         flip = subprocess.run(["ssh", "-F", str(cluster.ssh_config), "node1", shlex.join([sys.executable, "-c", change])],
                               capture_output=True, text=True, timeout=60)
         assert flip.returncode == 0, flip.stderr
+        pad_checkpoint(checkpoint.parent / "iter_0000002", PAD_BYTES, writers=(0, 1))  # each node reads its half
+        first = {r.iteration: r.lm_loss for r in records}
+        slack_s = PAD_BYTES / 20e6  # the pad read at 20 MB/s at worst (node 1's half over sshfs)
         again = run_script("start_multinode_training.sh", "gpt_smoke", data, run, env={**env, "MASTER_PORT": "29673"},
-                           timeout=300)
+                           timeout=300 + slack_s)
         assert again.returncode == 0, again.stdout + again.stderr
-        wait_for(lambda: not tagged_pids(run), 400, what="the restarted run to finish on both nodes")
+        wait_for(lambda: not tagged_pids(run), 400 + slack_s, what="the restarted run to finish on both nodes")
     finally:
         run_script("stop_multinode_training.sh", run, env=env)
     shown = node0_log.read_text(errors="replace")
@@ -696,4 +701,7 @@ def test_megatron_lm_trains_across_two_nodes_over_ssh(cluster, cluster_env, arti
                      rf"[\d.]+ GB in \d+ s, {re.escape(written)}: other bytes", node1), node1[-3000:]
     records, _ = MEGATRON_LM.parse_log(node1.rpartition("attempt 1 of")[2])
     assert [r.iteration for r in records] == [3, 4], node1[-3000:]
+    for r in records:  # resumed exactly from the padded checkpoint, which every node read its half of
+        assert abs(r.lm_loss - first[r.iteration]) <= 1e-5 * abs(first[r.iteration]), (r, first)
+    assert "the watchdog allows for the " in shown and " lost" not in shown.rpartition("attempt 1 of")[2], shown[-3000:]
     assert (checkpoint.parent / "iter_0000004.damaged").is_dir() and tagged_pids(run) == []

@@ -541,7 +541,7 @@ def test_no_test_module_imports_another():
 
 
 SUPERVISOR_PARTS = {"orchestration/node/membership.py": "Membership", "orchestration/node/between_attempts.py": "BetweenAttempts",
-                    "orchestration/node/hang_protocol.py": "HangProtocol"}
+                    "orchestration/node/hang_protocol.py": "HangProtocol", "orchestration/node/checkpoint_pass.py": "CheckpointPass"}
 """The parts :class:`Supervisor` is made of, each in a module of its own with what it owns."""
 
 

@@ -215,7 +215,8 @@ class TrainingParams:
     first step after every rank's part is on disk; the last save of a run and a save on request are
     waited for. ``gpu`` (the default): in the background on GPUs, before training goes on on CPU,
     where the writer takes the ranks' cores (measured slower overall: benchmarks/results.md); true:
-    on CPU too. ENGINE=megatron-lm at stages 0-1 (true or gpu): ``--async-save`` with its persistent
+    on CPU too. ENGINE=megatron-lm at stages 0-1 on GPU nodes (true or gpu; never on CPU, where its
+    background save writes the live tensors): ``--async-save`` with its persistent
     checkpoint worker, ``--async-strategy mcore`` where the release has the flag (torch_dist only,
     Megatron-LM's own limit). false: synchronous saves (docs/faults.md, "Checkpoints and resume")."""
 

@@ -207,7 +207,7 @@ def training_flags(p: RunParams, bf16: bool) -> list[str]:
 
 
 def logging_and_checkpoint_flags(p: RunParams, paths: RunPaths, wandb: WandbSettings | None = None,
-                                 known: Collection[str] = (), load: bool = True) -> list[str]:
+                                 known: Collection[str] = (), load: bool = True, gpus: bool = True) -> list[str]:
     t = p.training
     return [
         *field_flags(p, "training", "log_interval"),
@@ -216,7 +216,7 @@ def logging_and_checkpoint_flags(p: RunParams, paths: RunPaths, wandb: WandbSett
         *wandb_flags(wandb, paths, known),
         "--data-cache-path", str(paths.data_cache_dir / "megatron_lm_index"),
         *(["--save", str(paths.checkpoints_dir), *field_flags(p, "training", "save_interval")] if t.save_interval else []),
-        *async_save_flags(p, known),
+        *async_save_flags(p, known, gpus),
         *(load_flags(paths) if load else []),
         *init_flags(p),
         *flight_recorder_flags(paths, known),
@@ -245,17 +245,29 @@ def integrity_flags(stage: int, known: Collection[str] = ()) -> list[str]:
     return ["--verify-integrity"] if "--verify-integrity" in known and stage < 2 else []
 
 
-def async_save_flags(p: RunParams, known: Collection[str] = ()) -> list[str]:
-    """``training.async_save`` where the run saves, the stage saves torch_dist (stages 0-1: Megatron-LM's
+def async_save_flags(p: RunParams, known: Collection[str] = (), gpus: bool = True) -> list[str]:
+    """``training.async_save`` (true or ``gpu``) on GPU nodes where the run saves, the stage saves torch_dist (stages 0-1: Megatron-LM's
     async save supports that format only, training_config.py L516-517 at core_v0.19.0) and the
     checkout has the flags: ``--async-save --use-persistent-ckpt-worker`` (without the worker
     Megatron-LM turns async saving off again, arguments.py L1138-1144 at core_v0.16.1, L1740-1746
     at core_v0.19.0), and ``--async-strategy mcore`` where the release has it (0.17.1 and later:
-    the default, nvrx, needs nvidia-resiliency-ext). Its train() finalizes every save in flight
+    the default, nvrx, needs nvidia-resiliency-ext). Not fsdp_dtensor (stages 2-3), though
+    core_v0.17.0 and later have a background path for it: core_v0.16.1 saves it synchronously and
+    then asserts an async request (checkpointing.py L643-655, L764), and core_v0.19.0's path with
+    the mcore strategy calls megatron-core's ``save_state_dict_async_plan`` with ``enable_cache``,
+    which that function does not take (checkpointing.py L876-883 against
+    dist_checkpointing/strategies/state_dict_saver.py L41-49): every rank raised TypeError at the
+    first save (tried here with --no-save-optim, 2026-12-06). Its train() finalizes every save in flight
     before it returns (training.py L1514, L4120 at core_v0.19.0), so a save on a stop request is
-    whole before the rank exits 0."""
+    whole before the rank exits 0. Never on CPU nodes: there the state is already in host memory,
+    and Megatron-LM's background save writes the very tensors training goes on changing
+    (megatron-core's ``preload_tensors`` copies a GPU tensor to host memory and keeps a host tensor
+    as it is: dist_checkpointing/strategies/filesystem_async.py L227-248 at core_v0.19.0). Tried
+    here (core_v0.19.0, 2 nodes x 1 rank, tests/test_multinode.py): resumed from the checkpoint of
+    iteration 2 written in the background, iteration 3's loss was 7.39993 against 7.48993 in the
+    run never stopped; written before training went on, every loss was the same."""
     t = p.training
-    if not (t.async_save and t.save_interval and t.zero_stage < 2 and "--async-save" in known
+    if not (t.async_save and gpus and t.save_interval and t.zero_stage < 2 and "--async-save" in known
             and "--use-persistent-ckpt-worker" in known):
         return []
     return ["--async-save", "--use-persistent-ckpt-worker", *(["--async-strategy", "mcore"] if "--async-strategy" in known else [])]
@@ -344,7 +356,7 @@ def render_pretrain_gpt(p: RunParams, prepared: PreparedData, paths: RunPaths, v
         + data_flags(p, prepared)
         + training_flags(p, kernels.gpus)
         + kernel_flags(kernels, p)
-        + logging_and_checkpoint_flags(p, paths, wandb, known, load)
+        + logging_and_checkpoint_flags(p, paths, wandb, known, load, kernels.gpus)
         + megatron_lm_flags_for_stage(stage, version)
         + gradient_precision_flags(p, known)
         + overlap_flags(stage)

@@ -46,17 +46,14 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from megatron_ext.run_spec.checkpoints import latest_iteration
-from megatron_ext.run_spec.checksums import (CheckpointHealth, checkpoint_bytes_on_disk, health, list_checkpoints,
-                                             recorded_files)
 from megatron_ext.run_spec.engines import engine_named
-from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED
-from megatron_ext.run_spec.resilience import (ENDED_PHASES, PROGRESS_DIR_ENV, Phase, ResilienceParams, for_checkpoint,
-                                              read_progress)
+from megatron_ext.run_spec.resilience import (ENDED_PHASES, PROGRESS_DIR_ENV, Phase, read_progress)
 from megatron_ext.run_spec.run_paths import RunPaths
-from orchestration.node import processes, resume_point
+from orchestration.node import processes
 from orchestration.node.attempts import AttemptEnd, Decision, Evidence
 from orchestration.node.between_attempts import BetweenAttempts
+from orchestration.node.checkpoint_pass import CheckpointPass
 from orchestration.node.board import Board, BoardUnreachable, open_stores
 from orchestration.node.failure import Failure, FailureKind, describe_returncode, failure_summary, follows_a_peer
 from orchestration.node.hang_protocol import HangProtocol
@@ -73,15 +70,13 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.5
 LOG_TAIL_LINES = 25
-CHECK_SAY_S = 30.0
-"""How often node 0's checksum pass before a Megatron-LM attempt says in the log how far it is."""
 HUNG_STOP_GRACE_S = 10.0
 """A hung attempt's stop: its ranks are sent SIGCONT, then torchrun SIGTERM; this long before SIGKILL."""
 PREEMPTED_LINE = "exiting program after receiving"
 """Megatron-LM's line after a signal-triggered save (its exit code is 0, as for a finished run)."""
 
 
-class Supervisor(Membership, BetweenAttempts, HangProtocol):
+class Supervisor(Membership, BetweenAttempts, HangProtocol, CheckpointPass):
     def __init__(self, plan: NodePlan, node_env: Mapping[str, str], slurm_step: str | None = None):
         self.plan, self.node_env, self.slurm_step = plan, dict(node_env), slurm_step
         """``node_env``: the node's own environment (the plan's goes on top); ``slurm_step``:
@@ -152,18 +147,6 @@ class Supervisor(Membership, BetweenAttempts, HangProtocol):
 
     def _latest_checkpoint(self) -> int | None:
         return self.records.keep("reading the checkpoints' folder", lambda: latest_iteration(self.paths.checkpoints_dir))
-
-    def _limits(self, checkpoint: int | None) -> ResilienceParams:
-        """The watchdog's limits for an attempt that loads ``checkpoint`` (None: none): setup and
-        save allow for reading the newest checkpoint through (resilience.py ``for_checkpoint``; its
-        size from its files' sizes, no byte read), and the node's log says so when they grow."""
-        folders = [p for it, p in list_checkpoints(self.paths.checkpoints_dir) if checkpoint is None or it <= checkpoint]
-        size = self.records.keep("reading the checkpoint's size", lambda: checkpoint_bytes_on_disk(folders[-1]), 0) if folders else 0
-        limits = for_checkpoint(self.policy, size)
-        if limits.hang_setup_s - self.policy.hang_setup_s >= 1:
-            self.say(f"the watchdog allows for the {size / 1e9:.1f} GB checkpoint of {folders[-1].name}: setup "
-                     f"{limits.hang_setup_s:.0f} s, a save {limits.hang_checkpoint_s:.0f} s")
-        return limits
 
     def _log_tail(self, lines: int, max_bytes: int = 65536) -> str:
         return self.records.keep("reading the node log", lambda: tail(Path(self.plan.log_path), lines, max_bytes), "")
@@ -321,99 +304,6 @@ class Supervisor(Membership, BetweenAttempts, HangProtocol):
         if proc is not None and proc.poll() is None:  # after the claim: a log line on a share that hangs waits for ever
             self._stop_torchrun(proc, cause)
         return self._ended(RunState.FAILED, cause, failure=failure, evidence=Evidence.NODE, leaves=True)
-
-    def resume_point(self) -> ResumePoint | None:
-        """Megatron-LM's attempts: node 0 picks the checkpoint (resume_point.py) and puts it on the
-        board; the others read their shares of each checkpoint it asks about, and wait for its
-        choice. None where the ranks pick their own (this program). What each node does meanwhile
-        is in its heartbeat record (``doing``), which a start waiting on the node follows: a pass
-        over a large checkpoint takes minutes."""
-        choice = self.plan.checkpoint_choice
-        if choice is None:
-            return None
-        try:
-            if not self.leader:  # as long as node 0 takes (the shared pass over a large checkpoint), while it beats
-                self.heartbeat.doing = waiting = "waiting for node 0's choice of the checkpoint to resume from"
-                read: set[int] = set()
-
-                def chosen() -> ResumePoint | None:
-                    point = self.board.read_resume_point(self.attempt)
-                    ask = self.board.share_asked(self.attempt) if point is None else None
-                    if ask is not None and ask.iteration not in read and self.rank in ask.nodes:
-                        read.add(ask.iteration)
-                        self.board.write_share(self.attempt, ask.iteration, self._check_share(ask, self.rank))
-                        self.heartbeat.doing = waiting
-                    return point
-                point = self._wait(float("inf"), chosen, RunState.RESTARTING)
-                return point or ResumePoint(None, False, refused="stopped on request")
-            self.heartbeat.doing = "choosing the checkpoint to resume from"
-            self.beat(self.heartbeat.state or RunState.RUNNING)  # the record (and its thread) before the pass
-            progress = resume_point.PassProgress(tell=self._tell_doing, say=self.say, say_every_s=CHECK_SAY_S)
-            if len(self.members) > 1:
-                progress.what += f" (this node's share, 1 of {len(self.members)})"
-            try:
-                point, damaged = resume_point.choose(self.paths.checkpoints_dir, choice.init_checkpoint, progress,
-                                                     self._check_together(progress) if len(self.members) > 1 else None)
-                if summary := progress.summary():
-                    self.say(summary)
-                resume_point.take(point, damaged, self.paths.checkpoints_dir)
-            except (OSError, UserError) as exc:
-                point = ResumePoint(None, False, refused=f"could not choose the checkpoint to resume from: {exc}")
-            self.board.write_resume_point(self.attempt, point)
-            return point
-        finally:
-            self.heartbeat.doing = ""
-
-    def _check_share(self, ask: resume_point.ShareAsk, node: int) -> resume_point.ShareCheck:
-        """``node``'s share of the checkpoint ``ask`` names, read here, the step in the heartbeat record."""
-        k, n = ask.share(node)
-        whose = "this node's" if node == self.rank else f"node {node}'s"
-        progress = resume_point.PassProgress(
-            tell=self._tell_doing, say=self.say, say_every_s=CHECK_SAY_S,
-            what=f"verifying {whose} share ({k + 1} of {n}) of the checkpoint of iteration {{iteration}} for node 0's choice")
-        began = time.monotonic()
-        check = resume_point.check_share(self.paths.checkpoints_dir, ask, node, progress)
-        found = "its records not seen here" if check.damage is None else \
-            "; ".join(d.describe() for d in check.damage[:3]) or "as written"
-        self.say(f"read {whose} share ({k + 1} of {n}) of the checkpoint of iteration {ask.iteration} for node 0's "
-                 f"choice: {check.read_bytes / 1e9:.1f} GB in {time.monotonic() - began:.0f} s, {found}")
-        return check
-
-    def _check_together(self, progress: resume_point.PassProgress) -> Callable[[int, Path], CheckpointHealth]:
-        """Node 0's check of one checkpoint, shared by the attempt's nodes (resume_point.py): asked
-        on the board, its own share read here, the others' answers collected as they come. A node
-        lost meanwhile (its beats, not a fixed time), or one that does not see the checkpoint's
-        records, has its share read here."""
-        nodes = tuple(self.members)
-
-        def check(iteration: int, path: Path) -> CheckpointHealth:
-            if not recorded_files(path):
-                return health(path, iteration)
-            ask = resume_point.ShareAsk(iteration, path.name, nodes)
-            self.board.ask_share(self.attempt, ask)
-            checks = {self.rank: resume_point.check_share(self.paths.checkpoints_dir, ask, self.rank, progress)}
-
-            def answered() -> dict | None:
-                for node in nodes:
-                    if node not in checks and (found := self.board.read_share(self.attempt, iteration, node)) is not None:
-                        checks[node] = found
-                for node in self.liveness.lost():
-                    if node in nodes and node not in checks:
-                        self.say(f"node {node} is silent: its share of the checkpoint of iteration {iteration} is read here")
-                        checks[node] = self._check_share(ask, node)
-                return checks if len(checks) == len(nodes) else None
-            self._tell_doing(f"waiting for the other nodes' shares of the checkpoint of iteration {iteration}")
-            if self._wait(float("inf"), answered, RunState.RESTARTING) is None:
-                raise UserError("stopped on request")
-            for node, found in sorted(checks.items()):
-                if found.damage is None:  # its machine did not see the records yet
-                    checks[node] = self._check_share(ask, node)
-            return resume_point.merged(iteration, path, list(checks.values()))
-        return check
-
-    def _tell_doing(self, doing: str) -> None:
-        """The step under way before torchrun, in the heartbeat record's next write."""
-        self.heartbeat.doing = doing
 
     def run_attempt(self, point: ResumePoint | None = None) -> AttemptEnd:
         checkpoint = self._latest_checkpoint() if point is None else point.iteration
