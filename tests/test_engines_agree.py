@@ -65,13 +65,13 @@ def megatron_lm_losses(artifact_root: Path, run: str) -> dict[int, float]:
 
 
 def train(artifact_root: Path, data: str, run: str, stage: int = 0, checkout: Path | None = None,
-          python: Path | None = None):
-    """``python -m orchestration train gpt_smoke DATA RUN`` on 2 processes: this program, or with
+          python: Path | None = None, nproc: int = 2):
+    """``python -m orchestration train gpt_smoke DATA RUN`` on ``nproc`` processes: this program, or with
     ``checkout`` Megatron-LM's pretrain_gpt.py (ENGINE=megatron-lm, the CPU shim); ``python``: the
     launcher's and so the ranks' (as LAUNCHER_PYTHON makes the scripts). Returns the process and this program's
     metrics records (Megatron-LM's
     losses are in its node log)."""
-    extra = dict(ARTIFACT_ROOT=str(artifact_root), NPROC_PER_NODE="2", ZERO_STAGE=str(stage),
+    extra = dict(ARTIFACT_ROOT=str(artifact_root), NPROC_PER_NODE=str(nproc), ZERO_STAGE=str(stage),
                  MASTER_PORT=str(free_port()))  # its own: the other worker's runs share this machine
     env = megatron_lm_env(checkout, **extra) if checkout else clean_env(**extra)
     proc = subprocess.run([str(python or sys.executable), "-m", "orchestration", "train", "gpt_smoke", data, run], cwd=REPO, env=env,
@@ -92,10 +92,12 @@ def max_relative(ours: dict[int, float], theirs: dict[int, float]) -> float:
 @pytest.fixture(scope="module")
 def start_weights(artifact_root, tmp_path_factory) -> Path:
     """This program's initial gpt_smoke weights as a Megatron-LM --save folder: one iteration at
-    learning rate 0 (warmup), saved, exported by the product's command."""
+    learning rate 0 (warmup), saved, exported by the product's command. One process: the weights
+    are the seed's whatever the data-parallel size, and both engines start from the export (a
+    rank's start, ~7 s of CPU, fewer)."""
     folder = tmp_path_factory.mktemp("engines")
     init_data = data_set(folder / "init.yaml", 1)
-    proc, records = train(artifact_root, init_data, "engines_init")
+    proc, records = train(artifact_root, init_data, "engines_init", nproc=1)
     assert proc.returncode == 0 and len(records) == 1, (proc.stderr + node_log(artifact_root, "engines_init"))[-3000:]
     out = folder / "start"
     export = subprocess.run([sys.executable, "-m", "megatron_ext.export_megatron_lm", "--artifact-root", str(artifact_root),

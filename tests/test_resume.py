@@ -31,6 +31,7 @@ from megatron_ext.run_spec.iteration_log import parse_log
 from orchestration.node.watchdog import worker_pids
 
 from netns_cluster import NamespaceCluster, missing_prerequisites
+from standins import PAD_BYTES, pad_checkpoint
 from conftest import REPO, clean_env, require, run_script, run_torchrun, tagged_pids, wait_for
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
@@ -172,7 +173,10 @@ def test_stop_and_start_again_resumes_exactly_past_a_torn_and_a_damaged_checkpoi
     """Stage 3, stopped after a checkpoint, then a crash during a save and a damaged latest
     checkpoint planted (:func:`plant_a_crash_and_a_damaged_checkpoint`): the start verifies, names
     the damaged file, moves that checkpoint aside, resumes from the newest that verifies with the
-    exact losses, and overwrites the torn one when it gets there."""
+    exact losses, and overwrites the torn one when it gets there. The one it resumes from is padded
+    to ``CHECKPOINT_PAD_GB`` (standins.pad_checkpoint: 1 GB here, 100 GB by hand), half in each
+    node's writer, so each node's rank reads its half through at the resume (node 1's over the
+    share), and the watchdog's limits allow for its size (issue 54)."""
     stage = 3
     data, expected_for = reference
     expected = expected_for(stage)  # the same stage never stopped: stages differ in float reassociation across nodes
@@ -183,11 +187,15 @@ def test_stop_and_start_again_resumes_exactly_past_a_torn_and_a_damaged_checkpoi
     copy_stopped_run(artifact_root, run, "reshard_z3")  # the resharding test starts it again on 4 ranks, undamaged
     STOPPED["reshard_z3"] = saved
     damaged, shard = plant_a_crash_and_a_damaged_checkpoint(checkpoints, saved)
+    pad_checkpoint(checkpoints / f"iter_{saved:07d}", PAD_BYTES, writers=(0, 1))
+    size = sum(p.stat().st_size for p in (checkpoints / f"iter_{saved:07d}").rglob("*") if p.is_file())
     again = run_script("start_multinode_training.sh", "gpt_smoke", data, run, env=env)
     assert again.returncode == 0, again.stdout + again.stderr
-    wait_for(lambda: not tagged_pids(run), 300, what="the resumed run to finish")
+    wait_for(lambda: not tagged_pids(run), 300 + PAD_BYTES / 20e6, what="the resumed run to finish")
     log = artifact_root / "logs" / f"{run}_node0.log"
     text = log.read_text()
+    assert f"the watchdog allows for the {size / 1e9:.1f} GB checkpoint of iter_{saved:07d}: setup " in text, text[-3000:]
+    assert "lost" not in text.rpartition(f"resuming from iteration {saved} (")[2], text[-3000:]
     assert f"resuming from iteration {saved} (" in text
     assert f"warning: the checkpoint of iteration {saved + 1} is damaged ({shard}: other bytes (CRC-32 " in text, text[-3000:]
     assert f"moved aside as {damaged}.damaged" in text and (checkpoints / f"{damaged}.damaged" / shard).is_file()
