@@ -90,6 +90,7 @@ NOT_OUR_VARIABLES = {
     "MODEL_ARGS": "an array name inside a user's Megatron-LM argument file",
     "DATA_ARGS": "the same",
     "CAP_SYS_PTRACE": "a Linux capability (docker --cap-add SYS_PTRACE), not a variable",
+    "CHECKPOINT_PAD_GB": "the test suite's own (tests/standins.py): how large a resume test pads its checkpoint",
 }
 
 DRY_RUN_SUBCOMMANDS = frozenset({"start", "train", "stop", "submit", "sweep", "import-megatron-args", "plan-memory"})

@@ -249,7 +249,8 @@ def test_one_backend_per_way_of_reaching_the_nodes():
 def test_ssh_backend_quotes_everything():
     ssh = backend_for(read_launch_env({"HOSTS": "n0,n1", "SSH_OPTS": "-F /tmp/cfg -p 2222"}))
     argv = ssh.plan("n1", ["python", "-m", "x", "it's"], {"A": "1 2"}, "/work dir")
-    assert argv[:6] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-F"]
+    assert argv[:10] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=15", "-o",
+                         "ServerAliveCountMax=4", "-F"]
     assert argv[-3:-1] == ["n1", "--"]
     assert shlex.split(argv[-1]) == ["cd", "/work dir", "&&", "exec", "env", "A=1 2", "python", "-m", "x", "it's"]
     assert ssh.plan("localhost", ["python"], {}, "/") == ["python"]
@@ -495,3 +496,24 @@ def test_a_start_waits_while_the_supervisor_says_a_step_before_torchrun_is_under
         stuck = wait_until_started(paths, 1, paths.node_pid_file(1), "start7", lambda: True, timeout_s=0.6, poll_s=0.05)
         record.stop()
         assert stuck.timed_out and stuck.doing == doing, stuck
+
+
+def test_a_start_says_what_its_nodes_wait_for(tmp_path):
+    """[issue 54] While a start waits on its nodes, it says each node's step under way as the node's
+    supervisor names it (node 0 reading its share of a large checkpoint for minutes), at once and
+    then every WAIT_SAY_S; a record of another start, or one naming no step, says nothing."""
+    import time
+
+    from orchestration.node.run_state import RunState, write_heartbeat
+    from orchestration.runner.start_plan import naming_the_waits
+
+    paths = RunPaths(tmp_path, "big")
+    paths.run_state_dir.mkdir(parents=True)
+    doing = "verifying the checkpoint of iteration 8 before choosing it (this node's share, 1 of 2): 40.0 of 57.5 GB read"
+    write_heartbeat(paths, 0, 1, RunState.RESTARTING, "start7", 3, doing)
+    write_heartbeat(paths, 1, 1, RunState.RESTARTING, "start6", 3, "waiting for node 0's choice")  # an older start's
+    write_heartbeat(paths, 2, 1, RunState.RUNNING, "start7", 3)
+    said: list[str] = []
+    with naming_the_waits(paths, [0, 1, 2], "start7", said.append, every_s=3600.0, poll_s=0.05):
+        time.sleep(0.5)
+    assert said == [f"waiting: node 0 is {doing}"]

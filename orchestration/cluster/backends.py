@@ -53,8 +53,15 @@ def remote_shell_command(argv: Sequence[str], env: Mapping[str, str], cwd: str) 
     return f"cd {shlex.quote(cwd)} && exec env " + " ".join(shlex.quote(a) for a in [*assignments, *argv])
 
 
+SSH_ALIVE = ("-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4")
+"""A connection whose other end has not answered for a minute ends (a node cut off): a node command
+without a deadline of its own (``node-start``, which waits as long as its supervisor makes progress)
+never waits on a dead link."""
+
+
 def ssh_argv(options: Sequence[str], host: str, line: str) -> list[str]:
-    return ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={DEFAULT_SSH_CONNECT_TIMEOUT_S}", *options, host, "--", line]
+    return ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={DEFAULT_SSH_CONNECT_TIMEOUT_S}", *SSH_ALIVE, *options,
+            host, "--", line]
 
 
 def docker_exec_argv(container: str, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdin: bool) -> list[str]:
@@ -85,19 +92,24 @@ class Backend:
         """What runs for a node command on ``host`` (its argv; with ``stdin``, the command reads it). Pure."""
         raise NotImplementedError
 
-    def call(self, launch: LaunchEnv, nodes: Nodes, call_for, decode, timeout_s: float = DEFAULT_NODE_TIMEOUT_S) -> list:
+    def call(self, launch: LaunchEnv, nodes: Nodes, call_for, decode, timeout_s: float | None = DEFAULT_NODE_TIMEOUT_S) -> list:
         return call_nodes(self, launch, nodes, call_for, decode, timeout_s)
 
     def start(self, launch: LaunchEnv, plans: Sequence[NodePlan], paths: RunPaths) -> list[NodeResult[NodeStarted]]:
         """``node-start`` with each node's plan, every node of the first attempt at once; a node left
-        out gets only its plan file (what ``rejoin`` sends it)."""
+        out gets only its plan file (what ``rejoin`` sends it). No deadline here: each node's
+        ``node-start`` waits as long as its supervisor names a step under way (node 0 reading a
+        450 GB checkpoint, its share, before it chooses: minutes) and 31.5 s past its last sign
+        (run_state.py ``wait_until_started``), and ssh ends a dead link (:data:`SSH_ALIVE`). A
+        deadline of 120 s here ended a start over a 100 GB checkpoint (issue 54)."""
         by_rank = {p.node_rank: p for p in plans}
         first = set(plans[0].first_members) if plans and plans[0].first_members else set(by_rank)
         for p in plans:
             if p.node_rank not in first:
                 write_plan_file(paths, p.node_rank, p.to_json())
         return self.call(launch, [(p.node_rank, p.host) for p in plans if p.node_rank in first],
-                         lambda rank, host: start_call(by_rank[rank], launch.secrets), NodeStarted)  # noqa: ARG005 (the interface's signature)
+                         lambda rank, host: start_call(by_rank[rank], launch.secrets), NodeStarted,  # noqa: ARG005 (the interface's signature)
+                         timeout_s=None)
 
     def status(self, launch: LaunchEnv, run: str, nodes: Nodes, seq_length: int | None) -> list[NodeResult[NodeStatus]]:
         """Every node's status, asked of each node."""

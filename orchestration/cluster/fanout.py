@@ -98,10 +98,10 @@ def _result(rank: int, host: str, argv: list[str], returncode: int, stdout: str,
     return NodeResult(node_rank=rank, host=host, argv=argv, returncode=returncode, value=value, error=error, output=output)
 
 
-def _answer_within(call: NodeCall, environ: dict[str, str], timeout_s: float) -> tuple[int, str] | None:
+def _answer_within(call: NodeCall, environ: dict[str, str], timeout_s: float | None) -> tuple[int, str] | None:
     """This machine's answer to ``call`` in this process, or None when it took longer than
-    ``timeout_s`` (the command then finishes on its own thread; its answer is dropped, as a remote
-    one's would be)."""
+    ``timeout_s`` (None: no deadline; the command then finishes on its own thread; its answer is
+    dropped, as a remote one's would be)."""
     box: dict = {}
 
     def run() -> None:
@@ -119,7 +119,7 @@ def _answer_within(call: NodeCall, environ: dict[str, str], timeout_s: float) ->
 
 
 def _run_one(route: Route, launch: LaunchEnv, rank: int, host: str, call: NodeCall, decode: type[T] | None,
-             timeout_s: float) -> NodeResult[T]:
+             timeout_s: float | None) -> NodeResult[T]:
     argv = call.argv(launch.python)
     started = time.monotonic()
     if route.in_process(host):  # the same request, under the same timeout
@@ -151,9 +151,9 @@ def _run_one(route: Route, launch: LaunchEnv, rank: int, host: str, call: NodeCa
 
 
 def call_nodes(route: Route, launch: LaunchEnv, nodes: Sequence[tuple[int, str]], call_for: Callable[[int, str], NodeCall],
-               decode: type[T], timeout_s: float = DEFAULT_NODE_TIMEOUT_S) -> list[NodeResult[T]]:
+               decode: type[T], timeout_s: float | None = DEFAULT_NODE_TIMEOUT_S) -> list[NodeResult[T]]:
     """The node command ``call_for(rank, host)`` on every node at once, each answer read as
-    ``decode``; results in node-rank order."""
+    ``decode`` (``timeout_s`` None: a command that bounds its own wait); results in node-rank order."""
     with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
         futures = [pool.submit(_run_one, route, launch, rank, host, call_for(rank, host), decode, timeout_s)
                    for rank, host in nodes]

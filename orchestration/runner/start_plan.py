@@ -24,13 +24,17 @@ Three parts (torchx: ``schedule(dryrun_info)`` runs the request it printed):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import sys
+import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterator, Mapping, Sequence
 
 from megatron_ext.run_spec.engines import engine_named
 from megatron_ext.run_spec.errors import UserError
@@ -48,7 +52,7 @@ from orchestration.megatron_lm.checkout import Checkout, read_checkout
 from orchestration.megatron_lm.dataset_helpers import ensure_built
 from orchestration.megatron_lm.program import (BUILD_HELPERS, CHECK_ARGUMENTS, ProgramPlan, Verdicts, check_arguments,
                                                check_megatron_lm_params, plan_program)
-from orchestration.node.run_state import first_attempt
+from orchestration.node.run_state import first_attempt, read_heartbeat
 from orchestration.node.wire import MEMBERSHIP_RULE, NODE_TAG, RUN_ID_TAG, RUN_TAG, NodePlan, NodeReport, NodeStarted, torchrun_argv
 
 if TYPE_CHECKING:
@@ -356,8 +360,44 @@ class StartNodes(Step):
     name = "start-nodes"
 
     def run(self, start: Started) -> tuple[str, ...]:
-        start.nodes = backend_for(start.launch, start.plan.node_hosts).start(start.launch, start.plan.nodes, start.paths)
+        ranks = [p.node_rank for p in start.plan.nodes]
+        with naming_the_waits(start.paths, ranks, start.plan.run_id):
+            start.nodes = backend_for(start.launch, start.plan.node_hosts).start(start.launch, start.plan.nodes, start.paths)
         return ()
+
+
+WAIT_SAY_S = 30.0
+"""How often a start that waits on its nodes says what each one names as its step under way."""
+
+
+@contextlib.contextmanager
+def naming_the_waits(paths: RunPaths, ranks: Sequence[int], run_id: str, say: Callable[[str], None] | None = None,
+                     every_s: float = WAIT_SAY_S, poll_s: float = 2.0) -> Iterator[None]:
+    """While the body waits on the nodes' starts: each node's step under way, as its supervisor
+    names it in its heartbeat record of this start (``doing``: node 0 reading its share of a 450 GB
+    checkpoint before it chooses takes minutes), said on standard error at once and then every
+    ``every_s`` (``waiting: node 0 is verifying the checkpoint of iteration 8 before choosing it
+    (this node's share, 1 of 4): 40.0 of 112.5 GB read``), so that a long start says what it waits
+    for. Reads the records on this machine's view of the share; says nothing where it has none."""
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    done = threading.Event()
+
+    def watch() -> None:
+        said_at: dict[int, float] = {}
+        while not done.wait(poll_s):
+            for rank in ranks:
+                heartbeat = read_heartbeat(paths, rank)
+                if (heartbeat is not None and heartbeat.run_id == run_id and heartbeat.doing
+                        and time.monotonic() - said_at.get(rank, -math.inf) >= every_s):
+                    said_at[rank] = time.monotonic()
+                    say(f"waiting: node {rank} is {heartbeat.doing}")
+    watcher = threading.Thread(target=watch, name="naming-the-waits", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join(poll_s + 1.0)
 
 
 PROGRAM_STEPS = {CheckArguments.name: CheckArguments, BuildHelpers.name: BuildHelpers}
