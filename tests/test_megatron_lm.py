@@ -406,6 +406,10 @@ def test_log_parser_reads_iteration_lines_and_counts_malformed():
     assert second.tflops_per_gpu == pytest.approx(455.1) and second.grad_norm == pytest.approx(8.5)
     assert second.consumed_samples == 64 and second.global_batch_size == 32 and second.train_iters == 10
     assert records[2].tflops_per_gpu == 0.0  # without --log-throughput
+    # another rank's output run into the line (two processes writing one node log, seen in a run)
+    merged = ("[Rank 0] (after 1 iterations) memory (MB) | allocated: 0.00 | max allocated: 0.00 | reserved: 0.00 | "
+              "max reserved: 0.00" + LOG.splitlines()[1])
+    assert parse_log(merged) == parse_log(LOG.splitlines()[1]) and parse_log(merged)[0][0].iteration == 1
 
 
 def test_compare_and_status_read_megatron_lm_logs(tmp_path):

@@ -128,6 +128,7 @@ _KEYS = {
 
 
 _LOOKS = re.compile(r"\biteration\s+\d+/\s*\d+\s*\|.*consumed samples")
+_START = re.compile(r"\biteration\s+\d+/\s*\d+\s*\|")
 
 
 def looks_like_iteration_line(line: str) -> bool:
@@ -141,6 +142,10 @@ def parse_iteration_line(line: str, seq_length: int | None = None, world_size: i
     gives tokens/s (the line has no such field)."""
     if not looks_like_iteration_line(line):
         return None
+    # From its last head on: another rank's line without its newline may come first in a node log
+    # (seen: rank 0's "[Rank 0] (after 1 iterations) memory (MB) | allocated: ..." then the last
+    # rank's iteration line, the two processes writing one file).
+    line = line[[m.start() for m in _START.finditer(line)][-1]:]
     parts = [p.strip() for p in line.split(" |")]
     head = _HEAD.search(parts[0])
     if not head:
