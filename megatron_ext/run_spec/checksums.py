@@ -195,11 +195,11 @@ def check_file(checkpoint: Path, name: str, entry: dict, sizes_only: bool = Fals
 
 
 def verify(checkpoint: Path, share: tuple[int, int] = (0, 1), sizes_only: bool = False,
-           progress: Progress | None = None) -> list[Damage] | None:
+           progress: Progress | None = None, entries: dict[str, dict] | None = None) -> list[Damage] | None:
     """Damage in the checkpoint's recorded files (``share`` = (k, n): the files rank k of n wrote,
     :func:`written_by`, so that n ranks verify a checkpoint together, each reading its own node's
-    files once); None when nothing was recorded."""
-    entries = recorded_files(checkpoint)
+    files once); None when nothing was recorded. ``entries``: :func:`recorded_files`, already read."""
+    entries = recorded_files(checkpoint) if entries is None else entries
     if not entries:
         return None
     names = written_by(sorted(entries), *share)
@@ -258,9 +258,10 @@ def checkpoint_bytes_on_disk(checkpoint: Path) -> int:
     return sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
 
 
-def share_bytes(checkpoint: Path, share: tuple[int, int] = (0, 1)) -> int:
-    """The bytes of the recorded files in ``share`` (k, n) of ``checkpoint`` (what :func:`verify` reads)."""
-    return sum((checkpoint / name).stat().st_size for name in written_by(sorted(recorded_files(checkpoint)), *share)
+def share_bytes(checkpoint: Path, entries: dict[str, dict], share: tuple[int, int] = (0, 1)) -> int:
+    """The bytes of the files of ``entries`` (:func:`recorded_files`) in ``share`` (k, n) of
+    ``checkpoint``: what :func:`verify` reads."""
+    return sum((checkpoint / name).stat().st_size for name in written_by(sorted(entries), *share)
                if (checkpoint / name).is_file())
 
 

@@ -127,8 +127,8 @@ _KEYS = {
 }
 
 
-_LOOKS = re.compile(r"\biteration\s+\d+/\s*\d+\s*\|.*consumed samples")
 _START = re.compile(r"\biteration\s+\d+/\s*\d+\s*\|")
+_LOOKS = re.compile(_START.pattern + r".*consumed samples")
 
 
 def looks_like_iteration_line(line: str) -> bool:

@@ -92,11 +92,13 @@ def check_share(checkpoints_dir: Path, ask: ShareAsk, node: int,
     """``node``'s share of the checkpoint ``ask`` names, read on this machine (``progress``: told
     (iteration, bytes read, the share's bytes) as it reads)."""
     path = checkpoints_dir / ask.folder
-    if not recorded_files(path):
+    entries = recorded_files(path)  # once: each node's records and the manifest, on the share
+    if not entries:
         return ShareCheck(node, None)
-    total = share_bytes(path, ask.share(node))
-    damage = verify(path, ask.share(node), progress=counting(progress, ask.iteration, total) if progress else None)
-    return ShareCheck(node, None if damage is None else tuple(damage), total)
+    total = share_bytes(path, entries, ask.share(node))
+    damage = verify(path, ask.share(node), progress=counting(progress, ask.iteration, total) if progress else None,
+                    entries=entries)
+    return ShareCheck(node, tuple(damage), total)
 
 
 def merged(iteration: int, path: Path, checks: Sequence[ShareCheck]) -> CheckpointHealth:
