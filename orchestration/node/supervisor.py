@@ -358,10 +358,10 @@ class Supervisor(Membership, BetweenAttempts, HangProtocol, CheckpointPass):
     def finish(self, state: RunState, reason: str, code: int | None = None) -> int:
         self.heartbeat.stop()
         exit_code, sig = describe_returncode(code) if code is not None else (None, None)
+        self.say(f"{state}: {reason}")  # before the record: a reader that ends at the record has read this line
         self.records.keep("writing the exit record", lambda: write_exit(self.paths, NodeExit(
             node_rank=self.rank, state=state, exit_code=exit_code, signal=sig, reason=reason, ended_at=time.time(),
             run_id=self.plan.run_id)))
-        self.say(f"{state}: {reason}")
         shutil.rmtree(self.progress_dir, ignore_errors=True)
         if self.liveness is not None:
             try:

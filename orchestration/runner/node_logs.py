@@ -387,6 +387,7 @@ def _follow(sources: Mapping[int, LogSource], parsers: Mapping[int, NodeLines], 
     """Each log's new lines as they come, merged within each read (by attempt and key; repeats joined
     within it; a line waits for no later time), until the run has ended and nothing new came."""
     poll_s = min((FOLLOW_POLL_S[s.here] for s in sources.values()), default=FOLLOW_POLL_S[True])
+    ended = False  # every node's exit record seen: one more read of every log, then the end
     while True:
         batch: list[LogLine] = []
         more = False
@@ -413,8 +414,11 @@ def _follow(sources: Mapping[int, LogSource], parsers: Mapping[int, NodeLines], 
             for group in collapser.flush():
                 yield format_group(group, hosts)
         elif not more:
+            if ended:
+                return
             run_id = this_start_run_id(paths)  # read again: the run may have been started again meanwhile
             if run_id and all(read_exit(paths, node, run_id) is not None for node in hosts):
-                return
+                ended = True  # a line written just before the record may have come after this pass's read
+                continue
         if not more:
             time.sleep(poll_s)
