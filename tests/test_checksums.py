@@ -123,6 +123,24 @@ def test_the_newest_checkpoint_that_verifies_is_loaded_and_the_damaged_moved_asi
     assert newest_verified(tmp_path, choose_resume(tmp_path))[0] == 5
 
 
+def test_a_name_moved_aside_is_waited_for_until_this_view_drops_it(tmp_path):
+    """A folder another machine moved aside shows here until this client's cache lets it go (sshfs
+    showed node 1 the old folder for 6 s in tests/test_multinode.py): the wait ends when it is gone,
+    or after its bound, naming those still shown."""
+    import threading
+
+    from megatron_ext.run_spec.shared_fs import wait_until_gone
+
+    going, staying = tmp_path / "iter_0000004", tmp_path / "iter_0000006"
+    going.mkdir()
+    staying.mkdir()
+    threading.Timer(0.3, going.rename, [tmp_path / "iter_0000004.damaged"]).start()
+    waited, showing = wait_until_gone([going], 30, poll_s=0.05)
+    assert 0.2 <= waited < 30 and showing == []
+    waited, showing = wait_until_gone([going, staying], 0.2, poll_s=0.05)
+    assert waited >= 0.2 and showing == [staying]
+
+
 def test_latest_naming_a_folder_this_node_does_not_see_falls_back_or_refuses(tmp_path, group):
     """``latest`` written, its folder not shown (a shared file system's stale view, or gone): rank 0
     waits a bounded time, then takes the older complete checkpoints, saying so; with none, one
@@ -210,6 +228,7 @@ def test_node_0_picks_megatron_lm_s_newest_checkpoint_that_verifies(tmp_path):
     told: list[tuple[int, int, int]] = []
     point, damaged = choose(save, progress=lambda *seen: told.append(seen))
     assert (point.iteration, point.verify, [h.iteration for h in damaged]) == (6, False, [9])
+    assert point.moved_aside == ("iter_0000009",)  # what every node waits to see gone before the attempt
     # how far the pass has read, per checkpoint (what a start waiting on node 0 names): 9 read through, 6 unrecorded
     sizes = sum(p.stat().st_size for p in (save / "iter_0000009").iterdir())
     assert {it for it, _, _ in told} == {9} and told[-1][1] == sum(

@@ -652,7 +652,9 @@ def test_megatron_lm_trains_across_two_nodes_over_ssh(cluster, cluster_env, arti
     status reads them there. On 0.19 it starts again over its last checkpoint, damaged (issue 54):
     node 0's pass over it is shared, node 1 reading the file its rank wrote (the byte changed on
     node 1, through its own view of the share), node 0 the rest; node 1's finding makes node 0 pass
-    it over, and the run trains its last two iterations again, with the same losses, from the
+    it over, and the run trains its last two iterations again, with the same losses, and saves
+    iteration 4 again under the name node 1 read (each node first waits for its view of the share
+    to drop the old folder: sshfs held it, and the save's writer met FileNotFoundError), from the
     checkpoint before, padded to ``CHECKPOINT_PAD_GB`` (1 GB here, 100 GB by hand: each node reads
     its half, Megatron-LM's rank 0 all of it again), no node taken for lost."""
 
@@ -690,6 +692,9 @@ def test_megatron_lm_trains_across_two_nodes_over_ssh(cluster, cluster_env, arti
                            timeout=300 + slack_s)
         assert again.returncode == 0, again.stdout + again.stderr
         wait_for(lambda: not tagged_pids(run), 400 + slack_s, what="the restarted run to finish on both nodes")
+        status = run_script("status_training.sh", run, env=env).stdout  # its save of iteration 4 again too
+        rows = [l.split() for l in status.splitlines() if l[:1].isdigit()]
+        assert [r[:3] for r in rows] == [["0", "node0", "finished"], ["1", "node1", "finished"]], status
     finally:
         run_script("stop_multinode_training.sh", run, env=env)
     shown = node0_log.read_text(errors="replace")

@@ -11,6 +11,7 @@ failing on a missing path. Reads the file system and the monotonic clock only.
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from pathlib import Path
@@ -48,3 +49,24 @@ def wait_for_files(paths: Iterable[Path], wait_s: float, what: str, poll_s: floa
                 "ARTIFACT_ROOT is one shared file system, mounted at the same path on every node, and that its "
                 "client caches hold names for less than a minute (NFS actimeo, sshfs dcache_timeout)")
         time.sleep(poll_s)
+
+
+def wait_until_gone(paths: Iterable[Path], wait_s: float, poll_s: float = 1.0) -> tuple[float, list[Path]]:
+    """Wait until none of ``paths`` shows on this machine, for up to ``wait_s`` of its own monotonic
+    clock: (the seconds waited, those still showing then). For a name another machine removed or
+    renamed that this one read recently: its client may show the old entry for as long as it caches
+    names (sshfs 20 s, NFS up to ``acdirmax``), and a file created under the same name meanwhile is
+    opened through that stale entry (sshfs: an open without O_CREAT, ENOENT on the server)."""
+    paths = list(paths)
+    started = time.monotonic()
+    while True:
+        showing = still_showing(paths)
+        waited = time.monotonic() - started
+        if not showing or waited >= wait_s:
+            return waited, showing
+        time.sleep(poll_s)
+
+
+def still_showing(paths: Iterable[Path]) -> list[Path]:
+    """Those of ``paths`` this machine's view still shows (a link or a name counts as it is)."""
+    return [p for p in paths if os.path.lexists(p)]

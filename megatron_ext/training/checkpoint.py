@@ -60,7 +60,7 @@ from megatron_ext.run_spec.checksums import (CHECKSUMS_DIR, DAMAGED_SUFFIX, file
                                              moved_aside_note, none_verifies_fix, record_files, verify_writers)
 from megatron_ext.run_spec.errors import FINAL, UserError
 from megatron_ext.host.json_files import read_json, write_text_atomic
-from megatron_ext.run_spec.shared_fs import SHARED_FS_LAG_S, NotVisibleHere, wait_for_files
+from megatron_ext.run_spec.shared_fs import SHARED_FS_LAG_S, NotVisibleHere, wait_for_files, wait_until_gone
 from megatron_ext.training.background_save import DiskFull, Writing, every_rank_done, in_background
 
 
@@ -297,7 +297,8 @@ def newest_verified(checkpoints_dir: Path, choice: ResumeChoice, visible_s: floa
     files, :func:`verify_writers`, after waiting up to ``visible_s`` for the folder to show on its
     machine). A checkpoint without checksums (written before they existed) is taken as it is. None
     that verifies is a UserError. Rank 0 moves each damaged one aside (``iter_N.damaged``, kept for
-    a look) and points ``latest`` at the one chosen."""
+    a look) and points ``latest`` at the one chosen; every rank then waits, up to ``visible_s``,
+    until its machine no longer shows the old names (a later save writes them again)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     damaged: list[tuple[int, Path, list[str]]] = []
     for candidate in choice.candidates:
@@ -317,6 +318,12 @@ def newest_verified(checkpoints_dir: Path, choice: ResumeChoice, visible_s: floa
                 os.replace(p, p.with_name(p.name + DAMAGED_SUFFIX))
             _point_latest(checkpoints_dir, iteration)
         dist.barrier()
+        if damaged:  # a save of a passed-over iteration writes its folder's name again: each machine's view
+            waited, showing = wait_until_gone([p for _, p, _ in damaged], visible_s)  # without the old entries
+            if showing:
+                print(f"warning: rank {rank}'s machine still shows {', '.join(p.name for p in showing)} {waited:.0f} s "
+                      "after rank 0 moved it aside (its client caches names): a save under that name may fail there",
+                      flush=True)
         return iteration, notes
     what = "; ".join(f"iteration {it}: {'; '.join(found[:2])}" for it, _, found in damaged)
     raise UserError(f"no checkpoint of this run verifies ({FINAL}): {what}; {none_verifies_fix(checkpoints_dir)}")

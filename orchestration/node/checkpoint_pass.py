@@ -20,6 +20,7 @@ from megatron_ext.run_spec.checksums import (CheckpointHealth, checkpoint_bytes_
                                              recorded_files)
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.resilience import ResilienceParams, for_checkpoint
+from megatron_ext.run_spec.shared_fs import SHARED_FS_LAG_S, still_showing
 from orchestration.node import resume_point
 from orchestration.node.resume_point import ResumePoint
 from orchestration.node.run_state import RunState
@@ -73,6 +74,27 @@ class CheckpointPass:
             return point
         finally:
             self.heartbeat.doing = ""
+
+    def see_moved_aside(self, point: ResumePoint) -> None:
+        """Wait until this node's view of the share no longer shows the folders node 0 moved aside
+        (their old names), up to SHARED_FS_LAG_S: Megatron-LM saves the retrained iterations under
+        those names again, and a client that read the old folder in the shared pass may still hold
+        its entries (sshfs opened the file of the new save through the old entry, without O_CREAT:
+        FileNotFoundError in the save's writer, on node 1 of tests/test_multinode.py)."""
+        folders = [self.paths.checkpoints_dir / name for name in point.moved_aside]
+        if not folders:
+            return
+        self._tell_doing(f"waiting for this node's view of the share to show {', '.join(point.moved_aside)} moved aside")
+        began = time.monotonic()
+        self._wait(SHARED_FS_LAG_S, lambda: not still_showing(folders), RunState.RESTARTING, beat=False)
+        waited, showing = time.monotonic() - began, still_showing(folders)
+        if showing and not self.stopping:
+            self.say(f"this node's view of the share still shows {', '.join(p.name for p in showing)} {waited:.0f} s after "
+                     "node 0 moved it aside (its client caches names): a save under that name may fail here")
+        elif waited >= 1:
+            self.say(f"this node's view of the share showed {', '.join(point.moved_aside)} for {waited:.0f} s after node 0 "
+                     "moved it aside (its client caches names)")
+        self._tell_doing("")
 
     def _check_share(self, ask: resume_point.ShareAsk, node: int) -> resume_point.ShareCheck:
         """``node``'s share of the checkpoint ``ask`` names, read here, the step in the heartbeat record."""

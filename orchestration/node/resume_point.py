@@ -53,6 +53,9 @@ class ResumePoint:
     """The damaged checkpoints newer than it, each described (moved aside)."""
     refused: str = ""
     """Set when no checkpoint of the run verifies: why, and what to do (the run ends)."""
+    moved_aside: tuple[str, ...] = ()
+    """The folders of ``passed_over``, by the names they had: a save of the attempt may write one
+    of those names again, which every node waits to see gone first (its view of the share)."""
 
     def describe(self) -> str:
         if self.refused:
@@ -152,7 +155,8 @@ def choose(checkpoints_dir: Path, init_checkpoint: str = "",
                                        if latest is not None and it <= latest], progress, check)
     if chosen is not None:
         notes = tuple(moved_aside_note(h.iteration, h.path, [d.describe() for d in h.damage]) for h in damaged)
-        return ResumePoint(chosen.iteration, (chosen.path / INTEGRITY_FILE).is_file(), notes), damaged
+        return ResumePoint(chosen.iteration, (chosen.path / INTEGRITY_FILE).is_file(), notes,
+                           moved_aside=tuple(h.path.name for h in damaged)), damaged
     if damaged:
         what = "; ".join(h.describe() for h in damaged[:3])
         return ResumePoint(None, False, refused=f"no checkpoint of this run verifies ({what}): "

@@ -449,6 +449,8 @@ class Supervisor(Membership, BetweenAttempts, HangProtocol, CheckpointPass):
             if point is not None and point.refused:
                 return self.finish(RunState.STOPPED, "stopped on request") if self.stopping else \
                     self.finish(RunState.FAILED, point.refused)
+            if point is not None:
+                self.see_moved_aside(point)
             end = self._with_health(self.run_attempt(point))
             self.board.write_end(end)
             decision = self.decide(end)
