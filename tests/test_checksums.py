@@ -245,6 +245,14 @@ def test_node_0_picks_megatron_lm_s_newest_checkpoint_that_verifies(tmp_path):
     assert doing[-1] == f"verifying the checkpoint of iteration 9 before choosing it: 0.0 of {sizes / 1e9:.1f} GB read"
     assert said == doing[:1] and len(doing) == len(told)
     assert tracked.summary().startswith("read 0.0 GB of 1 checkpoint(s) through in ")
+    # a stop during the pass ends it at the next chunk (a share is minutes at a user's size; the stop's grace 40 s)
+    from orchestration.node.resume_point import PassStopped
+
+    stop = []
+    with pytest.raises(PassStopped, match="stopped on request"):
+        choose(save, progress=PassProgress(tell=lambda _: stop.append(1), say=said.append, say_every_s=3600.0,
+                                           stopped=lambda: bool(stop)))
+    assert len(stop) == 1 and (save / "iter_0000009").is_dir()  # one chunk read, nothing moved
     assert point.describe().startswith("the checkpoint of iteration 9 is damaged (__0_0.distcp: other bytes (SHA-256 ")
     assert point.describe().endswith("moved aside as iter_0000009.damaged; Megatron-LM loads the checkpoint of "
                                      "iteration 6 (without --verify-integrity)")

@@ -52,14 +52,18 @@ class CheckpointPass:
                     ask = self.board.share_asked(self.attempt) if point is None else None
                     if ask is not None and ask.iteration not in read and self.rank in ask.nodes:
                         read.add(ask.iteration)
-                        self.board.write_share(self.attempt, ask.iteration, self._check_share(ask, self.rank))
+                        try:
+                            self.board.write_share(self.attempt, ask.iteration, self._check_share(ask, self.rank))
+                        except resume_point.PassStopped:  # the wait ends on the stop
+                            return None
                         self.heartbeat.doing = waiting
                     return point
                 point = self._wait(float("inf"), chosen, RunState.RESTARTING)
                 return point or ResumePoint(None, False, refused="stopped on request")
             self.heartbeat.doing = "choosing the checkpoint to resume from"
             self.beat(self.heartbeat.state or RunState.RUNNING)  # the record (and its thread) before the pass
-            progress = resume_point.PassProgress(tell=self._tell_doing, say=self.say, say_every_s=CHECK_SAY_S)
+            progress = resume_point.PassProgress(tell=self._tell_doing, say=self.say, say_every_s=CHECK_SAY_S,
+                                                 stopped=lambda: self.stopping)
             if len(self.members) > 1:
                 progress.what += f" (this node's share, 1 of {len(self.members)})"
             try:
@@ -101,7 +105,7 @@ class CheckpointPass:
         k, n = ask.share(node)
         whose = "this node's" if node == self.rank else f"node {node}'s"
         progress = resume_point.PassProgress(
-            tell=self._tell_doing, say=self.say, say_every_s=CHECK_SAY_S,
+            tell=self._tell_doing, say=self.say, say_every_s=CHECK_SAY_S, stopped=lambda: self.stopping,
             what=f"verifying {whose} share ({k + 1} of {n}) of the checkpoint of iteration {{iteration}} for node 0's choice")
         began = time.monotonic()
         check = resume_point.check_share(self.paths.checkpoints_dir, ask, node, progress)

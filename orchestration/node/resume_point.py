@@ -38,6 +38,7 @@ from megatron_ext.run_spec.checksums import (DAMAGED_SUFFIX, INTEGRITY_FILE, Che
                                              counting, list_checkpoints, moved_aside_note, newest_verified,
                                              none_verifies_fix, recorded_files, share_bytes, verify)
 from megatron_ext.host.json_files import write_text_atomic
+from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.megatron_lm_checkpoints import find_megatron_lm_checkpoint
 
 
@@ -110,6 +111,11 @@ def merged(iteration: int, path: Path, checks: Sequence[ShareCheck]) -> Checkpoi
     return CheckpointHealth(iteration, path, HealthState.DAMAGED if damage else HealthState.VERIFIED, damage)
 
 
+class PassStopped(UserError):
+    """A stop came while a checksum pass before an attempt was reading: it ends at the next chunk,
+    not after the rest of a share (minutes at a user's size, past the stop's 40 s grace)."""
+
+
 @dataclass(kw_only=True)
 class PassProgress:
     """How far a checksum pass before an attempt has read (node 0's: :func:`choose`'s ``progress``;
@@ -122,12 +128,16 @@ class PassProgress:
     say_every_s: float
     what: str = "verifying the checkpoint of iteration {iteration} before choosing it"
     """The step, with ``{iteration}`` in it."""
+    stopped: Callable[[], bool] = lambda: False
+    """Whether a stop came: the next call raises :class:`PassStopped`."""
     read: dict[int, int] = field(default_factory=dict, init=False)
     """Bytes read so far, per checkpoint (iteration)."""
     began: float = field(default_factory=time.monotonic, init=False)
     _said: float = field(default=float("-inf"), init=False)
 
     def __call__(self, iteration: int, done: int, total: int) -> None:
+        if self.stopped():
+            raise PassStopped("stopped on request")
         doing = f"{self.what.format(iteration=iteration)}: {done / 1e9:.1f} of {total / 1e9:.1f} GB read"
         self.tell(doing)
         self.read[iteration] = done
