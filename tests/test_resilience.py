@@ -324,8 +324,8 @@ def test_a_slow_rank_is_named_steady_or_in_bursts_and_the_waiting_one_or_a_cpu_h
     s in a row). Rank 1 stopped 20 ms of every 40 ms (uniformly ~2x slower on an idle machine; less
     where other processes share the cores, since the others get its CPU while it is stopped: at 10
     ms of every 30 ms, ~1.5x idle, it stayed under the 1.25x rule beside two busy loops): named
-    within 60 s, in the log, status and the metrics; freed, it catches up. Then a CPU hog beside the
-    run for 25 s (beside this suite's other worker): nobody named, and that window, clean of any slow
+    within 60 s, in the log, status and the metrics; freed, it catches up. Then a CPU hog per core beside
+    the run for 25 s (beside this suite's other worker): nobody named, and that window, clean of any slow
     rank, starts the next kind afresh. Rank 1 stopped 0.4 s of every 0.8 s (in bursts, landing in its
     forward, backward or optimizer step alike): named within 60 s. Rank 0, which waits for it, never."""
     window = ResilienceParams().slow_rank_window_s
@@ -338,14 +338,17 @@ def test_a_slow_rank_is_named_steady_or_in_bursts_and_the_waiting_one_or_a_cpu_h
         wait_for(lambda: last_iteration(log) >= 5, 240, what="the run to train")
         slow = worker(run, 1)
         for stopped_s, running_s in ((0.02, 0.02), (0.4, 0.4)):
-            if stopped_s == 0.4:  # a window with nobody slow in it (each kind from a clean start), a CPU hog beside the run
+            if stopped_s == 0.4:  # a window with nobody slow in it (each kind from a clean start), CPU hogs beside the run
                 caught_up = len(said())
-                hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                # one per core: every rank shares its core alike (one hog on 2 cores shares one rank's core
+                # for seconds at a time: rank 0 was named at 1.3x once, just after it, under the suite's load)
+                hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
                 try:
                     time.sleep(window + 5)
                 finally:
-                    hog.kill()
-                    hog.wait()
+                    for hog in hogs:
+                        hog.kill()
+                        hog.wait()
                 assert said()[caught_up:] == [], said()
             before = len(said())
             with slowed(slow, stopped_s, running_s):
