@@ -555,6 +555,19 @@ def test_the_save_signal_is_what_each_release_has(tag, version, flags):
 
 
 @per_release
+def test_the_schedule_follows_the_params_at_every_start_unless_the_user_asks_the_checkpoint_s(tag, version, flags):
+    """--override-opt_param-scheduler on every release (a resume with a longer train_iters died at the
+    load: tests/test_megatron_lm_loop.py extends its run); a user's --use-checkpoint-opt_param-scheduler
+    wins, alone (the two together are refused by megatron-core's OptimizerParamScheduler)."""
+    args = render(version=version, known=flags).args
+    check_flags(args, flags, tag)
+    assert args.count("--override-opt_param-scheduler") == 1
+    theirs = render(version=version, known=flags, extra_args=["--use-checkpoint-opt_param-scheduler"]).args
+    check_flags(theirs, flags, tag)
+    assert "--override-opt_param-scheduler" not in theirs and theirs[-1] == "--use-checkpoint-opt_param-scheduler"
+
+
+@per_release
 def test_the_flight_recorder_dumps_into_the_run_s_hangs_folder_where_the_release_can(tag, version, flags):
     """--flight-recorder-dump-path (core_v0.17.1 and later: NCCL's watchdog writes each rank's record there
     at a timeout) points into runs/<run>/hangs; releases without the flag get none."""

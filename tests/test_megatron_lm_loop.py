@@ -194,8 +194,9 @@ def test_restart_hang_stop_save_and_resume(release_env, artifact_root, tmp_path,
     (--load added for the attempt: the first started without one), a SIGSTOPped rank found by the
     watchdog with its stack dumped, a start that resumes, and ``stop --save`` (SIGUSR1 to every
     rank: Megatron-LM's --exit-signal-handler saves and exits 0) past that checkpoint. Each start
-    takes a free port (a stopped run's port may linger a while). On core_v0.19.0 (its damaged latest
-    checkpoint passed over too), else core_v0.16.1."""
+    takes a free port (a stopped run's port may linger a while). The start that resumes extends the
+    run (train_iters 60 -> 66: Megatron-LM takes the params' schedule, --override-opt_param-scheduler).
+    On core_v0.19.0 (its damaged latest checkpoint passed over too), else core_v0.16.1."""
     release, lm_env = release_env
     run = f"lm_week_{release[-6:].replace('.', '')}"
     data = megatron_lm_data_set(tmp_path / "week.yaml", train_iters=60, save_interval=3, resilience="restart_backoff_s: 1")
@@ -244,7 +245,9 @@ def test_restart_hang_stop_save_and_resume(release_env, artifact_root, tmp_path,
         listed = run_script("check_checkpoints.sh", run, env=env).stdout
         assert re.search(rf"^ +{saved - 3} +verified +-$", listed, re.M) and \
             re.search(rf"^ +{saved} +damaged +__0_\d+\.distcp: other bytes \(SHA-256 ", listed, re.M), listed
-    again = run_script("start_training.sh", "gpt_smoke", data, run, env={**env, **port(), "MAX_RESTARTS": "0"})
+    # the run extended (train_iters 60 -> 66): the schedule from the params, not the checkpoint's (it died at the load)
+    longer = megatron_lm_data_set(tmp_path / "longer.yaml", train_iters=66, save_interval=3, resilience="restart_backoff_s: 1")
+    again = run_script("start_training.sh", "gpt_smoke", longer, run, env={**env, **port(), "MAX_RESTARTS": "0"})
     assert again.returncode == 0 and f"resuming from iteration {saved}" in again.stdout, again.stdout + again.stderr
     if integrity:
         wait_for(lambda: f"moved aside as iter_{saved:07d}.damaged; Megatron-LM loads the checkpoint of iteration "

@@ -206,6 +206,21 @@ def training_flags(p: RunParams, bf16: bool) -> list[str]:
                                *(["manual_gc_interval"] if t.manual_gc and t.manual_gc_interval else []))
 
 
+USE_CHECKPOINT_SCHEDULE = "--use-checkpoint-opt_param-scheduler"
+
+
+def schedule_flags(extra_args: Sequence[str] = ()) -> list[str]:
+    """The learning-rate schedule from the run's params at every start, as this program's
+    (training/loop.py: from ``lr_decay_iters or train_iters`` at each start): Megatron-LM's
+    ``--override-opt_param-scheduler``. Without it a resume with another ``train_iters`` (a run
+    extended) dies at the load: megatron-core's OptimizerParamScheduler._check_and_set asserts that
+    every value equals the checkpoint's ("class input value 128 and checkpointvalue 64 for total
+    number of iterations do not match", core_v0.16.1 and core_v0.19.0). A user's own
+    ``--use-checkpoint-opt_param-scheduler`` (the checkpoint's schedule instead) wins: the two
+    together are refused by the same class's constructor."""
+    return [] if USE_CHECKPOINT_SCHEDULE in extra_args else ["--override-opt_param-scheduler"]
+
+
 def logging_and_checkpoint_flags(p: RunParams, paths: RunPaths, wandb: WandbSettings | None = None,
                                  known: Collection[str] = (), load: bool = True, gpus: bool = True) -> list[str]:
     t = p.training
@@ -355,6 +370,7 @@ def render_pretrain_gpt(p: RunParams, prepared: PreparedData, paths: RunPaths, v
         model_flags(p)
         + data_flags(p, prepared)
         + training_flags(p, kernels.gpus)
+        + schedule_flags(extra_args)
         + kernel_flags(kernels, p)
         + logging_and_checkpoint_flags(p, paths, wandb, known, load, kernels.gpus)
         + megatron_lm_flags_for_stage(stage, version)
