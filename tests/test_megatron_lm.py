@@ -562,9 +562,10 @@ def test_the_schedule_follows_the_params_at_every_start_unless_the_user_asks_the
     args = render(version=version, known=flags).args
     check_flags(args, flags, tag)
     assert args.count("--override-opt_param-scheduler") == 1
-    theirs = render(version=version, known=flags, extra_args=["--use-checkpoint-opt_param-scheduler"]).args
-    check_flags(theirs, flags, tag)
-    assert "--override-opt_param-scheduler" not in theirs and theirs[-1] == "--use-checkpoint-opt_param-scheduler"
+    for spelling in {"--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"} & set(flags):
+        theirs = render(version=version, known=flags, extra_args=[spelling]).args
+        check_flags(theirs, flags, tag)
+        assert "--override-opt_param-scheduler" not in theirs and theirs[-1] == spelling
 
 
 @per_release

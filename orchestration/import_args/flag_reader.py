@@ -59,8 +59,9 @@ FIXED_VALUES = {
 """Flags whose value this project always uses: listed as fixed when the file gives that value, as
 not imported otherwise."""
 FIXED_SWITCHES = {"--use-mcore-models": "this project builds megatron-core models (Megatron-LM's default too)",
-                  "--override-opt_param-scheduler": "this project takes the learning-rate schedule from the run's "
-                                                    "params at every start (a longer train_iters extends the run)"}
+                  **dict.fromkeys(("--override-opt_param-scheduler", "--override-opt-param-scheduler"),
+                                  "this project takes the learning-rate schedule from the run's params at every start "
+                                  "(a longer train_iters extends the run)")}
 """Flags without a value that say what this project always does."""
 
 

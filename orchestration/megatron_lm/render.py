@@ -206,7 +206,8 @@ def training_flags(p: RunParams, bf16: bool) -> list[str]:
                                *(["manual_gc_interval"] if t.manual_gc and t.manual_gc_interval else []))
 
 
-USE_CHECKPOINT_SCHEDULE = "--use-checkpoint-opt_param-scheduler"
+USE_CHECKPOINT_SCHEDULE = ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler")
+"""A user's flag for the checkpoint's schedule, both spellings Megatron-LM's parser takes."""
 
 
 def schedule_flags(extra_args: Sequence[str] = ()) -> list[str]:
@@ -216,9 +217,9 @@ def schedule_flags(extra_args: Sequence[str] = ()) -> list[str]:
     extended) dies at the load: megatron-core's OptimizerParamScheduler._check_and_set asserts that
     every value equals the checkpoint's ("class input value 128 and checkpointvalue 64 for total
     number of iterations do not match", core_v0.16.1 and core_v0.19.0). A user's own
-    ``--use-checkpoint-opt_param-scheduler`` (the checkpoint's schedule instead) wins: the two
+    ``--use-checkpoint-opt_param-scheduler`` (either spelling: the checkpoint's schedule instead) wins: the two
     together are refused by the same class's constructor."""
-    return [] if USE_CHECKPOINT_SCHEDULE in extra_args else ["--override-opt_param-scheduler"]
+    return [] if set(USE_CHECKPOINT_SCHEDULE) & set(extra_args) else ["--override-opt_param-scheduler"]
 
 
 def logging_and_checkpoint_flags(p: RunParams, paths: RunPaths, wandb: WandbSettings | None = None,

@@ -451,6 +451,8 @@ class Supervisor(Membership, BetweenAttempts, HangProtocol, CheckpointPass):
                     self.finish(RunState.FAILED, point.refused)
             if point is not None:
                 self.see_moved_aside(point)
+            if self.stopping:  # during the waits above: no torchrun started after the stop's signal
+                return self.finish(RunState.STOPPED, "stopped on request")
             end = self._with_health(self.run_attempt(point))
             self.board.write_end(end)
             decision = self.decide(end)
