@@ -521,11 +521,23 @@ def _read_segments(path: Path) -> list[LogSegment] | None:
         return None
 
 
+ZONE_SAMPLE = 100
+"""Of ``metrics.jsonl``'s records without a slow rank, goodput reads every 100th and the last 100:
+enough for the time zone's median (:func:`zone_offset_s`); a run of days has hundreds of thousands."""
+
+
+def goodput_reads(i: int, lines: int, text: str) -> bool:
+    """Whether goodput needs line ``i`` of ``metrics.jsonl`` (of ``lines``): a record naming a slow
+    rank (:func:`straggler_seconds`), or one of the time zone's sample; decided on the text, unparsed."""
+    unnamed = '"slow_ranks": []' in text or '"slow_ranks": null' in text
+    return not unnamed or i % ZONE_SAMPLE == 0 or i >= lines - ZONE_SAMPLE
+
+
 def read_goodput_inputs(paths: RunPaths) -> GoodputInputs | None:
     """The ledger and each attempt's lines from the run's files (this machine's view of the artifact
     root); None without a ledger. Side effects: reads the ledger (its last attempt still open: node 0's
     exit record, if any, ends it), the printing nodes' logs (whole: only their iteration, save and
-    attempt lines are kept) and ``metrics.jsonl``."""
+    attempt lines are kept) and ``metrics.jsonl`` (the records :func:`goodput_reads` keeps)."""
     ledger = tuple(read_ledger(paths))
     if not ledger:
         return None
@@ -546,7 +558,7 @@ def read_goodput_inputs(paths: RunPaths) -> GoodputInputs | None:
                              "printing nothing")
             continue
         segments[node] = match_segments(found, [r.attempt for r in ledger])
-    metrics = read_metrics(paths.metrics_path) if not engine.progress_from_log else []
+    metrics = read_metrics(paths.metrics_path, goodput_reads) if not engine.progress_from_log else []
     slow = straggler_seconds(metrics)
     logs = {a: attempt_log(segments[n][a], engine, n, 0.0, slow) for a, n in printers.items()
             if a in segments.get(n, {})}
