@@ -20,16 +20,18 @@ import pytest
 
 from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.run_spec.errors import FINAL, UserError
-from megatron_ext.run_spec.resilience import (RankProgress, ResilienceParams, for_checkpoint, phase_limit_s,
+from megatron_ext.run_spec.engines import MEGATRON_LM
+from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED
+from megatron_ext.run_spec.resilience import (Phase, RankProgress, ResilienceParams, SaveSchedule, for_checkpoint, phase_limit_s,
                                               read_resilience_overrides)
 from orchestration.node.attempts import AttemptEnd, AttemptRecord, Evidence, decide, decide_rejoin, trained_to_the_end
 from megatron_ext.host.procfs import process_environ
 from orchestration.node.run_state import RunState
-from orchestration.node.watchdog import RankReport, find_suspects, in_collective
+from orchestration.node.watchdog import RankReport, Watchdog, find_suspects, in_collective
 
 from run_checks import assert_goodput_of_two_faults
 from standins import STANDIN_PRETRAIN_GPT, all_rendered_flags, write_checkout
-from conftest import (REPO, UNATTENDED_SAVE_EVERY, assert_same_losses, clean_env, free_port, last_iteration, megatron_lm_env,
+from conftest import (REPO, TEST_DATA, UNATTENDED_SAVE_EVERY, assert_same_losses, clean_env, free_port, last_iteration, megatron_lm_env,
                       run_script, slowed, tagged_pids, wait_for, write_data_set)
 
 POLICY = ResilienceParams(max_restarts=3, attempts_without_progress=2)
@@ -207,10 +209,86 @@ def test_phase_limits_and_their_overrides():
     assert (big.hang_setup_s, big.hang_checkpoint_s) == (p.hang_setup_s + 1800, p.hang_checkpoint_s + 1800)
     assert phase_limit_s(progress("setup", 0, None), big) == p.hang_setup_s + 1800
     assert phase_limit_s(progress("step", 10, 2.0), big) == 30 and for_checkpoint(p, 0) == p
+    # a fresh start has nothing on disk: its first save is allowed for by the model's estimate, its setup not
+    fresh = for_checkpoint(p, 0, 450 * 10**9)
+    assert (fresh.hang_setup_s, fresh.hang_checkpoint_s) == (p.hang_setup_s, p.hang_checkpoint_s + 1800)
     assert read_resilience_overrides({"MAX_RESTARTS": "3", "HANG_STEP_FLOOR_S": "60", "HANG_WATCHDOG": "0"}) == {
         "max_restarts": 3, "hang_step_floor_s": 60.0, "hang_watchdog": False}
     with pytest.raises(UserError, match=r"MAX_RESTARTS='many' must be a whole number >= 0, e.g. 3"):
         read_resilience_overrides({"MAX_RESTARTS": "many"})
+
+
+def test_a_fresh_start_s_first_save_is_allowed_for_by_the_plan_s_estimate(tmp_path):
+    """[issue 54] Before, a fresh start (no checkpoint on disk to measure) kept the plain 600 s for a
+    save: Qwen3-32B's first save on one node (450 GB written, then hashed on rank 0 by Megatron-LM's
+    manifest) was taken for a hang, and every restart began again from iteration 0 until the breaker."""
+    from types import SimpleNamespace
+
+    from megatron_ext.run_spec.run_paths import RunPaths
+    from orchestration.node.checkpoint_pass import CheckpointPass
+    from orchestration.node.records import RecordKeeper
+
+    said = []
+    node = CheckpointPass()
+    node.paths, node.policy, node.say = RunPaths(tmp_path, "r"), ResilienceParams(), said.append
+    node.records = RecordKeeper(tmp_path, "node 0 (h)", said.append)
+    node.plan = SimpleNamespace(checkpoint_bytes=450 * 10**9)
+    limits = node._limits(None)
+    assert (limits.hang_setup_s, limits.hang_checkpoint_s) == (600, 2400)
+    assert said == ["the watchdog allows a save 2400 s for the model's checkpoint of about 450.0 GB"]
+    node.plan, said[:] = SimpleNamespace(checkpoint_bytes=0), []
+    assert node._limits(None) == node.policy and said == []
+
+
+def test_a_save_is_known_from_the_schedule_and_the_megatron_lm_log_watch_allows_for_it(tmp_path):
+    """[issue 54] Megatron-LM's save lines are rank 0's (node 0's log); the iteration lines the watch
+    reads are the last rank's. So the schedule says when a save begins, and the lines may stop for a
+    save's limit from then: a synchronous save's write, or an asynchronous one's finalize (rank 0
+    hashing every file for --verify-integrity) at a later step. Before, every save was timed as a
+    step (30 s here), and a save at a user's size was taken for a hang at every save interval."""
+    schedule = SaveSchedule(interval=4, train_iters=10)
+    assert [i for i in range(1, 12) if schedule.saves_in(i, i + 1)] == [4, 8, 10]
+    assert schedule.saves_in(1, 5) and not schedule.saves_in(5, 8) and schedule.saves_in(9, 11)
+    assert not SaveSchedule(0, 10).saves_in(1, 100) and not SaveSchedule(4, 10).saves_in(0, 1)
+    line = (TEST_DATA / "megatron_lm" / "iteration_line_core_v0.16.1.txt").read_text().splitlines()[1]
+    params = ResilienceParams(hang_checkpoint_s=100, hang_warmup_steps=1)  # the step limit: the 30 s floor
+
+    def watch(log_name, saves=schedule):
+        log = tmp_path / log_name
+        log.write_text(f"attempt 1 of 1: {ATTEMPT_STARTED}\n")
+        return log, Watchdog(params, 0, 1, 2, tmp_path, MEGATRON_LM, log, 0.0, saves=saves)
+
+    def lines(log, *iterations):
+        with log.open("a") as fh:
+            fh.writelines(line.replace("iteration        2/", f"iteration {i:8d}/") + "\n" for i in iterations)
+
+    log, w = watch("saves.log")
+    lines(log, 1, 2, 3, 4)  # iteration 4 saves after its line
+    assert w.check(10.0) is None and w.check(60.0) is None  # 50 s: past a step's limit, within the save's
+    hang = w.check(111.0)
+    assert hang is not None and (hang.phase, hang.iteration, hang.limit_s) == (Phase.CHECKPOINT, 4, 100.0)
+    lines(log, 5)  # a synchronous save has ended at the next line: a step's limit again
+    assert w.check(120.0) is None
+    hang = w.check(151.0)
+    assert hang is not None and (hang.phase, hang.iteration, hang.limit_s) == (Phase.STEP, 5, 30.0)
+    log, w = watch("async.log", dataclasses.replace(schedule, background=True))
+    lines(log, 1, 2, 3, 4)
+    assert w.check(10.0) is None
+    lines(log, 5)  # an asynchronous save: training went on, and its finalize stops a later step
+    assert w.check(20.0) is None and w.check(80.0) is None
+    hang = w.check(111.0)
+    assert hang is not None and (hang.phase, hang.limit_s) == (Phase.CHECKPOINT, 90.0)
+    lines(log, 6)  # past the save's window: a step's limit again
+    assert w.check(200.0) is None and w.check(225.0) is None
+    hang = w.check(231.0)
+    assert hang is not None and (hang.phase, hang.iteration, hang.limit_s) == (Phase.STEP, 6, 30.0)
+    for name, saves in (("no_save_due.log", schedule), ("no_saves.log", None)):
+        log, w = watch(name, saves)
+        lines(log, 1, 2, 3)
+        assert w.check(10.0) is None
+        hang = w.check(41.0)
+        assert hang is not None and (hang.phase, hang.iteration) == (Phase.STEP, 3), name
+
 
 
 def test_a_rank_whose_busy_time_over_the_window_outweighs_the_others_is_named():

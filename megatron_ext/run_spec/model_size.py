@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from megatron_ext.host.devices import Device
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.flops import padded_vocab_size
-from megatron_ext.run_spec.params import ModelPreset
+from megatron_ext.run_spec.params import ModelPreset, RunParams
 
 
 @dataclass(frozen=True)
@@ -70,3 +70,14 @@ def checkpoint_bytes(parameters: int, device: Device, zero_stage: int = 0) -> in
     """The size of one checkpoint of a model with ``parameters`` on ``device`` (cpu or cuda) at
     ``zero_stage`` (:func:`checkpoint_bytes_per_parameter`)."""
     return parameters * checkpoint_bytes_per_parameter(device, zero_stage)
+
+
+def parameters_to_save(params: RunParams) -> int | None:
+    """The model's parameter count when the run keeps checkpoints (its vocabulary known), else None."""
+    if not params.training.save_interval:
+        return None
+    vocab = params.model.vocab_size or params.data.tokenizer.vocab_size
+    try:
+        return count_model_parameters(params.model, vocab).total
+    except UserError:
+        return None

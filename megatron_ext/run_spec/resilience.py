@@ -218,12 +218,33 @@ load it, and Megatron-LM's ``--verify-integrity`` hashes every file on rank 0 fi
 Megatron-LM's manifest hashes every file on rank 0 again."""
 
 
-def for_checkpoint(r: ResilienceParams, checkpoint_bytes: int) -> ResilienceParams:
-    """``r`` with the setup and save limits raised by the time a checkpoint of ``checkpoint_bytes``
-    takes at :data:`CHECKPOINT_READ_FLOOR_BPS` (450 GB: 30 minutes more; 24 GB: 96 s), so that a
-    large checkpoint's load or save is never taken for a hang. Pure."""
+def for_checkpoint(r: ResilienceParams, checkpoint_bytes: int, save_bytes: int | None = None) -> ResilienceParams:
+    """``r`` with the setup limit raised by the time the checkpoint to load, ``checkpoint_bytes``,
+    takes at :data:`CHECKPOINT_READ_FLOOR_BPS` (450 GB: 30 minutes more; 24 GB: 96 s), and the save
+    limit by the larger of that and ``save_bytes`` (what a save will write: a fresh start has nothing
+    on disk to measure), so that a large checkpoint's load or save is never taken for a hang. Pure."""
     extra = checkpoint_bytes / CHECKPOINT_READ_FLOOR_BPS
-    return replace(r, hang_setup_s=r.hang_setup_s + extra, hang_checkpoint_s=r.hang_checkpoint_s + extra)
+    save_extra = max(checkpoint_bytes, save_bytes or 0) / CHECKPOINT_READ_FLOOR_BPS
+    return replace(r, hang_setup_s=r.hang_setup_s + extra, hang_checkpoint_s=r.hang_checkpoint_s + save_extra)
+
+
+@dataclass(frozen=True)
+class SaveSchedule:
+    """When a run saves by itself: every ``interval`` iterations and at its last, ``train_iters``
+    (both engines: Megatron-LM's ``--save-interval``, and its save after the loop)."""
+
+    interval: int
+    train_iters: int
+    background: bool = False
+    """The saves end in the background (Megatron-LM's ``--async-save``): a save's finalize may stop
+    a later step than its own."""
+
+    def saves_in(self, first: int, end: int) -> bool:
+        """Whether an iteration in [first, end) saves. Pure."""
+        if self.interval <= 0:
+            return False
+        first = max(first, 1)  # no save at iteration 0
+        return first <= self.train_iters < end or -(-first // self.interval) * self.interval < end
 
 
 def phase_limit_s(p: RankProgress, r: ResilienceParams) -> float | None:

@@ -155,14 +155,19 @@ class CheckpointPass:
         """The watchdog's limits for an attempt that loads ``checkpoint`` (None: none): setup and
         save allow for reading the largest checkpoint it may load through (one at or before it: a
         damaged one is passed over for an older one; resilience.py ``for_checkpoint``; sizes from
-        the files' sizes, no byte read), and the node's log says so when they grow."""
+        the files' sizes, no byte read); a save also for the plan's estimate of one checkpoint (a
+        fresh start has none to measure); the node's log says so when they grow."""
         def sizes() -> list[tuple[int, str]]:
             return [(checkpoint_bytes_on_disk(p), p.name) for it, p in list_checkpoints(self.paths.checkpoints_dir)
                     if checkpoint is None or it <= checkpoint]
         size, name = max(self.records.keep("reading the checkpoints' sizes", sizes, []), default=(0, ""))
-        limits = for_checkpoint(self.policy, size)
+        estimate = self.plan.checkpoint_bytes
+        limits = for_checkpoint(self.policy, size, estimate)
         if limits.hang_setup_s - self.policy.hang_setup_s >= 1:
             self.say(f"the watchdog allows for the {size / 1e9:.1f} GB checkpoint of {name}: setup "
                      f"{limits.hang_setup_s:.0f} s, a save {limits.hang_checkpoint_s:.0f} s")
+        elif limits.hang_checkpoint_s - self.policy.hang_checkpoint_s >= 1:
+            self.say(f"the watchdog allows a save {limits.hang_checkpoint_s:.0f} s for the model's checkpoint of about "
+                     f"{estimate / 1e9:.1f} GB")
         return limits
 

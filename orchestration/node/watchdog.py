@@ -29,7 +29,8 @@ from pathlib import Path
 from megatron_ext.run_spec.convert import unstructure
 from megatron_ext.run_spec.engines import Engine
 from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED
-from megatron_ext.run_spec.resilience import DUMP_REQUEST, Phase, RankProgress, ResilienceParams, phase_limit_s, read_progress
+from megatron_ext.run_spec.resilience import (DUMP_REQUEST, Phase, RankProgress, ResilienceParams, SaveSchedule, phase_limit_s,
+                                              read_progress)
 from orchestration.node.processes import parent_pid, process_environ, process_start_time, tagged_processes
 from megatron_ext.host.json_files import write_json_atomic
 from orchestration.node.run_state import tail
@@ -70,16 +71,19 @@ def local_ranks(node_rank: int, nproc_per_node: int) -> range:
 
 class Watchdog:
     def __init__(self, params: ResilienceParams, node_rank: int, nnodes: int, nproc_per_node: int, progress_dir: Path,
-                 engine: Engine, log_path: Path, started_at: float, place: int | None = None):
+                 engine: Engine, log_path: Path, started_at: float, place: int | None = None, saves: SaveSchedule | None = None):
         """``node_rank`` names the node (its rank in the start's plan); ``place`` is its torchrun node
         rank in this attempt (default the same: it differs once a lost node was left out) and ``nnodes``
-        the attempt's nodes."""
+        the attempt's nodes; ``saves``: when the run saves by itself (the Megatron-LM log watch)."""
         self.params, self.node_rank, self.nproc = params, node_rank, nproc_per_node
         self.place = node_rank if place is None else place
         self.progress_dir, self.engine, self.log_path, self.started_at = progress_dir, engine, log_path, started_at
         self.prints_iterations = self.place == nnodes - 1
         """Megatron-LM prints its iteration lines on the last rank, which is on the last node."""
+        self.saves = saves
         self._log_iteration, self._log_seen_at = 0, started_at
+        self._save_began_at: float | None = None
+        """When the line before the latest scheduled save was seen (the save began after it)."""
         self._log_checked = 0.0
 
     def check(self, now: float) -> Hang | None:
@@ -106,8 +110,17 @@ class Watchdog:
     def _check_log(self, now: float) -> Hang | None:
         """Megatron-LM: the time since the last iteration line, against the step rule applied to the
         lines' own step times (times the iterations between two lines: the log interval); setup's
-        limit before the first lines, the checkpoint's while it saves. Only the node of the last
-        rank has the lines; the others rely on it."""
+        limit before the first lines. Only the node of the last rank has the lines; the others rely
+        on it.
+
+        A save: its lines (``saving checkpoint ...``) are rank 0's, on node 0, so the schedule says
+        when one begins: after the line of an iteration that saves, or of the last before one
+        (:class:`SaveSchedule`). A synchronous save stops training for its write: the lines may stop
+        for the save's limit until the next one. An asynchronous one stops it for its finalize on
+        rank 0 at whatever later step its background write ends (megatron-core's
+        ``save_integrity_manifest`` hashes every file there with ``--verify-integrity``; core_v0.19.0
+        dist_checkpointing/serialization.py ``integrity_finalize_fn``): any stall may last until the
+        save's limit has passed, counted from its start."""
         if not self.prints_iterations or now - self._log_checked < LOG_CHECK_S:
             return None
         self._log_checked = now
@@ -124,20 +137,27 @@ class Watchdog:
             return None
         last = records[-1].iteration
         if last != self._log_iteration:
+            if self.saves is not None and not self.saves.background:
+                self._save_began_at = None  # a line after a save: it has ended
+            step = last - records[-2].iteration if len(records) > 1 else 1  # the log interval
+            if self.saves is not None and self.saves.saves_in(last, last + max(step, 1)):
+                self._save_began_at = now
             self._log_iteration, self._log_seen_at = last, now
             return None
         between = [r.step_time_s * (r.iteration - q.iteration) for q, r in zip(records, records[1:])][-20:]
-        saving = "saving checkpoint" in text.rsplit("iteration", 1)[-1]
-        if saving:
-            limit = self.params.hang_checkpoint_s
-        elif len(records) > self.params.hang_warmup_steps and between:
+        if len(records) > self.params.hang_warmup_steps and between:
             limit = max(self.params.hang_step_floor_s, self.params.hang_step_factor * max(between))
         else:
             limit = self.params.hang_setup_s
-        if now - self._log_seen_at > limit:
+        elapsed = now - self._log_seen_at
+        saving = self._save_began_at is not None and self._save_began_at + self.params.hang_checkpoint_s > self._log_seen_at + limit
+        if saving:  # the save's limit, counted from when it began
+            limit = self._save_began_at + self.params.hang_checkpoint_s - self._log_seen_at
+        if elapsed > limit:
             return Hang(node_rank=self.node_rank, rank=None, phase=Phase.CHECKPOINT if saving else Phase.STEP, iteration=last,
-                        elapsed_s=now - self._log_seen_at, limit_s=limit,
-                        detail=f"no iteration line after iteration {last} for {now - self._log_seen_at:.0f} s (limit {limit:.0f} s)")
+                        elapsed_s=elapsed, limit_s=limit,
+                        detail=f"no iteration line after iteration {last} for {elapsed:.0f} s (limit {limit:.0f} s"
+                               + (f", a save's {self.params.hang_checkpoint_s:.0f} s from its start)" if saving else ")"))
         return None
 
 

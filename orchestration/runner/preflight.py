@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Sequence
 
 from megatron_ext.run_spec.engines import engine_named
-from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR, UserError
-from megatron_ext.run_spec.model_size import count_model_parameters
+from megatron_ext.run_spec.errors import EXIT_NODE_FAILED, EXIT_OK, EXIT_USER_ERROR
+from megatron_ext.run_spec.model_size import parameters_to_save
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.cluster.backends import backend_for
 from orchestration.launch_env import LaunchEnv
@@ -106,17 +106,6 @@ def check_request(launch: LaunchEnv, inputs: StartInputs, shared_token: Path | N
                                                     params.training.keep_checkpoints, params.training.zero_stage)
                         if size else None, fp8=params.training.fp8,
                         python=inputs.checkout.python_requirement if inputs.checkout is not None else None)
-
-
-def parameters_to_save(params) -> int | None:
-    """The model's parameter count when the run keeps checkpoints (its vocabulary known), else None."""
-    if not params.training.save_interval:
-        return None
-    vocab = params.model.vocab_size or params.data.tokenizer.vocab_size
-    try:
-        return count_model_parameters(params.model, vocab).total
-    except UserError:
-        return None
 
 
 def run_preflight(launch: LaunchEnv, inputs: StartInputs) -> Preflight:

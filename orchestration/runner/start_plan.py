@@ -36,12 +36,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar, Iterator, Mapping, Sequence
 
+from megatron_ext.host.devices import Device
 from megatron_ext.run_spec.engines import engine_named
 from megatron_ext.run_spec.errors import UserError
 from megatron_ext.run_spec.megatron_lm_checkpoints import check_loadable_by_megatron_lm, find_megatron_lm_checkpoint
 from megatron_ext.run_spec.checkpoints import check_resumable, latest_iteration, read_meta
 from megatron_ext.run_spec.params import BatchGeometry, RunParams, load_run_params, with_batch_geometry
-from megatron_ext.run_spec.resilience import ATTEMPT_ENV, FLIGHT_RECORDER_ENTRIES, FLIGHT_RECORDER_ENV, PROGRESS_DIR_ENV
+from megatron_ext.run_spec.model_size import checkpoint_bytes, parameters_to_save
+from megatron_ext.run_spec.resilience import (ATTEMPT_ENV, FLIGHT_RECORDER_ENTRIES, FLIGHT_RECORDER_ENV, PROGRESS_DIR_ENV,
+                                              SaveSchedule)
 from megatron_ext.run_spec.resolved import ResolvedRun, RunRuntime, write_resolved
 from megatron_ext.run_spec.run_paths import RunPaths, check_root_writable, check_run_name
 from megatron_ext.run_spec.wandb_run import WandbState, read_wandb_state, write_wandb_state
@@ -430,6 +433,11 @@ def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeRep
     program = plan_program(params, inputs.model, inputs.data, paths, launch, inputs.checkout, inputs.prepared, answers,
                            has_checkpoint=inputs.resume_from is not None)
     node_plans = []
+    t = params.training
+    saves = (SaveSchedule(t.save_interval, t.train_iters, background="--async-save" in program.program_args)
+             if t.save_interval else None)  # Megatron-LM's flags say whether its saves end in the background
+    parameters = parameters_to_save(params)  # at most: bf16 and fp32 weights with the moments (GPUs, stages 0-1)
+    one_checkpoint = checkpoint_bytes(parameters, Device.CUDA, 0) if parameters else 0
     rendezvous = dict(nnodes=launch.nnodes, nproc_per_node=launch.nproc_per_node, master_addr=launch.master_addr,
                       master_port=launch.master_port)
     for rank, host in inputs.nodes:
@@ -440,7 +448,7 @@ def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeRep
             run=inputs.run, run_id=inputs.run_id, node_rank=rank, host=host, **rendezvous,
             argv=torchrun_argv(launch.python, program.argv, node_rank=rank, **rendezvous), env=env, unset=unset,
             cwd=launch.cwd, log_path=str(paths.node_log(rank)), pid_path=str(paths.node_pid_file(rank)),
-            engine=program.engine, resilience=params.training.resilience,
+            engine=program.engine, resilience=params.training.resilience, saves=saves, checkpoint_bytes=one_checkpoint,
             first_attempt=inputs.first_attempt, save_signal=program.save_signal,
             secret_names=tuple(sorted(launch.secrets)), resets_run_state=rank == 0,
             per_attempt={**PER_ATTEMPT, **(PER_ATTEMPT_ELASTIC if params.training.resilience.min_nodes else {})},
