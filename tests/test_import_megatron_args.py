@@ -545,3 +545,11 @@ def test_a_user_s_own_background_saves_are_kept():
     worker = next(n for n in kept.not_imported if n.flag == "--use-persistent-ckpt-worker")
     assert worker.kind == LAUNCHER, worker
     assert import_texts(MINIMAL).training["async_save"] is False
+    # --verify-integrity: the project's default too (an integrity.json at each save); without it, said
+    from orchestration.megatron_lm.flags import FlagSpec, FlagTable
+
+    table = FlagTable("core_v0.19.0", {**TABLE.flags, "--verify-integrity": FlagSpec("0")})  # 0.17.1 and later
+    checked = mli.import_files([("f.sh", MINIMAL + "--save-interval 100 --verify-integrity\n")], table)
+    assert checked.training["verify_integrity"] is True and "--verify-integrity" not in {n.flag for n in checked.not_imported}
+    unchecked = import_texts(MINIMAL)
+    assert "verify_integrity" not in unchecked.training and "integrity.json" in unchecked.comments["training.verify_integrity"]

@@ -591,6 +591,24 @@ def test_checkpoint_integrity_where_the_release_has_it_and_the_stage_saves_torch
         assert rendered == (["--verify-integrity"] if version >= (0, 17) and stage < 2 else []), (version, stage)
 
 
+
+def test_a_run_may_turn_megatron_lm_s_integrity_manifest_off(tmp_path):
+    """training.verify_integrity: false leaves --verify-integrity out of every attempt: no rank-0
+    hash of the whole checkpoint at each save's finalize (450 GB: minutes of training stopped)."""
+    checkout = tmp_path / "Megatron-LM"
+    write_checkout(checkout, (0, 19, 0), all_rendered_flags() + ["--verify-integrity"])
+    launch = read_launch_env({"ARTIFACT_ROOT": str(tmp_path / "art"), "MEGATRON_LM_DIR": str(checkout)})
+    overrides = dataclasses.replace(launch.overrides, zero_stage=1, engine="megatron-lm")
+    params = with_batch_geometry(load_run_params("gpt_smoke", "smoke", overrides), 2)[0]
+    paths = RunPaths(launch.artifact_root, "r")
+
+    def choice(**training):
+        p = dataclasses.replace(params, training=dataclasses.replace(params.training, **training))
+        return plan_program(p, "gpt_smoke", "smoke", paths, launch, read_checkout(checkout),
+                            planned_prepared(p.data, paths.data_cache_dir), None, False).checkpoint_choice
+    assert params.training.verify_integrity and choice().integrity_args == ("--verify-integrity",)
+    assert choice(verify_integrity=False).integrity_args == ()
+
 WANDB_ENV = {"WANDB_PROJECT": "zero", "WANDB_ENTITY": "team"}
 
 

@@ -202,6 +202,13 @@ def _training(r: FlagReader) -> dict[str, Any]:
         r.converted("--async-save")
     else:
         r.comments["training.async_save"] = "Megatron-LM default: synchronous saves (no --async-save in the files)"
+    if r.switch("--verify-integrity"):  # the launcher's default too: rendered where the release and the stage take it
+        t["verify_integrity"] = True
+        r.converted("--verify-integrity")
+    else:
+        r.comments["training.verify_integrity"] = ("no --verify-integrity in the files (Megatron-LM's default: no "
+                                                   "integrity.json); this project's default writes one at each save, "
+                                                   "hashed on rank 0 (false: none)")
     t["zero_stage"] = _zero_stage(r)
     return t
 

@@ -192,7 +192,8 @@ def plan_program(params: RunParams, model: str, data: str, paths: RunPaths, laun
                        env={**render.env, **wandb_env}, notes=(kernel_note, signal_note, *retired, *limits), save_signal=render.save_signal,
                        checks=(check,), prepare=(helpers,),
                        program_args=tuple(render.args), resume_args=tuple(load_flags(paths)) if not has_checkpoint else (),
-                       checkpoint_choice=CheckpointChoice(integrity_args=tuple(integrity_flags(t.zero_stage, checkout.flags)),
+                       checkpoint_choice=CheckpointChoice(integrity_args=tuple(integrity_flags(t.zero_stage, checkout.flags))
+                                                          if t.verify_integrity else (),
                                                           init_checkpoint=t.init_checkpoint or ""))
 
 
