@@ -3,6 +3,7 @@ as data), backends (no processes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import shlex
@@ -170,6 +171,16 @@ def test_the_plan_carries_the_save_schedule_and_one_checkpoint_s_size(tmp_path):
     node = plan_start(launch, inputs).nodes[3]
     assert node.saves == SaveSchedule(interval=100, train_iters=inputs.params.training.train_iters)
     assert 450e9 < node.checkpoint_bytes < 470e9  # 32.8e9 parameters x 14 bytes
+    assert node.initial_weights == ""  # random weights: nothing to load before the first step
+
+    def initial(model=None, **training):  # what a fresh start loads first: the setup limit allows for its size
+        params = inputs.params
+        params = dataclasses.replace(params, training=dataclasses.replace(params.training, **training),
+                                     model=dataclasses.replace(params.model, **(model or {})))
+        return plan_start(launch, dataclasses.replace(inputs, params=params)).nodes[0].initial_weights
+    assert initial(init_checkpoint="/shared/lm_save") == "/shared/lm_save"
+    assert initial({"hf_checkpoint": "/shared/Qwen3-32B"}) == "/shared/Qwen3-32B"
+    assert initial({"hf_checkpoint": "/shared/Qwen3-32B"}, init="random") == ""
     assert NodePlan.from_json(node.to_json()) == node
 
 
@@ -302,7 +313,7 @@ def test_dry_run_prints_the_plan_and_one_json_line_per_node_and_starts_nothing(t
                              "argv", "env", "unset", "cwd", "log_path", "pid_path",
                              "engine", "resilience", "first_attempt", "save_signal", "secret_names", "per_attempt",
                              "resets_run_state", "resume_args", "checkpoint_choice", "hosts", "first_members", "rejoin",
-                             "restart_exclude", "saves", "checkpoint_bytes"}
+                             "restart_exclude", "saves", "checkpoint_bytes", "initial_weights"}
     # Secrets are named, never shown: the plan says which variables the ranks get, not their values.
     assert lines[0]["secret_names"] == ["HF_TOKEN", "WANDB_API_KEY"] and lines[0]["env"]["WANDB_PROJECT"] == "p"
     assert key not in proc.stdout + proc.stderr and token not in proc.stdout + proc.stderr

@@ -232,12 +232,26 @@ def test_a_fresh_start_s_first_save_is_allowed_for_by_the_plan_s_estimate(tmp_pa
     node = CheckpointPass()
     node.paths, node.policy, node.say = RunPaths(tmp_path, "r"), ResilienceParams(), said.append
     node.records = RecordKeeper(tmp_path, "node 0 (h)", said.append)
-    node.plan = SimpleNamespace(checkpoint_bytes=450 * 10**9)
+    node.plan = SimpleNamespace(checkpoint_bytes=450 * 10**9, initial_weights="")
     limits = node._limits(None)
     assert (limits.hang_setup_s, limits.hang_checkpoint_s) == (600, 2400)
     assert said == ["the watchdog allows a save 2400 s for the model's checkpoint of about 450.0 GB"]
-    node.plan, said[:] = SimpleNamespace(checkpoint_bytes=0), []
+    node.plan, said[:] = SimpleNamespace(checkpoint_bytes=0, initial_weights=""), []
     assert node._limits(None) == node.policy and said == []
+    # initial weights to load instead (a Hugging Face directory; a Megatron-LM --save folder: the iteration
+    # its tracker names, not every one it holds): setup allows for them, sizes only (sparse files here)
+    hf, save = tmp_path / "Qwen3-32B", tmp_path / "lm_save"
+    for folder, size in ((hf, 65 * 10**9), (save / "iter_0000010", 100 * 10**9), (save / "iter_0000020", 50 * 10**9)):
+        folder.mkdir(parents=True)
+        with (folder / "weights.bin").open("wb") as fh:
+            fh.truncate(size)
+    (save / "latest_checkpointed_iteration.txt").write_text("20")
+    for path, setup, name in ((hf, 860, "Qwen3-32B"), (save, 800, "iter_0000020"), (tmp_path / "gone", 600, None)):
+        node.plan, said[:] = SimpleNamespace(checkpoint_bytes=0, initial_weights=str(path)), []
+        limits = node._limits(None)
+        assert round(limits.hang_setup_s) == setup, (path, limits)
+        assert said == ([f"the watchdog allows for the {(setup - 600) / 4:.1f} GB checkpoint of {name}: setup {setup} s, "
+                         f"a save {setup} s"] if name else []), said
 
 
 def test_a_save_is_known_from_the_schedule_and_the_megatron_lm_log_watch_allows_for_it(tmp_path):

@@ -19,6 +19,8 @@ from typing import Callable
 from megatron_ext.run_spec.checksums import (CheckpointHealth, checkpoint_bytes_on_disk, health, list_checkpoints,
                                              recorded_files)
 from megatron_ext.run_spec.errors import UserError
+from megatron_ext.run_spec.checkpoints import iteration_dir_name
+from megatron_ext.run_spec.megatron_lm_checkpoints import RELEASE, read_tracker
 from megatron_ext.run_spec.resilience import ResilienceParams, for_checkpoint
 from megatron_ext.run_spec.shared_fs import SHARED_FS_LAG_S, still_showing
 from orchestration.node import resume_point
@@ -155,12 +157,16 @@ class CheckpointPass:
         """The watchdog's limits for an attempt that loads ``checkpoint`` (None: none): setup and
         save allow for reading the largest checkpoint it may load through (one at or before it: a
         damaged one is passed over for an older one; resilience.py ``for_checkpoint``; sizes from
-        the files' sizes, no byte read); a save also for the plan's estimate of one checkpoint (a
-        fresh start has none to measure); the node's log says so when they grow."""
+        the files' sizes, no byte read), or, with none, for the initial weights it loads instead; a
+        save also for the plan's estimate of one checkpoint (a fresh start has none to measure); the
+        node's log says so when they grow."""
         def sizes() -> list[tuple[int, str]]:
             return [(checkpoint_bytes_on_disk(p), p.name) for it, p in list_checkpoints(self.paths.checkpoints_dir)
                     if checkpoint is None or it <= checkpoint]
         size, name = max(self.records.keep("reading the checkpoints' sizes", sizes, []), default=(0, ""))
+        if not size and self.plan.initial_weights:  # a fresh start loads the initial weights instead
+            size, name = self.records.keep("reading the initial weights' size", lambda: initial_weights_bytes(
+                self.plan.initial_weights), (0, ""))
         estimate = self.plan.checkpoint_bytes
         limits = for_checkpoint(self.policy, size, estimate)
         if limits.hang_setup_s - self.policy.hang_setup_s >= 1:
@@ -171,3 +177,13 @@ class CheckpointPass:
                      f"{estimate / 1e9:.1f} GB")
         return limits
 
+
+def initial_weights_bytes(path: str) -> tuple[int, str]:
+    """(bytes, name) of the initial weights at ``path``: the iteration folder a Megatron-LM ``--save``
+    folder's tracker names (megatron_lm_checkpoints.py), else the folder itself (a Hugging Face
+    directory); (0, "") where it is missing. Reads sizes, no byte."""
+    folder = Path(path).expanduser()
+    tracked = read_tracker(folder)
+    if tracked is not None:
+        folder = folder / (RELEASE if tracked[1] else iteration_dir_name(tracked[0]))
+    return (checkpoint_bytes_on_disk(folder), folder.name) if folder.is_dir() else (0, "")

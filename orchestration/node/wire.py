@@ -111,6 +111,10 @@ class NodePlan:
     checkpoint_bytes: int = 0
     """One checkpoint of the run, estimated from the model (model_size.py ``checkpoint_bytes``; 0:
     unknown): the save limit of an attempt with nothing on disk to measure."""
+    initial_weights: str = ""
+    """What an attempt without a checkpoint of the run's own loads first (training.init_checkpoint, or
+    the Hugging Face directory with training.init: pretrained; empty: nothing): the setup limit
+    allows for its size on disk."""
     first_attempt: int = 1
     """The attempt this start begins with (a requeued Slurm job continues the count)."""
     save_signal: str = "SIGUSR1"

@@ -438,6 +438,7 @@ def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeRep
              if t.save_interval else None)  # Megatron-LM's flags say whether its saves end in the background
     parameters = parameters_to_save(params)  # at most: bf16 and fp32 weights with the moments (GPUs, stages 0-1)
     one_checkpoint = checkpoint_bytes(parameters, Device.CUDA, 0) if parameters else 0
+    initial = t.init_checkpoint or (params.model.hf_checkpoint if t.init == "pretrained" else None) or ""
     rendezvous = dict(nnodes=launch.nnodes, nproc_per_node=launch.nproc_per_node, master_addr=launch.master_addr,
                       master_port=launch.master_port)
     for rank, host in inputs.nodes:
@@ -449,6 +450,7 @@ def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeRep
             argv=torchrun_argv(launch.python, program.argv, node_rank=rank, **rendezvous), env=env, unset=unset,
             cwd=launch.cwd, log_path=str(paths.node_log(rank)), pid_path=str(paths.node_pid_file(rank)),
             engine=program.engine, resilience=params.training.resilience, saves=saves, checkpoint_bytes=one_checkpoint,
+            initial_weights=initial,
             first_attempt=inputs.first_attempt, save_signal=program.save_signal,
             secret_names=tuple(sorted(launch.secrets)), resets_run_state=rank == 0,
             per_attempt={**PER_ATTEMPT, **(PER_ATTEMPT_ELASTIC if params.training.resilience.min_nodes else {})},
