@@ -267,10 +267,10 @@ def test_a_save_is_known_from_the_schedule_and_the_megatron_lm_log_watch_allows_
     line = (TEST_DATA / "megatron_lm" / "iteration_line_core_v0.16.1.txt").read_text().splitlines()[1]
     params = ResilienceParams(hang_checkpoint_s=100, hang_warmup_steps=1)  # the step limit: the 30 s floor
 
-    def watch(log_name, saves=schedule):
+    def watch(log_name, saves=schedule, limits=params):
         log = tmp_path / log_name
         log.write_text(f"attempt 1 of 1: {ATTEMPT_STARTED}\n")
-        return log, Watchdog(params, 0, 1, 2, tmp_path, MEGATRON_LM, log, 0.0, saves=saves)
+        return log, Watchdog(limits, 0, 1, 2, tmp_path, MEGATRON_LM, log, 0.0, saves=saves)
 
     def lines(log, *iterations):
         with log.open("a") as fh:
@@ -296,6 +296,27 @@ def test_a_save_is_known_from_the_schedule_and_the_megatron_lm_log_watch_allows_
     assert w.check(200.0) is None and w.check(225.0) is None
     hang = w.check(231.0)
     assert hang is not None and (hang.phase, hang.iteration, hang.limit_s) == (Phase.STEP, 6, 30.0)
+    # Megatron-LM prints an attempt's first line, then every log_interval-th: a save between two lines
+    # (a fresh start's at 50 between lines 1 and 100; one at 19 between 10 and 20) opens the window
+    fresh = ResilienceParams(hang_checkpoint_s=2400)  # a save limit past setup's: a fresh start's, by the estimate
+    for name, first, then, saves, limits in (
+            ("sparse.log", (1,), 700.0, SaveSchedule(50, 1000, log_interval=100), fresh),
+            ("resumed.log", (1, 10), 80.0, SaveSchedule(19, 1000, log_interval=10), params)):
+        log, w = watch(name, saves, limits)
+        for i, it in enumerate(first):
+            lines(log, it)
+            assert w.check(10.0 * (i + 1)) is None
+        assert w.check(then) is None, name  # past setup's (600 s) or a step's (45 s) limit, within the save's
+        hang = w.check(10.0 * len(first) + limits.hang_checkpoint_s + 1)
+        assert hang is not None and hang.phase == Phase.CHECKPOINT, (name, hang)
+    # background saves: lines 4 and 5 read together (the log is read every 2 s) still open the save's window
+    log, w = watch("together.log", dataclasses.replace(schedule, background=True))
+    lines(log, 1, 2, 3)
+    assert w.check(10.0) is None
+    lines(log, 4, 5)
+    assert w.check(12.0) is None and w.check(100.0) is None
+    hang = w.check(113.0)
+    assert hang is not None and hang.phase == Phase.CHECKPOINT
     for name, saves in (("no_save_due.log", schedule), ("no_saves.log", None)):
         log, w = watch(name, saves)
         lines(log, 1, 2, 3)

@@ -228,7 +228,8 @@ class TrainingParams:
     ranks wait (at about 1 GB/s, 24 GB: ~25 s of training stopped a save, 450 GB: ~8 minutes), and
     each load again. false: no manifest; a checkpoint is then unrecorded, taken for whole by its
     files. This program records its checksums as it writes and ignores this (docs/faults.md, "A
-    damaged checkpoint")."""
+    damaged checkpoint"). An attempt that loads a checkpoint without a manifest runs without the flag
+    (Megatron-LM would refuse the load), so its saves, and those resumed from them, carry none."""
 
     def saves_in_background(self, on_cuda: bool) -> bool:
         """Whether this program writes a save in the background (:attr:`async_save`) on this device."""

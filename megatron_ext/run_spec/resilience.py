@@ -238,6 +238,14 @@ class SaveSchedule:
     background: bool = False
     """The saves end in the background (Megatron-LM's ``--async-save``): a save's finalize may stop
     a later step than its own."""
+    log_interval: int = 1
+    """Megatron-LM prints an iteration's line where it is a multiple of this (and an attempt's first)."""
+
+    def next_line(self, iteration: int) -> int:
+        """The iteration of the line after ``iteration``'s (training.py ``training_log``: every
+        ``log_interval``). Pure."""
+        step = max(self.log_interval, 1)
+        return (iteration // step + 1) * step
 
     def saves_in(self, first: int, end: int) -> bool:
         """Whether an iteration in [first, end) saves. Pure."""

@@ -137,11 +137,15 @@ class Watchdog:
             return None
         last = records[-1].iteration
         if last != self._log_iteration:
-            if self.saves is not None and not self.saves.background:
-                self._save_began_at = None  # a line after a save: it has ended
-            step = last - records[-2].iteration if len(records) > 1 else 1  # the log interval
-            if self.saves is not None and self.saves.saves_in(last, last + max(step, 1)):
-                self._save_began_at = now
+            saves = self.saves
+            if saves is not None:
+                if not saves.background:
+                    self._save_began_at = None  # a line after a save: it has ended
+                # a synchronous save before this line has ended; a background one saved since the line
+                # before (several lines may come between two reads) goes on
+                since = max(self._log_iteration + 1, records[0].iteration) if saves.background else last
+                if saves.saves_in(since, saves.next_line(last)):
+                    self._save_began_at = now
             self._log_iteration, self._log_seen_at = last, now
             return None
         between = [r.step_time_s * (r.iteration - q.iteration) for q, r in zip(records, records[1:])][-20:]

@@ -423,6 +423,16 @@ def plan_steps(launch: LaunchEnv, inputs: StartInputs, program: ProgramPlan) -> 
     return tuple(steps)
 
 
+def save_schedule(training, program_args: Sequence[str]) -> SaveSchedule | None:
+    """When the run saves by itself (None: it keeps no checkpoints), its log interval, and whether its
+    saves end in the background (Megatron-LM's rendered ``--async-save``): the Megatron-LM log
+    watch's save windows (orchestration/node/watchdog.py). Pure."""
+    if not training.save_interval:
+        return None
+    return SaveSchedule(training.save_interval, training.train_iters, background="--async-save" in program_args,
+                        log_interval=training.log_interval)
+
+
 def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeReport] | None = None,
                left_out: Sequence[int] = ()) -> StartPlan:
     """The plan of every node in ``inputs.nodes``, settled by ``answers`` (every node's preflight
@@ -434,8 +444,7 @@ def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeRep
                            has_checkpoint=inputs.resume_from is not None)
     node_plans = []
     t = params.training
-    saves = (SaveSchedule(t.save_interval, t.train_iters, background="--async-save" in program.program_args)
-             if t.save_interval else None)  # Megatron-LM's flags say whether its saves end in the background
+    saves = save_schedule(t, program.program_args)
     parameters = parameters_to_save(params)  # at most: bf16 and fp32 weights with the moments (GPUs, stages 0-1)
     one_checkpoint = checkpoint_bytes(parameters, Device.CUDA, 0) if parameters else 0
     initial = t.init_checkpoint or (params.model.hf_checkpoint if t.init == "pretrained" else None) or ""
