@@ -15,7 +15,7 @@ import pytest
 
 from megatron_ext.run_spec.run_paths import RunPaths, check_run_name
 from megatron_ext.run_spec.errors import UserError
-from megatron_ext.run_spec.resilience import SaveSchedule
+from megatron_ext.run_spec.resilience import PauseSchedule
 from orchestration.cluster.backends import DockerExec, Srun, Ssh, ThisMachine, backend_for
 from orchestration.launch_env import read_launch_env, visible_gpu_count
 from orchestration.node.wire import NodePlan, NodeReport
@@ -161,15 +161,15 @@ def test_node_plans_fix_node_rank_and_forward_environment(tmp_path):
     assert [s.name for s in plan.steps] == ["write-params", "start-nodes"]
 
 
-def test_the_plan_carries_the_save_schedule_and_one_checkpoint_s_size(tmp_path):
-    """[issue 54] What the supervisor's watchdog allows a save for: when the run saves (the
-    Megatron-LM log watch), and how large one checkpoint is before any exists (a fresh start's first
+def test_the_plan_carries_the_pause_schedule_and_one_checkpoint_s_size(tmp_path):
+    """[issue 54] What the supervisor's watchdog allows a save for: when the run saves and evaluates
+    (the Megatron-LM log watch), and how large one checkpoint is before any exists (a fresh start's first
     save): Qwen3-32B's is about 450 GB, 30 minutes more at 250 MB/s."""
     launch = read_launch_env({"ARTIFACT_ROOT": str(tmp_path), "HOSTS": "n0,n1,n2,n3", "NPROC_PER_NODE": "8"},
                              python="/usr/bin/python3", cwd="/work")
     inputs = read_start_inputs(launch, "qwen3_32b", "qwen3_1p7b_gbs2048", "r1", list(enumerate(launch.hosts)))
     node = plan_start(launch, inputs).nodes[3]
-    assert node.saves == SaveSchedule(interval=100, train_iters=inputs.params.training.train_iters)
+    assert node.pauses == PauseSchedule(save_interval=100, train_iters=inputs.params.training.train_iters, eval_interval=100)
     assert 450e9 < node.checkpoint_bytes < 470e9  # 32.8e9 parameters x 14 bytes
     assert node.initial_weights == ""  # random weights: nothing to load before the first step
 
@@ -313,12 +313,14 @@ def test_dry_run_prints_the_plan_and_one_json_line_per_node_and_starts_nothing(t
                              "argv", "env", "unset", "cwd", "log_path", "pid_path",
                              "engine", "resilience", "first_attempt", "save_signal", "secret_names", "per_attempt",
                              "resets_run_state", "resume_args", "checkpoint_choice", "hosts", "first_members", "rejoin",
-                             "restart_exclude", "saves", "checkpoint_bytes", "initial_weights"}
+                             "restart_exclude", "pauses", "checkpoint_bytes", "initial_weights"}
     # Secrets are named, never shown: the plan says which variables the ranks get, not their values.
     assert lines[0]["secret_names"] == ["HF_TOKEN", "WANDB_API_KEY"] and lines[0]["env"]["WANDB_PROJECT"] == "p"
     assert key not in proc.stdout + proc.stderr and token not in proc.stdout + proc.stderr
     assert lines[0]["resilience"]["max_restarts"] == 0 and lines[0]["first_attempt"] == 1
-    assert lines[0]["saves"] is None and lines[0]["checkpoint_bytes"] == 0  # this data set keeps no checkpoints
+    # this data set keeps no checkpoints, and evaluates once, at the end
+    assert lines[0]["pauses"]["save_interval"] == 0 and lines[0]["pauses"]["eval_interval"] == 30
+    assert lines[0]["checkpoint_bytes"] == 0
     argv = lines[1]["argv"]
     assert (lines[1]["nnodes"], lines[1]["env"]["NNODES"], argv[argv.index("--nnodes") + 1]) == (2, "2", "2")  # one value
     assert argv[argv.index("--zero-stage") + 1] == "3" and lines[1]["env"]["GLOO_SOCKET_IFNAME"] == "eth0"

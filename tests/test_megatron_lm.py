@@ -669,13 +669,13 @@ def _node(gpus: int, te: str | None = None, apex: str | None = None, rank: int =
     return NodeReport(node_rank=rank, host=f"n{rank}", visible_gpus=gpus, software={"transformer-engine": te, "apex": apex})
 
 
-def test_the_save_schedule_says_whether_megatron_lm_s_saves_end_in_the_background(tmp_path):
+def test_the_pause_schedule_says_whether_megatron_lm_s_saves_end_in_the_background(tmp_path):
     """The supervisor's log watch lets a background save's finalize (rank 0 hashing the checkpoint)
     stop a later step: the plan's schedule says so where the render gives --async-save (GPU nodes,
     stages 0-1), and carries the log interval, which spaces the lines."""
     from megatron_ext.run_spec.params import TrainingParams
-    from megatron_ext.run_spec.resilience import SaveSchedule
-    from orchestration.runner.start_plan import save_schedule
+    from megatron_ext.run_spec.resilience import PauseSchedule
+    from orchestration.runner.start_plan import pause_schedule
 
     training = TrainingParams(save_interval=5, log_interval=10, train_iters=30)
     write_checkout(tmp_path / "Megatron-LM", (0, 16, 1), all_rendered_flags() + [  # _plan_lm's, with the async flags
@@ -684,9 +684,11 @@ def test_the_save_schedule_says_whether_megatron_lm_s_saves_end_in_the_backgroun
     for answers, stage, background in ((gpus, 0, True), (gpus, 1, True), (cpus, 0, False)):  # stages 2-3: refused with saves
         plan = _plan_lm(tmp_path, stage, answers, save_interval=5, log_interval=10)
         assert ("--async-save" in plan.program_args) == background, (stage, plan.program_args)
-        schedule = save_schedule(training, plan.program_args)
-        assert schedule == SaveSchedule(5, 30, background=background, log_interval=10), (stage, schedule)
-    assert save_schedule(dataclasses.replace(training, save_interval=0), ("--async-save",)) is None
+        schedule = pause_schedule(training, plan.program_args)
+        assert schedule == PauseSchedule(save_interval=5, train_iters=30, eval_interval=30, background=background,
+                                         log_interval=10), (stage, schedule)
+    assert pause_schedule(dataclasses.replace(training, save_interval=0, eval_iters=0), ("--async-save",)) is None
+    assert pause_schedule(dataclasses.replace(training, save_interval=0, eval_interval=7), ()).eval_interval == 7
 
 def test_the_program_renders_for_what_the_preflight_says_the_nodes_have(tmp_path):
     cpu = _plan_lm(tmp_path, 0, [_node(0)])

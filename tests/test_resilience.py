@@ -22,7 +22,7 @@ from megatron_ext.run_spec.checkpoints import latest_iteration
 from megatron_ext.run_spec.errors import FINAL, UserError
 from megatron_ext.run_spec.engines import MEGATRON_LM
 from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED
-from megatron_ext.run_spec.resilience import (Phase, RankProgress, ResilienceParams, SaveSchedule, for_checkpoint, phase_limit_s,
+from megatron_ext.run_spec.resilience import (Phase, RankProgress, ResilienceParams, PauseSchedule, for_checkpoint, phase_limit_s,
                                               read_resilience_overrides)
 from orchestration.node.attempts import AttemptEnd, AttemptRecord, Evidence, decide, decide_rejoin, trained_to_the_end
 from megatron_ext.host.procfs import process_environ
@@ -254,23 +254,29 @@ def test_a_fresh_start_s_first_save_is_allowed_for_by_the_plan_s_estimate(tmp_pa
                          f"a save {setup} s"] if name else []), said
 
 
-def test_a_save_is_known_from_the_schedule_and_the_megatron_lm_log_watch_allows_for_it(tmp_path):
+def test_saves_and_validation_passes_are_known_from_the_schedule_and_the_megatron_lm_log_watch_allows_for_them(tmp_path):
     """[issue 54] Megatron-LM's save lines are rank 0's (node 0's log); the iteration lines the watch
-    reads are the last rank's. So the schedule says when a save begins, and the lines may stop for a
-    save's limit from then: a synchronous save's write, or an asynchronous one's finalize (rank 0
-    hashing every file for --verify-integrity) at a later step. Before, every save was timed as a
-    step (30 s here), and a save at a user's size was taken for a hang at every save interval."""
-    schedule = SaveSchedule(interval=4, train_iters=10)
+    reads are the last rank's. So the schedule says what follows a line (a validation pass, a save),
+    and the lines may stop for their limits: a synchronous save's write, or an asynchronous one's
+    finalize (rank 0 hashing every file for --verify-integrity) at a later step. Before, every save
+    and validation pass was timed as a step (30 s here), and a save at a user's size, or a long
+    validation pass, was taken for a hang at every interval."""
+    schedule = PauseSchedule(save_interval=4, train_iters=10)
     assert [i for i in range(1, 12) if schedule.saves_in(i, i + 1)] == [4, 8, 10]
     assert schedule.saves_in(1, 5) and not schedule.saves_in(5, 8) and schedule.saves_in(9, 11)
-    assert not SaveSchedule(0, 10).saves_in(1, 100) and not SaveSchedule(4, 10).saves_in(0, 1)
+    assert not PauseSchedule(save_interval=0, train_iters=10).saves_in(1, 100) and not schedule.saves_in(0, 1)
+    assert not schedule.evaluates_in(1, 100)  # no eval_interval: no validation pass
+    evaluating = PauseSchedule(save_interval=0, train_iters=10, eval_interval=3)
+    assert [i for i in range(1, 12) if evaluating.evaluates_in(i, i + 1)] == [3, 6, 9, 10]
+    assert [schedule.next_line(i) for i in (0, 1, 4)] == [1, 2, 5]
+    assert [PauseSchedule(save_interval=1, train_iters=1, log_interval=10).next_line(i) for i in (1, 9, 10)] == [10, 10, 20]
     line = (TEST_DATA / "megatron_lm" / "iteration_line_core_v0.16.1.txt").read_text().splitlines()[1]
-    params = ResilienceParams(hang_checkpoint_s=100, hang_warmup_steps=1)  # the step limit: the 30 s floor
+    params = ResilienceParams(hang_checkpoint_s=100, hang_eval_s=70, hang_warmup_steps=1)  # a step's limit: the 30 s floor
 
-    def watch(log_name, saves=schedule, limits=params):
+    def watch(log_name, pauses=schedule, limits=params):
         log = tmp_path / log_name
         log.write_text(f"attempt 1 of 1: {ATTEMPT_STARTED}\n")
-        return log, Watchdog(limits, 0, 1, 2, tmp_path, MEGATRON_LM, log, 0.0, saves=saves)
+        return log, Watchdog(limits, 0, 1, 2, tmp_path, MEGATRON_LM, log, 0.0, pauses=pauses)
 
     def lines(log, *iterations):
         with log.open("a") as fh:
@@ -281,6 +287,7 @@ def test_a_save_is_known_from_the_schedule_and_the_megatron_lm_log_watch_allows_
     assert w.check(10.0) is None and w.check(60.0) is None  # 50 s: past a step's limit, within the save's
     hang = w.check(111.0)
     assert hang is not None and (hang.phase, hang.iteration, hang.limit_s) == (Phase.CHECKPOINT, 4, 100.0)
+    assert hang.detail == "no iteration line after iteration 4 for 101 s (limit 100 s: a save)"
     lines(log, 5)  # a synchronous save has ended at the next line: a step's limit again
     assert w.check(120.0) is None
     hang = w.check(151.0)
@@ -297,12 +304,12 @@ def test_a_save_is_known_from_the_schedule_and_the_megatron_lm_log_watch_allows_
     hang = w.check(231.0)
     assert hang is not None and (hang.phase, hang.iteration, hang.limit_s) == (Phase.STEP, 6, 30.0)
     # Megatron-LM prints an attempt's first line, then every log_interval-th: a save between two lines
-    # (a fresh start's at 50 between lines 1 and 100; one at 19 between 10 and 20) opens the window
+    # (a fresh start's at 50 between lines 1 and 100; one at 19 between 10 and 20) counts
     fresh = ResilienceParams(hang_checkpoint_s=2400)  # a save limit past setup's: a fresh start's, by the estimate
-    for name, first, then, saves, limits in (
-            ("sparse.log", (1,), 700.0, SaveSchedule(50, 1000, log_interval=100), fresh),
-            ("resumed.log", (1, 10), 80.0, SaveSchedule(19, 1000, log_interval=10), params)):
-        log, w = watch(name, saves, limits)
+    for name, first, then, pauses, limits in (
+            ("sparse.log", (1,), 700.0, PauseSchedule(save_interval=50, train_iters=1000, log_interval=100), fresh),
+            ("resumed.log", (1, 10), 80.0, PauseSchedule(save_interval=19, train_iters=1000, log_interval=10), params)):
+        log, w = watch(name, pauses, limits)
         for i, it in enumerate(first):
             lines(log, it)
             assert w.check(10.0 * (i + 1)) is None
@@ -317,13 +324,21 @@ def test_a_save_is_known_from_the_schedule_and_the_megatron_lm_log_watch_allows_
     assert w.check(12.0) is None and w.check(100.0) is None
     hang = w.check(113.0)
     assert hang is not None and hang.phase == Phase.CHECKPOINT
-    for name, saves in (("no_save_due.log", schedule), ("no_saves.log", None)):
-        log, w = watch(name, saves)
-        lines(log, 1, 2, 3)
+    # a validation pass after iteration 3's line: its limit; with a save after the same line, both
+    for name, pauses, at, limit, phase in (
+            ("eval.log", evaluating, 3, 70.0, Phase.EVAL),
+            ("eval_and_save.log", dataclasses.replace(evaluating, save_interval=3), 3, 170.0, Phase.CHECKPOINT)):
+        log, w = watch(name, pauses)
+        lines(log, *range(1, at + 1))
+        assert w.check(10.0) is None and w.check(10.0 + limit - 1) is None
+        hang = w.check(10.0 + limit + 1)
+        assert hang is not None and (hang.phase, hang.iteration, hang.limit_s) == (phase, at, limit), (name, hang)
+    for name, pauses in (("nothing_due.log", schedule), ("no_schedule.log", None)):
+        log, w = watch(name, pauses)
+        lines(log, 1, 2)
         assert w.check(10.0) is None
         hang = w.check(41.0)
-        assert hang is not None and (hang.phase, hang.iteration) == (Phase.STEP, 3), name
-
+        assert hang is not None and (hang.phase, hang.iteration) == (Phase.STEP, 2), name
 
 
 def test_a_rank_whose_busy_time_over_the_window_outweighs_the_others_is_named():

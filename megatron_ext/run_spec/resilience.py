@@ -228,13 +228,17 @@ def for_checkpoint(r: ResilienceParams, checkpoint_bytes: int, save_bytes: int |
     return replace(r, hang_setup_s=r.hang_setup_s + extra, hang_checkpoint_s=r.hang_checkpoint_s + save_extra)
 
 
-@dataclass(frozen=True)
-class SaveSchedule:
-    """When a run saves by itself: every ``interval`` iterations and at its last, ``train_iters``
-    (both engines: Megatron-LM's ``--save-interval``, and its save after the loop)."""
+@dataclass(frozen=True, kw_only=True)
+class PauseSchedule:
+    """When a run pauses between two iteration lines by itself (Megatron-LM's training.py ``train``:
+    after an iteration's line, its validation pass, then its save): a save every ``save_interval``
+    iterations and at the last, ``train_iters`` (``--save-interval``, and the save after the loop);
+    a validation pass every ``eval_interval`` and at the end (``--eval-interval``, and the passes
+    after the loop)."""
 
-    interval: int
+    save_interval: int
     train_iters: int
+    eval_interval: int = 0
     background: bool = False
     """The saves end in the background (Megatron-LM's ``--async-save``): a save's finalize may stop
     a later step than its own."""
@@ -249,10 +253,19 @@ class SaveSchedule:
 
     def saves_in(self, first: int, end: int) -> bool:
         """Whether an iteration in [first, end) saves. Pure."""
-        if self.interval <= 0:
-            return False
-        first = max(first, 1)  # no save at iteration 0
-        return first <= self.train_iters < end or -(-first // self.interval) * self.interval < end
+        return _due_in(self.save_interval, self.train_iters, first, end)
+
+    def evaluates_in(self, first: int, end: int) -> bool:
+        """Whether a validation pass follows an iteration in [first, end). Pure."""
+        return _due_in(self.eval_interval, self.train_iters, first, end)
+
+
+def _due_in(interval: int, last: int, first: int, end: int) -> bool:
+    """Whether an iteration in [first, end) is a multiple of ``interval`` (> 0) or is ``last``."""
+    if interval <= 0:
+        return False
+    first = max(first, 1)  # nothing at iteration 0
+    return first <= last < end or -(-first // interval) * interval < end
 
 
 def phase_limit_s(p: RankProgress, r: ResilienceParams) -> float | None:

@@ -320,7 +320,7 @@ class Supervisor(Membership, BetweenAttempts, HangProtocol, CheckpointPass):
         proc = self._start_torchrun(checkpoint, point)
         watchdog = Watchdog(self._limits(checkpoint), self.rank, len(self.members), self.plan.nproc_per_node, self.progress_dir,
                             engine_named(self.plan.engine), Path(self.plan.log_path), time.time(), place=self.members.index(self.rank),
-                            saves=self.plan.saves)
+                            pauses=self.plan.pauses)
         saving, signalled, reported = None, set(), False
         self._hang_seen = None
         self.beat(RunState.RUNNING)

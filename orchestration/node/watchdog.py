@@ -29,7 +29,7 @@ from pathlib import Path
 from megatron_ext.run_spec.convert import unstructure
 from megatron_ext.run_spec.engines import Engine
 from megatron_ext.run_spec.iteration_log import ATTEMPT_STARTED
-from megatron_ext.run_spec.resilience import (DUMP_REQUEST, Phase, RankProgress, ResilienceParams, SaveSchedule, phase_limit_s,
+from megatron_ext.run_spec.resilience import (DUMP_REQUEST, Phase, RankProgress, ResilienceParams, PauseSchedule, phase_limit_s,
                                               read_progress)
 from orchestration.node.processes import parent_pid, process_environ, process_start_time, tagged_processes
 from megatron_ext.host.json_files import write_json_atomic
@@ -71,19 +71,21 @@ def local_ranks(node_rank: int, nproc_per_node: int) -> range:
 
 class Watchdog:
     def __init__(self, params: ResilienceParams, node_rank: int, nnodes: int, nproc_per_node: int, progress_dir: Path,
-                 engine: Engine, log_path: Path, started_at: float, place: int | None = None, saves: SaveSchedule | None = None):
+                 engine: Engine, log_path: Path, started_at: float, place: int | None = None, pauses: PauseSchedule | None = None):
         """``node_rank`` names the node (its rank in the start's plan); ``place`` is its torchrun node
         rank in this attempt (default the same: it differs once a lost node was left out) and ``nnodes``
-        the attempt's nodes; ``saves``: when the run saves by itself (the Megatron-LM log watch)."""
+        the attempt's nodes; ``pauses``: when the run saves and evaluates (the Megatron-LM log watch)."""
         self.params, self.node_rank, self.nproc = params, node_rank, nproc_per_node
         self.place = node_rank if place is None else place
         self.progress_dir, self.engine, self.log_path, self.started_at = progress_dir, engine, log_path, started_at
         self.prints_iterations = self.place == nnodes - 1
         """Megatron-LM prints its iteration lines on the last rank, which is on the last node."""
-        self.saves = saves
+        self.pauses = pauses
         self._log_iteration, self._log_seen_at = 0, started_at
+        self._pause: tuple[Phase, float] | None = None
+        """What follows the last line by the schedule (a validation pass, a save) and how long it may take."""
         self._save_began_at: float | None = None
-        """When the line before the latest scheduled save was seen (the save began after it)."""
+        """Background saves: when the line before the latest one was seen (the save began after it)."""
         self._log_checked = 0.0
 
     def check(self, now: float) -> Hang | None:
@@ -113,14 +115,14 @@ class Watchdog:
         limit before the first lines. Only the node of the last rank has the lines; the others rely
         on it.
 
-        A save: its lines (``saving checkpoint ...``) are rank 0's, on node 0, so the schedule says
-        when one begins: after the line of an iteration that saves, or of the last before one
-        (:class:`SaveSchedule`). A synchronous save stops training for its write: the lines may stop
-        for the save's limit until the next one. An asynchronous one stops it for its finalize on
-        rank 0 at whatever later step its background write ends (megatron-core's
-        ``save_integrity_manifest`` hashes every file there with ``--verify-integrity``; core_v0.19.0
-        dist_checkpointing/serialization.py ``integrity_finalize_fn``): any stall may last until the
-        save's limit has passed, counted from its start."""
+        A pause: a save's lines (``saving checkpoint ...``) are rank 0's, on node 0, so the schedule
+        (:class:`PauseSchedule`) says what follows a line before the next: the validation pass and
+        the save of an iteration come after its line (core_v0.19.0 training.py ``train``), and the
+        gap to the next line may last their limits (``hang_eval_s``, ``hang_checkpoint_s``). A save
+        in the background stops training again for its finalize on rank 0 at whatever later step its
+        write ends (megatron-core's ``save_integrity_manifest`` hashes every file there with
+        ``--verify-integrity``; dist_checkpointing/serialization.py ``integrity_finalize_fn``): any
+        gap may then last until the save's limit has passed, counted from its start."""
         if not self.prints_iterations or now - self._log_checked < LOG_CHECK_S:
             return None
         self._log_checked = now
@@ -137,32 +139,43 @@ class Watchdog:
             return None
         last = records[-1].iteration
         if last != self._log_iteration:
-            saves = self.saves
-            if saves is not None:
-                if not saves.background:
-                    self._save_began_at = None  # a line after a save: it has ended
-                # a synchronous save before this line has ended; a background one saved since the line
-                # before (several lines may come between two reads) goes on
-                since = max(self._log_iteration + 1, records[0].iteration) if saves.background else last
-                if saves.saves_in(since, saves.next_line(last)):
+            self._pause = self._pause_after(last)
+            pauses = self.pauses
+            if pauses is not None and pauses.background:  # saved since the line before (two reads may be 2 s apart)
+                if pauses.saves_in(max(self._log_iteration + 1, records[0].iteration), pauses.next_line(last)):
                     self._save_began_at = now
             self._log_iteration, self._log_seen_at = last, now
             return None
         between = [r.step_time_s * (r.iteration - q.iteration) for q, r in zip(records, records[1:])][-20:]
+        phase = Phase.STEP
         if len(records) > self.params.hang_warmup_steps and between:
             limit = max(self.params.hang_step_floor_s, self.params.hang_step_factor * max(between))
         else:
             limit = self.params.hang_setup_s
+        if self._pause is not None and self._pause[1] > limit:
+            phase, limit = self._pause
+        if self._save_began_at is not None:
+            window = self._save_began_at + self.params.hang_checkpoint_s - self._log_seen_at
+            if window > limit:
+                phase, limit = Phase.CHECKPOINT, window
         elapsed = now - self._log_seen_at
-        saving = self._save_began_at is not None and self._save_began_at + self.params.hang_checkpoint_s > self._log_seen_at + limit
-        if saving:  # the save's limit, counted from when it began
-            limit = self._save_began_at + self.params.hang_checkpoint_s - self._log_seen_at
         if elapsed > limit:
-            return Hang(node_rank=self.node_rank, rank=None, phase=Phase.CHECKPOINT if saving else Phase.STEP, iteration=last,
-                        elapsed_s=elapsed, limit_s=limit,
-                        detail=f"no iteration line after iteration {last} for {elapsed:.0f} s (limit {limit:.0f} s"
-                               + (f", a save's {self.params.hang_checkpoint_s:.0f} s from its start)" if saving else ")"))
+            why = {Phase.CHECKPOINT: ": a save", Phase.EVAL: ": a validation pass"}.get(phase, "")
+            return Hang(node_rank=self.node_rank, rank=None, phase=phase, iteration=last, elapsed_s=elapsed, limit_s=limit,
+                        detail=f"no iteration line after iteration {last} for {elapsed:.0f} s (limit {limit:.0f} s{why})")
         return None
+
+    def _pause_after(self, iteration: int) -> tuple[Phase, float] | None:
+        """What the schedule puts between ``iteration``'s line and the next, and its limit. Pure."""
+        pauses = self.pauses
+        if pauses is None:
+            return None
+        following = pauses.next_line(iteration)
+        evaluates, saves = pauses.evaluates_in(iteration, following), pauses.saves_in(iteration, following)
+        if not (evaluates or saves):
+            return None
+        limit = self.params.hang_eval_s * evaluates + self.params.hang_checkpoint_s * saves
+        return (Phase.CHECKPOINT if saves else Phase.EVAL), limit
 
 
 # -- dumps ------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal, Mapping, NamedTuple, Sequence, TypeVa
 from megatron_ext.run_spec.convert import structure, unstructure
 from megatron_ext.run_spec.engines import MEGATRON_CORE
 from megatron_ext.run_spec.python_version import PythonRequirement
-from megatron_ext.run_spec.resilience import ATTEMPT_ENV, ResilienceParams, SaveSchedule
+from megatron_ext.run_spec.resilience import ATTEMPT_ENV, ResilienceParams, PauseSchedule
 from megatron_ext.run_spec.run_paths import RunPaths
 from orchestration.node.resume_point import ResumePoint
 from orchestration.node.run_state import RunState
@@ -105,9 +105,9 @@ class NodePlan:
     """Which program the ranks run: this project's (progress files) or Megatron-LM's (log lines)."""
     resilience: ResilienceParams = field(default_factory=ResilienceParams)
     """The watchdog's limits, the restarts."""
-    saves: SaveSchedule | None = None
-    """When the run saves by itself (None: it keeps no checkpoints): the Megatron-LM log watch's
-    save windows."""
+    pauses: PauseSchedule | None = None
+    """When the run pauses between its iteration lines by itself (saves, validation passes; None:
+    neither): the Megatron-LM log watch's limits between two lines."""
     checkpoint_bytes: int = 0
     """One checkpoint of the run, estimated from the model (model_size.py ``checkpoint_bytes``; 0:
     unknown): the save limit of an attempt with nothing on disk to measure."""

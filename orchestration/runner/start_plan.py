@@ -44,7 +44,7 @@ from megatron_ext.run_spec.checkpoints import check_resumable, latest_iteration,
 from megatron_ext.run_spec.params import BatchGeometry, RunParams, load_run_params, with_batch_geometry
 from megatron_ext.run_spec.model_size import checkpoint_bytes, parameters_to_save
 from megatron_ext.run_spec.resilience import (ATTEMPT_ENV, FLIGHT_RECORDER_ENTRIES, FLIGHT_RECORDER_ENV, PROGRESS_DIR_ENV,
-                                              SaveSchedule)
+                                              PauseSchedule)
 from megatron_ext.run_spec.resolved import ResolvedRun, RunRuntime, write_resolved
 from megatron_ext.run_spec.run_paths import RunPaths, check_root_writable, check_run_name
 from megatron_ext.run_spec.wandb_run import WandbState, read_wandb_state, write_wandb_state
@@ -423,14 +423,17 @@ def plan_steps(launch: LaunchEnv, inputs: StartInputs, program: ProgramPlan) -> 
     return tuple(steps)
 
 
-def save_schedule(training, program_args: Sequence[str]) -> SaveSchedule | None:
-    """When the run saves by itself (None: it keeps no checkpoints), its log interval, and whether its
-    saves end in the background (Megatron-LM's rendered ``--async-save``): the Megatron-LM log
-    watch's save windows (orchestration/node/watchdog.py). Pure."""
-    if not training.save_interval:
+def pause_schedule(training, program_args: Sequence[str]) -> PauseSchedule | None:
+    """When the run pauses between its lines by itself (saves, validation passes), its log interval,
+    and whether its saves end in the background (Megatron-LM's rendered ``--async-save``): the
+    Megatron-LM log watch's limits between two lines (orchestration/node/watchdog.py); None where
+    the run neither saves nor evaluates. Pure."""
+    evaluates = training.eval_iters > 0
+    if not training.save_interval and not evaluates:
         return None
-    return SaveSchedule(training.save_interval, training.train_iters, background="--async-save" in program_args,
-                        log_interval=training.log_interval)
+    return PauseSchedule(save_interval=training.save_interval, train_iters=training.train_iters,
+                         eval_interval=(training.eval_interval or training.train_iters) if evaluates else 0,
+                         background="--async-save" in program_args, log_interval=training.log_interval)
 
 
 def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeReport] | None = None,
@@ -444,7 +447,7 @@ def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeRep
                            has_checkpoint=inputs.resume_from is not None)
     node_plans = []
     t = params.training
-    saves = save_schedule(t, program.program_args)
+    pauses = pause_schedule(t, program.program_args)
     parameters = parameters_to_save(params)  # at most: bf16 and fp32 weights with the moments (GPUs, stages 0-1)
     one_checkpoint = checkpoint_bytes(parameters, Device.CUDA, 0) if parameters else 0
     initial = t.init_checkpoint or (params.model.hf_checkpoint if t.init == "pretrained" else None) or ""
@@ -458,7 +461,7 @@ def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeRep
             run=inputs.run, run_id=inputs.run_id, node_rank=rank, host=host, **rendezvous,
             argv=torchrun_argv(launch.python, program.argv, node_rank=rank, **rendezvous), env=env, unset=unset,
             cwd=launch.cwd, log_path=str(paths.node_log(rank)), pid_path=str(paths.node_pid_file(rank)),
-            engine=program.engine, resilience=params.training.resilience, saves=saves, checkpoint_bytes=one_checkpoint,
+            engine=program.engine, resilience=params.training.resilience, pauses=pauses, checkpoint_bytes=one_checkpoint,
             initial_weights=initial,
             first_attempt=inputs.first_attempt, save_signal=program.save_signal,
             secret_names=tuple(sorted(launch.secrets)), resets_run_state=rank == 0,
