@@ -689,6 +689,14 @@ def test_the_pause_schedule_says_whether_megatron_lm_s_saves_end_in_the_backgrou
                                          log_interval=10), (stage, schedule)
     assert pause_schedule(dataclasses.replace(training, save_interval=0, eval_iters=0), ("--async-save",)) is None
     assert pause_schedule(dataclasses.replace(training, save_interval=0, eval_interval=7), ()).eval_interval == 7
+    # a user's extra arguments come last and win in Megatron-LM's parser: so in the schedule
+    extra = _plan_lm(tmp_path, 0, cpus, save_interval=5, log_interval=10,
+                     megatron_lm_extra_args=("--log-interval", "7", "--eval-iters", "0"))
+    assert pause_schedule(training, extra.program_args) == PauseSchedule(save_interval=5, train_iters=30, log_interval=7)
+    assert pause_schedule(training, ("--save-interval", "5", "--skip-train")) is None  # no iteration line at all
+    unvalidated = dataclasses.replace(training, eval_iters=0)
+    assert pause_schedule(unvalidated, ()).eval_interval == 0
+    assert pause_schedule(unvalidated, ("--full-validation",)).eval_interval == 30
 
 def test_the_program_renders_for_what_the_preflight_says_the_nodes_have(tmp_path):
     cpu = _plan_lm(tmp_path, 0, [_node(0)])

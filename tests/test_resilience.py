@@ -282,55 +282,71 @@ def test_saves_and_validation_passes_are_known_from_the_schedule_and_the_megatro
         with log.open("a") as fh:
             fh.writelines(line.replace("iteration        2/", f"iteration {i:8d}/") + "\n" for i in iterations)
 
+    # the gap after a line holds the steps to the next (a step's limit: 30 s) and what the schedule puts there
     log, w = watch("saves.log")
     lines(log, 1, 2, 3, 4)  # iteration 4 saves after its line
-    assert w.check(10.0) is None and w.check(60.0) is None  # 50 s: past a step's limit, within the save's
-    hang = w.check(111.0)
-    assert hang is not None and (hang.phase, hang.iteration, hang.limit_s) == (Phase.CHECKPOINT, 4, 100.0)
-    assert hang.detail == "no iteration line after iteration 4 for 101 s (limit 100 s: a save)"
+    assert w.check(10.0) is None and w.check(60.0) is None and w.check(139.0) is None
+    hang = w.check(141.0)
+    assert hang is not None and (hang.phase, hang.iteration, hang.limit_s) == (Phase.CHECKPOINT, 4, 130.0)
+    assert hang.detail == "no iteration line after iteration 4 for 131 s (limit 130 s: a save)"
     lines(log, 5)  # a synchronous save has ended at the next line: a step's limit again
-    assert w.check(120.0) is None
-    hang = w.check(151.0)
+    assert w.check(150.0) is None and w.check(179.0) is None
+    hang = w.check(181.0)
     assert hang is not None and (hang.phase, hang.iteration, hang.limit_s) == (Phase.STEP, 5, 30.0)
     log, w = watch("async.log", dataclasses.replace(schedule, background=True))
     lines(log, 1, 2, 3, 4)
     assert w.check(10.0) is None
     lines(log, 5)  # an asynchronous save: training went on, and its finalize stops a later step
-    assert w.check(20.0) is None and w.check(80.0) is None
-    hang = w.check(111.0)
-    assert hang is not None and (hang.phase, hang.limit_s) == (Phase.CHECKPOINT, 90.0)
+    assert w.check(20.0) is None and w.check(80.0) is None and w.check(139.0) is None
+    hang = w.check(141.0)  # the save's 100 s from its start (t = 10), and the steps' 30 s
+    assert hang is not None and (hang.phase, hang.limit_s) == (Phase.CHECKPOINT, 120.0)
     lines(log, 6)  # past the save's window: a step's limit again
     assert w.check(200.0) is None and w.check(225.0) is None
     hang = w.check(231.0)
     assert hang is not None and (hang.phase, hang.iteration, hang.limit_s) == (Phase.STEP, 6, 30.0)
     # Megatron-LM prints an attempt's first line, then every log_interval-th: a save between two lines
     # (a fresh start's at 50 between lines 1 and 100; one at 19 between 10 and 20) counts
-    fresh = ResilienceParams(hang_checkpoint_s=2400)  # a save limit past setup's: a fresh start's, by the estimate
-    for name, first, then, pauses, limits in (
-            ("sparse.log", (1,), 700.0, PauseSchedule(save_interval=50, train_iters=1000, log_interval=100), fresh),
-            ("resumed.log", (1, 10), 80.0, PauseSchedule(save_interval=19, train_iters=1000, log_interval=10), params)):
+    fresh = ResilienceParams(hang_checkpoint_s=2400)  # a fresh start's save limit, by the estimate
+    for name, first, pauses, limits, limit in (
+            ("sparse.log", (1,), PauseSchedule(save_interval=50, train_iters=1000, log_interval=100), fresh, 600 + 2400),
+            ("resumed.log", (1, 10), PauseSchedule(save_interval=19, train_iters=1000, log_interval=10), params, 45 + 100)):
         log, w = watch(name, pauses, limits)
         for i, it in enumerate(first):
             lines(log, it)
             assert w.check(10.0 * (i + 1)) is None
-        assert w.check(then) is None, name  # past setup's (600 s) or a step's (45 s) limit, within the save's
-        hang = w.check(10.0 * len(first) + limits.hang_checkpoint_s + 1)
-        assert hang is not None and hang.phase == Phase.CHECKPOINT, (name, hang)
+        seen = 10.0 * len(first)
+        assert w.check(seen + limit - 1) is None, name  # past setup's (600 s) or the steps' (45 s) limit
+        hang = w.check(seen + limit + 1)
+        assert hang is not None and (hang.phase, hang.limit_s) == (Phase.CHECKPOINT, limit), (name, hang)
     # background saves: lines 4 and 5 read together (the log is read every 2 s) still open the save's window
     log, w = watch("together.log", dataclasses.replace(schedule, background=True))
     lines(log, 1, 2, 3)
     assert w.check(10.0) is None
     lines(log, 4, 5)
-    assert w.check(12.0) is None and w.check(100.0) is None
-    hang = w.check(113.0)
-    assert hang is not None and hang.phase == Phase.CHECKPOINT
-    # a validation pass after iteration 3's line: its limit; with a save after the same line, both
-    for name, pauses, at, limit, phase in (
+    assert w.check(12.0) is None and w.check(141.0) is None
+    hang = w.check(143.0)
+    assert hang is not None and (hang.phase, hang.limit_s) == (Phase.CHECKPOINT, 130.0), hang
+    # a background save between two lines (every 15, lines every 10) opens its window once, at the line before
+    log, w = watch("between.log", PauseSchedule(save_interval=15, train_iters=100, background=True, log_interval=10))
+    lines(log, 1, 10)
+    assert w.check(10.0) is None  # line 10 at t = 10: the save at 15 follows it
+    lines(log, 20)
+    assert w.check(50.0) is None and w.check(159.0) is None
+    hang = w.check(161.0)  # the save's window from t = 10 (to 110: 60 s past line 20), not from line 20's t = 50
+    assert hang is not None and (hang.phase, hang.limit_s) == (Phase.CHECKPOINT, 50.0 + 60.0), hang
+    # a validation pass after iteration 3's line: its limit; with a save after the same line, both;
+    # after the run's last line, up to three passes (the loop's, pretrain's validation and test), the
+    # save, and a background save's finalize
+    last = dataclasses.replace(evaluating, save_interval=5)
+    for name, pauses, at, extra, phase in (
             ("eval.log", evaluating, 3, 70.0, Phase.EVAL),
-            ("eval_and_save.log", dataclasses.replace(evaluating, save_interval=3), 3, 170.0, Phase.CHECKPOINT)):
+            ("eval_and_save.log", dataclasses.replace(evaluating, save_interval=3), 3, 170.0, Phase.CHECKPOINT),
+            ("end.log", last, 10, 3 * 70.0 + 100.0, Phase.CHECKPOINT),
+            ("end_background.log", dataclasses.replace(last, background=True), 10, 3 * 70.0 + 200.0, Phase.CHECKPOINT)):
         log, w = watch(name, pauses)
         lines(log, *range(1, at + 1))
-        assert w.check(10.0) is None and w.check(10.0 + limit - 1) is None
+        limit = 30.0 + extra
+        assert w.check(10.0) is None and w.check(10.0 + limit - 1) is None, name
         hang = w.check(10.0 + limit + 1)
         assert hang is not None and (hang.phase, hang.iteration, hang.limit_s) == (phase, at, limit), (name, hang)
     for name, pauses in (("nothing_due.log", schedule), ("no_schedule.log", None)):

@@ -141,23 +141,25 @@ class Watchdog:
         if last != self._log_iteration:
             self._pause = self._pause_after(last)
             pauses = self.pauses
-            if pauses is not None and pauses.background:  # saved since the line before (two reads may be 2 s apart)
-                if pauses.saves_in(max(self._log_iteration + 1, records[0].iteration), pauses.next_line(last)):
+            if pauses is not None and pauses.background:
+                # a save after this line, or one between lines this read has not seen (reads are 2 s apart)
+                unseen = pauses.next_line(self._log_iteration) if self._log_iteration else records[0].iteration
+                if pauses.saves_in(last, pauses.next_line(last)) or pauses.saves_in(max(unseen, records[0].iteration), last):
                     self._save_began_at = now
             self._log_iteration, self._log_seen_at = last, now
             return None
         between = [r.step_time_s * (r.iteration - q.iteration) for q, r in zip(records, records[1:])][-20:]
-        phase = Phase.STEP
         if len(records) > self.params.hang_warmup_steps and between:
             limit = max(self.params.hang_step_floor_s, self.params.hang_step_factor * max(between))
         else:
             limit = self.params.hang_setup_s
-        if self._pause is not None and self._pause[1] > limit:
-            phase, limit = self._pause
+        # the steps between two lines, and on top what the schedule puts between them
+        phase, extra = self._pause or (Phase.STEP, 0.0)
         if self._save_began_at is not None:
             window = self._save_began_at + self.params.hang_checkpoint_s - self._log_seen_at
-            if window > limit:
-                phase, limit = Phase.CHECKPOINT, window
+            if window > extra:
+                phase, extra = Phase.CHECKPOINT, window
+        limit += extra
         elapsed = now - self._log_seen_at
         if elapsed > limit:
             why = {Phase.CHECKPOINT: ": a save", Phase.EVAL: ": a validation pass"}.get(phase, "")
@@ -166,7 +168,9 @@ class Watchdog:
         return None
 
     def _pause_after(self, iteration: int) -> tuple[Phase, float] | None:
-        """What the schedule puts between ``iteration``'s line and the next, and its limit. Pure."""
+        """What the schedule puts between ``iteration``'s line and the next, and its limit. After the
+        run's last line, Megatron-LM may validate up to three times (the loop's pass, ``pretrain``'s
+        validation and test passes), save, and finalize a background save before it exits. Pure."""
         pauses = self.pauses
         if pauses is None:
             return None
@@ -174,7 +178,10 @@ class Watchdog:
         evaluates, saves = pauses.evaluates_in(iteration, following), pauses.saves_in(iteration, following)
         if not (evaluates or saves):
             return None
-        limit = self.params.hang_eval_s * evaluates + self.params.hang_checkpoint_s * saves
+        passes, writes = int(evaluates), int(saves)
+        if following > pauses.train_iters:  # the run's end
+            passes, writes = 3 * passes, writes + pauses.background
+        limit = self.params.hang_eval_s * passes + self.params.hang_checkpoint_s * writes
         return (Phase.CHECKPOINT if saves else Phase.EVAL), limit
 
 

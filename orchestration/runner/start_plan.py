@@ -53,6 +53,7 @@ from orchestration.cluster.fanout import NodeResult
 from orchestration.launch_env import SOCKET_IFNAME_VARIABLES, LaunchEnv
 from orchestration.megatron_lm.checkout import Checkout, read_checkout
 from orchestration.megatron_lm.dataset_helpers import ensure_built
+from orchestration.megatron_lm.flags import StrayWord, split_flags
 from orchestration.megatron_lm.program import (BUILD_HELPERS, CHECK_ARGUMENTS, ProgramPlan, Verdicts, check_arguments,
                                                check_megatron_lm_params, plan_program)
 from orchestration.node.run_state import first_attempt, read_heartbeat
@@ -425,15 +426,32 @@ def plan_steps(launch: LaunchEnv, inputs: StartInputs, program: ProgramPlan) -> 
 
 def pause_schedule(training, program_args: Sequence[str]) -> PauseSchedule | None:
     """When the run pauses between its lines by itself (saves, validation passes), its log interval,
-    and whether its saves end in the background (Megatron-LM's rendered ``--async-save``): the
-    Megatron-LM log watch's limits between two lines (orchestration/node/watchdog.py); None where
-    the run neither saves nor evaluates. Pure."""
-    evaluates = training.eval_iters > 0
-    if not training.save_interval and not evaluates:
+    and whether its saves end in the background: the Megatron-LM log watch's limits between two
+    lines (orchestration/node/watchdog.py). From the training params, or, where Megatron-LM's
+    arguments (``program_args``) give the flag, its last value there: a user's extra arguments come
+    last and win, as in Megatron-LM's parser. None where the run neither saves nor evaluates, or
+    prints no iteration line (``--skip-train``). Pure."""
+    try:
+        given = dict(split_flags(list(program_args)))  # the last of a repeated flag, as argparse keeps it
+    except StrayWord:
+        given = {}
+
+    def number(flag: str, default: int) -> int:
+        values = given.get(flag)
+        try:
+            return int(values[-1]) if values else default
+        except ValueError:
+            return default
+    if "--skip-train" in given:
         return None
-    return PauseSchedule(save_interval=training.save_interval, train_iters=training.train_iters,
-                         eval_interval=(training.eval_interval or training.train_iters) if evaluates else 0,
-                         background="--async-save" in program_args, log_interval=training.log_interval)
+    train_iters = number("--train-iters", training.train_iters)
+    save_interval = number("--save-interval", training.save_interval)
+    evaluates = number("--eval-iters", training.eval_iters) > 0 or "--full-validation" in given
+    if not save_interval and not evaluates:
+        return None
+    return PauseSchedule(save_interval=save_interval, train_iters=train_iters,
+                         eval_interval=number("--eval-interval", training.eval_interval or train_iters) if evaluates else 0,
+                         background="--async-save" in given, log_interval=number("--log-interval", training.log_interval))
 
 
 def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeReport] | None = None,
