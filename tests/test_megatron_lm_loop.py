@@ -201,11 +201,9 @@ def test_restart_hang_stop_save_and_resume(release_env, artifact_root, tmp_path,
     run = f"lm_week_{release[-6:].replace('.', '')}"
     data = megatron_lm_data_set(tmp_path / "week.yaml", train_iters=60, save_interval=3, resilience="restart_backoff_s: 1")
     stop_after.append(run)
-    # A step may take 10 s, a save 15 s (the schedule says when: an attempt's first, which starts torch_dist's
-    # writer processes, ~20 s here, falls in its warm-up steps, timed against setup's limit; the others take
-    # a second or two). The SIGSTOP below lands after a saving iteration's line one time in three: found
-    # within the save's 15 s then.
-    env = {**lm_env, "MAX_RESTARTS": "1", "HANG_STEP_FLOOR_S": "10", "HANG_CHECKPOINT_S": "15"}
+    # A step may take 10 s, a save 60 s more (the schedule says when: an attempt's first, which starts
+    # torch_dist's writer processes, ~20 s here, falls in its warm-up steps, timed against setup's limit).
+    env = {**lm_env, "MAX_RESTARTS": "1", "HANG_STEP_FLOOR_S": "10", "HANG_CHECKPOINT_S": "60"}
     port = lambda: {"MASTER_PORT": str(free_port())}  # noqa: E731
     log, checkpoints = artifact_root / "logs" / f"{run}_node0.log", artifact_root / "runs" / run / "checkpoints"
     start = run_script("start_training.sh", "gpt_smoke", data, run, env={**env, **port()})
@@ -232,6 +230,9 @@ def test_restart_hang_stop_save_and_resume(release_env, artifact_root, tmp_path,
     assert f"successfully loaded checkpoint from {checkpoints} " in log.read_text()
     assert f"] at iteration {resumed_at}" in log.read_text()
     stopped = _rank_pid(run, 1)
+    # after the line of an iteration that neither saves nor precedes a save's line (saves every 3): the
+    # gap after it is a step's (10 s), not a save's (70 s)
+    wait_for(lambda: _last_iteration(log, attempt_2) % 3 == 1, 60, interval_s=0.02, what="a line past a save")
     os.kill(stopped, signal.SIGSTOP)
     stopped_at = time.time()
     wait_for(lambda: not tagged_pids(run), 300, what="the hang to be found and the run ended")
