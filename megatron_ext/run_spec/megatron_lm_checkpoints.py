@@ -69,6 +69,12 @@ def read_tracker(save_dir: Path) -> tuple[int, bool] | None:
     return int(text), False
 
 
+def tracked_dir_name(tracked: tuple[int, bool]) -> str:
+    """The folder :func:`read_tracker`'s (iteration, release) names: ``release`` or ``iter_000000N``."""
+    iteration, release = tracked
+    return RELEASE if release else iteration_dir_name(iteration)
+
+
 def checkpoint_format(directory: Path) -> Literal["torch_dist", "torch"]:
     """The format of one iteration folder (checkpointing.py _get_checkpoint_format L1134), or a UserError."""
     marker = directory / DIST_METADATA
@@ -119,8 +125,8 @@ def find_megatron_lm_checkpoint(path: str | Path, what: str = "training.init_che
             raise UserError(f"{what}={path} is not a Megatron-LM checkpoint: no {MEGATRON_LM_LATEST}"
                             + (f" (it holds {', '.join(inside[-3:])}: give one of those folders)" if inside else
                                " and no iter_NNNNNNN folder; give the folder Megatron-LM's --save wrote"))
-        save_dir, (iteration, release) = given, tracked
-        directory = given / (RELEASE if release else iteration_dir_name(iteration))
+        save_dir, iteration = given, tracked[0]
+        directory = given / tracked_dir_name(tracked)
         latest = True
         if not directory.is_dir():
             raise UserError(f"{what}={path}: {MEGATRON_LM_LATEST} names {directory.name}, which is missing; the save "
@@ -144,7 +150,7 @@ def check_loadable_by_megatron_lm(checkpoint: MegatronLMCheckpoint, what: str = 
     (checkpointing.py load_checkpoint L1494-1502, then _load_base_checkpoint L1194-1224)."""
     if not checkpoint.latest:
         tracked = read_tracker(checkpoint.save_dir)
-        names = (f"names {RELEASE if tracked[1] else iteration_dir_name(tracked[0])}" if tracked else "is missing")
+        names = (f"names {tracked_dir_name(tracked)}" if tracked else "is missing")
         raise UserError(f"{what}={checkpoint.directory}: ENGINE=megatron-lm starts from the iteration "
                         f"{checkpoint.save_dir / MEGATRON_LM_LATEST} names (--pretrained-checkpoint {checkpoint.save_dir}), "
                         f"and it {names}; give that folder, or copy {checkpoint.directory.name} into a folder of its own "

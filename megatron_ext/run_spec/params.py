@@ -268,6 +268,12 @@ class RunParams:
     data_set: str
     """The data set's name (or YAML path), for messages."""
 
+    @property
+    def hf_weights(self) -> str | None:
+        """The Hugging Face directory whose weights start the run (MODEL a Hugging Face directory and
+        training.init: pretrained), else None."""
+        return self.model.hf_checkpoint if self.training.init == "pretrained" else None
+
 
 COLLECTIVE_TIMEOUT_S = {Device.CPU: 300, Device.CUDA: 600}
 """How long a collective waits for a peer before the job fails (gloo on CPU, NCCL on GPUs): a lost
@@ -452,7 +458,7 @@ def validate_run_params(p: RunParams) -> None:
         raise UserError(f"{_where('data', p.data_set)}: source=files needs data.paths; list one or more")
     if d.weights and len(d.weights) != len(d.paths):
         raise UserError(f"data.weights has {len(d.weights)} entries for {len(d.paths)} paths; give one weight per path or none")
-    if t.init_checkpoint and m.hf_checkpoint and t.init == "pretrained":
+    if t.init_checkpoint and p.hf_weights:
         raise UserError(f"training.init_checkpoint={t.init_checkpoint} and the Hugging Face weights of {m.hf_checkpoint} "
                         "both start the run; keep one (training.init: random keeps only init_checkpoint)")
     if d.source == "mock" and d.tokenizer.type != "null":

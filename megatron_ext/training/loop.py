@@ -249,7 +249,7 @@ class Pretrain:
         module = build_gpt_model(m, vocab, t.seq_length, params_dtype=on.params_dtype, kernels=kernels,
                                  **fp8_config_fields(t.fp8, t.fp8_amax_history_len, t.fp8_amax_compute_algo))
         restrict_logits(module, real_vocab, vocab)  # the loss over the real vocabulary (hf_weights.py)
-        if m.hf_checkpoint and t.init == "pretrained" and not resuming:
+        if self.params.hf_weights and not resuming:
             load_hf_weights(module, m, hf_model_type(m), vocab)  # before any wrapper, on every rank
             self._say(f"initialised from the Hugging Face weights in {m.hf_checkpoint}")
         if t.init_checkpoint and not resuming:

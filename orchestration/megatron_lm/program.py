@@ -83,7 +83,7 @@ def device_arch(launch: LaunchEnv) -> int:
 
 def check_megatron_lm_params(params: RunParams) -> None:
     """What Megatron-LM's pretrain_gpt.py cannot do with these params, before its checkout is even read."""
-    if params.model.hf_checkpoint and params.training.init == "pretrained":
+    if params.hf_weights:
         raise UserError(
             f"ENGINE=megatron-lm cannot start from the Hugging Face weights in {params.model.hf_checkpoint} (its "
             "pretrain_gpt.py reads Megatron checkpoints only; the architecture flags do come from config.json): convert "

@@ -19,8 +19,7 @@ from typing import Callable
 from megatron_ext.run_spec.checksums import (CheckpointHealth, checkpoint_bytes_on_disk, health, list_checkpoints,
                                              recorded_files)
 from megatron_ext.run_spec.errors import UserError
-from megatron_ext.run_spec.checkpoints import iteration_dir_name
-from megatron_ext.run_spec.megatron_lm_checkpoints import RELEASE, read_tracker
+from megatron_ext.run_spec.megatron_lm_checkpoints import read_tracker, tracked_dir_name
 from megatron_ext.run_spec.resilience import ResilienceParams, for_checkpoint
 from megatron_ext.run_spec.shared_fs import SHARED_FS_LAG_S, still_showing
 from orchestration.node import resume_point
@@ -185,5 +184,5 @@ def initial_weights_bytes(path: str) -> tuple[int, str]:
     folder = Path(path).expanduser()
     tracked = read_tracker(folder)
     if tracked is not None:
-        folder = folder / (RELEASE if tracked[1] else iteration_dir_name(tracked[0]))
+        folder = folder / tracked_dir_name(tracked)
     return (checkpoint_bytes_on_disk(folder), folder.name) if folder.is_dir() else (0, "")

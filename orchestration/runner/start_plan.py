@@ -468,7 +468,7 @@ def plan_start(launch: LaunchEnv, inputs: StartInputs, answers: Sequence[NodeRep
     pauses = pause_schedule(t, program.program_args)
     parameters = parameters_to_save(params)  # at most: bf16 and fp32 weights with the moments (GPUs, stages 0-1)
     one_checkpoint = checkpoint_bytes(parameters, Device.CUDA, 0) if parameters else 0
-    initial = t.init_checkpoint or (params.model.hf_checkpoint if t.init == "pretrained" else None) or ""
+    initial = t.init_checkpoint or params.hf_weights or ""
     rendezvous = dict(nnodes=launch.nnodes, nproc_per_node=launch.nproc_per_node, master_addr=launch.master_addr,
                       master_port=launch.master_port)
     for rank, host in inputs.nodes:
