@@ -245,6 +245,9 @@ def test_a_fresh_start_s_first_save_is_allowed_for_by_the_plan_s_estimate(tmp_pa
         folder.mkdir(parents=True)
         with (folder / "weights.bin").open("wb") as fh:
             fh.truncate(size)
+    (save / "latest_checkpointed_iteration.txt").write_text("not a number")  # no error out of the supervisor:
+    node.plan = SimpleNamespace(checkpoint_bytes=0, initial_weights=str(save))  # the whole folder, 150 GB
+    assert round(node._limits(None).hang_setup_s) == 1200
     (save / "latest_checkpointed_iteration.txt").write_text("20")
     for path, setup, name in ((hf, 860, "Qwen3-32B"), (save, 800, "iter_0000020"), (tmp_path / "gone", 600, None)):
         node.plan, said[:] = SimpleNamespace(checkpoint_bytes=0, initial_weights=str(path)), []

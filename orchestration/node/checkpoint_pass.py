@@ -182,7 +182,10 @@ def initial_weights_bytes(path: str) -> tuple[int, str]:
     folder's tracker names (megatron_lm_checkpoints.py), else the folder itself (a Hugging Face
     directory); (0, "") where it is missing. Reads sizes, no byte."""
     folder = Path(path).expanduser()
-    tracked = read_tracker(folder)
+    try:
+        tracked = read_tracker(folder)
+    except UserError:  # a tracker rewritten since the start checked it: the folder, as it is
+        tracked = None
     if tracked is not None:
         folder = folder / tracked_dir_name(tracked)
     return (checkpoint_bytes_on_disk(folder), folder.name) if folder.is_dir() else (0, "")
