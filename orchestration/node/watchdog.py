@@ -144,7 +144,7 @@ class Watchdog:
             if pauses is not None and pauses.background:
                 # a save after this line, or one between lines this read has not seen (reads are 2 s apart)
                 unseen = pauses.next_line(self._log_iteration) if self._log_iteration else records[0].iteration
-                if pauses.saves_in(last, pauses.next_line(last)) or pauses.saves_in(max(unseen, records[0].iteration), last):
+                if pauses.saves_in(min(unseen, last), pauses.next_line(last)):
                     self._save_began_at = now
             self._log_iteration, self._log_seen_at = last, now
             return None
